@@ -1,0 +1,446 @@
+"""Wire messages of specmesh: frozen dataclasses with integer wire tags (DESIGN.md §2-§3).
+
+Glossary (used everywhere in the code base):
+- output positions are 0-based indices into a request's *output* tokens; the first token
+  (sampled by the prefill worker) sits at output position 0.
+- ``committed_len``: number of output tokens the verifier has committed; never rolled back.
+- ``num_draft_tokens`` (kappa): drafts verified per step; 0 turns speculation off.
+- ``accept_len``: accepted drafts of one verify step, excluding the bonus / recovered token.
+- ``block_table`` / ``block_ids``: KV block ids of one request, in position order.
+
+Tags are never reused. Field types are limited to int, float, str, bytes, bool, None, lists of
+those, nested registered messages and :class:`Buffer` (an out-of-band binary frame).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+PROTOCOL_VERSION = 1
+PLACEHOLDER_TOKEN_ID = -1
+
+#: tag -> message class; filled by :func:`register`.
+REGISTRY: dict[int, type] = {}
+
+# dtype names a Buffer may carry, with their item size in bytes (no torch import here).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def register(tag: int):
+    """Class decorator: give a dataclass wire tag ``tag`` and add it to :data:`REGISTRY`.
+
+    Raises:
+        ValueError: the tag is already taken by another class.
+    """
+
+    def wrap(cls: type) -> type:
+        if tag in REGISTRY and REGISTRY[tag].__name__ != cls.__name__:
+            raise ValueError(f"wire tag {tag} already used by {REGISTRY[tag].__name__}")
+        cls.TAG = tag
+        REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A binary buffer that travels as its own ZMQ frame.
+
+    ``data`` holds ``prod(shape) * itemsize(dtype)`` bytes in C order. ``dtype`` is a name from
+    :data:`DTYPE_ITEMSIZE` (``"bfloat16"`` included: protocol/ never touches numpy or torch).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_ITEMSIZE[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Buffer)
+            and self.dtype == other.dtype
+            and tuple(self.shape) == tuple(other.shape)
+            and bytes(self.data) == bytes(other.data)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.dtype, tuple(self.shape), len(self.data)))
+
+
+# --------------------------------------------------------------------------------------------
+# Shared parts
+# --------------------------------------------------------------------------------------------
+
+
+@register(1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelIdentity:
+    """What two peers must agree on before exchanging KV or tokens."""
+
+    name: str
+    vocab_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> ModelIdentity:
+        return cls(name="SmolLM2-135M-Instruct", vocab_size=49152, dtype="float32",
+                   num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
+
+
+@register(2)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` is greedy; ``max_tokens`` counts output tokens."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> SamplingParams:
+        return cls(max_tokens=32, temperature=0.0, seed=7, stop_token_ids=[2, 5])
+
+
+# --------------------------------------------------------------------------------------------
+# Handshake (any peer pair)
+# --------------------------------------------------------------------------------------------
+
+
+@register(10)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """First message on every connection, repeated after a reconnect."""
+
+    protocol_version: int
+    role: str  # gateway | prefill | decode | drafter
+    instance_id: str
+    incarnation: int  # a restarted process has a new one
+    model: ModelIdentity | None = None
+    draft_method: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> Hello:
+        return cls(protocol_version=PROTOCOL_VERSION, role="drafter", instance_id="drafter-0",
+                   incarnation=3, model=ModelIdentity.example(), draft_method="ngram")
+
+
+@register(11)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HelloAck:
+    """Answer to :class:`Hello`; ``accepted=False`` carries the reason in ``error``."""
+
+    accepted: bool
+    role: str
+    instance_id: str
+    incarnation: int
+    error: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> HelloAck:
+        return cls(accepted=False, role="decode", instance_id="decode-0", incarnation=1,
+                   error="model mismatch: vocab_size 49152 != 32000")
+
+
+# --------------------------------------------------------------------------------------------
+# Gateway <-> verifier
+# --------------------------------------------------------------------------------------------
+
+
+@register(20)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateRequest:
+    """Gateway -> verifier: generate for an already tokenized prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    num_draft_tokens: int | None = None  # per-request override of kappa; None = cluster default
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> GenerateRequest:
+        return cls(request_id="req-1", prompt_token_ids=[1, 2, 3, 4],
+                   sampling=SamplingParams.example(), num_draft_tokens=4)
+
+
+@register(21)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenStream:
+    """Verifier -> gateway: newly committed output tokens (a delta) plus running spec stats.
+
+    ``finish_reason`` is ``"stop"`` (EOS / stop token), ``"length"`` (max_tokens), ``"abort"`` or
+    ``"error"`` (then ``error`` says why) once ``finished`` is true.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_draft_tokens: int = 0  # drafts verified so far for this request
+    num_accepted_tokens: int = 0  # of which accepted
+    num_verify_steps: int = 0  # verify forwards that included drafts
+    error: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> TokenStream:
+        return cls(request_id="req-1", token_ids=[9, 10], finished=True, finish_reason="length",
+                   num_prompt_tokens=4, num_draft_tokens=6, num_accepted_tokens=3,
+                   num_verify_steps=2)
+
+
+@register(22)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Gateway -> verifier (client gone, stop string hit) or verifier -> prefill."""
+
+    request_id: str
+    reason: str = "abort"
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> Abort:
+        return cls(request_id="req-1", reason="client disconnected")
+
+
+# --------------------------------------------------------------------------------------------
+# Verifier <-> prefill (KV transfer)
+# --------------------------------------------------------------------------------------------
+
+
+@register(30)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillRequest:
+    """Verifier -> prefill: run the prompt and ship its KV into ``block_ids`` of the verifier."""
+
+    request_id: str
+    transfer_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    block_ids: list[int]  # destination KV blocks on the verifier, in position order
+    kv_endpoint: str = ""  # where the verifier receives KV ("" = the channel it came on)
+    draft_method: str = ""  # decides which seed state PrefillDone carries
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> PrefillRequest:
+        return cls(request_id="req-1", transfer_id=11, prompt_token_ids=[1, 2, 3],
+                   sampling=SamplingParams.example(), block_ids=[4, 7],
+                   kv_endpoint="tcp://127.0.0.1:5555", draft_method="ngram")
+
+
+@register(31)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVFrame:
+    """Prefill -> verifier: KV of prompt tokens ``[token_start, token_start + num_tokens)`` for
+    layers ``[layer_start, layer_end)``.
+
+    ``kv`` has shape ``[layer_end - layer_start, 2, num_tokens, num_kv_heads, head_dim]``
+    (index 0 = keys, 1 = values) in the model dtype.
+    """
+
+    request_id: str
+    transfer_id: int
+    layer_start: int
+    layer_end: int
+    chunk_index: int
+    token_start: int
+    num_tokens: int
+    kv: Buffer
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> KVFrame:
+        shape = (2, 2, 3, 1, 4)  # [layers, k/v, tokens, kv_heads, head_dim]
+        data = bytes(i % 251 for i in range(2 * 2 * 3 * 1 * 4 * 4))
+        return cls(request_id="req-1", transfer_id=11, layer_start=0, layer_end=2, chunk_index=0,
+                   token_start=0, num_tokens=3, kv=Buffer("float32", shape, data))
+
+
+@register(32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillDone:
+    """Prefill -> verifier: the prompt ran; ``first_token_id`` is output position 0.
+
+    The transfer is complete when ``num_frames`` KVFrames with ``num_bytes`` bytes of KV in all
+    have arrived for ``transfer_id`` (in either order relative to this message). ``seed_state``
+    is the draft method's seed (EAGLE: hidden state at the last prompt position), or None.
+    ``error`` non-empty means the prefill failed and no KV follows.
+    """
+
+    request_id: str
+    transfer_id: int
+    first_token_id: int
+    num_frames: int
+    num_bytes: int
+    seed_state: Buffer | None = None
+    error: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> PrefillDone:
+        return cls(request_id="req-1", transfer_id=11, first_token_id=42, num_frames=2,
+                   num_bytes=384, seed_state=Buffer("bfloat16", (1, 4), bytes(8)))
+
+
+@register(33)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillCancel:
+    """Verifier -> prefill: stop a transfer; blocks stay reserved until :class:`PrefillCancelAck`."""
+
+    request_id: str
+    transfer_id: int
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> PrefillCancel:
+        return cls(request_id="req-1", transfer_id=11)
+
+
+@register(34)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillCancelAck:
+    """Prefill -> verifier: no frame of ``transfer_id`` will be sent after this message."""
+
+    request_id: str
+    transfer_id: int
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> PrefillCancelAck:
+        return cls(request_id="req-1", transfer_id=11)
+
+
+# --------------------------------------------------------------------------------------------
+# Verifier <-> drafter
+# --------------------------------------------------------------------------------------------
+
+
+@register(40)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftSync:
+    """Verifier -> drafter: open or re-open a request; the committed prefix is the truth."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    committed_token_ids: list[int]
+    sampling: SamplingParams
+    seed_state: Buffer | None = None
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftSync:
+        return cls(request_id="req-1", prompt_token_ids=[1, 2, 3], committed_token_ids=[42],
+                   sampling=SamplingParams.example())
+
+
+@register(41)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyCommit:
+    """Verifier -> drafter: output tokens committed at positions
+    ``[pre_commit_len, pre_commit_len + len(committed_token_ids))``."""
+
+    request_id: str
+    pre_commit_len: int
+    committed_token_ids: list[int]
+    seed_state: Buffer | None = None  # EAGLE family: [accept_len + 1, hidden_size]
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> VerifyCommit:
+        return cls(request_id="req-1", pre_commit_len=1, committed_token_ids=[5, 6, 7],
+                   seed_state=Buffer("float32", (3, 2), bytes(24)))
+
+
+@register(42)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftTailStream:
+    """Drafter -> verifier: draft tokens at output positions ``start_pos, start_pos + 1, ...``.
+
+    A chain, or a tree when ``parents`` is given (index of each token's parent within this
+    segment, -1 = the token before ``start_pos``). ``draft_probs`` (``[n, vocab_size]``) only
+    when the verification rule needs them. ``base_committed_len`` is the committed length the
+    drafter had seen (diagnostic only: staleness is decided by tokens).
+    """
+
+    request_id: str
+    base_committed_len: int
+    start_pos: int
+    draft_token_ids: list[int]
+    draft_probs: Buffer | None = None
+    parents: list[int] | None = None
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftTailStream:
+        return cls(request_id="req-1", base_committed_len=4, start_pos=4,
+                   draft_token_ids=[8, 9, 10], parents=[-1, 0, 1])
+
+
+@register(43)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftClose:
+    """Verifier -> drafter: the request ended (``finished`` | ``abort``); drop its state."""
+
+    request_id: str
+    reason: str = "finished"
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftClose:
+        return cls(request_id="req-1", reason="abort")
+
+
+@register(44)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftNeedSync:
+    """Drafter -> verifier: the drafter lost alignment; answer with a fresh DraftSync."""
+
+    request_id: str
+    reason: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftNeedSync:
+        return cls(request_id="req-1", reason="commit at 9 but drafter holds 4 tokens")
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
+    "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
+    "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
+    "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftClose",
+    "DraftNeedSync",
+]
