@@ -1,0 +1,1 @@
+"""specmesh cluster role."""

@@ -1,0 +1,16 @@
+"""specmesh's OpenAI-compatible HTTP gateway (DESIGN.md §2 steps 1 and 5, §10).
+
+- :func:`create_app` builds the FastAPI app over any backend with ``generate`` / ``abort``.
+- :class:`MailboxBackend` is that backend over a protocol Mailbox (in-process hub or ZMQ).
+- :func:`serve_gateway` runs the app with uvicorn in a background thread.
+"""
+
+from __future__ import annotations
+
+from cluster.gateway.app import create_app
+from cluster.gateway.backend import GenerationBackend, MailboxBackend
+from cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from cluster.gateway.server import serve_gateway, stop
+
+__all__ = ["create_app", "MailboxBackend", "GenerationBackend", "IncrementalDetokenizer",
+           "StopStringMatcher", "serve_gateway", "stop"]

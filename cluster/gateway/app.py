@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics (DESIGN.md §2 steps 1 and 5, §10).
+
+Tokenization follows DESIGN.md §2.1 exactly: ``tokenizer(prompt)["input_ids"]`` for completions
+and ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` for chat.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.gateway.generation import Finish, RequestRun, TextDelta
+from cluster.gateway.metrics import GatewayMetrics
+from cluster.gateway.schemas import (
+    ChatCompletionRequest, CompletionRequest, GatewayError, bad_request, error_body,
+)
+from cluster.gateway.tokens import chat_prompt_ids, completion_prompt_ids
+from protocol.messages import GenerateRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg', '')}", None
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+class _Gateway:
+    """State shared by the routes of one app."""
+
+    def __init__(self, backend, tokenizer, model_name: str, max_model_len: int,
+                 default_max_tokens: int, default_temperature: float,
+                 metrics: GatewayMetrics) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+        self.default_temperature = default_temperature
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- request -> GenerateRequest
+
+    def build(self, body, prompt_ids: list[int], max_tokens: int | None,
+              request_id: str) -> GenerateRequest:
+        """Validate lengths and build the wire request."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise bad_request("the prompt is empty", param="prompt")
+        if n > self.max_model_len - 1:
+            raise bad_request(f"the prompt has {n} tokens, more than this model's limit of "
+                              f"{self.max_model_len - 1} (max_model_len {self.max_model_len} "
+                              "minus one output token)", param="prompt")
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, self.max_model_len - n)
+        elif n + max_tokens > self.max_model_len:
+            raise bad_request(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                              f"max_model_len {self.max_model_len}", param="max_tokens")
+        temperature = self.default_temperature if body.temperature is None else body.temperature
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=float(temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            top_k=max(0, body.top_k or 0), seed=body.seed,
+            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
+        return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                               sampling=sampling, num_draft_tokens=body.num_draft_tokens)
+
+    def check_model(self, body) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise GatewayError(404, f"The model `{body.model}` does not exist.",
+                               type="NotFoundError", param="model", code="model_not_found")
+
+    # ---------------------------------------------------------------- responses
+
+    def usage(self, run: RequestRun) -> dict:
+        return {"prompt_tokens": run.num_prompt_tokens,
+                "completion_tokens": run.num_output_tokens,
+                "total_tokens": run.num_prompt_tokens + run.num_output_tokens}
+
+    def error_response(self, finish: Finish) -> JSONResponse:
+        kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(finish.status,
+                                                                           "server_error")
+        code = finish.reason if finish.reason in ("queue_full", "invalid") else None
+        return JSONResponse(error_body(finish.error, kind, None, code), status_code=finish.status)
+
+    async def complete(self, run: RequestRun, chat: bool) -> Response:
+        """Non-streaming: gather all text, answer one JSON object."""
+        parts: list[str] = []
+        finish = None
+        async for ev in run.events():
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            else:
+                finish = ev
+        if finish is None or finish.is_error:
+            return self.error_response(finish or Finish("error", "no result", 500))
+        text = "".join(parts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish.reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": finish.reason}
+        body = {"id": run.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": [choice],
+                "usage": self.usage(run), "spec_stats": run.stats.as_dict()}
+        return JSONResponse(body, headers=run.stats.headers())
+
+    async def stream(self, run: RequestRun, chat: bool, include_usage: bool) -> Response:
+        """Streaming: wait for the first event (so a 429 / 400 is a real status), then SSE."""
+        events = run.events()
+        try:
+            first = await events.__anext__()
+        except BaseException:
+            await events.aclose()
+            raise
+        if isinstance(first, Finish) and first.is_error:
+            await events.aclose()
+            return self.error_response(first)
+        return StreamingResponse(self._sse_body(run, events, first, chat, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _sse_body(self, run: RequestRun, events: AsyncIterator, first, chat: bool,
+                        include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else (
+                    {} if delta_text is None else {"content": delta_text})
+                choice = {"index": 0, "delta": delta, "logprobs": None,
+                          "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None,
+                          "finish_reason": finish_reason}
+            out = {"id": run.request_id, "object": obj, "created": created,
+                   "model": self.model_name, "choices": [choice]}
+            if include_usage:
+                out["usage"] = None
+            return out
+
+        try:
+            if chat:
+                yield _sse(chunk(None, None, role=True))
+            ev = first
+            while True:
+                if isinstance(ev, TextDelta):
+                    yield _sse(chunk(ev.text, None))
+                else:
+                    if ev.is_error:
+                        yield _sse(error_body(ev.error, "server_error", None, ev.reason))
+                    else:
+                        final = chunk(None, ev.reason)
+                        final["spec_stats"] = run.stats.as_dict()
+                        yield _sse(final)
+                        if include_usage:
+                            yield _sse({"id": run.request_id, "object": obj, "created": created,
+                                        "model": self.model_name, "choices": [],
+                                        "usage": self.usage(run),
+                                        "spec_stats": run.stats.as_dict()})
+                    break
+                ev = await events.__anext__()
+            yield "data: [DONE]\n\n"
+        finally:
+            await events.aclose()
+
+
+def create_app(backend, tokenizer, model_name: str, max_model_len: int,
+               default_max_tokens: int = 256, metrics_registry: CollectorRegistry | None = None,
+               default_temperature: float = 1.0) -> FastAPI:
+    """Build the gateway app.
+
+    Args:
+        backend: a :class:`cluster.gateway.backend.GenerationBackend` (e.g. MailboxBackend).
+        tokenizer: the target model's Hugging Face tokenizer.
+        model_name: the one model id served (``/v1/models``; a request naming another is 404).
+        max_model_len: prompt + output tokens allowed per request.
+        default_max_tokens: output limit when the request gives none (clamped to the room left).
+        metrics_registry: registry for ``/metrics``; a fresh one per app when None.
+        default_temperature: used when a request omits ``temperature`` (OpenAI's default is 1).
+    """
+    metrics = GatewayMetrics(metrics_registry, backend=backend)
+    gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
+                  default_temperature, metrics)
+    app = FastAPI(title="specmesh gateway")
+    app.state.gateway = gw
+    app.state.metrics = metrics
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param, None),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind, None, None),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    async def _serve(request: Request, body, chat: bool) -> Response:
+        arrival = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        try:
+            gw.check_model(body)
+            body.check_supported()
+            if chat:
+                prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())
+                limit = body.output_limit()
+            else:
+                prompt_ids = completion_prompt_ids(tokenizer, body.prompt)
+                limit = body.max_tokens
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            req = gw.build(body, prompt_ids, limit, rid)
+            run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,
+                             arrival)
+            if body.stream:
+                resp = await gw.stream(run, chat, body.include_usage)
+            else:
+                resp = await gw.complete(run, chat)
+        except GatewayError as err:
+            resp = err.response()
+        metrics.requests.labels(endpoint=endpoint, status=str(resp.status_code)).inc()
+        return resp
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _serve(request, body, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": gw.created, "owned_by": "specmesh",
+            "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

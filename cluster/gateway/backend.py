@@ -1,0 +1,222 @@
+"""The gateway's link to the verifiers: GenerateRequest out, TokenStream deltas back.
+
+Everything that knows about mailboxes, envelopes and wire messages lives here, so the HTTP app
+only sees :class:`GenerationBackend` (``generate`` / ``abort``) and tests can replace it.
+
+Threading: one reader thread blocks on ``mailbox.recv(timeout)`` and hands each TokenStream to
+the asyncio queue of its request with ``loop.call_soon_threadsafe``. Sends (GenerateRequest,
+Abort) come from the event loop or any thread and are serialized by a lock, because a ZMQ
+socket must not be used by two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from protocol.errors import ProtocolError
+from protocol.messages import Abort, GenerateRequest, TokenStream
+
+if TYPE_CHECKING:  # transport imports the codec; the app must not need it
+    from protocol.transport import Mailbox
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What the HTTP app needs from a backend."""
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenStream]:
+        """Stream the request's TokenStream deltas; the last one has ``finished=True``."""
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Tell the verifier to drop the request; the stream ends with ``"abort"``."""
+
+
+def finished_stream(request_id: str, reason: str, error: str = "") -> TokenStream:
+    """A terminal TokenStream made up locally (abort, send failure, timeout, shutdown)."""
+    return TokenStream(request_id=request_id, token_ids=[], finished=True,
+                       finish_reason=reason, error=error)
+
+
+@dataclass
+class _Pending:
+    """Gateway-side state of one in-flight request."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    verifier: str = ""
+    last: TokenStream | None = None  # latest real stats, for a local terminal message
+    closed: bool = field(default=False)
+
+
+class MailboxBackend:
+    """Backend over a :class:`protocol.transport.Mailbox` (in-process hub or ZMQ).
+
+    Args:
+        mailbox: the gateway's own mailbox; this object becomes its only reader.
+        pick_verifier: returns the verifier peer name for a new request.
+        recv_timeout_s: how long the reader thread blocks per ``recv`` call (bounds close()).
+        stream_timeout_s: fail a request when no TokenStream arrived for this long (None: never).
+    """
+
+    def __init__(self, mailbox: Mailbox, pick_verifier: Callable[[], str],
+                 recv_timeout_s: float = 0.05, stream_timeout_s: float | None = None) -> None:
+        self.mailbox = mailbox
+        self.pick_verifier = pick_verifier
+        self.recv_timeout_s = recv_timeout_s
+        self.stream_timeout_s = stream_timeout_s
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.num_protocol_errors = 0
+        self.num_dropped_streams = 0  # TokenStreams for unknown / finished requests
+        self.num_aborts_sent = 0
+        self._thread = threading.Thread(target=self._reader, name="gateway-backend-reader",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests sent to a verifier and not yet finished."""
+        return len(self._pending)
+
+    def _send(self, peer: str, msg: object) -> None:
+        with self._send_lock:
+            self.mailbox.send(peer, msg)
+
+    def _deliver(self, request_id: str, msg: TokenStream, *, final: bool) -> bool:
+        """Queue ``msg`` for its request; with ``final`` the request is forgotten."""
+        with self._lock:
+            pending = self._pending.get(request_id)
+            if pending is None or pending.closed:
+                return False
+            if final:
+                pending.closed = True
+                del self._pending[request_id]
+        try:
+            pending.loop.call_soon_threadsafe(pending.queue.put_nowait, msg)
+        except RuntimeError:  # the request's event loop is closed
+            return False
+        return True
+
+    # ------------------------------------------------------------------ reader thread
+
+    def _reader(self) -> None:
+        while not self._stop.is_set():
+            try:
+                env = self.mailbox.recv(self.recv_timeout_s)
+                if env is not None:
+                    self._handle(env.peer, env.msg)
+            except Exception:  # noqa: BLE001 - the reader must survive anything
+                log.exception("gateway backend reader: unexpected error")
+                self._stop.wait(self.recv_timeout_s)
+
+    def _handle(self, peer: str, msg: object) -> None:
+        if isinstance(msg, ProtocolError):
+            self.num_protocol_errors += 1
+            log.warning("protocol error from %s (request %s): %s", peer, msg.request_id, msg)
+            if msg.request_id is not None and msg.request_id in self._pending:
+                # A lost delta would corrupt the text: fail that request only.
+                self.abort(msg.request_id, "protocol error")
+                self._fail(msg.request_id, "error", f"protocol error from {peer}: {msg}")
+            return
+        if isinstance(msg, TokenStream):
+            pending = self._pending.get(msg.request_id)
+            if pending is not None and not msg.finished:
+                pending.last = msg
+            if not self._deliver(msg.request_id, msg, final=msg.finished):
+                self.num_dropped_streams += 1
+                log.debug("dropped TokenStream for unknown request %s", msg.request_id)
+            return
+        log.debug("gateway ignores %s from %s", type(msg).__name__, peer)
+
+    def _fail(self, request_id: str, reason: str, error: str = "") -> None:
+        pending = self._pending.get(request_id)
+        last = pending.last if pending is not None else None
+        msg = finished_stream(request_id, reason, error)
+        if last is not None:  # keep the spec stats the client already earned
+            msg = TokenStream(request_id=request_id, token_ids=[], finished=True,
+                              finish_reason=reason, error=error,
+                              num_prompt_tokens=last.num_prompt_tokens,
+                              num_draft_tokens=last.num_draft_tokens,
+                              num_accepted_tokens=last.num_accepted_tokens,
+                              num_verify_steps=last.num_verify_steps)
+        self._deliver(request_id, msg, final=True)
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenStream]:
+        """Send ``req`` to a verifier and yield its TokenStreams until the finished one.
+
+        Closing the iterator early (client gone, stop string) aborts the request unless
+        :meth:`abort` was already called for it.
+        """
+        rid = req.request_id
+        pending = _Pending(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+        with self._lock:
+            if rid in self._pending:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self._pending[rid] = pending
+        finished = False
+        try:
+            try:
+                pending.verifier = self.pick_verifier()
+                self._send(pending.verifier, req)
+            except Exception as err:  # noqa: BLE001 - no verifier / peer unavailable
+                log.warning("cannot send request %s: %s", rid, err)
+                with self._lock:
+                    self._pending.pop(rid, None)
+                finished = True
+                yield finished_stream(rid, "error", f"no verifier available: {err}")
+                return
+            while True:
+                if self.stream_timeout_s is None:
+                    msg = await pending.queue.get()
+                else:
+                    try:
+                        msg = await asyncio.wait_for(pending.queue.get(), self.stream_timeout_s)
+                    except asyncio.TimeoutError:
+                        self.abort(rid, "timeout")
+                        msg = finished_stream(rid, "error", "verifier timed out")
+                finished = msg.finished
+                yield msg
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid, "cancelled")
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Send Abort to the request's verifier and end its stream with ``"abort"``.
+
+        Idempotent; unknown or finished requests are ignored. Thread-safe.
+        """
+        with self._lock:
+            pending = self._pending.get(request_id)
+            if pending is None or pending.closed:
+                return
+            verifier = pending.verifier
+        if verifier:
+            try:
+                self._send(verifier, Abort(request_id=request_id, reason=reason))
+                self.num_aborts_sent += 1
+            except Exception as err:  # noqa: BLE001 - the verifier may be gone already
+                log.warning("abort of %s not delivered to %s: %s", request_id, verifier, err)
+        self._fail(request_id, "abort", reason)
+
+    def close(self) -> None:
+        """Stop the reader thread and end every in-flight stream with an error."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=max(1.0, 4 * self.recv_timeout_s))
+        for rid in list(self._pending):
+            self._fail(rid, "error", "gateway backend closed")

@@ -1,0 +1,192 @@
+"""One request's trip through the backend: TokenStreams in, text deltas and a finish out.
+
+:class:`RequestRun` joins the backend stream, the incremental detokenizer, the stop-string
+matcher, client-disconnect detection, spec stats and metrics. The HTTP layer only formats the
+:class:`TextDelta` / :class:`Finish` events it yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from cluster.gateway.metrics import GatewayMetrics
+from protocol.messages import GenerateRequest, TokenStream
+
+log = logging.getLogger(__name__)
+
+#: verifier finish reasons that are errors, with the HTTP status they map to
+ERROR_STATUS = {"queue_full": 429, "invalid": 400, "error": 500}
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New output text, safe to show (complete characters, no partial stop string)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The request ended; ``status`` is the HTTP status of an error finish, else 200."""
+
+    reason: str
+    error: str = ""
+    status: int = 200
+
+    @property
+    def is_error(self) -> bool:
+        return self.reason in ERROR_STATUS
+
+
+@dataclass
+class SpecStats:
+    """Cumulative speculative-decoding stats of one request."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    def update(self, msg: TokenStream) -> None:
+        """Stats are cumulative: keep the largest seen (a local terminal message has zeros)."""
+        self.num_draft_tokens = max(self.num_draft_tokens, msg.num_draft_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, msg.num_accepted_tokens)
+        self.num_verify_steps = max(self.num_verify_steps, msg.num_verify_steps)
+
+    @property
+    def mean_accept_len(self) -> float:
+        return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    def as_dict(self) -> dict:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return {"num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "mean_accept_len": self.mean_accept_len,
+                "num_verify_steps": self.num_verify_steps,
+                "acceptance_rate": rate}
+
+    def headers(self) -> dict[str, str]:
+        return {"x-specmesh-draft-tokens": str(self.num_draft_tokens),
+                "x-specmesh-accepted-tokens": str(self.num_accepted_tokens),
+                "x-specmesh-mean-accept-len": f"{self.mean_accept_len:.4f}"}
+
+
+class RequestRun:
+    """Drive one GenerateRequest; iterate :meth:`events` exactly once.
+
+    Args:
+        backend: has ``generate(req)`` and ``abort(request_id, reason)``.
+        tokenizer: decodes output tokens.
+        req: the request to send.
+        stops: stop strings (matched on text, never emitted).
+        metrics: where TTFT / ITL / token counts go (optional).
+        http_request: the Starlette request, polled for a client disconnect (optional).
+        arrival: ``time.perf_counter()`` at arrival, for TTFT and e2e latency.
+    """
+
+    def __init__(self, backend, tokenizer, req: GenerateRequest, stops: list[str],
+                 metrics: GatewayMetrics | None = None, http_request=None,
+                 arrival: float | None = None) -> None:
+        self.backend = backend
+        self.req = req
+        self.metrics = metrics
+        self.http_request = http_request
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
+        self.matcher = StopStringMatcher(stops)
+        self.stats = SpecStats()
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self.num_output_tokens = 0
+        self.finish: Finish | None = None
+        self.disconnected = False
+        self._last_token_time: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    def _observe_tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.metrics is not None:
+            if self._last_token_time is None:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                gap = (now - self._last_token_time) / n
+                for _ in range(n):
+                    self.metrics.itl.observe(gap)
+        self._last_token_time = now
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await self.http_request.is_disconnected():
+                self.disconnected = True
+                log.info("client of %s disconnected", self.request_id)
+                self.backend.abort(self.request_id, "client disconnected")
+                return
+
+    def _finish_with(self, msg: TokenStream) -> tuple[str, Finish]:
+        """Text left at the end of the stream and the Finish for terminal ``msg``."""
+        reason = msg.finish_reason or "stop"
+        if reason in ERROR_STATUS:
+            return "", Finish(reason, msg.error or reason, ERROR_STATUS[reason])
+        tail, stopped = self.matcher.feed(self.detok.flush())
+        if stopped:
+            return tail, Finish("stop")
+        return tail + self.matcher.flush(), Finish(reason)
+
+    async def events(self) -> AsyncIterator[TextDelta | Finish]:
+        """Yield text deltas, then exactly one :class:`Finish` (unless cancelled)."""
+        watcher = None
+        if self.http_request is not None:
+            watcher = asyncio.create_task(self._watch_disconnect())
+        try:
+            async with contextlib.aclosing(self.backend.generate(self.req)) as stream:
+                try:
+                    async for msg in stream:
+                        self.stats.update(msg)
+                        if msg.token_ids:
+                            self.num_output_tokens += len(msg.token_ids)
+                            self._observe_tokens(len(msg.token_ids))
+                            text, stopped = self.matcher.feed(self.detok.add(msg.token_ids))
+                            if text:
+                                yield TextDelta(text)
+                            if stopped:
+                                self.backend.abort(self.request_id, "stop string")
+                                self.finish = Finish("stop")
+                                break
+                        if msg.finished:
+                            text, self.finish = self._finish_with(msg)
+                            if text:
+                                yield TextDelta(text)
+                            break
+                finally:
+                    if self.finish is None:  # cancelled: the client went away
+                        self.backend.abort(self.request_id, "client disconnected")
+            if self.finish is None:
+                self.finish = Finish("error", "backend stream ended without a finish", 500)
+            yield self.finish
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self._account()
+
+    def _account(self) -> None:
+        if self.metrics is None:
+            return
+        reason = self.finish.reason if self.finish is not None else "abort"
+        if reason == "queue_full":
+            self.metrics.queue_full.inc()
+            return
+        if reason == "invalid":
+            return
+        s = self.stats
+        self.metrics.observe_finished(reason, self.num_prompt_tokens, self.num_output_tokens,
+                                      s.num_verify_steps, s.num_draft_tokens,
+                                      s.num_accepted_tokens, time.perf_counter() - self.arrival)

@@ -1,0 +1,86 @@
+"""Prometheus metrics of the gateway (DESIGN.md §10: vLLM's names under the ``specmesh:`` prefix).
+
+Each app gets its own :class:`prometheus_client.CollectorRegistry` so tests can build several
+apps in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class _BackendCollector:
+    """Reads the backend's own counters (in flight, protocol errors) at scrape time."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+
+    def collect(self):
+        in_flight = getattr(self._backend, "num_in_flight", None)
+        if in_flight is not None:
+            g = GaugeMetricFamily("specmesh:gateway_num_requests_in_flight",
+                                  "Requests sent to a verifier and not finished")
+            g.add_metric([], float(in_flight))
+            yield g
+        errors = getattr(self._backend, "num_protocol_errors", None)
+        if errors is not None:
+            c = CounterMetricFamily("specmesh:gateway_protocol_errors",
+                                    "Malformed messages received by the gateway")
+            c.add_metric([], float(errors))
+            yield c
+
+
+class GatewayMetrics:
+    """The gateway's counters and histograms in one (per-app) registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, backend=None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specmesh:gateway_requests", "HTTP generation requests",
+                                ["endpoint", "status"], registry=r)
+        self.queue_full = Counter("specmesh:gateway_queue_full",
+                                  "Requests refused with HTTP 429 (verifier queue full)",
+                                  registry=r)
+        self.request_success = Counter("specmesh:request_success",
+                                       "Finished requests by finish reason",
+                                       ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("specmesh:prompt_tokens", "Prompt tokens processed",
+                                     registry=r)
+        self.generation_tokens = Counter("specmesh:generation_tokens",
+                                         "Output tokens received from verifiers", registry=r)
+        self.spec_num_drafts = Counter("specmesh:spec_decode_num_drafts",
+                                       "Verify steps that included drafts", registry=r)
+        self.spec_draft_tokens = Counter("specmesh:spec_decode_num_draft_tokens",
+                                         "Draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("specmesh:spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted", registry=r)
+        self.ttft = Histogram("specmesh:time_to_first_token_seconds",
+                              "Time from request arrival to the first output token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("specmesh:inter_token_latency_seconds",
+                             "Time between output tokens (a delta's gap spread over its tokens)",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("specmesh:e2e_request_latency_seconds",
+                             "Time from request arrival to its end", buckets=_E2E_BUCKETS,
+                             registry=r)
+        if backend is not None:
+            r.register(_BackendCollector(backend))
+
+    def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
+                         num_drafts: int, draft_tokens: int, accepted_tokens: int,
+                         e2e_s: float) -> None:
+        """Account one request that reached the verifier and ended."""
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        self.spec_num_drafts.inc(num_drafts)
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted_tokens.inc(accepted_tokens)
+        self.e2e.observe(e2e_s)

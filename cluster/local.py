@@ -1,0 +1,118 @@
+"""The three workers in one process, wired by an in-process hub that carries real encoded
+messages and frames (tests, ``specmesh generate``, the plain-decode baseline of benchmarks)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from decode.worker import VerifierConfig, VerifierWorker
+from drafter.proposer import Proposer
+from drafter.worker import DrafterConfig, DrafterWorker
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.runner import ModelRunner
+from prefill.worker import PrefillConfig, PrefillWorker
+from protocol.messages import GenerateRequest, SamplingParams, TokenStream
+from protocol.transport import InProcHub
+
+import drafter.proposers  # noqa: F401  (registers the built-in methods)
+
+
+@dataclass
+class Completion:
+    """One finished request: output tokens and the spec stats the verifier reported."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str = ""
+    num_prompt_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def mean_accept_len(self) -> float:
+        return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    def add(self, msg: TokenStream) -> None:
+        self.token_ids.extend(msg.token_ids)
+        self.finish_reason = msg.finish_reason
+        self.error = msg.error
+        self.num_prompt_tokens = msg.num_prompt_tokens
+        self.num_draft_tokens = msg.num_draft_tokens
+        self.num_accepted_tokens = msg.num_accepted_tokens
+        self.num_verify_steps = msg.num_verify_steps
+
+
+class InProcessCluster:
+    """Prefill, verifier and drafter workers over one shared model, each with its own KV cache.
+
+    ``proposer`` replaces the drafter's registered method (tests plug oracle / garbage
+    drafters in); ``num_draft_tokens=0`` is plain decode through the same verifier.
+    """
+
+    def __init__(self, model, config: ModelConfig, *, num_draft_tokens: int = 4,
+                 eos_token_ids: tuple[int, ...] = (), num_kv_blocks: int = 512,
+                 block_size: int = 16, max_model_len: int | None = None,
+                 draft_method: str = "ngram", proposer: Proposer | None = None,
+                 window: int | None = None, prefill_chunk_size: int = 512,
+                 max_num_seqs: int = 64) -> None:
+        self.hub = InProcHub()
+        dtype = model.dtype
+
+        def runner() -> tuple[ModelRunner, BlockManager]:
+            cache = KVCache(config, num_kv_blocks, block_size, dtype, model.device)
+            return ModelRunner(model, config, cache), BlockManager(num_kv_blocks, block_size)
+
+        p_runner, p_bm = runner()
+        v_runner, v_bm = runner()
+        self.prefill = PrefillWorker(PrefillConfig(chunk_size=prefill_chunk_size),
+                                     self.hub.mailbox("prefill-0"), p_runner, p_bm)
+        max_len = max_model_len or min(config.max_position_embeddings, num_kv_blocks * block_size)
+        self.verifier = VerifierWorker(
+            VerifierConfig(num_draft_tokens=num_draft_tokens, eos_token_ids=tuple(eos_token_ids),
+                           max_model_len=max_len, tail_wait_fraction=0.0,
+                           draft_method=draft_method, max_num_seqs=max_num_seqs),
+            self.hub.mailbox("decode-0"), v_runner, v_bm,
+            prefill_peers=["prefill-0"], drafter_peers=["drafter-0"])
+        w = window or max(2 * num_draft_tokens, 1)
+        self.drafter = DrafterWorker(DrafterConfig(method=draft_method, window=w, max_segment=w),
+                                     self.hub.mailbox("drafter-0"), proposer)
+        self.client = self.hub.mailbox("gateway-0")
+        self._ids = itertools.count()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 num_draft_tokens: int | None = None, timeout_s: float = 3600.0,
+                 ) -> list[Completion]:
+        """Submit all prompts at once (continuous batching) and step the workers until every
+        request finished. Returns completions in prompt order.
+
+        Raises:
+            TimeoutError: not finished within ``timeout_s`` seconds.
+        """
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [f"req-{next(self._ids)}" for _ in prompts]
+        results = {rid: Completion(rid) for rid in ids}
+        for rid, prompt, sp in zip(ids, prompts, params):
+            self.client.send("decode-0", GenerateRequest(
+                request_id=rid, prompt_token_ids=list(prompt), sampling=sp,
+                num_draft_tokens=num_draft_tokens))
+        pending = set(ids)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pending)} requests unfinished after {timeout_s} s")
+            self.drafter.step()
+            self.prefill.step()
+            self.verifier.step()
+            for env in self.client.drain():
+                msg = env.msg
+                if isinstance(msg, TokenStream) and msg.request_id in results:
+                    results[msg.request_id].add(msg)
+                    if msg.finished:
+                        pending.discard(msg.request_id)
+        return [results[rid] for rid in ids]

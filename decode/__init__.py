@@ -1,0 +1,1 @@
+"""specmesh decode role."""

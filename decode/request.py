@@ -1,0 +1,84 @@
+"""Per-request state on the verifier and the commit rule (cut at EOS, stop token, max_tokens)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from decode.tail_buffer import TailBuffer
+from protocol.messages import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued for KV room
+    PREFILLING = "prefilling"  # PrefillRequest sent, KV arriving
+    CANCELLING = "cancelling"  # aborted during transfer, waiting for the cancel ack
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request on the verifier. Output positions count from the first output token."""
+
+    request_id: str
+    gateway: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    num_draft_tokens: int  # kappa for this request
+    status: Status = Status.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_reserved_blocks: int = 0  # blocks promised at admission (allocated lazily)
+    transfer_id: int | None = None
+    prefill_peer: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)  # committed output
+    num_streamed: int = 0  # output tokens already sent to the gateway
+    tail: TailBuffer = field(default_factory=TailBuffer)
+    drafter: str | None = None
+    spec_enabled: bool = True  # False once quarantined
+    tail_in_flight: bool = False  # the drafter got news since its last segment
+    finish_reason: str | None = None
+    error: str = ""
+    # spec stats
+    num_draft_tokens_verified: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0  # steps that verified at least one draft
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        return self.sampling.max_tokens - self.committed_len
+
+    @property
+    def kv_len(self) -> int:
+        """Positions whose KV is in the cache: prompt + all committed output but the last."""
+        return self.prompt_len + self.committed_len - 1
+
+    def commit(self, token_ids: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+        """Append ``token_ids`` up to and including the first EOS / stop token, and never past
+        ``max_tokens``; sets ``finish_reason``. Returns the tokens actually committed."""
+        stops = set(self.sampling.stop_token_ids)
+        if not self.sampling.ignore_eos:
+            stops |= eos_token_ids
+        out: list[int] = []
+        for tok in token_ids:
+            if self.committed_len >= self.sampling.max_tokens:
+                break
+            self.output_token_ids.append(tok)
+            out.append(tok)
+            if tok in stops:
+                self.finish_reason = "stop"
+                return out
+        if self.committed_len >= self.sampling.max_tokens:
+            self.finish_reason = "length"
+        return out

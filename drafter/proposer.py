@@ -1,0 +1,91 @@
+"""Proposer interface and the method registry of the drafter (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+SEED_STATES = ("none", "hidden")
+DRAFT_SHAPES = ("chain", "tree")
+
+
+class Proposer(ABC):
+    """One draft method. The drafter worker owns the per-request token state; a proposer only
+    answers ``propose`` for a context and keeps whatever private per-request state it needs
+    (a model drafter's KV, a suffix tree), rolled back with ``rollback``.
+
+    Class attributes declare what the method needs and returns:
+    ``name`` (registry key), ``seed_state`` ("none": rebuilt from tokens; "hidden": target
+    hidden states from PrefillDone / VerifyCommit), ``draft_shape`` ("chain" | "tree") and
+    ``returns_probs`` (True when ``propose`` also yields ``draft_probs``).
+    """
+
+    name: ClassVar[str]
+    seed_state: ClassVar[str] = "none"
+    draft_shape: ClassVar[str] = "chain"
+    returns_probs: ClassVar[bool] = False
+
+    @abstractmethod
+    def open(self, request_id: str, context_token_ids: list[int]) -> None:
+        """Start (or restart) a request whose known tokens are ``context_token_ids``."""
+
+    @abstractmethod
+    def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` draft tokens continuing ``context_token_ids`` (prompt + output,
+        committed and speculative). May return fewer, or none."""
+
+    @abstractmethod
+    def rollback(self, request_id: str, num_context_tokens: int) -> None:
+        """Forget state beyond the first ``num_context_tokens`` tokens of the context."""
+
+    @abstractmethod
+    def close(self, request_id: str) -> None:
+        """Drop every trace of the request."""
+
+
+_REGISTRY: dict[str, type[Proposer]] = {}
+_INTERFACE = ("open", "propose", "rollback", "close")
+
+
+def register_proposer(cls: type[Proposer]) -> type[Proposer]:
+    """Class decorator adding ``cls`` to the registry under ``cls.name``.
+
+    Raises:
+        TypeError: ``cls`` is not a Proposer, leaves part of the interface unimplemented, has a
+            method with the wrong arity, or declares an unknown seed state / draft shape.
+        ValueError: another class already took the name.
+    """
+    if not (inspect.isclass(cls) and issubclass(cls, Proposer)):
+        raise TypeError(f"{cls!r} is not a Proposer subclass")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise TypeError(f"proposer {cls.__name__} does not implement {', '.join(missing)}")
+    for meth in _INTERFACE:
+        want = len(inspect.signature(getattr(Proposer, meth)).parameters)
+        got = inspect.signature(getattr(cls, meth)).parameters
+        if len(got) != want and not any(p.kind == p.VAR_POSITIONAL for p in got.values()):
+            raise TypeError(f"{cls.__name__}.{meth} takes {len(got)} parameters, expected {want}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"proposer {cls.__name__} has no string `name`")
+    if cls.seed_state not in SEED_STATES:
+        raise TypeError(f"{cls.__name__}.seed_state must be one of {SEED_STATES}")
+    if cls.draft_shape not in DRAFT_SHAPES:
+        raise TypeError(f"{cls.__name__}.draft_shape must be one of {DRAFT_SHAPES}")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"draft method {name!r} already registered by {_REGISTRY[name].__name__}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def get_proposer(name: str) -> type[Proposer]:
+    """The proposer class registered as ``name``. Raises KeyError listing the known methods."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown draft method {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def registered_methods() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,205 @@
+"""Drafter worker: keeps one speculative path per request and streams it ahead (DESIGN.md §4).
+
+The path runs up to ``window`` tokens past the committed prefix, drafted as if the tail in
+flight were accepted (PEARL-style run-ahead), and leaves as DraftTailStream delta segments. A
+VerifyCommit that agrees with the path keeps it; one that disagrees truncates the path to the
+longest common prefix (the proposer rolls back) and drafting resumes after the commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from drafter.proposer import Proposer, get_proposer
+from protocol.errors import ProtocolError
+from protocol.messages import DraftClose, DraftNeedSync, DraftSync, DraftTailStream, VerifyCommit
+from protocol.transport import Envelope, Mailbox
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftState:
+    """Token state of one request on the drafter (output positions as in protocol.messages)."""
+
+    request_id: str
+    verifier: str  # peer that owns the request
+    prompt_token_ids: list[int]
+    committed: list[int]  # committed output tokens, as the verifier told us
+    path: list[int] = field(default_factory=list)  # speculative tokens after `committed`
+    num_sent: int = 0  # tokens of `path` already streamed
+    exhausted: bool = False  # proposer found nothing for the current context
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_token_ids + self.committed + self.path
+
+
+@dataclass
+class DrafterStats:
+    num_syncs: int = 0
+    num_commits: int = 0
+    num_segments_sent: int = 0
+    num_draft_tokens_sent: int = 0
+    num_path_truncations: int = 0
+    num_need_sync: int = 0
+    num_protocol_errors: int = 0
+    num_dropped_messages: int = 0  # for unknown / closed requests
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """``window``: tokens drafted past the committed prefix (W >= kappa); ``max_segment``: most
+    tokens proposed per request per step, so one long request cannot starve the others."""
+
+    method: str = "ngram"
+    window: int = 8
+    max_segment: int = 8
+    max_requests: int = 4096
+    method_kwargs: dict = field(default_factory=dict)
+
+
+class DrafterWorker:
+    """Plain-class drafter. Drive it with ``step()`` or ``run(stop)``."""
+
+    def __init__(self, config: DrafterConfig, mailbox: Mailbox,
+                 proposer: Proposer | None = None) -> None:
+        if config.window < 1:
+            raise ValueError(f"window must be >= 1, got {config.window}")
+        self.config = config
+        self.mailbox = mailbox
+        self.proposer = proposer or get_proposer(config.method)(**config.method_kwargs)
+        self.requests: dict[str, DraftState] = {}
+        self.stats = DrafterStats()
+
+    # -- message handling ------------------------------------------------------------------
+
+    def handle(self, env: Envelope) -> None:
+        msg = env.msg
+        if isinstance(msg, ProtocolError):
+            self.stats.num_protocol_errors += 1
+            if msg.request_id in self.requests:  # quarantine: the verifier will re-sync
+                self._drop(msg.request_id)
+            return
+        if isinstance(msg, DraftSync):
+            self._on_sync(env.peer, msg)
+        elif isinstance(msg, VerifyCommit):
+            self._on_commit(env.peer, msg)
+        elif isinstance(msg, DraftClose):
+            if msg.request_id in self.requests:
+                self._drop(msg.request_id)
+            else:
+                self.stats.num_dropped_messages += 1
+        else:
+            self.stats.num_dropped_messages += 1
+            log.debug("drafter ignores %s from %s", type(msg).__name__, env.peer)
+
+    def _on_sync(self, peer: str, msg: DraftSync) -> None:
+        self.stats.num_syncs += 1
+        if msg.request_id in self.requests:
+            self.proposer.close(msg.request_id)
+        elif len(self.requests) >= self.config.max_requests:
+            log.warning("drafter full; ignoring DraftSync for %s", msg.request_id)
+            return
+        st = DraftState(msg.request_id, peer, list(msg.prompt_token_ids),
+                        list(msg.committed_token_ids))
+        self.requests[msg.request_id] = st
+        self.proposer.open(msg.request_id, st.context)
+
+    def _on_commit(self, peer: str, msg: VerifyCommit) -> None:
+        st = self.requests.get(msg.request_id)
+        if st is None:
+            self.stats.num_dropped_messages += 1
+            return
+        self.stats.num_commits += 1
+        toks = list(msg.committed_token_ids)
+        pre = msg.pre_commit_len
+        n_committed = len(st.committed)
+        if pre < n_committed:  # replayed overlap: must agree with what we hold
+            overlap = st.committed[pre:pre + len(toks)]
+            if toks[:len(overlap)] != overlap:
+                self._need_sync(st, f"commit at {pre} disagrees with committed prefix")
+                return
+            toks = toks[len(overlap):]
+            pre = n_committed
+        if pre != n_committed:
+            self._need_sync(st, f"commit at {pre} but drafter holds {n_committed} tokens")
+            return
+        lcp = 0
+        while lcp < len(toks) and lcp < len(st.path) and st.path[lcp] == toks[lcp]:
+            lcp += 1
+        if lcp == len(toks):  # the commit agrees with our path: keep the rest of it
+            del st.path[:lcp]
+            st.num_sent = max(st.num_sent - lcp, 0)
+        else:
+            self.stats.num_path_truncations += 1
+            self.proposer.rollback(st.request_id, len(st.prompt_token_ids) + n_committed + lcp)
+            st.path.clear()
+            st.num_sent = 0
+        st.committed.extend(toks)
+        st.exhausted = False
+
+    def _need_sync(self, st: DraftState, reason: str) -> None:
+        self.stats.num_need_sync += 1
+        self._drop(st.request_id)
+        self._send(st.verifier, DraftNeedSync(request_id=st.request_id, reason=reason))
+
+    def _drop(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.proposer.close(request_id)
+
+    def _send(self, peer: str, msg: object) -> None:
+        try:
+            self.mailbox.send(peer, msg)
+        except ConnectionError as err:  # verifier gone: its requests are gone too
+            log.warning("drafter cannot reach %s: %s", peer, err)
+            for rid in [r for r, s in self.requests.items() if s.verifier == peer]:
+                self._drop(rid)
+
+    # -- drafting --------------------------------------------------------------------------
+
+    def draft(self) -> int:
+        """Extend every request's path towards the window; returns tokens streamed."""
+        sent = 0
+        for st in list(self.requests.values()):
+            room = min(self.config.window - len(st.path), self.config.max_segment)
+            if room > 0 and not st.exhausted:
+                new = self.proposer.propose(st.request_id, st.context, room)
+                if new:
+                    st.path.extend(new[:room])
+                else:
+                    st.exhausted = True  # until the next commit changes the context
+            if st.num_sent < len(st.path):
+                seg = st.path[st.num_sent:]
+                self._send(st.verifier, DraftTailStream(
+                    request_id=st.request_id, base_committed_len=len(st.committed),
+                    start_pos=len(st.committed) + st.num_sent, draft_token_ids=seg))
+                st.num_sent = len(st.path)
+                self.stats.num_segments_sent += 1
+                self.stats.num_draft_tokens_sent += len(seg)
+                sent += len(seg)
+        return sent
+
+    def _has_work(self) -> bool:
+        w = self.config.window
+        return any(not s.exhausted and len(s.path) < w for s in self.requests.values())
+
+    def step(self, timeout_s: float = 0.0) -> int:
+        """Ingest what arrived (waiting up to ``timeout_s`` for the first message), then draft."""
+        if self._has_work():
+            timeout_s = 0.0
+        env = self.mailbox.recv(timeout_s)
+        while env is not None:
+            self.handle(env)
+            env = self.mailbox.recv(0.0)
+        return self.draft()
+
+    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05) -> None:
+        """Loop until ``stop`` is set; blocks on the mailbox while there is nothing to draft."""
+        while not stop.is_set():
+            try:
+                self.step(idle_timeout_s)
+            except Exception:  # a bug must not kill the role; it is logged loudly
+                log.exception("drafter step failed")

@@ -1,0 +1,1 @@
+"""specmesh prefill role."""

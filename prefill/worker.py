@@ -1,0 +1,204 @@
+"""Prefill worker: runs the target over prompts, ships the KV and the first token (DESIGN.md §2).
+
+For each PrefillRequest it allocates blocks in its own KV cache, runs the prompt (in chunks of
+``chunk_size`` tokens when long), samples output position 0, streams the prompt's KV to the
+verifier as KVFrames stamped (request id, transfer id, layer range, chunk index) and finishes
+with PrefillDone carrying the frame count and byte total. KV frames and PrefillDone go on the
+same ordered channel. A PrefillCancel is acknowledged once no frame of that transfer can follow.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager, KVCacheExhausted
+from engine.frames import tensor_to_buffer
+from engine.runner import ModelRunner
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    Abort,
+    KVFrame,
+    PrefillCancel,
+    PrefillCancelAck,
+    PrefillDone,
+    PrefillRequest,
+)
+from protocol.transport import Envelope, Mailbox
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """``chunk_size``: prompt tokens per forward (chunked prefill); ``frame_tokens`` and
+    ``frame_layers``: the KV of at most that many tokens x layers per KVFrame."""
+
+    instance_id: str = "prefill-0"
+    chunk_size: int = 512
+    frame_tokens: int = 256
+    frame_layers: int = 8
+    max_queue_len: int = 1024
+
+
+@dataclass
+class PrefillStats:
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_frames_sent: int = 0
+    num_bytes_sent: int = 0
+    num_cancelled: int = 0
+    num_failed: int = 0
+    num_protocol_errors: int = 0
+
+
+class PrefillWorker:
+    """Plain-class prefill role; drive it with ``step()`` or ``run(stop)``."""
+
+    def __init__(self, config: PrefillConfig, mailbox: Mailbox, runner: ModelRunner,
+                 block_manager: BlockManager) -> None:
+        self.config = config
+        self.mailbox = mailbox
+        self.runner = runner
+        self.block_manager = block_manager
+        self.model_config = runner.config
+        self.queue: deque[tuple[str, PrefillRequest]] = deque()
+        self.stats = PrefillStats()
+
+    # -- ingest ----------------------------------------------------------------------------
+
+    def handle(self, env: Envelope) -> None:
+        msg = env.msg
+        if isinstance(msg, ProtocolError):
+            self.stats.num_protocol_errors += 1
+            if msg.request_id is not None:  # fail only the named request
+                self._drop_queued(lambda r: r.request_id == msg.request_id)
+            return
+        if isinstance(msg, PrefillRequest):
+            if len(self.queue) >= self.config.max_queue_len:
+                self._fail(env.peer, msg, "prefill queue full")
+            else:
+                self.queue.append((env.peer, msg))
+        elif isinstance(msg, PrefillCancel):
+            self._drop_queued(lambda r: r.transfer_id == msg.transfer_id)
+            self.stats.num_cancelled += 1
+            self._send(env.peer, PrefillCancelAck(request_id=msg.request_id,
+                                                  transfer_id=msg.transfer_id))
+        elif isinstance(msg, Abort):
+            self._drop_queued(lambda r: r.request_id == msg.request_id)
+        else:
+            log.debug("prefill ignores %s from %s", type(msg).__name__, env.peer)
+
+    def _drop_queued(self, match) -> None:
+        self.queue = deque((p, r) for p, r in self.queue if not match(r))
+
+    # -- work ------------------------------------------------------------------------------
+
+    def _validate(self, req: PrefillRequest) -> str:
+        n = len(req.prompt_token_ids)
+        cfg = self.model_config
+        if n == 0:
+            return "empty prompt"
+        if n > cfg.max_position_embeddings:
+            return f"prompt of {n} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}"
+        if any(t < 0 or t >= cfg.vocab_size for t in req.prompt_token_ids):
+            return f"prompt token id outside [0, {cfg.vocab_size})"
+        if not req.block_ids:
+            return "no destination blocks"
+        if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
+            return f"prompt of {n} tokens does not fit this prefill worker's KV cache"
+        return ""
+
+    def _fail(self, peer: str, req: PrefillRequest, error: str) -> None:
+        self.stats.num_failed += 1
+        self._send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
+                                     first_token_id=-1, num_frames=0, num_bytes=0, error=error))
+
+    def _send(self, peer: str, msg: object) -> None:
+        try:
+            self.mailbox.send(peer, msg)
+        except ConnectionError as err:
+            log.warning("prefill cannot reach %s: %s", peer, err)
+
+    def _sample_first(self, logits: torch.Tensor, req: PrefillRequest) -> int:
+        # logits: [vocab_size] of the last prompt position
+        sp = req.sampling
+        if sp.temperature <= 0:
+            return int(torch.argmax(logits).item())
+        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+        probs = torch.softmax(logits.float() / sp.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+    def _run_one(self, peer: str, req: PrefillRequest) -> None:
+        n = len(req.prompt_token_ids)
+        block_ids = self.block_manager.allocate(self.block_manager.blocks_for(n))
+        try:
+            logits = self.runner.prefill(req.prompt_token_ids, block_ids,
+                                         chunk_size=self.config.chunk_size)
+            first = self._sample_first(logits.reshape(-1, logits.shape[-1])[-1], req)
+            num_frames, num_bytes = self._send_kv(peer, req, block_ids, n)
+        finally:
+            self.block_manager.free(block_ids)
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += n
+        self._send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
+                                     first_token_id=first, num_frames=num_frames,
+                                     num_bytes=num_bytes))
+
+    def _send_kv(self, peer: str, req: PrefillRequest, block_ids: list[int],
+                 n: int) -> tuple[int, int]:
+        cache = self.runner.kv_cache
+        num_layers = self.model_config.num_layers
+        num_frames = num_bytes = 0
+        for token_start in range(0, n, self.config.frame_tokens):
+            num_tokens = min(self.config.frame_tokens, n - token_start)
+            for layer_start in range(0, num_layers, self.config.frame_layers):
+                layer_end = min(layer_start + self.config.frame_layers, num_layers)
+                kv = cache.read_chunk(layer_start, layer_end, block_ids, token_start, num_tokens)
+                buf = tensor_to_buffer(kv)
+                self._send(peer, KVFrame(
+                    request_id=req.request_id, transfer_id=req.transfer_id,
+                    layer_start=layer_start, layer_end=layer_end, chunk_index=num_frames,
+                    token_start=token_start, num_tokens=num_tokens, kv=buf))
+                num_frames += 1
+                num_bytes += buf.nbytes
+        self.stats.num_frames_sent += num_frames
+        self.stats.num_bytes_sent += num_bytes
+        return num_frames, num_bytes
+
+    def step(self, timeout_s: float = 0.0) -> int:
+        """Ingest messages, then prefill at most one queued request; returns requests done."""
+        env = self.mailbox.recv(0.0 if self.queue else timeout_s)
+        while env is not None:
+            self.handle(env)
+            env = self.mailbox.recv(0.0)
+        if not self.queue:
+            return 0
+        peer, req = self.queue[0]
+        error = self._validate(req)
+        if error:
+            self.queue.popleft()
+            self._fail(peer, req, error)
+            return 0
+        if not self.block_manager.can_allocate(self.block_manager.blocks_for(len(req.prompt_token_ids))):
+            return 0  # wait for blocks of an earlier request (cannot happen single-threaded)
+        self.queue.popleft()
+        try:
+            self._run_one(peer, req)
+        except KVCacheExhausted as err:
+            self._fail(peer, req, str(err))
+        except Exception as err:  # a bad prompt must not kill the role
+            log.exception("prefill of %s failed", req.request_id)
+            self._fail(peer, req, f"prefill failed: {err}")
+        return 1
+
+    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05) -> None:
+        while not stop.is_set():
+            try:
+                self.step(idle_timeout_s)
+            except Exception:
+                log.exception("prefill step failed")

@@ -1,0 +1,142 @@
+"""Mailboxes: the one transport interface workers use, plus the in-process implementation.
+
+A worker owns one :class:`Mailbox` and talks to peers by name. Messages always travel encoded
+(header frame + buffer frames, see ``protocol.codec``), so the in-process hub exercises exactly
+the bytes a ZMQ socket would carry. A malformed message is never raised out of ``recv``: it is
+returned as an :class:`Envelope` whose ``msg`` is the :class:`ProtocolError`, so the worker can
+count it, log it with the peer, quarantine the named request, and keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from protocol.codec import decode, encode
+from protocol.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class PeerUnavailable(ConnectionError):
+    """``send`` named a peer this mailbox has no connection to."""
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A received message (or the ProtocolError it decoded to) and the peer that sent it."""
+
+    peer: str
+    msg: object
+
+    @property
+    def is_error(self) -> bool:
+        return isinstance(self.msg, ProtocolError)
+
+
+class Mailbox(ABC):
+    """Named endpoint: ``send(peer, msg)`` and ``recv(timeout_s)``; thread-safe for one reader."""
+
+    name: str
+
+    @abstractmethod
+    def send(self, peer: str, msg: object) -> None:
+        """Encode and send ``msg`` to ``peer``. Raises PeerUnavailable for an unknown peer."""
+
+    @abstractmethod
+    def recv(self, timeout_s: float = 0.0) -> Envelope | None:
+        """Next envelope, waiting up to ``timeout_s`` seconds; None when nothing arrived."""
+
+    def drain(self, max_messages: int = 4096) -> list[Envelope]:
+        """Everything already queued (non-blocking), at most ``max_messages``."""
+        out: list[Envelope] = []
+        while len(out) < max_messages:
+            env = self.recv(0.0)
+            if env is None:
+                break
+            out.append(env)
+        return out
+
+    def peers(self) -> list[str]:
+        """Names of the peers this mailbox can currently send to."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release sockets / queues."""
+
+
+def decode_envelope(peer: str, frames: Sequence) -> Envelope:
+    """Decode ``frames`` from ``peer``; a malformed message becomes an error envelope."""
+    try:
+        return Envelope(peer, decode(frames))
+    except ProtocolError as err:
+        err.peer = peer
+        log.warning("protocol error from %s: %s", peer, err)
+        return Envelope(peer, err)
+
+
+class InProcHub:
+    """Connects in-process mailboxes by name (tests and ``specmesh generate``)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+
+    def mailbox(self, name: str) -> InProcMailbox:
+        with self._lock:
+            if name in self._queues:
+                raise ValueError(f"mailbox {name!r} already exists")
+            self._queues[name] = queue.Queue()
+        return InProcMailbox(self, name)
+
+    def _deliver(self, src: str, dst: str, frames: list[bytes]) -> None:
+        q = self._queues.get(dst)
+        if q is None:
+            raise PeerUnavailable(f"no mailbox named {dst!r}")
+        self.bytes_sent += sum(len(f) for f in frames)
+        q.put((src, frames))
+
+    def _remove(self, name: str) -> None:
+        with self._lock:
+            self._queues.pop(name, None)
+
+    def names(self) -> list[str]:
+        return list(self._queues)
+
+
+class InProcMailbox(Mailbox):
+    """Mailbox on an :class:`InProcHub`; frames are copied to ``bytes`` like a socket would."""
+
+    def __init__(self, hub: InProcHub, name: str) -> None:
+        self.name = name
+        self._hub = hub
+        self._queue = hub._queues[name]
+
+    def send(self, peer: str, msg: object) -> None:
+        self.send_frames(peer, encode(msg))
+
+    def send_frames(self, peer: str, frames: Sequence) -> None:
+        """Send raw frames (tests use this to inject malformed bytes)."""
+        self._hub._deliver(self.name, peer, [bytes(f) for f in frames])
+
+    def recv(self, timeout_s: float = 0.0) -> Envelope | None:
+        try:
+            if timeout_s > 0:
+                src, frames = self._queue.get(timeout=timeout_s)
+            else:
+                src, frames = self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        return decode_envelope(src, frames)
+
+    def peers(self) -> list[str]:
+        return [n for n in self._hub.names() if n != self.name]
+
+    def close(self) -> None:
+        self._hub._remove(self.name)
+

@@ -1,0 +1,133 @@
+"""Tail buffer staleness rule (DESIGN.md §3) and the commit cut (EOS / stop / max_tokens)."""
+
+from decode.request import Request
+from decode.tail_buffer import TailBuffer
+from protocol.messages import SamplingParams
+
+
+def test_contiguous_segments_extend_the_tail():
+    tb = TailBuffer(committed_len=2)
+    committed = [10, 11]
+    assert tb.add(2, [1, 2], committed) == 2
+    assert tb.add(4, [3], committed) == 1
+    assert tb.usable(8) == [1, 2, 3]
+    assert tb.usable(2) == [1, 2]
+
+
+def test_stale_segment_disagreeing_with_committed_is_discarded():
+    tb = TailBuffer(committed_len=3)
+    committed = [10, 11, 12]
+    # starts at position 1: tokens at 1, 2 must equal 11, 12; position 2 disagrees
+    assert tb.add(1, [11, 99, 5, 6], committed) == 0
+    assert tb.usable(8) == []
+    assert tb.stats.num_stale_tokens == 3
+
+
+def test_partially_committed_segment_keeps_its_fresh_part():
+    tb = TailBuffer(committed_len=3)
+    committed = [10, 11, 12]
+    assert tb.add(2, [12, 7, 8], committed) == 2
+    assert tb.usable(8) == [7, 8]
+    assert tb.stats.num_duplicate_tokens == 1
+
+
+def test_gapped_segment_is_dropped():
+    tb = TailBuffer(committed_len=1)
+    committed = [10]
+    tb.add(1, [1, 2], committed)
+    assert tb.add(4, [5, 6], committed) == 0  # position 3 missing
+    assert tb.usable(8) == [1, 2]
+    assert tb.stats.num_gap_segments == 1
+
+
+def test_duplicate_segment_is_idempotent():
+    tb = TailBuffer(committed_len=1)
+    committed = [10]
+    tb.add(1, [1, 2, 3], committed)
+    assert tb.add(1, [1, 2, 3], committed) == 0
+    assert tb.add(2, [2, 3, 4], committed) == 1
+    assert tb.usable(8) == [1, 2, 3, 4]
+
+
+def test_out_of_order_segments_later_one_is_a_gap_then_earlier_fills():
+    tb = TailBuffer(committed_len=1)
+    committed = [10]
+    assert tb.add(3, [3, 4], committed) == 0  # arrives first: gap
+    assert tb.add(1, [1, 2], committed) == 2
+    assert tb.add(3, [3, 4], committed) == 2  # re-sent in order: now contiguous
+    assert tb.usable(8) == [1, 2, 3, 4]
+
+
+def test_overlapping_different_segment_replaces_the_rest():
+    tb = TailBuffer(committed_len=1)
+    committed = [10]
+    tb.add(1, [1, 2, 3], committed)
+    assert tb.add(2, [7, 8], committed) == 2
+    assert tb.usable(8) == [1, 7, 8]
+    assert tb.stats.num_replaced_tokens == 2
+
+
+def test_commit_agreeing_with_tail_keeps_the_rest():
+    tb = TailBuffer(committed_len=1)
+    committed = [10]
+    tb.add(1, [1, 2, 3, 4], committed)
+    committed += [1, 2]  # accepted 1, bonus 2 happened to equal the tail
+    tb.on_commit(committed)
+    assert tb.start == 3 and tb.usable(8) == [3, 4]
+
+
+def test_commit_disagreeing_drops_the_whole_tail():
+    tb = TailBuffer(committed_len=1)
+    committed = [10]
+    tb.add(1, [1, 2, 3, 4], committed)
+    committed += [1, 9]  # recovered token 9 != draft 2
+    tb.on_commit(committed)
+    assert tb.usable(8) == [] and tb.start == 3
+    assert tb.stats.num_stale_tokens == 3
+    # a segment for the old path (position 3) is now stale, a new one is accepted
+    assert tb.add(2, [2, 3], committed) == 0
+    assert tb.add(3, [5], committed) == 1
+
+
+def test_commit_longer_than_tail():
+    tb = TailBuffer(committed_len=1)
+    committed = [10]
+    tb.add(1, [1], committed)
+    committed += [1, 2, 3]
+    tb.on_commit(committed)
+    assert tb.start == 4 and len(tb) == 0
+
+
+def _req(max_tokens, stop_ids=(), ignore_eos=False, committed=(5,)):
+    r = Request("r", "gw", [1, 2, 3], SamplingParams(max_tokens=max_tokens,
+                stop_token_ids=list(stop_ids), ignore_eos=ignore_eos), 4)
+    r.output_token_ids = list(committed)
+    return r
+
+
+def test_commit_cut_at_eos_inside_accepted_block():
+    r = _req(max_tokens=10)
+    out = r.commit([7, 8, 2, 9, 4], eos_token_ids=frozenset({2}))
+    assert out == [7, 8, 2]
+    assert r.output_token_ids == [5, 7, 8, 2]
+    assert r.finish_reason == "stop"
+
+
+def test_commit_cut_at_stop_token_and_ignore_eos():
+    r = _req(max_tokens=10, stop_ids=[8], ignore_eos=True)
+    assert r.commit([2, 8, 9], eos_token_ids=frozenset({2})) == [2, 8]
+    assert r.finish_reason == "stop"
+
+
+def test_commit_cut_at_max_tokens_counts_exactly():
+    r = _req(max_tokens=4)
+    out = r.commit([7, 8, 9, 10, 11], eos_token_ids=frozenset({2}))
+    assert out == [7, 8, 9]
+    assert r.committed_len == 4 and r.finish_reason == "length"
+    assert r.commit([1], eos_token_ids=frozenset()) == []  # never past the end
+
+
+def test_commit_not_finished():
+    r = _req(max_tokens=10)
+    assert r.commit([7, 8], eos_token_ids=frozenset({2})) == [7, 8]
+    assert r.finish_reason is None

@@ -1,0 +1,92 @@
+"""Drafter worker run-ahead, commit alignment, need-sync, garbage tolerance (in-process hub)."""
+
+import drafter.proposers  # noqa: F401
+from drafter.worker import DrafterConfig, DrafterWorker
+from protocol.messages import (
+    DraftClose,
+    DraftNeedSync,
+    DraftSync,
+    DraftTailStream,
+    SamplingParams,
+    VerifyCommit,
+)
+from protocol.transport import InProcHub
+
+
+def _setup(window=4):
+    hub = InProcHub()
+    v = hub.mailbox("decode-0")
+    d = DrafterWorker(DrafterConfig(window=window, max_segment=window), hub.mailbox("drafter-0"))
+    return v, d
+
+
+def _tails(v):
+    return [e.msg for e in v.drain() if isinstance(e.msg, (DraftTailStream, DraftNeedSync))]
+
+
+def test_runs_ahead_and_keeps_path_on_agreeing_commit():
+    v, d = _setup(window=4)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=prompt,
+                                  committed_token_ids=[3], sampling=SamplingParams()))
+    d.step()
+    (seg,) = _tails(v)
+    assert seg.start_pos == 1 and seg.draft_token_ids == [4, 5, 6, 1]
+    # the verifier accepted 2 drafts and the bonus equals the third draft
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1,
+                                     committed_token_ids=[4, 5, 6]))
+    d.step()
+    (seg2,) = _tails(v)
+    # path [1] kept (position 4), new tokens drafted after it, sent as a delta from position 5
+    assert seg2.start_pos == 5
+    assert d.requests["r"].path[0] == 1
+
+
+def test_disagreeing_commit_truncates_and_redrafts_from_commit():
+    v, d = _setup(window=3)
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2, 3, 1, 2],
+                                  committed_token_ids=[3], sampling=SamplingParams()))
+    d.step()
+    _tails(v)
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1, committed_token_ids=[9]))
+    d.step()
+    segs = _tails(v)
+    assert d.stats.num_path_truncations == 1
+    assert all(s.start_pos == 2 for s in segs)
+
+
+def test_misaligned_commit_asks_for_sync():
+    v, d = _setup()
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2], committed_token_ids=[3],
+                                  sampling=SamplingParams()))
+    d.step()
+    _tails(v)
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=5, committed_token_ids=[1]))
+    d.step()
+    msgs = _tails(v)
+    assert any(isinstance(m, DraftNeedSync) for m in msgs)
+    assert "r" not in d.requests
+
+
+def test_garbage_and_unknown_requests_do_not_kill_the_drafter():
+    v, d = _setup()
+    v.send_frames("drafter-0", [b"\xc1garbage"])
+    v.send("drafter-0", VerifyCommit(request_id="nope", pre_commit_len=0, committed_token_ids=[1]))
+    v.send("drafter-0", DraftClose(request_id="nope"))
+    d.step()
+    assert d.stats.num_protocol_errors == 1
+    assert d.stats.num_dropped_messages == 2
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2, 1], committed_token_ids=[2],
+                                  sampling=SamplingParams()))
+    d.step()
+    assert _tails(v)
+
+
+def test_close_drops_state():
+    v, d = _setup()
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1], committed_token_ids=[1],
+                                  sampling=SamplingParams()))
+    d.step()
+    v.send("drafter-0", DraftClose(request_id="r"))
+    d.step()
+    assert d.requests == {}
