@@ -1,0 +1,306 @@
+"""ZMQ mailbox: one ordered DEALER/ROUTER channel per peer pair, with the Hello handshake.
+
+Every role binds one ROUTER on ``tcp://<host>:0`` and reads back the port (its endpoint, which
+it registers with the controller). The side that starts a conversation (gateway -> verifier,
+verifier -> prefill, verifier -> drafter) connects a DEALER whose identity is its own name and
+says :class:`Hello` first; the ROUTER side answers :class:`HelloAck` and only then accepts
+messages from that peer (anything before Hello is a ProtocolError). Replies travel back on the
+same connection, so e.g. KV frames and PrefillDone share one ordered channel. After a DEALER
+reconnects (peer restarted), Hello is sent again.
+
+A socket belongs to the thread that calls ``recv``; ``send`` from any other thread is queued and
+handed to that thread through a pipe the poller watches, so sockets are never shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from protocol.codec import encode
+from protocol.errors import ProtocolError
+from protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
+from protocol.transport import Envelope, Mailbox, PeerUnavailable, decode_envelope
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 512 * 1024 * 1024  # a KV frame is at most a few MB; refuse anything absurd
+HIGH_WATER_MARK = 100_000  # messages; KV streams are bursty
+
+
+def identity_mismatch(ours: ModelIdentity | None, theirs: ModelIdentity | None) -> str:
+    """Empty when compatible; else which field differs. Empty/zero fields are wildcards
+    (a gateway knows the vocabulary, not the KV layout)."""
+    if ours is None or theirs is None:
+        return ""
+    for f in ("name", "vocab_size", "dtype", "num_layers", "num_kv_heads", "head_dim"):
+        a, b = getattr(ours, f), getattr(theirs, f)
+        if a and b and a != b:
+            return f"model mismatch: {f} {b!r} != ours {a!r}"
+    return ""
+
+
+@dataclass
+class PeerInfo:
+    name: str
+    role: str
+    incarnation: int
+    endpoint: str = ""
+    acked: bool = False  # dealer side: our Hello was accepted on the current connection
+    num_connects: int = 0  # dealer side: TCP connections made (more than one = reconnects)
+
+
+class ZmqMailbox(Mailbox):
+    """Mailbox over ZMQ TCP. ``on_hello(peer_info, is_new)`` is called (in the recv thread) when
+    a peer completes a handshake; ``is_new`` is False for a repeat of a known incarnation."""
+
+    def __init__(self, name: str, role: str, *, host: str = "127.0.0.1",
+                 model: ModelIdentity | None = None, draft_method: str = "",
+                 incarnation: int | None = None,
+                 on_hello: Callable[[PeerInfo, bool], None] | None = None) -> None:
+        self.name = name
+        self.role = role
+        self.model = model
+        self.draft_method = draft_method
+        self.incarnation = incarnation if incarnation is not None else time.time_ns()
+        self.on_hello = on_hello
+        self.ctx = zmq.Context.instance()
+        self.router = self._socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.bind(f"tcp://{host}:0")
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.accepted: dict[str, PeerInfo] = {}  # peers that said Hello to our ROUTER
+        self.dealers: dict[str, zmq.Socket] = {}  # peers we connected to
+        self.dealer_peers: dict[str, PeerInfo] = {}  # from their HelloAck
+        self.refused: dict[str, str] = {}
+        self._monitors: dict[zmq.Socket, str] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._outbox: queue.Queue = queue.Queue()
+        self._owner: int | None = None
+        self._pending: list[Envelope] = []
+        self.num_protocol_errors = 0
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        s.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+        s.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        return s
+
+    def hello(self) -> Hello:
+        return Hello(protocol_version=PROTOCOL_VERSION, role=self.role, instance_id=self.name,
+                     incarnation=self.incarnation, model=self.model,
+                     draft_method=self.draft_method)
+
+    # -- connections (call from the owning thread, or before it starts) ---------------------
+
+    def connect(self, peer: str, endpoint: str) -> None:
+        """Open (or re-open, when the endpoint changed) the channel to ``peer`` and say Hello."""
+        old = self.dealers.get(peer)
+        if old is not None:
+            if self.dealer_peers[peer].endpoint == endpoint:
+                return
+            self.disconnect(peer)
+        s = self._socket(zmq.DEALER)
+        s.setsockopt_string(zmq.IDENTITY, self.name)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED)
+        s.connect(endpoint)
+        self.dealers[peer] = s
+        self.dealer_peers[peer] = PeerInfo(peer, "", -1, endpoint)
+        self._monitors[mon] = peer
+        self.poller.register(s, zmq.POLLIN)
+        self.poller.register(mon, zmq.POLLIN)
+        self.refused.pop(peer, None)
+        # ZMQ queues this until the TCP connection is up: Hello is the first message.
+        s.send_multipart(encode(self.hello()))
+
+    def disconnect(self, peer: str) -> None:
+        s = self.dealers.pop(peer, None)
+        self.dealer_peers.pop(peer, None)
+        if s is None:
+            return
+        for mon, p in list(self._monitors.items()):
+            if p == peer:
+                self.poller.unregister(mon)
+                s.disable_monitor()
+                mon.close(0)
+                del self._monitors[mon]
+        self.poller.unregister(s)
+        s.close(0)
+
+    def peers(self) -> list[str]:
+        return sorted(set(self.accepted) | set(self.dealers))
+
+    def ready(self, peer: str) -> bool:
+        """True once ``peer`` acknowledged our Hello (dealer side) or said Hello (router side)."""
+        info = self.dealer_peers.get(peer)
+        return (info is not None and info.acked) or peer in self.accepted
+
+    # -- send / recv -----------------------------------------------------------------------
+
+    def send(self, peer: str, msg: object) -> None:
+        frames = encode(msg)
+        if self._owner is not None and threading.get_ident() != self._owner:
+            self._outbox.put((peer, frames))
+            os.write(self._wake_w, b"x")
+            return
+        self._send_frames(peer, frames)
+
+    def _send_frames(self, peer: str, frames: list) -> None:
+        if peer in self.refused:
+            raise PeerUnavailable(f"{peer} refused our Hello: {self.refused[peer]}")
+        s = self.dealers.get(peer)
+        try:
+            if s is not None:
+                s.send_multipart(frames, copy=False)
+            elif peer in self.accepted:
+                self.router.send_multipart([peer.encode()] + list(frames), copy=False)
+            else:
+                raise PeerUnavailable(f"no channel to {peer!r}")
+        except zmq.ZMQError as err:
+            raise PeerUnavailable(f"cannot send to {peer!r}: {err}") from err
+
+    def _flush_outbox(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                peer, frames = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._send_frames(peer, frames)
+            except PeerUnavailable as err:
+                log.warning("%s: dropped message to %s: %s", self.name, peer, err)
+
+    def recv(self, timeout_s: float = 0.0) -> Envelope | None:
+        self._owner = threading.get_ident()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._pending:
+                return self._pending.pop(0)
+            left = max(deadline - time.monotonic(), 0.0)
+            events = dict(self.poller.poll(int(left * 1000)))
+            if not events and time.monotonic() >= deadline:
+                return None
+            for sock in events:
+                self._service(sock)
+
+    def _service(self, sock) -> None:
+        if sock == self._wake_r:
+            self._flush_outbox()
+        elif sock is self.router:
+            while True:
+                try:
+                    parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._on_router(parts[0].bytes.decode(errors="replace"), parts[1:])
+        elif sock in self._monitors:
+            peer = self._monitors[sock]
+            try:
+                sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            info = self.dealer_peers.get(peer)
+            if info is None:
+                return
+            info.num_connects += 1
+            if info.num_connects > 1:  # a reconnect: the peer may be new, say Hello again
+                info.acked = False
+                self.dealers[peer].send_multipart(encode(self.hello()))
+        else:
+            peer = next((p for p, s in self.dealers.items() if s is sock), None)
+            if peer is None:
+                return
+            while True:
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._on_dealer(peer, parts)
+
+    def _error(self, peer: str, text: str) -> None:
+        self.num_protocol_errors += 1
+        log.warning("%s: protocol error from %s: %s", self.name, peer, text)
+        self._pending.append(Envelope(peer, ProtocolError(text, peer=peer)))
+
+    def _on_router(self, peer: str, frames: list) -> None:
+        env = decode_envelope(peer, frames)
+        if env.is_error:
+            self.num_protocol_errors += 1
+            self._pending.append(env)
+            return
+        msg = env.msg
+        if isinstance(msg, Hello):
+            why = ""
+            if msg.protocol_version != PROTOCOL_VERSION:
+                why = f"protocol version {msg.protocol_version} != {PROTOCOL_VERSION}"
+            elif msg.instance_id != peer:
+                why = f"instance id {msg.instance_id!r} does not match the connection {peer!r}"
+            else:
+                why = identity_mismatch(self.model, msg.model)
+            ack = HelloAck(accepted=not why, role=self.role, instance_id=self.name,
+                           incarnation=self.incarnation, error=why)
+            try:
+                self.router.send_multipart([peer.encode()] + encode(ack))
+            except zmq.ZMQError:
+                pass
+            if why:
+                self.accepted.pop(peer, None)
+                self._error(peer, f"Hello refused: {why}")
+                return
+            old = self.accepted.get(peer)
+            info = PeerInfo(peer, msg.role, msg.incarnation)
+            self.accepted[peer] = info
+            if self.on_hello:
+                self.on_hello(info, old is None or old.incarnation != msg.incarnation)
+            return
+        if peer not in self.accepted:
+            self._error(peer, f"{type(msg).__name__} before Hello")
+            return
+        self._pending.append(env)
+
+    def _on_dealer(self, peer: str, frames: list) -> None:
+        env = decode_envelope(peer, frames)
+        if env.is_error:
+            self.num_protocol_errors += 1
+            self._pending.append(env)
+            return
+        msg = env.msg
+        if isinstance(msg, HelloAck):
+            info = self.dealer_peers[peer]
+            if not msg.accepted:
+                self.refused[peer] = msg.error
+                self._error(peer, f"our Hello was refused: {msg.error}")
+                return
+            is_new = info.incarnation != msg.incarnation
+            info.role, info.incarnation, info.acked = msg.role, msg.incarnation, True
+            if self.on_hello:
+                self.on_hello(info, is_new)
+            return
+        self._pending.append(env)
+
+    def close(self) -> None:
+        for peer in list(self.dealers):
+            self.disconnect(peer)
+        self.poller.unregister(self.router)
+        self.router.close(0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
