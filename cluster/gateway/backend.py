@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # transport imports the codec; the app must not need it
 
 log = logging.getLogger(__name__)
 
+#: Abort reason when a stream is closed or cancelled before its finished TokenStream
+ABANDONED_REASON = "client disconnected"
+
 
 @runtime_checkable
 class GenerationBackend(Protocol):
@@ -157,8 +160,9 @@ class MailboxBackend:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenStream]:
         """Send ``req`` to a verifier and yield its TokenStreams until the finished one.
 
-        Closing the iterator early (client gone, stop string) aborts the request unless
-        :meth:`abort` was already called for it.
+        Closing the iterator early or cancelling the task that awaits it (the HTTP client went
+        away) aborts the request with reason ``"client disconnected"`` unless :meth:`abort` was
+        already called for it (e.g. with ``"stop string"``).
         """
         rid = req.request_id
         pending = _Pending(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
@@ -193,7 +197,7 @@ class MailboxBackend:
                     return
         finally:
             if not finished:
-                self.abort(rid, "cancelled")
+                self.abort(rid, ABANDONED_REASON)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Send Abort to the request's verifier and end its stream with ``"abort"``.

@@ -1,0 +1,111 @@
+"""Start a specmesh cluster on Ray: an embedded local Ray for ``specmesh serve`` / tests, or
+one role joining an existing cluster (``specmesh launch``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from cluster.actors import (
+    CONTROLLER_NAME,
+    NAMESPACE,
+    ControllerActor,
+    GatewayActor,
+    RoleActor,
+    role_options,
+)
+from cluster.config import ROLES, ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+def init_local_ray(num_cpus: int | None = None) -> None:
+    """Start (or join the already started) embedded Ray on 127.0.0.1, without the dashboard.
+    Role resources are plentiful so that several clusters can share one Ray session."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2,
+             resources={r: 1000 for r in ROLES}, include_dashboard=False,
+             _node_ip_address="127.0.0.1", namespace=NAMESPACE, log_to_driver=True,
+             configure_logging=True, logging_level=logging.WARNING)
+
+
+def get_controller():
+    return ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE,
+                                   get_if_exists=True, num_cpus=0, lifetime=None).remote()
+
+
+def start_role(role: str, instance_id: str, cfg: ClusterConfig, num_gpus: float = 0):
+    """Create the actor of one role; it registers itself with the controller."""
+    opts = role_options(role, cfg, num_gpus)
+    opts["name"] = f"specmesh-{instance_id}"
+    if role == "gateway":
+        return GatewayActor.options(**opts).remote(instance_id, cfg)
+    return RoleActor.options(**opts).remote(role, instance_id, cfg)
+
+
+@dataclass
+class ClusterHandle:
+    """A running cluster: the controller, role actors by instance id, the gateway URL."""
+
+    cfg: ClusterConfig
+    controller: object
+    actors: dict[str, object] = field(default_factory=dict)
+    url: str = ""
+
+    def verifiers(self) -> list:
+        return [a for iid, a in self.actors.items() if iid.startswith("verifier")]
+
+    def stats(self) -> dict[str, dict]:
+        return {iid: ray.get(a.stats.remote()) for iid, a in self.actors.items()}
+
+    def set_num_draft_tokens(self, k: int) -> None:
+        ray.get([a.set_num_draft_tokens.remote(k) for a in self.verifiers()])
+
+    def stop(self) -> None:
+        for a in self.actors.values():
+            try:
+                ray.get(a.stop.remote(), timeout=20)
+            except Exception:  # noqa: BLE001 - killing follows anyway
+                pass
+            ray.kill(a, no_restart=True)
+        ray.kill(self.controller, no_restart=True)
+        self.actors.clear()
+
+
+def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int = 1,
+                  num_drafters: int = 1, timeout_s: float = 600.0) -> ClusterHandle:
+    """Start controller, prefill, verifier, drafter and gateway actors and wait until the
+    gateway can route a request (every verifier connected to a prefill worker and a drafter).
+
+    Raises:
+        TimeoutError: the roles did not connect within ``timeout_s``.
+    """
+    init_local_ray()
+    controller = get_controller()
+    handle = ClusterHandle(cfg, controller)
+    plan = ([("prefill", f"prefill-{i}") for i in range(num_prefill)]
+            + [("drafter", f"drafter-{i}") for i in range(num_drafters)]
+            + [("verifier", f"verifier-{i}") for i in range(num_verifiers)]
+            + [("gateway", "gateway-0")])
+    for role, iid in plan:
+        handle.actors[iid] = start_role(role, iid, cfg)
+    infos = ray.get([a.info.remote() for a in handle.actors.values()], timeout=timeout_s)
+    handle.url = next(i["url"] for i in infos if i["role"] == "gateway")
+    deadline = time.monotonic() + timeout_s
+    want = num_prefill + num_drafters
+    while True:
+        st = handle.stats()
+        ok = all(len(st[f"verifier-{i}"]["ready_peers"]) >= want for i in range(num_verifiers))
+        ok = ok and len(st["gateway-0"]["ready_verifiers"]) == num_verifiers
+        if ok:
+            return handle
+        if time.monotonic() > deadline:
+            handle.stop()
+            raise TimeoutError(f"cluster roles did not connect: {st}")
+        time.sleep(0.2)
