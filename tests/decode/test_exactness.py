@@ -1,0 +1,143 @@
+"""Exactness (float64, tiny random Llama): speculative greedy == plain greedy, token for token,
+through the three in-process workers with real encoded messages (DESIGN.md §9)."""
+
+import random
+
+import pytest
+import torch
+
+from cluster.local import InProcessCluster
+from drafter.proposer import Proposer
+from engine.tiny import tiny_llama
+from protocol.messages import SamplingParams
+
+MAX_TOKENS = 24
+
+
+class OracleProposer(Proposer):
+    """Proposes the true greedy continuation (known in advance)."""
+
+    name = "oracle-test"
+
+    def __init__(self, prompts, refs):
+        self.seqs = [list(p) + list(r) for p, r in zip(prompts, refs)]
+
+    def open(self, request_id, context_token_ids):
+        pass
+
+    def propose(self, request_id, context_token_ids, num_tokens):
+        n = len(context_token_ids)
+        for seq in self.seqs:
+            if seq[:n] == context_token_ids:
+                return seq[n:n + num_tokens]
+        return []
+
+    def rollback(self, request_id, num_context_tokens):
+        pass
+
+    def close(self, request_id):
+        pass
+
+
+class GarbageProposer(OracleProposer):
+    """Proposes random tokens (never trustworthy)."""
+
+    name = "garbage-test"
+
+    def __init__(self, vocab_size, seed=0):
+        self.rng = random.Random(seed)
+        self.vocab_size = vocab_size
+
+    def propose(self, request_id, context_token_ids, num_tokens):
+        return [self.rng.randrange(self.vocab_size) for _ in range(num_tokens)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf, model, cfg = tiny_llama(seed=1, dtype=torch.float64, vocab_size=96)
+    rng = random.Random(0)
+    prompts = [
+        [5, 6, 7, 8, 9, 5, 6, 7],
+        [1, 2, 3],
+        [rng.randrange(96) for _ in range(37)],
+        [11, 12, 11, 12, 11, 12, 11],
+        [40],
+    ]
+    refs = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    # plain greedy reference through our own engine too (kappa = 0)
+    return model, cfg, prompts, refs
+
+
+def _run(model, cfg, prompts, k, **kw):
+    c = InProcessCluster(model, cfg, num_draft_tokens=k, num_kv_blocks=128, block_size=4, **kw)
+    # mixed batch: different max_tokens per request
+    params = [SamplingParams(max_tokens=MAX_TOKENS - (i % 3)) for i in range(len(prompts))]
+    return c, c.generate(prompts, params), params
+
+
+def test_plain_decode_equals_hf_generate(tiny):
+    model, cfg, prompts, refs = tiny
+    _, res, params = _run(model, cfg, prompts, 0)
+    for r, ref, sp in zip(res, refs, params):
+        assert r.token_ids == ref[:sp.max_tokens]
+        assert r.finish_reason == "length" and r.num_draft_tokens == 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_oracle_drafter_is_exact_and_accepts(tiny, k):
+    model, cfg, prompts, refs = tiny
+    c, res, params = _run(model, cfg, prompts, k, proposer=OracleProposer(prompts, refs))
+    for r, ref, sp in zip(res, refs, params):
+        assert r.token_ids == ref[:sp.max_tokens]
+    st = c.verifier.stats
+    assert st.num_accepted_tokens > 0
+    # the oracle is always right: every verified draft is accepted
+    assert st.num_accepted_tokens == st.num_draft_tokens
+    assert st.mean_accept_len > 1 if k > 1 else st.mean_accept_len == 1
+    assert st.num_accepted_tokens_per_pos[0] > 0
+
+
+def test_garbage_drafter_changes_nothing(tiny):
+    model, cfg, prompts, refs = tiny
+    c, res, params = _run(model, cfg, prompts, 4, proposer=GarbageProposer(cfg.vocab_size))
+    for r, ref, sp in zip(res, refs, params):
+        assert r.token_ids == ref[:sp.max_tokens]
+    assert c.verifier.stats.num_draft_tokens > 0
+
+
+def test_ngram_drafter_is_exact(tiny):
+    model, cfg, prompts, refs = tiny
+    c, res, params = _run(model, cfg, prompts, 4)
+    for r, ref, sp in zip(res, refs, params):
+        assert r.token_ids == ref[:sp.max_tokens]
+    assert c.drafter.stats.num_draft_tokens_sent > 0
+
+
+def test_eos_ends_request_inside_an_accepted_block(tiny):
+    model, cfg, prompts, refs = tiny
+    # pretend the 6th output token of prompt 0 is EOS: the oracle drafts past it
+    eos = refs[0][5]
+    first = refs[0].index(eos)
+    c = InProcessCluster(model, cfg, num_draft_tokens=5, num_kv_blocks=128, block_size=4,
+                         eos_token_ids=(eos,), proposer=OracleProposer(prompts, refs))
+    (r,) = c.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS))
+    assert r.token_ids == refs[0][:first + 1]
+    assert r.finish_reason == "stop"
+    (r,) = c.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert r.token_ids == refs[0][:MAX_TOKENS]
+
+
+def test_max_tokens_inside_accepted_block_counts_exactly(tiny):
+    model, cfg, prompts, refs = tiny
+    c = InProcessCluster(model, cfg, num_draft_tokens=5, num_kv_blocks=128, block_size=4,
+                         proposer=OracleProposer(prompts, refs))
+    for n in (1, 2, 3, 7):
+        (r,) = c.generate([prompts[1]], SamplingParams(max_tokens=n))
+        assert r.token_ids == refs[1][:n] and r.finish_reason == "length"
+    # all blocks returned
+    assert c.verifier.block_manager.num_free_blocks == 128
+    assert c.prefill.block_manager.num_free_blocks == 128
