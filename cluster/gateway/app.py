@@ -226,6 +226,12 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         return JSONResponse(error_body(str(exc.detail), kind, None, None),
                             status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("gateway: unexpected error")
+        return JSONResponse(error_body(f"internal error: {exc}", "server_error", None, None),
+                            status_code=500)
+
     async def _serve(request: Request, body, chat: bool) -> Response:
         arrival = time.perf_counter()
         endpoint = "chat" if chat else "completions"
