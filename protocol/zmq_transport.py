@@ -159,6 +159,15 @@ class ZmqMailbox(Mailbox):
             return
         self._send_frames(peer, frames)
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the thread that owns the sockets (the ``recv`` caller), at its next
+        poll; immediately when called from that thread or before any ``recv``."""
+        if self._owner is None or threading.get_ident() == self._owner:
+            fn()
+            return
+        self._outbox.put(fn)
+        os.write(self._wake_w, b"x")
+
     def _send_frames(self, peer: str, frames: list) -> None:
         if peer in self.refused:
             raise PeerUnavailable(f"{peer} refused our Hello: {self.refused[peer]}")
@@ -181,9 +190,16 @@ class ZmqMailbox(Mailbox):
             pass
         while True:
             try:
-                peer, frames = self._outbox.get_nowait()
+                item = self._outbox.get_nowait()
             except queue.Empty:
                 return
+            if callable(item):
+                try:
+                    item()
+                except Exception:
+                    log.exception("%s: call_soon callback failed", self.name)
+                continue
+            peer, frames = item
             try:
                 self._send_frames(peer, frames)
             except PeerUnavailable as err:

@@ -1,0 +1,47 @@
+"""Shared fixtures: a tiny random Llama saved as a Hugging Face directory (with SmolLM2's
+tokenizer, so the gateway and chat template are real) and one Ray session per test run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from engine.loader import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
+    """A 2-layer random Llama with SmolLM2's vocabulary, saved as an HF dir (float32)."""
+    import torch
+
+    from engine.tiny import tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf, _, _ = tiny_llama(seed=3, dtype=torch.float32, vocab_size=len(smollm2_tokenizer),
+                          hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          init_std=0.1, eos_token_id=2, bos_token_id=1,
+                          max_position_embeddings=2048)
+    hf.save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One embedded Ray (127.0.0.1, no dashboard) shared by every Ray test of the session."""
+    import ray
+
+    from cluster.launcher import init_local_ray
+
+    init_local_ray()
+    yield
+    ray.shutdown()

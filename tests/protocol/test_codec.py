@@ -1,0 +1,495 @@
+"""Tests of protocol/codec.py: round trips of every registered message, and rejection of every
+kind of malformed input with ProtocolError (and nothing else)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+import typing
+from dataclasses import dataclass
+from typing import ClassVar
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol import codec
+from protocol.codec import EXT_BUFFER, EXT_MESSAGE, decode, encode, encoded_size
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    DTYPE_ITEMSIZE,
+    REGISTRY,
+    Buffer,
+    DraftTailStream,
+    GenerateRequest,
+    Hello,
+    KVFrame,
+    ModelIdentity,
+    SamplingParams,
+    TokenStream,
+    VerifyCommit,
+)
+
+ALL_CLASSES = sorted(REGISTRY.values(), key=lambda c: c.TAG)
+
+
+def _ids(cls: type) -> str:
+    return cls.__name__
+
+
+def _header(frames: list) -> list:
+    """The header of encoded ``frames`` as python objects ([tag, {field: value}])."""
+    return msgpack.unpackb(frames[0], raw=False)
+
+
+def _frames_with(header: object, frames: list) -> list:
+    """``frames`` with the header replaced by msgpack of ``header``."""
+    return [msgpack.packb(header)] + list(frames[1:])
+
+
+def _rejects(frames: object) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)  # type: ignore[arg-type]
+    return info.value
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=_ids)
+def test_every_registered_message_has_an_example_and_round_trips(cls: type) -> None:
+    assert dataclasses.is_dataclass(cls)
+    assert hasattr(cls, "example"), f"{cls.__name__} needs an example() classmethod"
+    msg = cls.example()
+    assert type(msg) is cls
+    frames = encode(msg)
+    assert isinstance(frames[0], bytes)
+    back = decode(frames)
+    assert type(back) is cls
+    assert back == msg
+    # zmq hands frames back as zmq.Frame objects (with .buffer) or bytes copies
+    assert decode([zmq.Frame(bytes(f)) for f in frames]) == msg
+    assert decode([memoryview(bytes(f)) for f in frames]) == msg
+
+
+def test_tuples_travel_as_lists_and_int_is_accepted_for_float() -> None:
+    params = SamplingParams(stop_token_ids=(2, 3), temperature=1)  # type: ignore[arg-type]
+    back = decode(encode(params))
+    assert back.stop_token_ids == [2, 3]
+    assert type(back.temperature) is float and back.temperature == 1.0
+
+
+def test_buffer_data_is_not_copied() -> None:
+    raw = bytearray(range(24))
+    msg = VerifyCommit(request_id="r", pre_commit_len=0, committed_token_ids=[1, 2, 3],
+                       seed_state=Buffer("float32", (3, 2), memoryview(raw)))
+    frames = encode(msg)
+    assert len(frames) == 2 and frames[1] is msg.seed_state.data
+    back = decode(frames)
+    raw[0] = 99  # the decoded buffer is a view of the same memory
+    assert bytes(back.seed_state.data)[0] == 99
+    assert back.seed_state.shape == (3, 2) and back.seed_state.dtype == "float32"
+
+
+def test_buffer_accepts_multibyte_memoryviews() -> None:
+    import array
+
+    arr = array.array("f", [1.0, 2.0, 3.0, 4.0])
+    msg = VerifyCommit(request_id="r", pre_commit_len=0, committed_token_ids=[1, 2],
+                       seed_state=Buffer("float32", (2, 2), memoryview(arr)))
+    frames = encode(msg)
+    assert decode(frames) == msg
+    assert decode([frames[0], memoryview(arr)]).seed_state.data.nbytes == 16
+
+
+def test_encoded_size() -> None:
+    msg = KVFrame.example()
+    frames = encode(msg)
+    assert encoded_size(frames) == len(frames[0]) + msg.kv.nbytes
+    assert encoded_size([zmq.Frame(b"abc"), memoryview(b"de")]) == 5
+
+
+_token = st.integers(min_value=-1, max_value=2**31 - 1)
+_small_int = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+_text = st.text(max_size=20)
+
+
+@st.composite
+def _buffers(draw: st.DrawFn) -> Buffer:
+    dtype = draw(st.sampled_from(sorted(DTYPE_ITEMSIZE)))
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    n = DTYPE_ITEMSIZE[dtype]
+    for s in shape:
+        n *= s
+    data = draw(st.binary(min_size=n, max_size=n))
+    return Buffer(dtype, shape, draw(st.sampled_from([data, memoryview(data)])))
+
+
+_messages = st.one_of(
+    st.builds(DraftTailStream, request_id=_text, base_committed_len=_small_int,
+              start_pos=_small_int, draft_token_ids=st.lists(_token, max_size=16),
+              draft_probs=st.none() | _buffers(), parents=st.none() | st.lists(_token)),
+    st.builds(VerifyCommit, request_id=_text, pre_commit_len=_small_int,
+              committed_token_ids=st.lists(_token, max_size=16),
+              seed_state=st.none() | _buffers()),
+    st.builds(TokenStream, request_id=_text, token_ids=st.lists(_token), finished=st.booleans(),
+              finish_reason=st.none() | st.sampled_from(["stop", "length", "abort", "error"]),
+              num_prompt_tokens=_small_int, num_draft_tokens=_small_int,
+              num_accepted_tokens=_small_int, num_verify_steps=_small_int, error=_text),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_messages)
+def test_property_round_trip(msg: object) -> None:
+    assert decode(encode(msg)) == msg
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding errors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Unregistered:
+    x: int = 0
+
+
+def test_encode_rejects_unregistered_objects() -> None:
+    for obj in (object(), _Unregistered(), Buffer("uint8", (1,), b"x"), {"a": 1}, 3):
+        with pytest.raises(TypeError):
+            encode(obj)
+    with pytest.raises(TypeError):  # nested unregistered value
+        encode(DraftTailStream(request_id="r", base_committed_len=0, start_pos=0,
+                               draft_token_ids=[_Unregistered()]))  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("buf", [
+    Buffer("float32", (2,), b"abc"),
+    Buffer("float31", (1,), b"abcd"),
+    Buffer("uint8", (-1,), b""),
+], ids=["size", "dtype", "negative-dim"])
+def test_encode_rejects_bad_buffers(buf: Buffer) -> None:
+    with pytest.raises(ValueError):
+        encode(VerifyCommit(request_id="r", pre_commit_len=0, committed_token_ids=[],
+                            seed_state=buf))
+
+
+# --------------------------------------------------------------------------------------------
+# Malformed input: ProtocolError, always
+# --------------------------------------------------------------------------------------------
+
+
+_CANDIDATES = [True, False, 0, -5, 1.5, "s", b"b", None, [1, 2], [True], ["x"], {"a": 1},
+               [[1]], msgpack.ExtType(EXT_MESSAGE, msgpack.packb([2, {}])),
+               msgpack.ExtType(EXT_BUFFER, msgpack.packb([1, "uint8", [0]])),
+               msgpack.ExtType(7, b"zz")]
+
+
+def _valid_for(hint: object, value: object) -> bool:
+    """Independent statement of which plain wire values a field annotation accepts."""
+    if hint is int:
+        return type(value) is int
+    if hint is float:
+        return type(value) in (int, float)
+    if hint in (str, bytes, bool):
+        return type(value) is hint
+    if hint is type(None):
+        return value is None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_valid_for(a, value) for a in args)
+    if origin is list:
+        return type(value) is list and all(_valid_for(args[0], v) for v in value)
+    return False  # nested messages and Buffers: no plain candidate is valid (ExtTypes aside)
+
+
+def _wrong_type_cases() -> list:
+    cases = []
+    for cls in ALL_CLASSES:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            for i, cand in enumerate(_CANDIDATES):
+                if not _valid_for(hints[f.name], cand):
+                    cases.append(pytest.param(cls, f.name, cand, id=f"{cls.__name__}.{f.name}-{i}"))
+    return cases
+
+
+@pytest.mark.parametrize("cls,field_name,value", _wrong_type_cases())
+def test_wrong_field_type_is_rejected(cls: type, field_name: str, value: object) -> None:
+    frames = encode(cls.example())
+    tag, body = _header(frames)
+    body[field_name] = value
+    err = _rejects(_frames_with([tag, body], frames))
+    if "request_id" in body and type(body["request_id"]) is str:
+        assert err.request_id == body["request_id"]
+
+
+def test_bool_is_not_int_and_int_is_not_bool() -> None:
+    frames = encode(DraftTailStream.example())
+    tag, body = _header(frames)
+    assert "start_pos" in str(_rejects(_frames_with([tag, {**body, "start_pos": True}], frames)))
+    _rejects(_frames_with([tag, {**body, "draft_token_ids": [1, False]}], frames))
+    frames = encode(TokenStream.example())
+    tag, body = _header(frames)
+    err = _rejects(_frames_with([tag, {**body, "finished": 1}], frames))
+    assert err.request_id == "req-1"
+    _rejects(_frames_with([tag, {**body, "finished": 0}], frames))
+
+
+def test_wrong_type_inside_a_nested_message() -> None:
+    inner = msgpack.unpackb(encode(SamplingParams.example())[0], raw=False)
+    frames = encode(GenerateRequest.example())
+    tag, body = _header(frames)
+    for field_name, bad in [("temperature", True), ("max_tokens", 2.0), ("seed", "7"),
+                            ("stop_token_ids", [1.0])]:
+        nested = [inner[0], {**inner[1], field_name: bad}]
+        body["sampling"] = msgpack.ExtType(EXT_MESSAGE, msgpack.packb(nested))
+        err = _rejects(_frames_with([tag, body], frames))
+        assert err.request_id == "req-1" and field_name in str(err)
+    # a nested message of the wrong class
+    body["sampling"] = msgpack.ExtType(EXT_MESSAGE, encode(ModelIdentity.example())[0])
+    _rejects(_frames_with([tag, body], frames))
+    # a nested payload that is not msgpack
+    body["sampling"] = msgpack.ExtType(EXT_MESSAGE, b"\xc1")
+    _rejects(_frames_with([tag, body], frames))
+
+
+def test_missing_extra_and_unknown() -> None:
+    frames = encode(TokenStream.example())
+    tag, body = _header(frames)
+    for name in body:
+        err = _rejects(_frames_with([tag, {k: v for k, v in body.items() if k != name}], frames))
+        if name != "request_id":
+            assert err.request_id == "req-1"
+    _rejects(_frames_with([tag, {**body, "bogus": 1}], frames))
+    _rejects(_frames_with([tag, {**body, b"raw-key": 1}], frames))
+    err = _rejects(_frames_with([9999, body], frames))
+    assert "tag" in str(err) and err.request_id == "req-1"
+    _rejects(_frames_with(["21", body], frames))
+    _rejects(_frames_with([True, body], frames))
+    _rejects(_frames_with([tag, [body]], frames))
+    _rejects(_frames_with([tag, body, 1], frames))
+    _rejects(_frames_with([tag], frames))
+    _rejects(_frames_with(msgpack.ExtType(EXT_MESSAGE, frames[0]), frames))
+
+
+@pytest.mark.parametrize("header", [0, 7, -1, 2**63, "x", b"x", None, 1.5, {}, []])
+def test_header_that_is_not_a_list(header: object) -> None:
+    _rejects([msgpack.packb(header)])
+
+
+def test_not_msgpack_and_truncated() -> None:
+    _rejects([b""])
+    _rejects([b"\xc1"])  # never-used msgpack byte
+    _rejects([b"\x92\x15\x81\xa1"])
+    _rejects([msgpack.packb([21, {}]) + b"\x00"])  # trailing bytes
+    for cls in ALL_CLASSES:
+        frames = encode(cls.example())
+        for cut in range(len(frames[0])):
+            _rejects([frames[0][:cut], *frames[1:]])
+
+
+def test_zero_frames_and_non_frames() -> None:
+    _rejects([])
+    _rejects(())
+    _rejects(encode(DraftTailStream.example())[0])  # a bare buffer, not a list of frames
+    _rejects(None)
+    _rejects(42)
+    _rejects(["not bytes"])
+    _rejects([object()])
+    _rejects(iter([b"x"]))
+
+
+def _verify_commit_frames() -> tuple[list, list]:
+    frames = encode(VerifyCommit.example())
+    assert len(frames) == 2
+    return frames, _header(frames)
+
+
+def _with_ref(ref: object) -> list:
+    frames, (tag, body) = _verify_commit_frames()
+    body["seed_state"] = msgpack.ExtType(EXT_BUFFER, msgpack.packb(ref))
+    return _frames_with([tag, body], frames)
+
+
+def test_buffer_frame_errors() -> None:
+    frames, (tag, body) = _verify_commit_frames()
+    err = _rejects(frames[:1])  # missing frame
+    assert err.request_id == "req-1"
+    _rejects(frames + [b"extra"])  # extra frame
+    _rejects([frames[0], bytes(frames[1])[:-1]])  # wrong size
+    _rejects([frames[0], bytes(frames[1]) + b"\x00"])
+    _rejects(_with_ref([1, "float31", [3, 2]]))  # unknown dtype
+    _rejects(_with_ref([1, 5, [3, 2]]))
+    _rejects(_with_ref([1, "float32", [-3, -2]]))  # negative dims (product matches size)
+    _rejects(_with_ref([1, "float32", [3, True]]))
+    _rejects(_with_ref([1, "float32", [3.0, 2]]))
+    _rejects(_with_ref([1, "float32", 6]))
+    _rejects(_with_ref([0, "float32", [3, 2]]))  # the header is not a buffer
+    _rejects(_with_ref([2, "float32", [3, 2]]))  # out of range
+    _rejects(_with_ref([True, "float32", [3, 2]]))
+    _rejects(_with_ref([1, "float32"]))
+    _rejects(_with_ref({"idx": 1}))
+    _rejects(_with_ref([1, "float32", [1] * 100 + [6]]))  # too many dims
+    assert decode(_with_ref([1, "uint8", [24]])).seed_state.shape == (24,)
+    # a buffer where a list is expected, and a list where a buffer is expected
+    body2 = {**body, "committed_token_ids": body["seed_state"], "seed_state": None}
+    _rejects(_frames_with([tag, body2], frames))
+    _rejects(_frames_with([tag, {**body, "seed_state": [1, "float32", [3, 2]]}], frames))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _TwoBuffers:
+    """A message with two buffers (registered only inside the test)."""
+
+    request_id: str
+    first: Buffer
+    second: Buffer | None
+    TAG: ClassVar[int] = 9_998
+
+
+def test_buffer_frames_with_two_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(REGISTRY, _TwoBuffers.TAG, _TwoBuffers)
+    msg = _TwoBuffers(request_id="q", first=Buffer("uint8", (1,), b"x"),
+                      second=Buffer("int16", (2,), b"abcd"))
+    frames = encode(msg)
+    assert len(frames) == 3 and decode(frames) == msg
+    tag, body = _header(frames)
+    first_ref = body["first"]
+    err = _rejects(_frames_with([tag, {**body, "second": first_ref}], frames))  # used twice
+    assert "twice" in str(err) and err.request_id == "q"
+    _rejects(frames[:2])  # second frame missing
+    _rejects([frames[0], frames[2], frames[1]])  # frames swapped: sizes do not match
+    one = _TwoBuffers(request_id="q", first=Buffer("uint8", (1,), b"x"), second=None)
+    _rejects(encode(one) + [b"y"])  # extra frame
+
+
+def test_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = encode(KVFrame.example())
+    msg = decode(kv)
+    monkeypatch.setattr(codec, "MAX_HEADER_BYTES", len(kv[0]) - 1)
+    assert "MAX_HEADER_BYTES" in str(_rejects(kv))
+    monkeypatch.setattr(codec, "MAX_HEADER_BYTES", len(kv[0]))
+    assert decode(kv) == msg
+    monkeypatch.setattr(codec, "MAX_BUFFER_BYTES", len(kv[1]) - 1)
+    _rejects(kv)
+    monkeypatch.setattr(codec, "MAX_BUFFER_BYTES", len(kv[1]))
+    assert decode(kv) == msg
+    monkeypatch.setattr(codec, "MAX_FRAMES", 1)
+    _rejects(kv)
+
+
+def test_huge_length_prefixes_do_not_allocate() -> None:
+    _rejects([b"\xdd\xff\xff\xff\xff"])  # array32 of 4G items
+    _rejects([b"\xdf\xff\xff\xff\xff"])  # map32
+    _rejects([b"\xc6\xff\xff\xff\xff"])  # bin32
+    _rejects([b"\xdb\xff\xff\xff\xff"])  # str32
+    _rejects([b"\xc9\xff\xff\xff\xff\x01"])  # ext32
+
+
+def test_too_deep_nesting(monkeypatch: pytest.MonkeyPatch) -> None:
+    _rejects([b"\x91" * 100_000 + b"\x01"])
+    _rejects([b"\x81\xa1a" * 50_000 + b"\x01"])
+    frames = encode(Hello.example())
+    monkeypatch.setattr(codec, "MAX_DEPTH", 0)
+    _rejects(frames)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Checked:
+    """A message whose __post_init__ validates (registered only inside the test)."""
+
+    request_id: str
+    count: int
+    TAG: ClassVar[int] = 9_999
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError("count must be >= 0")
+
+
+def test_post_init_errors_become_protocol_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(REGISTRY, _Checked.TAG, _Checked)
+    ok = _Checked(request_id="q", count=1)
+    assert decode(encode(ok)) == ok
+    err = _rejects([msgpack.packb([_Checked.TAG, {"request_id": "q", "count": -1}])])
+    assert err.request_id == "q" and "count" in str(err)
+
+
+def test_the_error_is_a_protocol_error_with_request_id() -> None:
+    frames = encode(DraftTailStream.example())
+    tag, body = _header(frames)
+    err = _rejects(_frames_with([tag, {**body, "start_pos": "4"}], frames))
+    assert err.request_id == "req-1" and "DraftTailStream.start_pos" in str(err)
+    err = _rejects(_frames_with([tag, {**body, "request_id": 5}], frames))
+    assert err.request_id is None
+
+
+# --------------------------------------------------------------------------------------------
+# Fuzz: decode never raises anything but ProtocolError
+# --------------------------------------------------------------------------------------------
+
+
+def _decode_or_protocol_error(frames: list) -> None:
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=256))
+def test_fuzz_arbitrary_header_bytes(data: bytes) -> None:
+    _decode_or_protocol_error([data])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=5))
+def test_fuzz_arbitrary_frames(frames: list) -> None:
+    _decode_or_protocol_error(frames)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(ALL_CLASSES), st.data())
+def test_fuzz_mutated_valid_messages(cls: type, data: st.DataObject) -> None:
+    frames = encode(cls.example())
+    header = bytearray(frames[0])
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(header) - 1))
+        header[pos] = data.draw(st.integers(0, 255))
+    _decode_or_protocol_error([bytes(header), *frames[1:]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() .filter(lambda i: -(2**63) <= i < 2**64)
+    | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=4),
+    max_leaves=20,
+), st.sampled_from(sorted(REGISTRY)))
+def test_fuzz_structured_headers(body: object, tag: int) -> None:
+    _decode_or_protocol_error([msgpack.packb([tag, body])])
+    _decode_or_protocol_error([msgpack.packb(body)])
+
+
+# --------------------------------------------------------------------------------------------
+# Speed (loose bound: catches pathological regressions only)
+# --------------------------------------------------------------------------------------------
+
+
+def test_small_message_round_trip_is_fast() -> None:
+    msg = DraftTailStream(request_id="req-17", base_committed_len=40, start_pos=41,
+                          draft_token_ids=[1, 2, 3, 4, 5])
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        decode(encode(msg))
+    per_call = (time.perf_counter() - t0) / n
+    assert per_call < 500e-6, f"{per_call * 1e6:.1f} us per encode+decode"

@@ -1,0 +1,175 @@
+"""The import direction of DESIGN.md §1, checked on the source (ast), lazy imports included.
+
+- protocol: no torch / numpy / triton / ray, no other project package;
+- kernels: only torch, triton, the standard library and kernels itself;
+- engine: may import kernels and protocol; not ray, prefill, decode, drafter, cluster;
+- prefill, decode, drafter: engine / kernels / protocol, never each other, cluster or ray;
+- only cluster imports ray.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ("protocol", "kernels", "engine", "prefill", "decode", "drafter", "cluster")
+WORKERS = ("prefill", "decode", "drafter")
+
+#: package -> top-level modules it must not import
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "protocol": frozenset({"torch", "numpy", "triton", "ray", *PROJECT} - {"protocol"}),
+    "engine": frozenset({"ray", *WORKERS, "cluster"}),
+    **{w: frozenset({"ray", "cluster", *WORKERS} - {w}) for w in WORKERS},
+    "cluster": frozenset(),
+}
+#: package -> the only top-level modules it may import (besides the standard library)
+ONLY: dict[str, frozenset[str]] = {"kernels": frozenset({"torch", "triton", "kernels"})}
+STDLIB = frozenset(sys.stdlib_module_names)
+
+
+def module_name(package: str, relpath: str) -> tuple[str, bool]:
+    """``("decode.worker", False)`` for ``decode/worker.py``; ``("decode", True)`` for its
+    ``__init__.py`` (the bool says whether the module is a package)."""
+    parts = [package, *Path(relpath).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """Every module ``source`` imports, anywhere (functions and ``if`` blocks included), as
+    ``(line, absolute dotted name)``; relative imports are resolved against ``module``.
+    ``importlib.import_module("x")`` / ``__import__("x")`` with a literal name count too.
+
+    Raises:
+        SyntaxError: ``source`` does not parse.
+    """
+    found: list[tuple[int, str]] = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                found.append((node.lineno, node.module or ""))
+                continue
+            base = package.split(".") if package else []
+            if node.level - 1 > len(base) - 1:
+                found.append((node.lineno, "<relative import beyond the top-level package>"))
+                continue
+            base = base[: len(base) - (node.level - 1)]
+            target = ".".join([*base, node.module] if node.module else base)
+            if node.module:
+                found.append((node.lineno, target))
+            else:  # from . import a, b
+                found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = (func.attr if isinstance(func, ast.Attribute)
+                    else func.id if isinstance(func, ast.Name) else "")
+            arg = node.args[0]
+            if (name in ("import_module", "__import__") and isinstance(arg, ast.Constant)
+                    and isinstance(arg.value, str)):
+                found.append((node.lineno, arg.value))
+    return found
+
+
+def violations(package: str, source: str, relpath: str = "mod.py") -> list[str]:
+    """The import-direction violations of one source file of ``package``."""
+    module, is_package = module_name(package, relpath)
+    bad = []
+    for line, name in imported_modules(source, module, is_package):
+        top = name.split(".")[0]
+        if name.startswith("<"):
+            ok = False
+        elif package in ONLY:
+            ok = top in ONLY[package] or top in STDLIB
+        else:
+            ok = top not in FORBIDDEN[package]
+        if not ok:
+            bad.append(f"{package}/{relpath}:{line}: imports {name}")
+    return bad
+
+
+def _sources() -> list[tuple[str, Path]]:
+    return [(pkg, path) for pkg in PROJECT if (REPO_ROOT / pkg).is_dir()
+            for path in sorted((REPO_ROOT / pkg).rglob("*.py")) if "__pycache__" not in path.parts]
+
+
+def test_project_tree_respects_import_direction() -> None:
+    sources = _sources()
+    scanned = {path.relative_to(REPO_ROOT).as_posix() for _, path in sources}
+    assert {"protocol/codec.py", "protocol/messages.py", "kernels/greedy_verify.py"} <= scanned
+    bad: list[str] = []
+    for package, path in sources:
+        relpath = path.relative_to(REPO_ROOT / package).as_posix()
+        try:
+            bad += violations(package, path.read_text(encoding="utf-8"), relpath)
+        except SyntaxError as e:
+            bad.append(f"{package}/{relpath}: does not parse: {e}")
+    assert not bad, "import direction violated (DESIGN.md §1):\n" + "\n".join(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# The checker itself
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package,source,relpath", [
+    ("protocol", "import torch", "codec.py"),
+    ("protocol", "import numpy as np", "codec.py"),
+    ("protocol", "from triton import language", "codec.py"),
+    ("protocol", "import torch.nn.functional", "codec.py"),
+    ("protocol", "def f():\n    import engine.model\n", "x.py"),
+    ("protocol", "from ...engine import model", "sub/x.py"),  # beyond the top level
+    ("engine", "from ..kernels import greedy_verify", "runner.py"),  # beyond the top level
+    ("kernels", "import numpy", "op.py"),
+    ("kernels", "import protocol", "op.py"),
+    ("kernels", "from engine import sampler", "op.py"),
+    ("kernels", "import msgpack", "op.py"),
+    ("engine", "import ray", "runner.py"),
+    ("engine", "from decode import worker", "runner.py"),
+    ("engine", "class A:\n    def f(self):\n        from cluster.config import C\n", "a.py"),
+    ("prefill", "from decode.worker import W", "worker.py"),
+    ("prefill", "from ..drafter import registry", "worker.py"),
+    ("decode", "if True:\n    import prefill\n", "loop.py"),
+    ("decode", "from cluster import config", "loop.py"),
+    ("drafter", "import importlib\nimportlib.import_module('ray')\n", "x.py"),
+    ("drafter", "__import__('decode.worker')", "x.py"),
+    ("drafter", "try:\n    import ray.util\nexcept ImportError:\n    pass\n", "x.py"),
+    ("decode", "from .... import x", "a/b.py"),
+])
+def test_checker_flags_violations(package: str, source: str, relpath: str) -> None:
+    assert violations(package, source, relpath), f"{package}: {source!r} should be refused"
+
+
+@pytest.mark.parametrize("package,source,relpath", [
+    ("protocol", "from __future__ import annotations\nimport msgpack, zmq, dataclasses",
+     "codec.py"),
+    ("protocol", "from .messages import Buffer\nfrom . import errors", "codec.py"),
+    ("protocol", "from protocol.errors import ProtocolError", "__init__.py"),
+    ("kernels", "import os, typing\nimport torch\nimport triton.language as tl", "op.py"),
+    ("kernels", "from .constants import PLACEHOLDER_TOKEN_ID\nfrom kernels import x", "op.py"),
+    ("engine", "import torch, safetensors\nfrom kernels import greedy_verify\nimport protocol",
+     "runner.py"),
+    ("protocol", "from ..messages import Buffer", "sub/x.py"),
+    ("prefill", "import engine\nfrom protocol import KVFrame\nfrom .worker import W",
+     "__init__.py"),
+    ("decode", "from engine.model import Llama\nfrom kernels import greedy_verify", "loop.py"),
+    ("drafter", "from drafter.proposers import ngram", "registry.py"),
+    ("cluster", "import ray\nfrom decode import worker\nfrom prefill import worker", "actors.py"),
+])
+def test_checker_accepts_allowed_imports(package: str, source: str, relpath: str) -> None:
+    assert violations(package, source, relpath) == []
+
+
+def test_relative_imports_resolve() -> None:
+    found = dict(imported_modules("from . import a\nfrom ..b import c\nfrom .d import e\n",
+                                  "pkg.sub.mod", is_package=False))
+    assert found == {1: "pkg.sub.a", 2: "pkg.b", 3: "pkg.sub.d"}
+    found = dict(imported_modules("from . import a\n", "pkg.sub", is_package=True))
+    assert found == {1: "pkg.sub.a"}
