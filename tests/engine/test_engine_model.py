@@ -149,3 +149,16 @@ def test_greedy_generation_equals_hf_generate_fp64():
         logits = r.forward([SeqChunk(out[-1:], len(prompt) + len(out) - 1, table)])[0]
     assert out == want
     assert len(set(out)) > 6  # the random model is not degenerate
+
+
+def test_bfloat16_runs_and_returns_float32_logits():
+    hf, ours, config = tiny_llama(seed=1, dtype=torch.float64)
+    ours_bf16 = ours.to(torch.bfloat16)
+    r = _runner(ours_bf16, config, torch.bfloat16)
+    seq = _seq(4, 12)
+    prefill = r.forward([SeqChunk(seq[:8], 0, [0, 1, 2])])[0]
+    verify = r.forward([SeqChunk(seq[8:], 8, [0, 1, 2])])[0]
+    got = torch.cat([prefill, verify])
+    assert got.dtype == torch.float32
+    want = Ref(hf)(seq)
+    assert (got.double() - want).abs().max().item() < 0.1 * want.abs().max().item()

@@ -45,7 +45,8 @@ def test_bad_modes_raise(runner):
 
 def test_from_hf_llama_and_qwen2():
     cfg = ModelConfig.from_hf(tiny_hf_config(hidden_size=64, num_heads=4, num_kv_heads=2))
-    assert (cfg.head_dim, cfg.num_kv_heads, cfg.attention_bias, cfg.rope_scaling) == (16, 2, False, None)
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.attention_bias) == (16, 2, False)
+    assert cfg.rope_scaling is None
     assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
     q = ModelConfig.from_hf(tiny_hf_config(qwen2=True, eos_token_id=[2, 3]))
     assert q.attention_bias and not q.o_proj_bias and q.eos_token_ids == (2, 3)

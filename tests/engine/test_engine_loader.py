@@ -1,0 +1,37 @@
+"""load_model on a Hugging Face dir (tiny random model) and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCache
+from engine.loader import load_model, model_identity_fields
+from engine.runner import ModelRunner, SeqChunk
+from engine.tiny import tiny_llama
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_hf_dir_matches_hf(tmp_path, tied):
+    hf, _, _ = tiny_llama(seed=5, dtype=torch.float32, tie_word_embeddings=tied)
+    hf.save_pretrained(tmp_path / "tiny")
+    loaded = load_model(str(tmp_path / "tiny"), dtype="float64")
+    assert loaded.name == "tiny" and loaded.tokenizer is None
+    assert loaded.model.dtype == torch.float64
+    assert (loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight) == tied
+    assert model_identity_fields(loaded, 4) == {
+        "name": "tiny", "vocab_size": 128, "dtype": "float64", "num_layers": 2,
+        "num_kv_heads": 2, "head_dim": 16, "block_size": 4}
+    prompt = list(range(3, 20))
+    runner = ModelRunner(loaded.model, loaded.config, KVCache(loaded.config, 8, 4, torch.float64))
+    got = runner.forward([SeqChunk(prompt, 0, [0, 1, 2, 3, 4])])[0]
+    with torch.no_grad():
+        want = hf.double()(torch.tensor([prompt])).logits[0]
+    assert (got - want).abs().max().item() < 1e-9
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(None, dtype="int8")
+    with pytest.raises(FileNotFoundError):
+        load_model("/nonexistent/model/dir")
