@@ -100,9 +100,9 @@ def _client(url: str):
 
 
 def _model_name(cfg: ClusterConfig) -> str:
-    from cluster.roles import _model_name
+    from engine.loader import model_name
 
-    return _model_name(cfg.model)
+    return model_name(cfg.model)
 
 
 def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 96) -> dict:

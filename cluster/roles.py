@@ -177,14 +177,14 @@ class GatewayHost:
         import torch
 
         from cluster.gateway import MailboxBackend, create_app, serve_gateway
-        from engine.loader import load_tokenizer
+        from engine.loader import load_tokenizer, model_name
 
         torch.set_num_threads(cfg.threads.get("gateway", 1))
         self.role, self.instance_id, self.cfg = "gateway", instance_id, cfg
         self.incarnation = time.time_ns()
         self.num_calls = 0
         tokenizer = load_tokenizer(cfg.model)
-        loaded_name = _model_name(cfg.model)
+        loaded_name = model_name(cfg.model)
         identity = ModelIdentity(name=loaded_name, vocab_size=len(tokenizer), dtype="",
                                  num_layers=0, num_kv_heads=0, head_dim=0, block_size=0)
         self.mailbox = ZmqMailbox(instance_id, "gateway", host=cfg.host, model=identity,
@@ -199,11 +199,8 @@ class GatewayHost:
         ready = [v for v in self.verifiers if self.mailbox.ready(v)]
         if not ready:
             raise ConnectionError("no verifier is connected yet")
-        load = {v: 0 for v in ready}
-        for p in list(self.backend._pending.values()):
-            if p.verifier in load:
-                load[p.verifier] += 1
-        return min(ready, key=lambda v: load[v])
+        load = self.backend.in_flight_by_verifier()
+        return min(ready, key=lambda v: load.get(v, 0))
 
     def info(self) -> dict:
         self.num_calls += 1
@@ -242,9 +239,3 @@ class GatewayHost:
         self.backend.close()
         self.mailbox.close()
 
-
-def _model_name(model: str | None) -> str:
-    from engine.loader import _model_name as name, _resolve
-
-    kind, path = _resolve(model)
-    return name(model, kind, path)

@@ -49,6 +49,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECMESH_CACHE_DIR") or Path.home() / ".cache" / "specmesh")
 
 
+def model_name(model: str | None = None) -> str:
+    """The served name of ``model`` (what ``/v1/models`` lists), e.g. ``SmolLM2-135M-Instruct``.
+
+    Raises:
+        FileNotFoundError: ``model`` is neither a .gguf file nor a Hugging Face directory.
+    """
+    kind, path = _resolve(model)
+    return _model_name(model, kind, path)
+
+
 def _check_dtype(dtype: str) -> str:
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {MODEL_DTYPES}")

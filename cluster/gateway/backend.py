@@ -92,6 +92,14 @@ class MailboxBackend:
         """Requests sent to a verifier and not yet finished."""
         return len(self._pending)
 
+    def in_flight_by_verifier(self) -> dict[str, int]:
+        """Requests in flight per verifier peer (for least-loaded routing)."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for p in self._pending.values():
+                out[p.verifier] = out.get(p.verifier, 0) + 1
+        return out
+
     def _send(self, peer: str, msg: object) -> None:
         with self._send_lock:
             self.mailbox.send(peer, msg)

@@ -1,0 +1,109 @@
+"""Bad input to the verifier gets a clear answer and loses nothing: malformed bytes, unknown
+requests, oversized or out-of-vocabulary prompts, a full queue, a quarantined drafter."""
+
+import pytest
+import torch
+
+from cluster.local import InProcessCluster
+from engine.tiny import tiny_llama
+from protocol.messages import (
+    Abort,
+    DraftTailStream,
+    GenerateRequest,
+    SamplingParams,
+    TokenStream,
+    VerifyCommit,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    _, m, cfg = tiny_llama(seed=4, dtype=torch.float64, vocab_size=64)
+    return m, cfg
+
+
+def _finals(c):
+    out = {}
+    for env in c.client.drain():
+        if isinstance(env.msg, TokenStream) and env.msg.finished:
+            out[env.msg.request_id] = env.msg
+    return out
+
+
+def test_invalid_requests_get_clear_errors_and_the_next_request_is_served(model):
+    m, cfg = model
+    c = InProcessCluster(m, cfg, num_draft_tokens=2, num_kv_blocks=16, block_size=4,
+                         max_model_len=48)
+    sp = SamplingParams(max_tokens=4)
+    c.client.send_frames("decode-0", [b"\x93\x01\x02"])  # valid msgpack, not a message
+    c.client.send_frames("decode-0", [b"\xff" * 10])
+    c.client.send("decode-0", Abort(request_id="never-sent"))
+    bad = {
+        "empty": [],
+        "oov": [1, 2, 999],
+        "too-long": list(range(1, 50)),
+    }
+    for rid, prompt in bad.items():
+        c.client.send("decode-0", GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                                  sampling=sp))
+    c.client.send("decode-0", GenerateRequest(request_id="sampled", prompt_token_ids=[1],
+                                              sampling=SamplingParams(temperature=0.7)))
+    c.verifier.step()
+    finals = _finals(c)
+    assert {r: f.finish_reason for r, f in finals.items()} == {
+        "empty": "invalid", "oov": "invalid", "too-long": "invalid", "sampled": "invalid"}
+    assert "maximum model length" in finals["too-long"].error
+    assert c.verifier.stats.num_protocol_errors == 2
+    (ok,) = c.generate([[3, 4, 5]], sp)
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 4
+
+
+def test_full_queue_answers_queue_full(model):
+    m, cfg = model
+    c = InProcessCluster(m, cfg, num_draft_tokens=0, num_kv_blocks=16, block_size=4)
+    c.verifier.config = type(c.verifier.config)(**{**vars(c.verifier.config), "max_queue_len": 2})
+    c.verifier.prefill_peers = []  # nothing can be admitted: requests stay queued
+    for i in range(3):
+        c.client.send("decode-0", GenerateRequest(request_id=f"q{i}", prompt_token_ids=[1, 2],
+                                                  sampling=SamplingParams(max_tokens=2)))
+    c.verifier.step()
+    finals = _finals(c)
+    assert list(finals) == ["q2"] and finals["q2"].finish_reason == "queue_full"
+    c.verifier.set_roster(["prefill-0"], ["drafter-0"])
+    c.client.send("decode-0", Abort(request_id="q0"))
+    for _ in range(20):
+        c.prefill.step()
+        c.verifier.step()
+        finals.update(_finals(c))
+    assert finals["q0"].finish_reason == "abort"
+    assert finals["q1"].finish_reason == "length"
+
+
+def test_garbage_from_drafter_quarantines_only_that_request(model):
+    m, cfg = model
+    c = InProcessCluster(m, cfg, num_draft_tokens=3, num_kv_blocks=32, block_size=4)
+    sp = SamplingParams(max_tokens=10)
+    ref = InProcessCluster(m, cfg, num_draft_tokens=0, num_kv_blocks=32, block_size=4)
+    want = [r.token_ids for r in ref.generate([[5, 6, 7], [9, 9, 9, 9]], sp)]
+    for i, p in enumerate([[5, 6, 7], [9, 9, 9, 9]]):
+        c.client.send("decode-0", GenerateRequest(request_id=f"g{i}", prompt_token_ids=p,
+                                                  sampling=sp))
+    for _ in range(3):
+        c.prefill.step()
+        c.verifier.step()
+    # from the real drafter's name: an out-of-vocabulary draft and a wrong message type
+    c.drafter.mailbox.send("decode-0", DraftTailStream(
+        request_id="g0", base_committed_len=1, start_pos=1, draft_token_ids=[10_000]))
+    c.drafter.mailbox.send("decode-0", VerifyCommit(request_id="g1", pre_commit_len=0,
+                                                    committed_token_ids=[1]))
+    got = {}
+    for _ in range(40):
+        c.drafter.step()
+        c.prefill.step()
+        c.verifier.step()
+        for env in c.client.drain():
+            if isinstance(env.msg, TokenStream):
+                got.setdefault(env.msg.request_id, []).extend(env.msg.token_ids)
+    assert got["g0"] == want[0] and got["g1"] == want[1]
+    assert c.verifier.stats.num_protocol_errors == 1
+    assert c.verifier.stats.num_ignored_messages == 1
