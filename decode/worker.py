@@ -108,7 +108,11 @@ class VerifierWorker:
             if peer not in self.prefill_peers:
                 for t in self.kv.drop_peer(peer):
                     req = self.requests.get(t.request_id)
-                    if req is not None:
+                    if req is None:
+                        continue
+                    if req.status is Status.CANCELLING:  # no ack will ever come
+                        self._release(req)
+                    else:
                         self._finish(req, "error", f"prefill worker {peer} went away")
 
     def resync_drafter(self, peer: str) -> None:

@@ -31,6 +31,7 @@ class DraftState:
     path: list[int] = field(default_factory=list)  # speculative tokens after `committed`
     num_sent: int = 0  # tokens of `path` already streamed
     exhausted: bool = False  # proposer found nothing for the current context
+    news: bool = True  # synced or committed since the last segment: the verifier may wait
 
     @property
     def context(self) -> list[int]:
@@ -140,6 +141,7 @@ class DrafterWorker:
             st.num_sent = 0
         st.committed.extend(toks)
         st.exhausted = False
+        st.news = True
 
     def _need_sync(self, st: DraftState, reason: str) -> None:
         self.stats.num_need_sync += 1
@@ -171,8 +173,10 @@ class DrafterWorker:
                     st.path.extend(new[:room])
                 else:
                     st.exhausted = True  # until the next commit changes the context
-            if st.num_sent < len(st.path):
+            if st.num_sent < len(st.path) or st.news:
+                # An empty segment tells a verifier waiting for a tail that none is coming.
                 seg = st.path[st.num_sent:]
+                st.news = False
                 self._send(st.verifier, DraftTailStream(
                     request_id=st.request_id, base_committed_len=len(st.committed),
                     start_pos=len(st.committed) + st.num_sent, draft_token_ids=seg))
