@@ -61,7 +61,7 @@ class ZmqMailbox(Mailbox):
     """Mailbox over ZMQ TCP. ``on_hello(peer_info, is_new)`` is called (in the recv thread) when
     a peer completes a handshake; ``is_new`` is False for a repeat of a known incarnation."""
 
-    def __init__(self, name: str, role: str, *, host: str = "127.0.0.1",
+    def __init__(self, name: str, role: str, *, host: str = "127.0.0.1", port: int = 0,
                  model: ModelIdentity | None = None, draft_method: str = "",
                  incarnation: int | None = None,
                  on_hello: Callable[[PeerInfo, bool], None] | None = None) -> None:
@@ -74,7 +74,7 @@ class ZmqMailbox(Mailbox):
         self.ctx = zmq.Context.instance()
         self.router = self._socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.bind(f"tcp://{host}:0")
+        self.router.bind(f"tcp://{host}:{port}")
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.accepted: dict[str, PeerInfo] = {}  # peers that said Hello to our ROUTER
         self.dealers: dict[str, zmq.Socket] = {}  # peers we connected to

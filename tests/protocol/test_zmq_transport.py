@@ -120,3 +120,35 @@ def test_unknown_peer_raises():
             pass
     finally:
         server.close()
+
+
+def test_hello_is_repeated_after_the_peer_restarts():
+    server, client = _pair()
+    seen = []
+    try:
+        client.on_hello = lambda info, is_new: seen.append((info.incarnation, is_new))
+        client.send("decode-0", Abort(request_id="before"))
+        assert _recv_msg(server).msg.request_id == "before"
+        deadline = time.monotonic() + 5
+        while not client.ready("decode-0") and time.monotonic() < deadline:
+            client.recv(0.02)
+        first_incarnation = server.incarnation
+        port = int(server.endpoint.rsplit(":", 1)[1])
+        server.close()
+        # a restarted peer on the same endpoint: new incarnation, knows nobody
+        server = ZmqMailbox("decode-0", "decode", model=MODEL, port=port,
+                            incarnation=first_incarnation + 1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not server.ready("gateway-0"):
+            client.recv(0.02)
+            env = server.recv(0.02)
+            assert env is None or not isinstance(env.msg, ProtocolError), env
+        assert server.ready("gateway-0")  # the client said Hello again on its own
+        while time.monotonic() < deadline and len(seen) < 2:
+            client.recv(0.02)
+        assert seen[-1] == (first_incarnation + 1, True)
+        client.send("decode-0", Abort(request_id="after"))
+        assert _recv_msg(server).msg.request_id == "after"
+    finally:
+        client.close()
+        server.close()
