@@ -44,6 +44,7 @@ class Request:
     num_draft_tokens_verified: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0  # steps that verified at least one draft
+    accept_len_ema: float = 16.0  # recent accept length; starts optimistic
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -44,6 +44,10 @@ from protocol.transport import Envelope, Mailbox
 
 log = logging.getLogger(__name__)
 
+# Weight of the newest verify step in a request's accept-length EMA (SGLang-style adaptive
+# speculation keeps a similar moving average per batch-size slot).
+ACCEPT_EMA_WEIGHT = 0.5
+
 
 @dataclass(frozen=True)
 class VerifierConfig:
@@ -52,7 +56,8 @@ class VerifierConfig:
     ``num_draft_tokens`` is kappa (0 = speculation off). ``tail_wait_fraction`` bounds how long
     a step may wait for a draft tail in flight, as a fraction of the measured step time.
     ``prefill_timeout_s``: a KV transfer not complete by then is cancelled and the request
-    fails. ``draft_method`` is told to prefill so it ships the right seed state.
+    fails. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
+    accept length (never changes the output, only the cost). ``draft_method`` is told to prefill so it ships the right seed state.
     """
 
     instance_id: str = "decode-0"
@@ -65,6 +70,7 @@ class VerifierConfig:
     draft_method: str = "ngram"
     eos_token_ids: tuple[int, ...] = ()
     max_num_draft_tokens: int = 16
+    adaptive_drafts: bool = True
 
 
 class VerifierWorker:
@@ -383,10 +389,18 @@ class VerifierWorker:
     def _plan(self, running: list[Request]) -> list[list[int]]:
         drafts = []
         for req in running:
-            k = min(req.num_draft_tokens, req.num_remaining - 1)
-            d = req.tail.usable(k) if req.spec_enabled and req.drafter else []
+            d = req.tail.usable(self._num_drafts(req)) if req.spec_enabled and req.drafter else []
             drafts.append(d)
         return drafts
+
+    def _num_drafts(self, req: Request) -> int:
+        """Drafts to verify for ``req`` this step: kappa, never past max_tokens, and with
+        ``adaptive_drafts`` at most one more than the request's recent accept length (an EMA),
+        so a request whose drafts keep failing costs about a plain decode step."""
+        k = min(req.num_draft_tokens, req.num_remaining - 1)
+        if self.config.adaptive_drafts:
+            k = min(k, int(req.accept_len_ema + 0.5) + 1)  # all accepted -> may grow
+        return max(k, 0)
 
     def _wait_for_tails(self, running: list[Request]) -> None:
         """Give tails in flight a small budget (a fraction of one step) to arrive."""
@@ -396,7 +410,7 @@ class VerifierWorker:
         deadline = time.monotonic() + budget
         while True:
             waiting = [r for r in running if r.tail_in_flight and r.drafter is not None
-                       and len(r.tail) < min(r.num_draft_tokens, r.num_remaining - 1)]
+                       and len(r.tail) < self._num_drafts(r)]
             left = deadline - time.monotonic()
             if not waiting or left <= 0:
                 return
@@ -423,6 +437,7 @@ class VerifierWorker:
                 req.num_verify_steps += 1
                 req.num_draft_tokens_verified += len(d)
                 req.num_accepted_tokens += a
+                req.accept_len_ema += ACCEPT_EMA_WEIGHT * (a - req.accept_len_ema)
                 self.stats.observe_verify(len(d), a)
             committed = req.commit(tokens, self.eos_token_ids)
             self._after_commit(req, committed)
