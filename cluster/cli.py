@@ -72,6 +72,8 @@ def _cluster_config(args: argparse.Namespace, **over):
     kw = dict(model=args.model, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens,
               port=getattr(args, "port", 0), kv_cache_mb=args.kv_cache_mb,
               max_model_len=args.max_model_len)
+    if getattr(args, "host", None):
+        kw["host"] = args.host
     if args.threads:
         kw["threads"] = {"verifier": args.threads, "prefill": max(args.threads // 2, 1),
                          "drafter": 1, "gateway": 1}
@@ -98,12 +100,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     import ray
 
     from cluster.actors import NAMESPACE
-    from cluster.launcher import start_role
+    from cluster.launcher import get_controller, start_role
 
     ray.init(address=args.address, namespace=NAMESPACE)
     cfg = _cluster_config(args)
+    # Detached: the role (and the controller it registers with, created by the first launch)
+    # must outlive this command, which exits once the role is up.
+    get_controller(lifetime="detached")
     actor = start_role(args.role, args.instance_id or f"{args.role}-{os.getpid()}", cfg,
-                       num_gpus=args.num_gpus)
+                       num_gpus=args.num_gpus, lifetime="detached")
     print(json.dumps(ray.get(actor.info.remote())), flush=True)
     if args.role == "gateway":
         print("[specmesh] gateway up", flush=True)
@@ -152,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--instance-id", default=None)
     la.add_argument("--num-gpus", type=float, default=0)
     la.add_argument("--port", type=int, default=8000)
+    la.add_argument("--host", default="127.0.0.1",
+                    help="address the role binds (ZMQ; HTTP for the gateway): the IP of the node "
+                         "its resource pins it to")
     _add_cluster_args(la)
     la.set_defaults(func=cmd_launch)
 

@@ -29,21 +29,33 @@ def init_local_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    # Ray on Linux replaces 127.0.0.1 with the machine's routable address; a single-machine
+    # cluster must stay on loopback. Ray reads this at import, so also set the parsed constant
+    # (this process imported ray already); role processes inherit the environment variable.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2,
              resources={r: 1000 for r in ROLES}, include_dashboard=False,
              _node_ip_address="127.0.0.1", namespace=NAMESPACE, log_to_driver=True,
              configure_logging=True, logging_level=logging.WARNING)
 
 
-def get_controller():
+def get_controller(lifetime: str | None = None):
+    """The named controller, created if missing (``lifetime="detached"``: outlives this
+    driver, as ``specmesh launch`` needs)."""
     return ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE,
-                                   get_if_exists=True, num_cpus=0, lifetime=None).remote()
+                                   get_if_exists=True, num_cpus=0, lifetime=lifetime).remote()
 
 
-def start_role(role: str, instance_id: str, cfg: ClusterConfig, num_gpus: float = 0):
-    """Create the actor of one role; it registers itself with the controller."""
+def start_role(role: str, instance_id: str, cfg: ClusterConfig, num_gpus: float = 0,
+               lifetime: str | None = None):
+    """Create the actor of one role; it registers itself with the controller, which must
+    exist already (:func:`get_controller`)."""
     opts = role_options(role, cfg, num_gpus)
     opts["name"] = f"specmesh-{instance_id}"
+    opts["lifetime"] = lifetime
     if role == "gateway":
         return GatewayActor.options(**opts).remote(instance_id, cfg)
     return RoleActor.options(**opts).remote(role, instance_id, cfg)
@@ -86,6 +98,10 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
     Raises:
         TimeoutError: the roles did not connect within ``timeout_s``.
     """
+    from engine.loader import model_files
+
+    # Dequantize a GGUF once here, not concurrently in every role process on first start.
+    model_files(cfg.model, cfg.dtype)
     init_local_ray()
     controller = get_controller()
     handle = ClusterHandle(cfg, controller)

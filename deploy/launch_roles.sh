@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Join the four specmesh roles to a running Ray cluster, in dependency order:
+# prefill, drafter, verifier, gateway. Run it on the head node after `ray up deploy/cluster.yaml`
+# (for example `ray exec deploy/cluster.yaml 'bash ~/specmesh/deploy/launch_roles.sh'`).
+#
+# Each `specmesh launch` creates the named controller if it does not exist yet, creates one
+# detached role actor (pinned to a node type by its custom resource), waits until the actor is
+# up and prints its roster entry as one JSON line. The actors outlive this script; stop them
+# with deploy/stop_roles.sh (or `ray down`).
+#
+# Environment (all optional):
+#   RAY_ADDRESS      Ray cluster to join (default: auto, i.e. the cluster of this node)
+#   SPECMESH         the specmesh command (default: specmesh)
+#   INSTANCE         suffix of the instance ids, <role>-<INSTANCE> (default: 0)
+#   GATEWAY_PORT     HTTP port of the gateway (default: 8000; 0 = any free port)
+#   PREFILL_HOST, DRAFTER_HOST, VERIFIER_HOST, GATEWAY_HOST
+#                    address each role binds (ZMQ, and HTTP for the gateway): the private IP of
+#                    the node its resource pins it to (default: 127.0.0.1, single machine only)
+#   PREFILL_GPUS, VERIFIER_GPUS, DRAFTER_GPUS
+#                    GPUs each role actor reserves (default: 0)
+# Any arguments are passed to every `specmesh launch`, e.g.
+#   deploy/launch_roles.sh --model /models/SmolLM2-135M-Instruct --num-draft-tokens 4
+set -euo pipefail
+
+address="${RAY_ADDRESS:-auto}"
+instance="${INSTANCE:-0}"
+gateway_port="${GATEWAY_PORT:-8000}"
+read -r -a specmesh <<< "${SPECMESH:-specmesh}"
+
+for role in prefill drafter verifier gateway; do
+    host_var="$(printf '%s' "$role" | tr '[:lower:]' '[:upper:]')_HOST"
+    gpus_var="$(printf '%s' "$role" | tr '[:lower:]' '[:upper:]')_GPUS"
+    host="${!host_var:-127.0.0.1}"
+    gpus="${!gpus_var:-0}"
+    echo "[launch_roles] $role-$instance on $host (gpus: $gpus)" >&2
+    "${specmesh[@]}" launch "$role" --address "$address" --instance-id "$role-$instance" \
+        --host "$host" --num-gpus "$gpus" --port "$gateway_port" "$@"
+done
+echo "[launch_roles] all roles launched" >&2
