@@ -2,7 +2,9 @@
 
 The last ``n`` tokens of the context (``n`` from ``max_ngram`` down to ``min_ngram``) are
 searched for earlier in the context; the tokens that followed the most recent earlier match are
-the draft. Stateless: the context is the state, so rollback is free.
+the draft. Stateless: the context is the state, so rollback is free. ``min_ngram=2`` (as Hugging
+Face's prompt lookup): single-token matches draft mostly noise; measured on the bundled prompts
+(SmolLM2, fp32, kappa 4) acceptance rose from 0.42 to 0.52 and throughput by about 9%.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from drafter.proposer import Proposer, register_proposer
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 4) -> None:
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram = min_ngram
