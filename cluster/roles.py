@@ -55,6 +55,9 @@ class RoleHost:
                                   host=cfg.host, model=identity, draft_method=cfg.draft_method,
                                   incarnation=self.incarnation, on_hello=self._on_hello)
         self.worker = self._build(loaded)
+        from cluster.metrics import serve_role_metrics
+
+        self.metrics_port = serve_role_metrics(self, cfg.host)
         self._stop = threading.Event()
         self._error = ""
         self._thread = threading.Thread(target=self._loop, name=f"{instance_id}-loop",
@@ -108,7 +111,8 @@ class RoleHost:
         """Roster entry of this role (not a Ray call: used when registering)."""
         return {"instance_id": self.instance_id, "role": self.role,
                 "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
-                "pid": os.getpid()}
+                "pid": os.getpid(),
+                "metrics_url": f"http://{self.cfg.host}:{self.metrics_port}/metrics"}
 
     def info(self) -> dict:
         self.num_calls += 1
@@ -154,6 +158,8 @@ class RoleHost:
         out["num_protocol_errors_transport"] = self.mailbox.num_protocol_errors
         out["num_ray_calls"] = self.num_calls
         out["ready_peers"] = [p for p in list(self.mailbox.dealers) if self.mailbox.ready(p)]
+        out["peer_incarnations"] = {p: i.incarnation for p, i in
+                                       list(self.mailbox.dealer_peers.items()) if i.acked}
         out["pid"] = os.getpid()
         if self.role == "verifier":
             out.update(self.worker.load)

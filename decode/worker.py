@@ -130,7 +130,8 @@ class VerifierWorker:
 
     @property
     def load(self) -> dict:
-        return {"num_running": sum(r.status is Status.RUNNING for r in self.requests.values()),
+        reqs = list(self.requests.values())  # may be read from a metrics thread
+        return {"num_running": sum(r.status is Status.RUNNING for r in reqs),
                 "num_waiting": len(self.waiting),
                 "num_free_blocks": self.block_manager.num_free_blocks - self._outstanding()}
 
@@ -267,7 +268,7 @@ class VerifierWorker:
     def _outstanding(self) -> int:
         """Blocks promised to admitted requests but not allocated yet."""
         return sum(max(r.num_reserved_blocks - len(r.block_ids), 0)
-                   for r in self.requests.values() if r.status is not Status.WAITING)
+                   for r in list(self.requests.values()) if r.status is not Status.WAITING)
 
     def _admit(self) -> None:
         bm = self.block_manager

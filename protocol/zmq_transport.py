@@ -15,6 +15,7 @@ handed to that thread through a pipe the poller watches, so sockets are never sh
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -212,7 +213,7 @@ class ZmqMailbox(Mailbox):
             if self._pending:
                 return self._pending.pop(0)
             left = max(deadline - time.monotonic(), 0.0)
-            events = dict(self.poller.poll(int(left * 1000)))
+            events = dict(self.poller.poll(math.ceil(left * 1000)))  # never spin below 1 ms
             if not events and time.monotonic() >= deadline:
                 return None
             for sock in events:

@@ -55,11 +55,11 @@ class GatewayMetrics:
                                      registry=r)
         self.generation_tokens = Counter("specmesh:generation_tokens",
                                          "Output tokens received from verifiers", registry=r)
-        self.spec_num_drafts = Counter("specmesh:spec_decode_num_drafts",
+        self.spec_num_drafts = Counter("specmesh:gateway_spec_decode_num_drafts",
                                        "Verify steps that included drafts", registry=r)
-        self.spec_draft_tokens = Counter("specmesh:spec_decode_num_draft_tokens",
+        self.spec_draft_tokens = Counter("specmesh:gateway_spec_decode_num_draft_tokens",
                                          "Draft tokens verified", registry=r)
-        self.spec_accepted_tokens = Counter("specmesh:spec_decode_num_accepted_tokens",
+        self.spec_accepted_tokens = Counter("specmesh:gateway_spec_decode_num_accepted_tokens",
                                             "Draft tokens accepted", registry=r)
         self.ttft = Histogram("specmesh:time_to_first_token_seconds",
                               "Time from request arrival to the first output token",

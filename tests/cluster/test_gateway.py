@@ -432,8 +432,8 @@ def test_models_health_metrics(cluster):
     assert value("specmesh:gateway_queue_full_total") >= 1
     assert value("specmesh:prompt_tokens_total") > 0
     assert value("specmesh:generation_tokens_total") >= 4
-    assert value("specmesh:spec_decode_num_draft_tokens_total") > 0
-    assert value("specmesh:spec_decode_num_accepted_tokens_total") > 0
+    assert value("specmesh:gateway_spec_decode_num_draft_tokens_total") > 0
+    assert value("specmesh:gateway_spec_decode_num_accepted_tokens_total") > 0
     assert value("specmesh:time_to_first_token_seconds_count") >= 1
     assert value("specmesh:inter_token_latency_seconds_count") >= 1
     assert 'specmesh:gateway_requests_total{endpoint="completions",status="429"}' in text

@@ -108,6 +108,20 @@ def test_roles_in_distinct_processes_and_no_ray_calls_per_token(cluster):
         assert after[iid]["num_ray_calls"] - before[iid]["num_ray_calls"] == 1, iid
 
 
+def test_verifier_prometheus_metrics(cluster):
+    _complete(cluster.url, PROMPTS[1])
+    info = ray.get(cluster.actors["verifier-0"].info.remote())
+    text = httpx.get(info["metrics_url"], timeout=10).text
+    for name in ("specmesh:spec_decode_num_draft_tokens_total",
+                 "specmesh:spec_decode_num_accepted_tokens_per_pos_total",
+                 "specmesh:kv_transfer_bytes_total", "specmesh:kv_cache_usage_perc",
+                 "specmesh:num_requests_running"):
+        assert name in text, name
+    assert 'position="0"' in text
+    gw = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert "specmesh:time_to_first_token_seconds" in gw
+
+
 def _raw_dealer(endpoint: str, identity: str) -> zmq.Socket:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
@@ -156,3 +170,49 @@ def test_garbage_wrong_hello_and_early_messages_are_counted(cluster, reference):
     assert _complete(cluster.url, PROMPTS[0])["choices"][0]["text"] == want
     health = {iid: ray.get(a.health.remote()) for iid, a in cluster.actors.items()}
     assert all(h["alive"] for h in health.values()), health
+
+
+def test_requests_survive_a_drafter_restart(cluster, reference):
+    """Kill the drafter actor mid-stream: Ray restarts it (new incarnation, new endpoint), it
+    re-registers, the verifier reconnects and re-syncs; the output stays exact."""
+    import threading
+    import time
+
+    tok, run = reference
+    prompt = PROMPTS[2]
+    want, _ = run(list(tok(prompt)["input_ids"]))
+    old = ray.get(cluster.actors["drafter-0"].info.remote())
+    result = {}
+
+    def request():
+        result["got"] = _complete(cluster.url, prompt, stream=True)["text"]
+
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(0.2)
+    ray.kill(cluster.actors["drafter-0"], no_restart=False)
+    t.join(timeout=120)
+    assert result["got"] == want
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            new = ray.get(cluster.actors["drafter-0"].info.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - restarting
+            time.sleep(0.5)
+            continue
+        if new["incarnation"] != old["incarnation"]:
+            break
+    assert new["incarnation"] != old["incarnation"] and new["endpoint"] != old["endpoint"]
+    while time.monotonic() < deadline:  # re-registered, pushed, and the verifier reconnected
+        roster = {r["instance_id"]: r for r in ray.get(cluster.controller.get_roster.remote())}
+        st = cluster.stats()["verifier-0"]
+        if (roster["drafter-0"]["incarnation"] == new["incarnation"]
+                and st["peer_incarnations"].get("drafter-0") == new["incarnation"]):
+            break
+        time.sleep(0.2)
+    assert st["peer_incarnations"].get("drafter-0") == new["incarnation"]
+    before = cluster.stats()["drafter-0"]["num_draft_tokens_sent"]
+    for p in PROMPTS:
+        want, _ = run(list(tok(p)["input_ids"]))
+        assert _complete(cluster.url, p)["choices"][0]["text"] == want
+    assert cluster.stats()["drafter-0"]["num_draft_tokens_sent"] > before  # drafting again

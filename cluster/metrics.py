@@ -1,0 +1,71 @@
+"""Prometheus metrics of a role process (DESIGN.md §10), read from the worker's plain counters
+at scrape time. vLLM's names under the ``specmesh:`` prefix, so PromQL recipes carry over; the
+verifier is the source of truth for the spec-decode counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=list(labels))
+    c.add_metric(list(labels.values()), float(value))
+    return c
+
+
+def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=list(labels))
+    g.add_metric(list(labels.values()), float(value))
+    return g
+
+
+class RoleCollector:
+    """Collects ``host.worker.stats`` (and the verifier's load) for one role host."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    def collect(self):
+        h = self.host
+        labels = {"role": h.role, "instance": h.instance_id}
+        st = h.worker.stats
+        yield _counter("specmesh:protocol_errors", "Malformed or out-of-turn messages received",
+                       st.num_protocol_errors, labels)
+        if h.role != "verifier":
+            return
+        yield _counter("specmesh:spec_decode_num_drafts", "Verify steps x requests with drafts",
+                       st.num_drafts, labels)
+        yield _counter("specmesh:spec_decode_num_draft_tokens", "Draft tokens verified",
+                       st.num_draft_tokens, labels)
+        yield _counter("specmesh:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                       st.num_accepted_tokens, labels)
+        per_pos = CounterMetricFamily("specmesh:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by draft position",
+                                      labels=[*labels, "position"])
+        for pos, n in enumerate(st.num_accepted_tokens_per_pos):
+            per_pos.add_metric([*labels.values(), str(pos)], float(n))
+        yield per_pos
+        yield _counter("specmesh:stale_tail_tokens", "Draft tail tokens discarded as stale",
+                       st.num_stale_tail_tokens, labels)
+        kv = h.worker.kv.stats
+        yield _counter("specmesh:kv_transfer_bytes", "KV bytes received from prefill",
+                       kv.num_bytes, labels)
+        yield _counter("specmesh:kv_transfer_seconds", "Time from PrefillRequest to complete KV",
+                       kv.transfer_seconds, labels)
+        load = h.worker.load
+        yield _gauge("specmesh:num_requests_running", "Requests in the verify batch",
+                     load["num_running"], labels)
+        yield _gauge("specmesh:num_requests_waiting", "Requests queued for KV room",
+                     load["num_waiting"], labels)
+        bm = h.worker.block_manager
+        yield _gauge("specmesh:kv_cache_usage_perc", "Fraction of KV blocks in use",
+                     1 - bm.num_free_blocks / bm.num_blocks, labels)
+
+
+def serve_role_metrics(host, addr: str) -> int:
+    """Expose ``host``'s metrics on ``http://addr:<port>/metrics``; returns the bound port."""
+    registry = CollectorRegistry()
+    registry.register(RoleCollector(host))
+    server, _ = start_http_server(0, addr=addr, registry=registry)
+    return server.server_port
