@@ -258,11 +258,18 @@ class ZmqMailbox(Mailbox):
         log.warning("%s: protocol error from %s: %s", self.name, peer, text)
         self._pending.append(Envelope(peer, ProtocolError(text, peer=peer)))
 
-    def _on_router(self, peer: str, frames: list) -> None:
+    def _decode(self, peer: str, frames: list) -> Envelope | None:
+        """The decoded envelope, or None after queueing (and counting) a malformed one."""
         env = decode_envelope(peer, frames)
         if env.is_error:
             self.num_protocol_errors += 1
             self._pending.append(env)
+            return None
+        return env
+
+    def _on_router(self, peer: str, frames: list) -> None:
+        env = self._decode(peer, frames)
+        if env is None:
             return
         msg = env.msg
         if isinstance(msg, Hello):
@@ -295,10 +302,8 @@ class ZmqMailbox(Mailbox):
         self._pending.append(env)
 
     def _on_dealer(self, peer: str, frames: list) -> None:
-        env = decode_envelope(peer, frames)
-        if env.is_error:
-            self.num_protocol_errors += 1
-            self._pending.append(env)
+        env = self._decode(peer, frames)
+        if env is None:
             return
         msg = env.msg
         if isinstance(msg, HelloAck):
