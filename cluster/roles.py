@@ -93,12 +93,10 @@ class RoleHost:
         raise ValueError(f"unknown role {self.role!r}")
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.worker.step(0.02)
-            except Exception as err:  # logged; the role keeps serving
-                self._error = repr(err)
-                log.exception("%s step failed", self.instance_id)
+        self.worker.run(self._stop, 0.02, on_error=self._on_error)
+
+    def _on_error(self, err: BaseException) -> None:
+        self._error = repr(err)  # reported by health(); the role keeps serving
 
     def _on_hello(self, peer: PeerInfo, is_new: bool) -> None:
         # A drafter that restarted (new incarnation) gets DraftSync for its requests.

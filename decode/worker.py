@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from protocol.messages import (
     TokenStream,
     VerifyCommit,
 )
-from protocol.transport import Envelope, Mailbox
+from protocol.transport import Envelope, Mailbox, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -473,9 +474,7 @@ class VerifierWorker:
             if req is not None:
                 self._finish(req, "error", "KV transfer timed out")
 
-    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05) -> None:
-        while not stop.is_set():
-            try:
-                self.step(idle_timeout_s)
-            except Exception:
-                log.exception("verifier step failed")
+    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05,
+            on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Step until ``stop`` is set, blocking on the mailbox while idle."""
+        run_loop(self.step, stop, idle_timeout_s, 'verifier', on_error)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from drafter.proposer import Proposer, get_proposer
 from protocol.errors import ProtocolError
 from protocol.messages import DraftClose, DraftNeedSync, DraftSync, DraftTailStream, VerifyCommit
-from protocol.transport import Envelope, Mailbox
+from protocol.transport import Envelope, Mailbox, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +201,7 @@ class DrafterWorker:
             env = self.mailbox.recv(0.0)
         return self.draft()
 
-    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05) -> None:
-        """Loop until ``stop`` is set; blocks on the mailbox while there is nothing to draft."""
-        while not stop.is_set():
-            try:
-                self.step(idle_timeout_s)
-            except Exception:  # a bug must not kill the role; it is logged loudly
-                log.exception("drafter step failed")
+    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05,
+            on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Step until ``stop`` is set, blocking on the mailbox while idle."""
+        run_loop(self.step, stop, idle_timeout_s, 'drafter', on_error)

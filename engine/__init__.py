@@ -19,7 +19,7 @@ from engine.loader import (
 )
 from engine.model import AttentionMetadata, LlamaForCausalLM, rope_inv_freq
 from engine.runner import ModelRunner, SeqChunk
-from engine.tiny import tiny_hf_config, tiny_llama
+from engine.tiny import hf_greedy, tiny_hf_config, tiny_llama
 
 __all__ = [
     "MODEL_DTYPES",
@@ -47,6 +47,7 @@ __all__ = [
     "rope_inv_freq",
     "slot_mapping",
     "tensor_to_buffer",
+    "hf_greedy",
     "tiny_hf_config",
     "tiny_llama",
     "torch_dtype",

@@ -82,3 +82,17 @@ def tiny_llama(
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.load_state_dict(hf_model.state_dict())
     return hf_model, model, config
+
+
+def hf_greedy(hf_model: Any, prompt_ids: list[int], max_new_tokens: int,
+              eos_token_ids: tuple[int, ...] | list[int] | None = None) -> list[int]:
+    """Hugging Face ``generate(do_sample=False)`` continuation of ``prompt_ids`` (output tokens
+    only): the reference every exactness test compares against. ``eos_token_ids=None`` never
+    stops early."""
+    x = torch.tensor([list(prompt_ids)])
+    with torch.inference_mode():
+        out = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                max_new_tokens=max_new_tokens,
+                                eos_token_id=list(eos_token_ids) if eos_token_ids else None,
+                                pad_token_id=0)
+    return out[0, x.shape[1]:].tolist()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from protocol.messages import (
     PrefillDone,
     PrefillRequest,
 )
-from protocol.transport import Envelope, Mailbox
+from protocol.transport import Envelope, Mailbox, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +197,7 @@ class PrefillWorker:
             self._fail(peer, req, f"prefill failed: {err}")
         return 1
 
-    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05) -> None:
-        while not stop.is_set():
-            try:
-                self.step(idle_timeout_s)
-            except Exception:
-                log.exception("prefill step failed")
+    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05,
+            on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Step until ``stop`` is set, blocking on the mailbox while idle."""
+        run_loop(self.step, stop, idle_timeout_s, 'prefill', on_error)

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from protocol.codec import decode, encode
@@ -140,3 +140,16 @@ class InProcMailbox(Mailbox):
     def close(self) -> None:
         self._hub._remove(self.name)
 
+
+
+def run_loop(step: Callable[[float], object], stop: threading.Event, idle_timeout_s: float,
+             name: str, on_error: Callable[[BaseException], None] | None = None) -> None:
+    """Call ``step(idle_timeout_s)`` until ``stop`` is set. A step that raises is logged (and
+    passed to ``on_error``) and the loop goes on: a bug in one step must not kill the role."""
+    while not stop.is_set():
+        try:
+            step(idle_timeout_s)
+        except Exception as err:
+            log.exception("%s step failed", name)
+            if on_error is not None:
+                on_error(err)

@@ -8,7 +8,7 @@ import torch
 
 from cluster.local import InProcessCluster
 from drafter.proposer import Proposer
-from engine.tiny import tiny_llama
+from engine.tiny import hf_greedy, tiny_llama
 from protocol.messages import SamplingParams
 
 MAX_TOKENS = 24
@@ -63,12 +63,7 @@ def tiny():
         [11, 12, 11, 12, 11, 12, 11],
         [40],
     ]
-    refs = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
-    # plain greedy reference through our own engine too (kappa = 0)
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     return model, cfg, prompts, refs
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster.local import InProcessCluster
-from engine.tiny import tiny_llama
+from engine.tiny import hf_greedy, tiny_llama
 from protocol.messages import Abort, GenerateRequest, KVFrame, PrefillDone, SamplingParams
 from protocol.messages import TokenStream
 from protocol.transport import Mailbox
@@ -47,11 +47,7 @@ class HoldingMailbox(Mailbox):
 def tiny():
     hf, model, cfg = tiny_llama(seed=2, dtype=torch.float64, vocab_size=80)
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 20, 21], [30] * 14]
-    refs = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     return model, cfg, prompts, refs
 
 

@@ -11,6 +11,7 @@ from cluster.cli import chat_prompt_ids
 from cluster.demo import load_prompts
 from cluster.local import InProcessCluster
 from engine.loader import hf_reference_model, load_model
+from engine.tiny import hf_greedy
 from protocol.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -24,14 +25,6 @@ def smollm2():
     loaded = load_model(None, dtype="float32")
     hf = hf_reference_model(None, dtype="float32")
     return loaded, hf
-
-
-def _hf_greedy(hf, ids, eos):
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                          max_new_tokens=MAX_TOKENS, eos_token_id=list(eos), pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def _margin(hf, ids, prefix):
@@ -54,7 +47,7 @@ def test_speculative_equals_hf_generate_on_real_prompts(smollm2, k):
     outs = cluster.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
     report = []
     for p, prompt_ids, out in zip(prompts, ids, outs):
-        want = _hf_greedy(hf, prompt_ids, eos)
+        want = hf_greedy(hf, prompt_ids, MAX_TOKENS, eos)
         got = out.token_ids
         if got == want:
             continue
