@@ -9,10 +9,17 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.controller import Controller
-from cluster.roles import GatewayHost, RoleHost
+from cluster.hosts import HOSTS
+from protocol.enums import Role
 
 CONTROLLER_NAME = "specmesh-controller"
 NAMESPACE = "specmesh"
+#: Ray restarts a crashed role this many times before giving up.
+MAX_RESTARTS = 3
+#: Concurrent Ray method calls per role actor (controller calls and metrics; never per token).
+MAX_CONCURRENCY = 4
+#: A role resource request small enough that any number of roles fit a node offering it.
+ROLE_RESOURCE_UNIT = 0.001
 
 
 def _register(host) -> None:
@@ -26,24 +33,25 @@ class ControllerActor(Controller):
     pass
 
 
-@ray.remote
-class RoleActor(RoleHost):
-    def __init__(self, role: str, instance_id: str, cfg: ClusterConfig) -> None:
-        super().__init__(role, instance_id, cfg)
+def _actor_class(host_cls: type) -> type:
+    """A Ray actor class that builds ``host_cls`` and registers it with the controller."""
+
+    def __init__(self, instance_id: str, cfg: ClusterConfig, *args) -> None:
+        host_cls.__init__(self, instance_id, cfg, *args)
         _register(self)
 
-
-@ray.remote
-class GatewayActor(GatewayHost):
-    def __init__(self, instance_id: str, cfg: ClusterConfig, port: int | None = None) -> None:
-        super().__init__(instance_id, cfg, port)
-        _register(self)
+    cls = type(f"{host_cls.__name__}Actor", (host_cls,), {"__init__": __init__})
+    return ray.remote(cls)
 
 
-def role_options(role: str, cfg: ClusterConfig, num_gpus: float = 0) -> dict:
+#: role -> Ray actor class of its host
+ACTORS = {role: _actor_class(host) for role, host in HOSTS.items()}
+
+
+def role_options(role: Role, cfg: ClusterConfig, num_gpus: float = 0) -> dict:
     """Ray options for a role actor: its resource, restart policy and CPU env plan."""
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(cfg.threads.get(role, 1)),
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(cfg.threads.get(role.value, 1)),
            "TOKENIZERS_PARALLELISM": "false"}
-    return {"num_cpus": 0, "num_gpus": num_gpus, "resources": {role: 0.001},
-            "max_restarts": 3, "max_concurrency": 4, "runtime_env": {"env_vars": env},
-            "namespace": NAMESPACE}
+    return {"num_cpus": 0, "num_gpus": num_gpus, "resources": {role.value: ROLE_RESOURCE_UNIT},
+            "max_restarts": MAX_RESTARTS, "max_concurrency": MAX_CONCURRENCY,
+            "runtime_env": {"env_vars": env}, "namespace": NAMESPACE}

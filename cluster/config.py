@@ -1,11 +1,24 @@
-"""Cluster configuration: one frozen dataclass shared by every role of a deployment."""
+"""Cluster configuration: the workers' own configs composed with the deployment's settings.
+
+A :class:`ClusterConfig` is one frozen value shared by every role of a deployment. The worker
+settings live in the workers' config classes (``VerifierConfig``, ``PrefillConfig``,
+``DrafterConfig``), so a knob is defined once; the cluster adds what only a deployment has
+(model, dtype, KV layout and memory, addresses, the thread plan) and keeps the settings two
+workers share consistent (the draft method, the drafter's run-ahead window from kappa).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
-ROLES = ("prefill", "verifier", "drafter", "gateway")
+from decode.config import VerifierConfig
+from drafter.config import DrafterConfig
+from engine.dtypes import MODEL_DTYPES
+from prefill.config import PrefillConfig
+from protocol.enums import Role
+
+ROLES = tuple(r.value for r in Role)
 
 
 def default_threads(num_cores: int | None = None) -> dict[str, int]:
@@ -14,46 +27,92 @@ def default_threads(num_cores: int | None = None) -> dict[str, int]:
     are pure Python and get one. Roles overlap in time, so the plan oversubscribes on purpose
     only where work is rare (prefill)."""
     n = num_cores or os.cpu_count() or 2
-    return {"verifier": n, "prefill": max(n // 2, 1), "drafter": 1, "gateway": 1}
+    return {Role.VERIFIER.value: n, Role.PREFILL.value: max(n // 2, 1),
+            Role.DRAFTER.value: 1, Role.GATEWAY.value: 1}
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     """Everything a role needs to build its worker.
 
-    ``kv_cache_mb``: KV memory per role (verifier and prefill each), MiB.
-    ``num_draft_tokens``: kappa (0 = speculation off). ``window``: drafter run-ahead (tokens),
-    default 2*kappa. ``tail_wait_fraction``: fraction of a verify step the verifier may wait
-    for a draft tail in flight.
+    ``verifier`` / ``prefill`` / ``drafter``: the workers' configs (their ``instance_id`` is
+    set per role instance). ``kv_cache_mb``: KV memory per role (verifier and prefill each),
+    MiB. ``block_size``: tokens per KV block. ``host``: the address roles bind (ZMQ, metrics,
+    HTTP); ``port``: the gateway's HTTP port (0 = any free one). ``threads``: torch threads per
+    role. A drafter ``window`` of 0 means "two verify steps of drafts" (2 x kappa).
+
+    Raises:
+        ValueError: an unsupported dtype, an empty KV layout, or a drafter whose method is not
+            the one the verifier announces.
     """
 
     model: str | None = None
     dtype: str = "float32"
-    num_draft_tokens: int = 4
-    draft_method: str = "ngram"
-    window: int | None = None
     block_size: int = 16
     kv_cache_mb: int = 512
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    max_queue_len: int = 256
-    tail_wait_fraction: float = 0.25
-    prefill_chunk_size: int = 512
     host: str = "127.0.0.1"
     port: int = 8000
     threads: dict[str, int] = field(default_factory=default_threads)
+    verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(max_num_seqs=32))
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(window=0,
+                                                                         max_segment=0))
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens < 0:
-            raise ValueError("num_draft_tokens must be >= 0")
-        if self.dtype not in ("float32", "bfloat16", "float64", "float16"):
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {MODEL_DTYPES}")
         if self.block_size < 1 or self.kv_cache_mb < 1:
             raise ValueError("block_size and kv_cache_mb must be >= 1")
+        if self.drafter.method != self.verifier.draft_method:
+            raise ValueError(f"drafter method {self.drafter.method!r} != the verifier's "
+                             f"draft_method {self.verifier.draft_method!r}")
+        if self.drafter.window <= 0:  # derived from kappa (frozen: set through object)
+            w = DrafterConfig.default_window(self.verifier.num_speculative_tokens)
+            object.__setattr__(self, "drafter", replace(self.drafter, window=w, max_segment=w))
+
+    @classmethod
+    def create(cls, **settings) -> ClusterConfig:
+        """A ClusterConfig from flat settings: top-level fields as they are, any worker
+        setting by its own name (``num_speculative_tokens=3`` -> ``verifier``) or, where two
+        workers share a name, with the worker as prefix (``prefill_max_queue_len``).
+        ``draft_method`` sets the verifier's and the drafter's method together.
+
+        Raises:
+            ValueError: an unknown or ambiguous setting.
+        """
+        workers = {"verifier": VerifierConfig, "prefill": PrefillConfig,
+                   "drafter": DrafterConfig}
+        top = {f.name for f in fields(cls)}
+        parts: dict[str, dict] = {w: {} for w in workers}
+        kw: dict = {}
+        if "draft_method" in settings:
+            method = settings.pop("draft_method")
+            parts["verifier"]["draft_method"] = method
+            parts["drafter"]["method"] = method
+        for key, value in settings.items():
+            if key in top:
+                kw[key] = value
+                continue
+            prefix, _, rest = key.partition("_")
+            if prefix in workers and rest in {f.name for f in fields(workers[prefix])}:
+                parts[prefix][rest] = value
+                continue
+            owners = [w for w, c in workers.items() if key in {f.name for f in fields(c)}]
+            if len(owners) != 1:
+                why = "unknown" if not owners else f"ambiguous ({', '.join(owners)})"
+                raise ValueError(f"{why} cluster setting {key!r}")
+            parts[owners[0]][key] = value
+        for w, over in parts.items():
+            if over and w not in kw:  # over the field's default (a window of 0 = derived)
+                kw[w] = replace(cls.__dataclass_fields__[w].default_factory(), **over)
+        return cls(**kw)
 
     @property
-    def drafter_window(self) -> int:
-        return self.window or max(2 * self.num_draft_tokens, 1)
+    def max_model_len(self) -> int:
+        """Longest prompt + output a request may have (tokens)."""
+        return self.verifier.max_model_len
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def with_kappa(self, num_speculative_tokens: int) -> ClusterConfig:
+        """The same deployment with another kappa (and the drafter window that follows)."""
+        v = replace(self.verifier, num_speculative_tokens=num_speculative_tokens)
+        return replace(self, verifier=v, drafter=replace(self.drafter, window=0, max_segment=0))

@@ -18,7 +18,6 @@ class Controller:
         self.roster: dict[str, dict] = {}  # instance_id -> info (role, endpoint, incarnation...)
         self.handles: dict[str, object] = {}
         self.version = 0
-        self.num_draft_tokens: int | None = None
 
     def register(self, info: dict, handle: object = None) -> int:
         """Add or replace ``info['instance_id']``; returns the roster version."""

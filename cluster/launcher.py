@@ -10,32 +10,26 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.actors import (
-    CONTROLLER_NAME,
-    NAMESPACE,
-    ControllerActor,
-    GatewayActor,
-    RoleActor,
-    role_options,
-)
+from cluster.actors import ACTORS, CONTROLLER_NAME, NAMESPACE, ControllerActor, role_options
 from cluster.config import ROLES, ClusterConfig
+from cluster.loopback import loopback_enabled
+from protocol.enums import Role
 
 log = logging.getLogger(__name__)
 
 
 def init_local_ray(num_cpus: int | None = None) -> None:
     """Start (or join the already started) embedded Ray on 127.0.0.1, without the dashboard.
-    Role resources are plentiful so that several clusters can share one Ray session."""
+    Role resources are plentiful so that several clusters can share one Ray session.
+
+    Raises:
+        RuntimeError: :func:`cluster.loopback.use_loopback` did not run before ``import ray``.
+    """
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    # Ray on Linux replaces 127.0.0.1 with the machine's routable address; a single-machine
-    # cluster must stay on loopback. Ray reads this at import, so also set the parsed constant
-    # (this process imported ray already); role processes inherit the environment variable.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    from ray._private import ray_constants
-
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    if not loopback_enabled():
+        raise RuntimeError("an embedded Ray needs cluster.loopback.use_loopback() before the "
+                           "first `import ray` of the process; it was not called")
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2,
              resources={r: 1000 for r in ROLES}, include_dashboard=False,
              _node_ip_address="127.0.0.1", namespace=NAMESPACE, log_to_driver=True,
@@ -49,16 +43,19 @@ def get_controller(lifetime: str | None = None):
                                    get_if_exists=True, num_cpus=0, lifetime=lifetime).remote()
 
 
-def start_role(role: str, instance_id: str, cfg: ClusterConfig, num_gpus: float = 0,
+def start_role(role: Role | str, instance_id: str, cfg: ClusterConfig, num_gpus: float = 0,
                lifetime: str | None = None):
     """Create the actor of one role; it registers itself with the controller, which must
-    exist already (:func:`get_controller`)."""
+    exist already (:func:`get_controller`).
+
+    Raises:
+        ValueError: an unknown role name.
+    """
+    role = Role(role)
     opts = role_options(role, cfg, num_gpus)
     opts["name"] = f"specmesh-{instance_id}"
     opts["lifetime"] = lifetime
-    if role == "gateway":
-        return GatewayActor.options(**opts).remote(instance_id, cfg)
-    return RoleActor.options(**opts).remote(role, instance_id, cfg)
+    return ACTORS[role].options(**opts).remote(instance_id, cfg)
 
 
 @dataclass
@@ -71,13 +68,13 @@ class ClusterHandle:
     url: str = ""
 
     def verifiers(self) -> list:
-        return [a for iid, a in self.actors.items() if iid.startswith("verifier")]
+        return [a for iid, a in self.actors.items() if iid.startswith(Role.VERIFIER.value)]
 
     def stats(self) -> dict[str, dict]:
         return {iid: ray.get(a.stats.remote()) for iid, a in self.actors.items()}
 
-    def set_num_draft_tokens(self, k: int) -> None:
-        ray.get([a.set_num_draft_tokens.remote(k) for a in self.verifiers()])
+    def set_num_speculative_tokens(self, k: int) -> None:
+        ray.get([a.set_num_speculative_tokens.remote(k) for a in self.verifiers()])
 
     def stop(self) -> None:
         for a in self.actors.values():
@@ -105,14 +102,14 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
     init_local_ray()
     controller = get_controller()
     handle = ClusterHandle(cfg, controller)
-    plan = ([("prefill", f"prefill-{i}") for i in range(num_prefill)]
-            + [("drafter", f"drafter-{i}") for i in range(num_drafters)]
-            + [("verifier", f"verifier-{i}") for i in range(num_verifiers)]
-            + [("gateway", "gateway-0")])
+    plan = ([(Role.PREFILL, f"prefill-{i}") for i in range(num_prefill)]
+            + [(Role.DRAFTER, f"drafter-{i}") for i in range(num_drafters)]
+            + [(Role.VERIFIER, f"verifier-{i}") for i in range(num_verifiers)]
+            + [(Role.GATEWAY, "gateway-0")])
     for role, iid in plan:
         handle.actors[iid] = start_role(role, iid, cfg)
     infos = ray.get([a.info.remote() for a in handle.actors.values()], timeout=timeout_s)
-    handle.url = next(i["url"] for i in infos if i["role"] == "gateway")
+    handle.url = next(i["url"] for i in infos if i["role"] == Role.GATEWAY)
     deadline = time.monotonic() + timeout_s
     want = num_prefill + num_drafters
     while True:

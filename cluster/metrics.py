@@ -35,7 +35,7 @@ class RoleCollector:
         if h.role != "verifier":
             return
         yield _counter("specmesh:spec_decode_num_drafts", "Verify steps x requests with drafts",
-                       st.num_drafts, labels)
+                       st.num_verify_steps, labels)
         yield _counter("specmesh:spec_decode_num_draft_tokens", "Draft tokens verified",
                        st.num_draft_tokens, labels)
         yield _counter("specmesh:spec_decode_num_accepted_tokens", "Draft tokens accepted",

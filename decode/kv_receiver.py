@@ -23,7 +23,7 @@ class Transfer:
     request_id: str
     transfer_id: int
     prefill_peer: str
-    block_ids: list[int]
+    block_table: list[int]
     prompt_len: int
     started_at: float = field(default_factory=time.monotonic)
     num_frames: int = 0
@@ -55,11 +55,11 @@ class KVReceiver:
         self.transfers: dict[int, Transfer] = {}
         self.stats = KVReceiverStats()
 
-    def start(self, request_id: str, transfer_id: int, prefill_peer: str, block_ids: list[int],
+    def start(self, request_id: str, transfer_id: int, prefill_peer: str, block_table: list[int],
               prompt_len: int) -> Transfer:
         if transfer_id in self.transfers:
             raise ValueError(f"transfer id {transfer_id} reused")
-        t = Transfer(request_id, transfer_id, prefill_peer, block_ids, prompt_len)
+        t = Transfer(request_id, transfer_id, prefill_peer, block_table, prompt_len)
         self.transfers[transfer_id] = t
         return t
 
@@ -95,7 +95,7 @@ class KVReceiver:
             kv = buffer_to_tensor(frame.kv)
             if kv.dtype != self.kv_cache.dtype:
                 raise ValueError(f"KV dtype {kv.dtype} != cache dtype {self.kv_cache.dtype}")
-            self.kv_cache.write_chunk(frame.layer_start, frame.layer_end, t.block_ids,
+            self.kv_cache.write_chunk(frame.layer_start, frame.layer_end, t.block_table,
                                       frame.token_start, kv)
         except ValueError as err:
             raise ProtocolError(f"KV frame rejected: {err}", request_id=rid) from err

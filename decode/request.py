@@ -6,11 +6,17 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from decode.config import INITIAL_ACCEPT_LEN_EMA
 from decode.tail_buffer import TailBuffer
+from protocol.enums import FinishReason
 from protocol.messages import SamplingParams
+from protocol.spec_stats import SpecStats
 
 
-class Status(enum.Enum):
+class RequestStatus(enum.Enum):
+    """Life of a request on the verifier: WAITING -> PREFILLING -> RUNNING -> FINISHED, or
+    PREFILLING -> CANCELLING (aborted mid-transfer; blocks wait for the cancel ack)."""
+
     WAITING = "waiting"  # queued for KV room
     PREFILLING = "prefilling"  # PrefillRequest sent, KV arriving
     CANCELLING = "cancelling"  # aborted during transfer, waiting for the cancel ack
@@ -20,16 +26,21 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One request on the verifier. Output positions count from the first output token."""
+    """One request on the verifier. Output positions count from the first output token.
+
+    ``num_speculative_tokens`` is this request's kappa; ``spec`` counts the drafts verified for
+    it. ``block_table`` holds its KV blocks in position order; ``num_reserved_blocks`` the blocks
+    promised at admission (allocated lazily out of that promise).
+    """
 
     request_id: str
     gateway: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    num_draft_tokens: int  # kappa for this request
-    status: Status = Status.WAITING
-    block_ids: list[int] = field(default_factory=list)
-    num_reserved_blocks: int = 0  # blocks promised at admission (allocated lazily)
+    num_speculative_tokens: int
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_reserved_blocks: int = 0
     transfer_id: int | None = None
     prefill_peer: str | None = None
     output_token_ids: list[int] = field(default_factory=list)  # committed output
@@ -38,13 +49,10 @@ class Request:
     drafter: str | None = None
     spec_enabled: bool = True  # False once quarantined
     tail_in_flight: bool = False  # the drafter got news since its last segment
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str = ""
-    # spec stats
-    num_draft_tokens_verified: int = 0
-    num_accepted_tokens: int = 0
-    num_verify_steps: int = 0  # steps that verified at least one draft
-    accept_len_ema: float = 16.0  # recent accept length; starts optimistic
+    spec: SpecStats = field(default_factory=SpecStats)
+    accept_len_ema: float = INITIAL_ACCEPT_LEN_EMA
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -78,8 +86,8 @@ class Request:
             self.output_token_ids.append(tok)
             out.append(tok)
             if tok in stops:
-                self.finish_reason = "stop"
+                self.finish_reason = FinishReason.STOP
                 return out
         if self.committed_len >= self.sampling.max_tokens:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
         return out

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.spec_stats import SpecStats
+
 
 @dataclass
-class VerifierStats:
-    """Plain counters; ``num_accepted_tokens_per_pos[i]`` counts accepted drafts at draft
-    position i (vLLM's ``spec_decode_num_accepted_tokens_per_pos``)."""
+class VerifierStats(SpecStats):
+    """Plain counters of one verifier; the spec-decode ones (``num_draft_tokens``,
+    ``num_accepted_tokens``, ``num_verify_steps`` = vLLM's ``num_drafts``) come from
+    :class:`SpecStats`. ``num_accepted_tokens_per_pos[i]`` counts accepted drafts at draft
+    position i (vLLM's ``spec_decode_num_accepted_tokens_per_pos``), for positions below
+    ``max_num_speculative_tokens``."""
 
-    max_num_draft_tokens: int
+    max_num_speculative_tokens: int = 0
     num_steps: int = 0
     num_finished: int = 0
     num_generated_tokens: int = 0
-    num_drafts: int = 0  # verify steps x requests that carried at least one draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_stale_tail_tokens: int = 0
     num_dropped_tails: int = 0
@@ -28,23 +30,14 @@ class VerifierStats:
     num_ttft: int = 0
 
     def __post_init__(self) -> None:
-        self.num_accepted_tokens_per_pos = [0] * self.max_num_draft_tokens
+        self.num_accepted_tokens_per_pos = [0] * self.max_num_speculative_tokens
 
     def observe_verify(self, num_draft_tokens: int, accept_len: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += accept_len
-        for i in range(accept_len):
+        """One request's verify step that carried ``num_draft_tokens`` drafts."""
+        self.observe(num_draft_tokens, accept_len)
+        for i in range(min(accept_len, len(self.num_accepted_tokens_per_pos))):
             self.num_accepted_tokens_per_pos[i] += 1
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_seconds_total += seconds
         self.num_ttft += 1
-
-    @property
-    def mean_accept_len(self) -> float:
-        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

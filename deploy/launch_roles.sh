@@ -19,7 +19,7 @@
 #   PREFILL_GPUS, VERIFIER_GPUS, DRAFTER_GPUS
 #                    GPUs each role actor reserves (default: 0)
 # Any arguments are passed to every `specmesh launch`, e.g.
-#   deploy/launch_roles.sh --model /models/SmolLM2-135M-Instruct --num-draft-tokens 4
+#   deploy/launch_roles.sh --model /models/SmolLM2-135M-Instruct --num-speculative-tokens 4
 set -euo pipefail
 
 address="${RAY_ADDRESS:-auto}"

@@ -6,25 +6,18 @@ import inspect
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-SEED_STATES = ("none", "hidden")
-DRAFT_SHAPES = ("chain", "tree")
-
 
 class Proposer(ABC):
     """One draft method. The drafter worker owns the per-request token state; a proposer only
     answers ``propose`` for a context and keeps whatever private per-request state it needs
     (a model drafter's KV, a suffix tree), rolled back with ``rollback``.
 
-    Class attributes declare what the method needs and returns:
-    ``name`` (registry key), ``seed_state`` ("none": rebuilt from tokens; "hidden": target
-    hidden states from PrefillDone / VerifyCommit), ``draft_shape`` ("chain" | "tree") and
-    ``returns_probs`` (True when ``propose`` also yields ``draft_probs``).
+    ``name`` is the registry key. Methods draft chains from tokens only; the declarations of
+    seed state (EAGLE's target hidden states), tree drafts and draft probabilities arrive with
+    the model-drafter and sampled-verification issues, with the methods that use them.
     """
 
     name: ClassVar[str]
-    seed_state: ClassVar[str] = "none"
-    draft_shape: ClassVar[str] = "chain"
-    returns_probs: ClassVar[bool] = False
 
     @abstractmethod
     def open(self, request_id: str, context_token_ids: list[int]) -> None:
@@ -53,7 +46,7 @@ def register_proposer(cls: type[Proposer]) -> type[Proposer]:
 
     Raises:
         TypeError: ``cls`` is not a Proposer, leaves part of the interface unimplemented, has a
-            method with the wrong arity, or declares an unknown seed state / draft shape.
+            method with the wrong arity, or has no name.
         ValueError: another class already took the name.
     """
     if not (inspect.isclass(cls) and issubclass(cls, Proposer)):
@@ -69,10 +62,6 @@ def register_proposer(cls: type[Proposer]) -> type[Proposer]:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"proposer {cls.__name__} has no string `name`")
-    if cls.seed_state not in SEED_STATES:
-        raise TypeError(f"{cls.__name__}.seed_state must be one of {SEED_STATES}")
-    if cls.draft_shape not in DRAFT_SHAPES:
-        raise TypeError(f"{cls.__name__}.draft_shape must be one of {DRAFT_SHAPES}")
     if name in _REGISTRY and _REGISTRY[name] is not cls:
         raise ValueError(f"draft method {name!r} already registered by {_REGISTRY[name].__name__}")
     _REGISTRY[name] = cls

@@ -9,14 +9,13 @@ longest common prefix (the proposer rolls back) and drafting resumes after the c
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from drafter.config import DrafterConfig
 from drafter.proposer import Proposer, get_proposer
 from protocol.errors import ProtocolError
 from protocol.messages import DraftClose, DraftNeedSync, DraftSync, DraftTailStream, VerifyCommit
-from protocol.transport import Envelope, Mailbox, run_loop
+from protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +50,10 @@ class DrafterStats:
     num_dropped_messages: int = 0  # for unknown / closed requests
 
 
-@dataclass(frozen=True)
-class DrafterConfig:
-    """``window``: tokens drafted past the committed prefix (W >= kappa); ``max_segment``: most
-    tokens proposed per request per step, so one long request cannot starve the others."""
-
-    method: str = "ngram"
-    window: int = 8
-    max_segment: int = 8
-    max_requests: int = 4096
-    method_kwargs: dict = field(default_factory=dict)
-
-
-class DrafterWorker:
+class DrafterWorker(MailboxWorker):
     """Plain-class drafter. Drive it with ``step()`` or ``run(stop)``."""
+
+    name = "drafter"
 
     def __init__(self, config: DrafterConfig, mailbox: Mailbox,
                  proposer: Proposer | None = None) -> None:
@@ -79,6 +68,11 @@ class DrafterWorker:
     # -- message handling ------------------------------------------------------------------
 
     def handle(self, env: Envelope) -> None:
+        """DraftSync: (re-)open the request on the verifier's committed prefix. VerifyCommit:
+        advance it, keeping the path when the commit agrees and truncating it to the longest
+        common prefix otherwise; a commit it cannot place answers DraftNeedSync. DraftClose:
+        drop the request. ProtocolError: counted; a named request is dropped (the verifier
+        re-syncs). Anything else, or a message for an unknown request, is counted as dropped."""
         msg = env.msg
         if isinstance(msg, ProtocolError):
             self.stats.num_protocol_errors += 1
@@ -147,19 +141,16 @@ class DrafterWorker:
     def _need_sync(self, st: DraftState, reason: str) -> None:
         self.stats.num_need_sync += 1
         self._drop(st.request_id)
-        self._send(st.verifier, DraftNeedSync(request_id=st.request_id, reason=reason))
+        self.send(st.verifier, DraftNeedSync(request_id=st.request_id, reason=reason))
 
     def _drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.proposer.close(request_id)
 
-    def _send(self, peer: str, msg: object) -> None:
-        try:
-            self.mailbox.send(peer, msg)
-        except ConnectionError as err:  # verifier gone: its requests are gone too
-            log.warning("drafter cannot reach %s: %s", peer, err)
-            for rid in [r for r, s in self.requests.items() if s.verifier == peer]:
-                self._drop(rid)
+    def on_send_failed(self, peer: str, err: ConnectionError) -> None:
+        """The verifier is gone: its requests are gone too."""
+        for rid in [r for r, s in self.requests.items() if s.verifier == peer]:
+            self._drop(rid)
 
     # -- drafting --------------------------------------------------------------------------
 
@@ -178,7 +169,7 @@ class DrafterWorker:
                 # An empty segment tells a verifier waiting for a tail that none is coming.
                 seg = st.path[st.num_sent:]
                 st.news = False
-                self._send(st.verifier, DraftTailStream(
+                self.send(st.verifier, DraftTailStream(
                     request_id=st.request_id, base_committed_len=len(st.committed),
                     start_pos=len(st.committed) + st.num_sent, draft_token_ids=seg))
                 st.num_sent = len(st.path)
@@ -195,13 +186,5 @@ class DrafterWorker:
         """Ingest what arrived (waiting up to ``timeout_s`` for the first message), then draft."""
         if self._has_work():
             timeout_s = 0.0
-        env = self.mailbox.recv(timeout_s)
-        while env is not None:
-            self.handle(env)
-            env = self.mailbox.recv(0.0)
+        self.ingest(timeout_s)
         return self.draft()
-
-    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05,
-            on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Step until ``stop`` is set, blocking on the mailbox while idle."""
-        run_loop(self.step, stop, idle_timeout_s, 'drafter', on_error)

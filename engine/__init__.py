@@ -1,54 +1,39 @@
-"""specmesh model runtime: Llama-family model, paged KV cache, ragged forward, loading, frames."""
+"""specmesh model runtime: Llama-family model, paged KV cache, ragged forward, loading, frames.
+
+The names below load on first use (PEP 562), so that importing a pure-Python submodule such as
+``engine.block_manager`` (the verifier's scheduler needs it) does not import torch.
+"""
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager, KVCacheExhausted, slot_mapping
-from engine.config import ModelConfig
-from engine.dtypes import MODEL_DTYPES, TORCH_DTYPES, dtype_name, model_dtype, torch_dtype
-from engine.frames import buffer_to_tensor, tensor_to_buffer
-from engine.kv_cache import KVCache, num_blocks_for_memory
-from engine.loader import (
-    LoadedModel,
-    build_model,
-    cache_root,
-    hf_reference_model,
-    load_model,
-    load_tokenizer,
-    model_files,
-    model_identity_fields,
-)
-from engine.model import AttentionMetadata, LlamaForCausalLM, rope_inv_freq
-from engine.runner import ModelRunner, SeqChunk
-from engine.tiny import hf_greedy, tiny_hf_config, tiny_llama
+import importlib
+from typing import Any
 
-__all__ = [
-    "MODEL_DTYPES",
-    "TORCH_DTYPES",
-    "AttentionMetadata",
-    "BlockManager",
-    "KVCache",
-    "KVCacheExhausted",
-    "LlamaForCausalLM",
-    "LoadedModel",
-    "ModelConfig",
-    "ModelRunner",
-    "SeqChunk",
-    "buffer_to_tensor",
-    "build_model",
-    "cache_root",
-    "dtype_name",
-    "hf_reference_model",
-    "load_model",
-    "load_tokenizer",
-    "model_dtype",
-    "model_files",
-    "model_identity_fields",
-    "num_blocks_for_memory",
-    "rope_inv_freq",
-    "slot_mapping",
-    "tensor_to_buffer",
-    "hf_greedy",
-    "tiny_hf_config",
-    "tiny_llama",
-    "torch_dtype",
-]
+#: public name -> submodule that defines it
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("BlockManager", "KVCacheExhausted", "slot_mapping"), "block_manager"),
+    "ModelConfig": "config",
+    **dict.fromkeys(("MODEL_DTYPES", "TORCH_DTYPES", "dtype_name", "model_dtype", "torch_dtype"),
+                    "dtypes"),
+    **dict.fromkeys(("buffer_to_tensor", "tensor_to_buffer"), "frames"),
+    **dict.fromkeys(("KVCache", "num_blocks_for_memory"), "kv_cache"),
+    **dict.fromkeys(("LoadedModel", "build_model", "cache_root", "load_model", "load_tokenizer",
+                     "model_files", "model_identity_fields"), "loader"),
+    **dict.fromkeys(("AttentionMetadata", "LlamaForCausalLM", "rope_inv_freq"), "model"),
+    **dict.fromkeys(("ModelRunner", "SeqChunk"), "runner"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import the submodule that defines ``name`` on first access.
+
+    Raises:
+        AttributeError: ``name`` is not exported by engine.
+    """
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"engine.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

@@ -263,14 +263,6 @@ def model_files(model: str | None = None, dtype: str = "float32") -> Path:
     return path
 
 
-def hf_reference_model(model: str | None = None, dtype: str = "float32") -> Any:
-    """The transformers model (eval) with the same weights, for comparisons with HF ``generate``."""
-    from transformers import AutoModelForCausalLM
-
-    path = model_files(model, dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=model_dtype(dtype)).eval()
-
-
 def model_identity_fields(loaded: LoadedModel, block_size: int) -> dict:
     """Fields of ``protocol.messages.ModelIdentity`` for ``loaded``, KV blocks of ``block_size``."""
     return {
@@ -282,3 +274,31 @@ def model_identity_fields(loaded: LoadedModel, block_size: int) -> dict:
         "head_dim": loaded.config.head_dim,
         "block_size": int(block_size),
     }
+
+
+def model_identity(model: str | None, dtype: str, block_size: int) -> dict:
+    """Fields of ``protocol.messages.ModelIdentity`` for ``model`` served in ``dtype``, read
+    from its config files only (no weights loaded): what a role that does not run the target
+    (an n-gram drafter, the gateway) announces in its Hello.
+
+    Raises:
+        FileNotFoundError: the model cannot be found.
+        ValueError: unsupported dtype or architecture.
+    """
+    from transformers import AutoConfig
+
+    _check_dtype(dtype)
+    kind, path = _resolve(model)
+    if kind == "hf":
+        hf_config = AutoConfig.from_pretrained(path)
+    else:
+        cached = _cache_dir(path, dtype)
+        if (cached / _MARKER).is_file():
+            hf_config = AutoConfig.from_pretrained(cached)
+        else:  # reads the GGUF's metadata, not its tensors
+            hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config = ModelConfig.from_hf(hf_config)
+    return {"name": _model_name(model, kind, path), "vocab_size": config.vocab_size,
+            "dtype": dtype, "num_layers": config.num_layers,
+            "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "block_size": int(block_size)}

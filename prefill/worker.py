@@ -10,9 +10,7 @@ same ordered channel. A PrefillCancel is acknowledged once no frame of that tran
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager, KVCacheExhausted
 from engine.frames import tensor_to_buffer
 from engine.runner import ModelRunner
+from prefill.config import PrefillConfig
 from protocol.errors import ProtocolError
 from protocol.messages import (
     Abort,
@@ -29,21 +28,9 @@ from protocol.messages import (
     PrefillDone,
     PrefillRequest,
 )
-from protocol.transport import Envelope, Mailbox, run_loop
+from protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """``chunk_size``: prompt tokens per forward (chunked prefill); ``frame_tokens`` and
-    ``frame_layers``: the KV of at most that many tokens x layers per KVFrame."""
-
-    instance_id: str = "prefill-0"
-    chunk_size: int = 512
-    frame_tokens: int = 256
-    frame_layers: int = 8
-    max_queue_len: int = 1024
 
 
 @dataclass
@@ -57,8 +44,10 @@ class PrefillStats:
     num_protocol_errors: int = 0
 
 
-class PrefillWorker:
+class PrefillWorker(MailboxWorker):
     """Plain-class prefill role; drive it with ``step()`` or ``run(stop)``."""
+
+    name = "prefill"
 
     def __init__(self, config: PrefillConfig, mailbox: Mailbox, runner: ModelRunner,
                  block_manager: BlockManager) -> None:
@@ -73,6 +62,10 @@ class PrefillWorker:
     # -- ingest ----------------------------------------------------------------------------
 
     def handle(self, env: Envelope) -> None:
+        """PrefillRequest: queued (refused with a failed PrefillDone when the queue is full).
+        PrefillCancel: the transfer is dropped if still queued, then acknowledged (nothing of it
+        follows the ack). Abort: the request is dropped if still queued. ProtocolError: counted;
+        a named request is dropped. Anything else is ignored."""
         msg = env.msg
         if isinstance(msg, ProtocolError):
             self.stats.num_protocol_errors += 1
@@ -87,7 +80,7 @@ class PrefillWorker:
         elif isinstance(msg, PrefillCancel):
             self._drop_queued(lambda r: r.transfer_id == msg.transfer_id)
             self.stats.num_cancelled += 1
-            self._send(env.peer, PrefillCancelAck(request_id=msg.request_id,
+            self.send(env.peer, PrefillCancelAck(request_id=msg.request_id,
                                                   transfer_id=msg.transfer_id))
         elif isinstance(msg, Abort):
             self._drop_queued(lambda r: r.request_id == msg.request_id)
@@ -108,7 +101,11 @@ class PrefillWorker:
             return f"prompt of {n} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}"
         if any(t < 0 or t >= cfg.vocab_size for t in req.prompt_token_ids):
             return f"prompt token id outside [0, {cfg.vocab_size})"
-        if not req.block_ids:
+        if req.sampling.temperature != 0:
+            # The sampled first token follows the verifier's rule for the request (DESIGN.md
+            # §5, coupled for seeded requests): it lands with the sampled verification rules.
+            return "only greedy decoding (temperature 0) is supported by this prefill worker"
+        if not req.block_table:
             return "no destination blocks"
         if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
             return f"prompt of {n} tokens does not fit this prefill worker's KV cache"
@@ -116,41 +113,26 @@ class PrefillWorker:
 
     def _fail(self, peer: str, req: PrefillRequest, error: str) -> None:
         self.stats.num_failed += 1
-        self._send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
+        self.send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
                                      first_token_id=-1, num_frames=0, num_bytes=0, error=error))
-
-    def _send(self, peer: str, msg: object) -> None:
-        try:
-            self.mailbox.send(peer, msg)
-        except ConnectionError as err:
-            log.warning("prefill cannot reach %s: %s", peer, err)
-
-    def _sample_first(self, logits: torch.Tensor, req: PrefillRequest) -> int:
-        # logits: [vocab_size] of the last prompt position
-        sp = req.sampling
-        if sp.temperature <= 0:
-            return int(torch.argmax(logits).item())
-        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-        probs = torch.softmax(logits.float() / sp.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen).item())
 
     def _run_one(self, peer: str, req: PrefillRequest) -> None:
         n = len(req.prompt_token_ids)
-        block_ids = self.block_manager.allocate(self.block_manager.blocks_for(n))
+        block_table = self.block_manager.allocate(self.block_manager.blocks_for(n))
         try:
-            logits = self.runner.prefill(req.prompt_token_ids, block_ids,
+            logits = self.runner.prefill(req.prompt_token_ids, block_table,
                                          chunk_size=self.config.chunk_size)
-            first = self._sample_first(logits.reshape(-1, logits.shape[-1])[-1], req)
-            num_frames, num_bytes = self._send_kv(peer, req, block_ids, n)
+            first = int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]).item())
+            num_frames, num_bytes = self._send_kv(peer, req, block_table, n)
         finally:
-            self.block_manager.free(block_ids)
+            self.block_manager.free(block_table)
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += n
-        self._send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
+        self.send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
                                      first_token_id=first, num_frames=num_frames,
                                      num_bytes=num_bytes))
 
-    def _send_kv(self, peer: str, req: PrefillRequest, block_ids: list[int],
+    def _send_kv(self, peer: str, req: PrefillRequest, block_table: list[int],
                  n: int) -> tuple[int, int]:
         cache = self.runner.kv_cache
         num_layers = self.model_config.num_layers
@@ -159,9 +141,9 @@ class PrefillWorker:
             num_tokens = min(self.config.frame_tokens, n - token_start)
             for layer_start in range(0, num_layers, self.config.frame_layers):
                 layer_end = min(layer_start + self.config.frame_layers, num_layers)
-                kv = cache.read_chunk(layer_start, layer_end, block_ids, token_start, num_tokens)
+                kv = cache.read_chunk(layer_start, layer_end, block_table, token_start, num_tokens)
                 buf = tensor_to_buffer(kv)
-                self._send(peer, KVFrame(
+                self.send(peer, KVFrame(
                     request_id=req.request_id, transfer_id=req.transfer_id,
                     layer_start=layer_start, layer_end=layer_end, chunk_index=num_frames,
                     token_start=token_start, num_tokens=num_tokens, kv=buf))
@@ -173,10 +155,7 @@ class PrefillWorker:
 
     def step(self, timeout_s: float = 0.0) -> int:
         """Ingest messages, then prefill at most one queued request; returns requests done."""
-        env = self.mailbox.recv(0.0 if self.queue else timeout_s)
-        while env is not None:
-            self.handle(env)
-            env = self.mailbox.recv(0.0)
+        self.ingest(0.0 if self.queue else timeout_s)
         if not self.queue:
             return 0
         peer, req = self.queue[0]
@@ -196,8 +175,3 @@ class PrefillWorker:
             log.exception("prefill of %s failed", req.request_id)
             self._fail(peer, req, f"prefill failed: {err}")
         return 1
-
-    def run(self, stop: threading.Event, idle_timeout_s: float = 0.05,
-            on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Step until ``stop`` is set, blocking on the mailbox while idle."""
-        run_loop(self.step, stop, idle_timeout_s, 'prefill', on_error)

@@ -15,6 +15,7 @@ from protocol.codec import (
     encode,
     encoded_size,
 )
+from protocol.enums import FinishReason, Role
 from protocol.errors import ProtocolError
 from protocol.messages import (
     DTYPE_ITEMSIZE,
@@ -41,12 +42,13 @@ from protocol.messages import (
     VerifyCommit,
     register,
 )
+from protocol.spec_stats import SpecStats
 
 __all__ = [
     "codec", "errors", "messages",
     "encode", "decode", "encoded_size",
     "MAX_HEADER_BYTES", "MAX_BUFFER_BYTES", "MAX_FRAMES", "MAX_DEPTH",
-    "ProtocolError",
+    "ProtocolError", "FinishReason", "Role", "SpecStats",
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
     "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",

@@ -4,9 +4,11 @@ Glossary (used everywhere in the code base):
 - output positions are 0-based indices into a request's *output* tokens; the first token
   (sampled by the prefill worker) sits at output position 0.
 - ``committed_len``: number of output tokens the verifier has committed; never rolled back.
-- ``num_draft_tokens`` (kappa): drafts verified per step; 0 turns speculation off.
+- ``num_speculative_tokens`` (kappa, a setting, vLLM's name): the most drafts verified per
+  request per step; 0 turns speculation off.
+- ``num_draft_tokens``: a count of drafts (verified, sent, ...), never a setting.
 - ``accept_len``: accepted drafts of one verify step, excluding the bonus / recovered token.
-- ``block_table`` / ``block_ids``: KV block ids of one request, in position order.
+- ``block_table``: KV block ids of one request, in position order.
 
 Tags are never reused. Field types are limited to int, float, str, bytes, bool, None, lists of
 those, nested registered messages and :class:`Buffer` (an out-of-band binary frame).
@@ -17,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: num_speculative_tokens, block_table, role "verifier"
 PLACEHOLDER_TOKEN_ID = -1
 
 #: tag -> message class; filled by :func:`register`.
@@ -141,7 +143,7 @@ class Hello:
     """First message on every connection, repeated after a reconnect."""
 
     protocol_version: int
-    role: str  # gateway | prefill | decode | drafter
+    role: str  # a protocol.enums.Role value: prefill | verifier | drafter | gateway
     instance_id: str
     incarnation: int  # a restarted process has a new one
     model: ModelIdentity | None = None
@@ -168,7 +170,7 @@ class HelloAck:
 
     @classmethod
     def example(cls) -> HelloAck:
-        return cls(accepted=False, role="decode", instance_id="decode-0", incarnation=1,
+        return cls(accepted=False, role="verifier", instance_id="verifier-0", incarnation=1,
                    error="model mismatch: vocab_size 49152 != 32000")
 
 
@@ -185,13 +187,13 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    num_draft_tokens: int | None = None  # per-request override of kappa; None = cluster default
+    num_speculative_tokens: int | None = None  # this request's kappa; None = the verifier's
     TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> GenerateRequest:
         return cls(request_id="req-1", prompt_token_ids=[1, 2, 3, 4],
-                   sampling=SamplingParams.example(), num_draft_tokens=4)
+                   sampling=SamplingParams.example(), num_speculative_tokens=4)
 
 
 @register(21)
@@ -243,22 +245,22 @@ class Abort:
 @register(30)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillRequest:
-    """Verifier -> prefill: run the prompt and ship its KV into ``block_ids`` of the verifier."""
+    """Verifier -> prefill: run the prompt and ship its KV into ``block_table`` of the verifier
+    (the channel the request came on carries the KV back)."""
 
     request_id: str
     transfer_id: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    block_ids: list[int]  # destination KV blocks on the verifier, in position order
-    kv_endpoint: str = ""  # where the verifier receives KV ("" = the channel it came on)
-    draft_method: str = ""  # decides which seed state PrefillDone carries
+    block_table: list[int]  # destination KV blocks on the verifier, in position order
+    draft_method: str = ""  # decides which seed state PrefillDone carries (drafter issue)
     TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> PrefillRequest:
         return cls(request_id="req-1", transfer_id=11, prompt_token_ids=[1, 2, 3],
-                   sampling=SamplingParams.example(), block_ids=[4, 7],
-                   kv_endpoint="tcp://127.0.0.1:5555", draft_method="ngram")
+                   sampling=SamplingParams.example(), block_table=[4, 7],
+                   draft_method="ngram")
 
 
 @register(31)

@@ -140,6 +140,9 @@ class InProcMailbox(Mailbox):
     def close(self) -> None:
         self._hub._remove(self.name)
 
+#: How long an idle worker blocks on its mailbox per loop turn, seconds: short enough that
+#: ``stop`` is honoured promptly, long enough that an idle role uses no CPU.
+IDLE_TIMEOUT_S = 0.05
 
 
 def run_loop(step: Callable[[float], object], stop: threading.Event, idle_timeout_s: float,
@@ -153,3 +156,54 @@ def run_loop(step: Callable[[float], object], stop: threading.Event, idle_timeou
             log.exception("%s step failed", name)
             if on_error is not None:
                 on_error(err)
+
+
+class MailboxWorker(ABC):
+    """The transport edge every worker shares: ingest, send, and the step loop.
+
+    A subclass sets ``mailbox`` and ``name`` and implements :meth:`handle` (one envelope, a
+    ProtocolError envelope included) and :meth:`step`.
+    """
+
+    mailbox: Mailbox
+    name: str = "worker"
+
+    @abstractmethod
+    def handle(self, env: Envelope) -> None:
+        """Apply one received envelope."""
+
+    @abstractmethod
+    def step(self, timeout_s: float = 0.0) -> int:
+        """One loop iteration; waits up to ``timeout_s`` for input only when idle."""
+
+    def ingest(self, timeout_s: float = 0.0) -> int:
+        """Handle every queued envelope, waiting up to ``timeout_s`` for the first one.
+        Returns the number handled."""
+        n = 0
+        env = self.mailbox.recv(timeout_s)
+        while env is not None:
+            self.handle(env)
+            n += 1
+            env = self.mailbox.recv(0.0)
+        return n
+
+    def send(self, peer: str | None, msg: object) -> bool:
+        """Send ``msg`` to ``peer`` (None: nowhere). A peer that cannot be reached is logged and
+        passed to :meth:`on_send_failed`; returns whether the message left."""
+        if peer is None:
+            return False
+        try:
+            self.mailbox.send(peer, msg)
+            return True
+        except ConnectionError as err:
+            log.warning("%s cannot reach %s: %s", self.name, peer, err)
+            self.on_send_failed(peer, err)
+            return False
+
+    def on_send_failed(self, peer: str, err: ConnectionError) -> None:  # noqa: B027 - hook
+        """Called when a send to ``peer`` failed; nothing by default."""
+
+    def run(self, stop: threading.Event, idle_timeout_s: float = IDLE_TIMEOUT_S,
+            on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Step until ``stop`` is set, blocking on the mailbox while idle."""
+        run_loop(self.step, stop, idle_timeout_s, self.name, on_error)

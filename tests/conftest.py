@@ -10,6 +10,10 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from cluster.loopback import use_loopback  # noqa: E402
+
+use_loopback()  # the embedded test Ray stays on 127.0.0.1; must precede every `import ray`
+
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
@@ -23,7 +27,7 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
     """A 2-layer random Llama with SmolLM2's vocabulary, saved as an HF dir (float32)."""
     import torch
 
-    from engine.tiny import tiny_llama
+    from helpers.models import tiny_llama
 
     path = tmp_path_factory.mktemp("tiny-llama")
     hf, _, _ = tiny_llama(seed=3, dtype=torch.float32, vocab_size=len(smollm2_tokenizer),

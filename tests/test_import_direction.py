@@ -4,12 +4,17 @@
 - kernels: only torch, triton, the standard library and kernels itself;
 - engine: may import kernels and protocol; not ray, prefill, decode, drafter, cluster;
 - prefill, decode, drafter: engine / kernels / protocol, never each other, cluster or ray;
-- only cluster imports ray.
+- only cluster imports ray;
+- no runtime package imports the tests' helpers (test-only models and references);
+- module rules (below): the verifier's scheduler and request state are pure Python (no torch),
+  the in-process cluster, the configs and the CLI options import no ray (lazily included), and
+  nothing imports the CLI (no ``cli`` <-> ``demo`` loop); checked transitively too.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +30,19 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "engine": frozenset({"ray", *WORKERS, "cluster"}),
     **{w: frozenset({"ray", "cluster", *WORKERS} - {w}) for w in WORKERS},
     "cluster": frozenset(),
+}
+TEST_ONLY = frozenset({"helpers", "tests", "conftest"})
+for _pkg in FORBIDDEN:
+    FORBIDDEN[_pkg] = FORBIDDEN[_pkg] | TEST_ONLY
+#: module -> modules it must not import, even lazily (a dotted name bans it and its submodules)
+MODULE_FORBIDDEN: dict[str, frozenset[str]] = {
+    **{m: frozenset({"torch", "triton"}) for m in (
+        "decode.scheduler", "decode.request", "decode.config", "decode.tail_buffer",
+        "engine.block_manager", "prefill.config", "drafter.config")},
+    **{m: frozenset({"ray", "cluster.cli", "cluster.launcher", "cluster.actors"}) for m in (
+        "cluster.inprocess", "cluster.config", "cluster.options", "cluster.runs",
+        "cluster.loopback")},
+    **{m: frozenset({"cluster.cli"}) for m in ("cluster.demo", "cluster.bench")},
 }
 #: package -> the only top-level modules it may import (besides the standard library)
 ONLY: dict[str, frozenset[str]] = {"kernels": frozenset({"torch", "triton", "kernels"})}
@@ -56,6 +74,8 @@ def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[i
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 found.append((node.lineno, node.module or ""))
+                # `from pkg import mod` imports pkg.mod when mod is a module
+                found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
                 continue
             base = package.split(".") if package else []
             if node.level - 1 > len(base) - 1:
@@ -84,8 +104,13 @@ def violations(package: str, source: str, relpath: str = "mod.py") -> list[str]:
     bad = []
     for line, name in imported_modules(source, module, is_package):
         top = name.split(".")[0]
+        banned = MODULE_FORBIDDEN.get(module, frozenset())
         if name.startswith("<"):
             ok = False
+        elif any(name == b or name.startswith(b + ".") for b in banned):
+            ok = False
+        elif name == "cluster.cli" and module != "cluster.cli":
+            ok = False  # the CLI is the entry point; importing it makes loops
         elif package in ONLY:
             ok = top in ONLY[package] or top in STDLIB
         else:
@@ -112,6 +137,17 @@ def test_project_tree_respects_import_direction() -> None:
         except SyntaxError as e:
             bad.append(f"{package}/{relpath}: does not parse: {e}")
     assert not bad, "import direction violated (DESIGN.md §1):\n" + "\n".join(bad)
+
+
+def test_pure_modules_stay_pure_transitively() -> None:
+    """What the module rules promise holds for everything those modules pull in."""
+    code = ("import sys\n"
+            "import decode.scheduler, decode.request, engine.block_manager\n"
+            "assert 'torch' not in sys.modules, 'the scheduler pulled in torch'\n"
+            "import cluster.inprocess, cluster.config, cluster.options, cluster.runs\n"
+            "import cluster.demo, cluster.bench\n"
+            "assert 'ray' not in sys.modules, 'a Ray-free module pulled in ray'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,6 +178,14 @@ def test_project_tree_respects_import_direction() -> None:
     ("drafter", "__import__('decode.worker')", "x.py"),
     ("drafter", "try:\n    import ray.util\nexcept ImportError:\n    pass\n", "x.py"),
     ("decode", "from .... import x", "a/b.py"),
+    ("engine", "from helpers.models import tiny_llama", "loader.py"),
+    ("cluster", "def f():\n    import helpers\n", "bench.py"),
+    ("decode", "import torch", "scheduler.py"),
+    ("decode", "def f():\n    from torch import nn\n", "request.py"),
+    ("cluster", "def f():\n    import ray\n", "inprocess.py"),
+    ("cluster", "from cluster.launcher import start_cluster", "config.py"),
+    ("cluster", "from cluster.cli import main", "demo.py"),
+    ("cluster", "from cluster import cli", "bench.py"),
 ])
 def test_checker_flags_violations(package: str, source: str, relpath: str) -> None:
     assert violations(package, source, relpath), f"{package}: {source!r} should be refused"
@@ -162,6 +206,8 @@ def test_checker_flags_violations(package: str, source: str, relpath: str) -> No
     ("decode", "from engine.model import Llama\nfrom kernels import greedy_verify", "loop.py"),
     ("drafter", "from drafter.proposers import ngram", "registry.py"),
     ("cluster", "import ray\nfrom decode import worker\nfrom prefill import worker", "actors.py"),
+    ("decode", "import torch\nfrom decode.scheduler import Scheduler", "verify_step.py"),
+    ("cluster", "def f():\n    from cluster.launcher import start_cluster\n", "demo.py"),
 ])
 def test_checker_accepts_allowed_imports(package: str, source: str, relpath: str) -> None:
     assert violations(package, source, relpath) == []

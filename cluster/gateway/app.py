@@ -19,12 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.gateway.generation import Finish, RequestRun, TextDelta
+from cluster.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
 from cluster.gateway.metrics import GatewayMetrics
 from cluster.gateway.schemas import (
     ChatCompletionRequest, CompletionRequest, GatewayError, bad_request, error_body,
 )
 from cluster.gateway.tokens import chat_prompt_ids, completion_prompt_ids
+from protocol.enums import FinishReason
 from protocol.messages import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class _Gateway:
             top_k=max(0, body.top_k or 0), seed=body.seed,
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                               sampling=sampling, num_draft_tokens=body.num_draft_tokens)
+                               sampling=sampling, num_speculative_tokens=body.num_speculative_tokens)
 
     def check_model(self, body) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -102,7 +103,8 @@ class _Gateway:
     def error_response(self, finish: Finish) -> JSONResponse:
         kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(finish.status,
                                                                            "server_error")
-        code = finish.reason if finish.reason in ("queue_full", "invalid") else None
+        refused = (FinishReason.QUEUE_FULL, FinishReason.INVALID)
+        code = finish.reason if finish.reason in refused else None
         return JSONResponse(error_body(finish.error, kind, None, code), status_code=finish.status)
 
     async def complete(self, run: RequestRun, chat: bool) -> Response:
@@ -115,7 +117,7 @@ class _Gateway:
             else:
                 finish = ev
         if finish is None or finish.is_error:
-            return self.error_response(finish or Finish("error", "no result", 500))
+            return self.error_response(finish or Finish(FinishReason.ERROR, "no result", 500))
         text = "".join(parts)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -126,7 +128,7 @@ class _Gateway:
         body = {"id": run.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": [choice],
                 "usage": self.usage(run), "spec_stats": run.stats.as_dict()}
-        return JSONResponse(body, headers=run.stats.headers())
+        return JSONResponse(body, headers=spec_stats_headers(run.stats))
 
     async def stream(self, run: RequestRun, chat: bool, include_usage: bool) -> Response:
         """Streaming: wait for the first event (so a 429 / 400 is a real status), then SSE."""

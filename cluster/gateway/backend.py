@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from protocol.errors import ProtocolError
+from protocol.enums import FinishReason
 from protocol.messages import Abort, GenerateRequest, TokenStream
 
 if TYPE_CHECKING:  # transport imports the codec; the app must not need it
@@ -138,7 +139,8 @@ class MailboxBackend:
             if msg.request_id is not None and msg.request_id in self._pending:
                 # A lost delta would corrupt the text: fail that request only.
                 self.abort(msg.request_id, "protocol error")
-                self._fail(msg.request_id, "error", f"protocol error from {peer}: {msg}")
+                self._fail(msg.request_id, FinishReason.ERROR,
+                           f"protocol error from {peer}: {msg}")
             return
         if isinstance(msg, TokenStream):
             pending = self._pending.get(msg.request_id)
@@ -188,7 +190,7 @@ class MailboxBackend:
                 with self._lock:
                     self._pending.pop(rid, None)
                 finished = True
-                yield finished_stream(rid, "error", f"no verifier available: {err}")
+                yield finished_stream(rid, FinishReason.ERROR, f"no verifier available: {err}")
                 return
             while True:
                 if self.stream_timeout_s is None:
@@ -198,7 +200,7 @@ class MailboxBackend:
                         msg = await asyncio.wait_for(pending.queue.get(), self.stream_timeout_s)
                     except asyncio.TimeoutError:
                         self.abort(rid, "timeout")
-                        msg = finished_stream(rid, "error", "verifier timed out")
+                        msg = finished_stream(rid, FinishReason.ERROR, "verifier timed out")
                 finished = msg.finished
                 yield msg
                 if finished:
@@ -223,7 +225,7 @@ class MailboxBackend:
                 self.num_aborts_sent += 1
             except Exception as err:  # noqa: BLE001 - the verifier may be gone already
                 log.warning("abort of %s not delivered to %s: %s", request_id, verifier, err)
-        self._fail(request_id, "abort", reason)
+        self._fail(request_id, FinishReason.ABORT, reason)
 
     def close(self) -> None:
         """Stop the reader thread and end every in-flight stream with an error."""
@@ -231,4 +233,4 @@ class MailboxBackend:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=max(1.0, 4 * self.recv_timeout_s))
         for rid in list(self._pending):
-            self._fail(rid, "error", "gateway backend closed")
+            self._fail(rid, FinishReason.ERROR, "gateway backend closed")

@@ -16,12 +16,15 @@ from dataclasses import dataclass
 
 from cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
 from cluster.gateway.metrics import GatewayMetrics
+from protocol.enums import FinishReason
 from protocol.messages import GenerateRequest, TokenStream
+from protocol.spec_stats import SpecStats
 
 log = logging.getLogger(__name__)
 
 #: verifier finish reasons that are errors, with the HTTP status they map to
-ERROR_STATUS = {"queue_full": 429, "invalid": 400, "error": 500}
+ERROR_STATUS = {FinishReason.QUEUE_FULL: 429, FinishReason.INVALID: 400,
+                FinishReason.ERROR: 500}
 DISCONNECT_POLL_S = 0.1
 
 
@@ -45,36 +48,19 @@ class Finish:
         return self.reason in ERROR_STATUS
 
 
-@dataclass
-class SpecStats:
-    """Cumulative speculative-decoding stats of one request."""
+def update_spec_stats(stats: SpecStats, msg: TokenStream) -> None:
+    """Stats in a TokenStream are cumulative: keep the largest seen (a local terminal message
+    carries zeros)."""
+    stats.num_draft_tokens = max(stats.num_draft_tokens, msg.num_draft_tokens)
+    stats.num_accepted_tokens = max(stats.num_accepted_tokens, msg.num_accepted_tokens)
+    stats.num_verify_steps = max(stats.num_verify_steps, msg.num_verify_steps)
 
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verify_steps: int = 0
 
-    def update(self, msg: TokenStream) -> None:
-        """Stats are cumulative: keep the largest seen (a local terminal message has zeros)."""
-        self.num_draft_tokens = max(self.num_draft_tokens, msg.num_draft_tokens)
-        self.num_accepted_tokens = max(self.num_accepted_tokens, msg.num_accepted_tokens)
-        self.num_verify_steps = max(self.num_verify_steps, msg.num_verify_steps)
-
-    @property
-    def mean_accept_len(self) -> float:
-        return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
-
-    def as_dict(self) -> dict:
-        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-        return {"num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "mean_accept_len": self.mean_accept_len,
-                "num_verify_steps": self.num_verify_steps,
-                "acceptance_rate": rate}
-
-    def headers(self) -> dict[str, str]:
-        return {"x-specmesh-draft-tokens": str(self.num_draft_tokens),
-                "x-specmesh-accepted-tokens": str(self.num_accepted_tokens),
-                "x-specmesh-mean-accept-len": f"{self.mean_accept_len:.4f}"}
+def spec_stats_headers(stats: SpecStats) -> dict[str, str]:
+    """The response headers that repeat a request's spec stats."""
+    return {"x-specmesh-draft-tokens": str(stats.num_draft_tokens),
+            "x-specmesh-accepted-tokens": str(stats.num_accepted_tokens),
+            "x-specmesh-mean-accept-len": f"{stats.mean_accept_len:.4f}"}
 
 
 class RequestRun:
@@ -138,7 +124,7 @@ class RequestRun:
             return "", Finish(reason, msg.error or reason, ERROR_STATUS[reason])
         tail, stopped = self.matcher.feed(self.detok.flush())
         if stopped:
-            return tail, Finish("stop")
+            return tail, Finish(FinishReason.STOP)
         return tail + self.matcher.flush(), Finish(reason)
 
     async def events(self) -> AsyncIterator[TextDelta | Finish]:
@@ -150,7 +136,7 @@ class RequestRun:
             async with contextlib.aclosing(self.backend.generate(self.req)) as stream:
                 try:
                     async for msg in stream:
-                        self.stats.update(msg)
+                        update_spec_stats(self.stats, msg)
                         if msg.token_ids:
                             self.num_output_tokens += len(msg.token_ids)
                             self._observe_tokens(len(msg.token_ids))
@@ -159,7 +145,7 @@ class RequestRun:
                                 yield TextDelta(text)
                             if stopped:
                                 self.backend.abort(self.request_id, "stop string")
-                                self.finish = Finish("stop")
+                                self.finish = Finish(FinishReason.STOP)
                                 break
                         if msg.finished:
                             text, self.finish = self._finish_with(msg)
@@ -170,7 +156,8 @@ class RequestRun:
                     if self.finish is None:  # cancelled: the client went away
                         self.backend.abort(self.request_id, "client disconnected")
             if self.finish is None:
-                self.finish = Finish("error", "backend stream ended without a finish", 500)
+                self.finish = Finish(FinishReason.ERROR,
+                                     "backend stream ended without a finish", 500)
             yield self.finish
         finally:
             if watcher is not None:
@@ -181,10 +168,10 @@ class RequestRun:
         if self.metrics is None:
             return
         reason = self.finish.reason if self.finish is not None else "abort"
-        if reason == "queue_full":
+        if reason == FinishReason.QUEUE_FULL:
             self.metrics.queue_full.inc()
             return
-        if reason == "invalid":
+        if reason == FinishReason.INVALID:
             return
         s = self.stats
         self.metrics.observe_finished(reason, self.num_prompt_tokens, self.num_output_tokens,

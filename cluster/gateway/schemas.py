@@ -61,7 +61,7 @@ class _CommonRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    num_draft_tokens: int | None = Field(default=None, ge=0)  # specmesh: per-request kappa
+    num_speculative_tokens: int | None = Field(default=None, ge=0)  # specmesh: this request's kappa
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1

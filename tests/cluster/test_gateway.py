@@ -139,8 +139,8 @@ def cluster(tokenizer):
     hub = InProcHub()
     gw_mb = hub.mailbox("gateway-0")
     script = tokenizer(SCRIPT)["input_ids"]
-    fake = FakeVerifier(hub.mailbox("decode-0"), script, tokenizer.eos_token_id)
-    backend = MailboxBackend(gw_mb, lambda: "decode-0")
+    fake = FakeVerifier(hub.mailbox("verifier-0"), script, tokenizer.eos_token_id)
+    backend = MailboxBackend(gw_mb, lambda: "verifier-0")
     app = create_app(backend, tokenizer, MODEL, MAX_MODEL_LEN, default_max_tokens=64)
     server, thread, port = serve_gateway(app)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
@@ -216,7 +216,7 @@ def test_completion_non_streaming_and_streaming_agree(cluster):
     sent = cluster["fake"].requests[-1]
     assert sent.prompt_token_ids == tok("Tell me a story:")["input_ids"]
     assert sent.sampling.max_tokens == 30 and sent.sampling.temperature == 0.0
-    assert sent.num_draft_tokens is None
+    assert sent.num_speculative_tokens is None
 
     status, events = post_stream(c, "/v1/completions", {
         **body, "stream": True, "stream_options": {"include_usage": True}})

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from cluster.local import InProcessCluster
+from cluster.inprocess import InProcessCluster
 from drafter.proposer import Proposer
-from engine.tiny import hf_greedy, tiny_llama
+from helpers.models import hf_greedy, tiny_llama
 from protocol.messages import SamplingParams
 
 MAX_TOKENS = 24
@@ -68,7 +68,7 @@ def tiny():
 
 
 def _run(model, cfg, prompts, k, **kw):
-    c = InProcessCluster(model, cfg, num_draft_tokens=k, num_kv_blocks=128, block_size=4, **kw)
+    c = InProcessCluster(model, cfg, num_speculative_tokens=k, num_kv_blocks=128, block_size=4, **kw)
     # mixed batch: different max_tokens per request
     params = [SamplingParams(max_tokens=MAX_TOKENS - (i % 3)) for i in range(len(prompts))]
     return c, c.generate(prompts, params), params
@@ -79,7 +79,7 @@ def test_plain_decode_equals_hf_generate(tiny):
     _, res, params = _run(model, cfg, prompts, 0)
     for r, ref, sp in zip(res, refs, params):
         assert r.token_ids == ref[:sp.max_tokens]
-        assert r.finish_reason == "length" and r.num_draft_tokens == 0
+        assert r.finish_reason == "length" and r.spec.num_draft_tokens == 0
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -117,7 +117,7 @@ def test_eos_ends_request_inside_an_accepted_block(tiny):
     # pretend the 6th output token of prompt 0 is EOS: the oracle drafts past it
     eos = refs[0][5]
     first = refs[0].index(eos)
-    c = InProcessCluster(model, cfg, num_draft_tokens=5, num_kv_blocks=128, block_size=4,
+    c = InProcessCluster(model, cfg, num_speculative_tokens=5, num_kv_blocks=128, block_size=4,
                          eos_token_ids=(eos,), proposer=OracleProposer(prompts, refs))
     (r,) = c.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS))
     assert r.token_ids == refs[0][:first + 1]
@@ -128,7 +128,7 @@ def test_eos_ends_request_inside_an_accepted_block(tiny):
 
 def test_max_tokens_inside_accepted_block_counts_exactly(tiny):
     model, cfg, prompts, refs = tiny
-    c = InProcessCluster(model, cfg, num_draft_tokens=5, num_kv_blocks=128, block_size=4,
+    c = InProcessCluster(model, cfg, num_speculative_tokens=5, num_kv_blocks=128, block_size=4,
                          proposer=OracleProposer(prompts, refs))
     for n in (1, 2, 3, 7):
         (r,) = c.generate([prompts[1]], SamplingParams(max_tokens=n))

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from cluster.local import InProcessCluster
-from engine.tiny import hf_greedy, tiny_llama
+from cluster.inprocess import InProcessCluster
+from helpers.models import hf_greedy, tiny_llama
 from protocol.messages import Abort, GenerateRequest, KVFrame, PrefillDone, SamplingParams
 from protocol.messages import TokenStream
 from protocol.transport import Mailbox
@@ -52,7 +52,7 @@ def tiny():
 
 
 def _cluster(model, cfg, num_kv_blocks=64):
-    c = InProcessCluster(model, cfg, num_draft_tokens=3, num_kv_blocks=num_kv_blocks,
+    c = InProcessCluster(model, cfg, num_speculative_tokens=3, num_kv_blocks=num_kv_blocks,
                          block_size=4)
     c.prefill.mailbox = HoldingMailbox(c.prefill.mailbox)
     c.prefill.config = type(c.prefill.config)(frame_tokens=3, frame_layers=1)  # many frames
@@ -73,7 +73,7 @@ def _pump(c, results, n=1):
 
 
 def _submit(c, rid, prompt):
-    c.client.send("decode-0", GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+    c.client.send("verifier-0", GenerateRequest(request_id=rid, prompt_token_ids=prompt,
                                               sampling=SamplingParams(max_tokens=MAX_TOKENS)))
 
 
@@ -105,15 +105,15 @@ def test_cancelled_transfer_late_frames_do_not_corrupt_reused_blocks(tiny):
     results = {}
     _submit(c, "A", prompts[2])
     _pump(c, results, 2)  # A prefilled; its KV is held back
-    a_blocks = list(c.verifier.requests["A"].block_ids)
-    c.client.send("decode-0", Abort(request_id="A", reason="client disconnected"))
+    a_blocks = list(c.verifier.requests["A"].block_table)
+    c.client.send("verifier-0", Abort(request_id="A", reason="client disconnected"))
     _submit(c, "B", prompts[2])
     _pump(c, results, 1)  # verifier: abort A -> PrefillCancel; B must wait for the ack
-    assert "B" in c.verifier.requests and c.verifier.requests["B"].block_ids == []
+    assert "B" in c.verifier.requests and c.verifier.requests["B"].block_table == []
     _pump(c, results, 2)  # prefill acks the cancel; B admitted into A's blocks; B prefilled
     assert results["A"]["finish"] == "abort"
     b = c.verifier.requests["B"]
-    assert set(b.block_ids) & set(a_blocks)
+    assert set(b.block_table) & set(a_blocks)
     # deliver B's KV, then A's late frames (garbage for B, if they landed)
     c.prefill.mailbox.release(pick=lambda m: m.request_id == "B")
     late = [m for _, m in c.prefill.mailbox.held if m.request_id == "A"]

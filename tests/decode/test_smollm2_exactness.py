@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.cli import chat_prompt_ids
+from cluster.gateway.tokens import chat_prompt_ids
 from cluster.demo import load_prompts
-from cluster.local import InProcessCluster
-from engine.loader import hf_reference_model, load_model
-from engine.tiny import hf_greedy
+from cluster.inprocess import InProcessCluster
+from engine.loader import load_model
+from helpers.models import hf_reference_model
+from helpers.models import hf_greedy
 from protocol.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def test_speculative_equals_hf_generate_on_real_prompts(smollm2, k):
     prompts = load_prompts()
     assert len(prompts) >= 8
     ids = [chat_prompt_ids(tok, p["messages"]) for p in prompts]
-    cluster = InProcessCluster(loaded.model, loaded.config, num_draft_tokens=k,
+    cluster = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=k,
                                eos_token_ids=eos, num_kv_blocks=256)
     outs = cluster.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
     report = []

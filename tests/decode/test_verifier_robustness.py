@@ -4,8 +4,8 @@ requests, oversized or out-of-vocabulary prompts, a full queue, a quarantined dr
 import pytest
 import torch
 
-from cluster.local import InProcessCluster
-from engine.tiny import tiny_llama
+from cluster.inprocess import InProcessCluster
+from helpers.models import tiny_llama
 from protocol.messages import (
     Abort,
     DraftTailStream,
@@ -32,21 +32,21 @@ def _finals(c):
 
 def test_invalid_requests_get_clear_errors_and_the_next_request_is_served(model):
     m, cfg = model
-    c = InProcessCluster(m, cfg, num_draft_tokens=2, num_kv_blocks=16, block_size=4,
+    c = InProcessCluster(m, cfg, num_speculative_tokens=2, num_kv_blocks=16, block_size=4,
                          max_model_len=48)
     sp = SamplingParams(max_tokens=4)
-    c.client.send_frames("decode-0", [b"\x93\x01\x02"])  # valid msgpack, not a message
-    c.client.send_frames("decode-0", [b"\xff" * 10])
-    c.client.send("decode-0", Abort(request_id="never-sent"))
+    c.client.send_frames("verifier-0", [b"\x93\x01\x02"])  # valid msgpack, not a message
+    c.client.send_frames("verifier-0", [b"\xff" * 10])
+    c.client.send("verifier-0", Abort(request_id="never-sent"))
     bad = {
         "empty": [],
         "oov": [1, 2, 999],
         "too-long": list(range(1, 50)),
     }
     for rid, prompt in bad.items():
-        c.client.send("decode-0", GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+        c.client.send("verifier-0", GenerateRequest(request_id=rid, prompt_token_ids=prompt,
                                                   sampling=sp))
-    c.client.send("decode-0", GenerateRequest(request_id="sampled", prompt_token_ids=[1],
+    c.client.send("verifier-0", GenerateRequest(request_id="sampled", prompt_token_ids=[1],
                                               sampling=SamplingParams(temperature=0.7)))
     c.verifier.step()
     finals = _finals(c)
@@ -60,17 +60,17 @@ def test_invalid_requests_get_clear_errors_and_the_next_request_is_served(model)
 
 def test_full_queue_answers_queue_full(model):
     m, cfg = model
-    c = InProcessCluster(m, cfg, num_draft_tokens=0, num_kv_blocks=16, block_size=4)
-    c.verifier.config = type(c.verifier.config)(**{**vars(c.verifier.config), "max_queue_len": 2})
+    c = InProcessCluster(m, cfg, num_speculative_tokens=0, num_kv_blocks=16, block_size=4,
+                         max_queue_len=2)
     c.verifier.prefill_peers = []  # nothing can be admitted: requests stay queued
     for i in range(3):
-        c.client.send("decode-0", GenerateRequest(request_id=f"q{i}", prompt_token_ids=[1, 2],
+        c.client.send("verifier-0", GenerateRequest(request_id=f"q{i}", prompt_token_ids=[1, 2],
                                                   sampling=SamplingParams(max_tokens=2)))
     c.verifier.step()
     finals = _finals(c)
     assert list(finals) == ["q2"] and finals["q2"].finish_reason == "queue_full"
     c.verifier.set_roster(["prefill-0"], ["drafter-0"])
-    c.client.send("decode-0", Abort(request_id="q0"))
+    c.client.send("verifier-0", Abort(request_id="q0"))
     for _ in range(20):
         c.prefill.step()
         c.verifier.step()
@@ -81,20 +81,20 @@ def test_full_queue_answers_queue_full(model):
 
 def test_garbage_from_drafter_quarantines_only_that_request(model):
     m, cfg = model
-    c = InProcessCluster(m, cfg, num_draft_tokens=3, num_kv_blocks=32, block_size=4)
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=32, block_size=4)
     sp = SamplingParams(max_tokens=10)
-    ref = InProcessCluster(m, cfg, num_draft_tokens=0, num_kv_blocks=32, block_size=4)
+    ref = InProcessCluster(m, cfg, num_speculative_tokens=0, num_kv_blocks=32, block_size=4)
     want = [r.token_ids for r in ref.generate([[5, 6, 7], [9, 9, 9, 9]], sp)]
     for i, p in enumerate([[5, 6, 7], [9, 9, 9, 9]]):
-        c.client.send("decode-0", GenerateRequest(request_id=f"g{i}", prompt_token_ids=p,
+        c.client.send("verifier-0", GenerateRequest(request_id=f"g{i}", prompt_token_ids=p,
                                                   sampling=sp))
     for _ in range(3):
         c.prefill.step()
         c.verifier.step()
     # from the real drafter's name: an out-of-vocabulary draft and a wrong message type
-    c.drafter.mailbox.send("decode-0", DraftTailStream(
+    c.drafter.mailbox.send("verifier-0", DraftTailStream(
         request_id="g0", base_committed_len=1, start_pos=1, draft_token_ids=[10_000]))
-    c.drafter.mailbox.send("decode-0", VerifyCommit(request_id="g1", pre_commit_len=0,
+    c.drafter.mailbox.send("verifier-0", VerifyCommit(request_id="g1", pre_commit_len=0,
                                                     committed_token_ids=[1]))
     got = {}
     for _ in range(40):

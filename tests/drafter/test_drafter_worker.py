@@ -1,7 +1,8 @@
 """Drafter worker run-ahead, commit alignment, need-sync, garbage tolerance (in-process hub)."""
 
 import drafter.proposers  # noqa: F401
-from drafter.worker import DrafterConfig, DrafterWorker
+from drafter.config import DrafterConfig
+from drafter.worker import DrafterWorker
 from protocol.messages import (
     DraftClose,
     DraftNeedSync,
@@ -15,7 +16,7 @@ from protocol.transport import InProcHub
 
 def _setup(window=4):
     hub = InProcHub()
-    v = hub.mailbox("decode-0")
+    v = hub.mailbox("verifier-0")
     d = DrafterWorker(DrafterConfig(window=window, max_segment=window), hub.mailbox("drafter-0"))
     return v, d
 

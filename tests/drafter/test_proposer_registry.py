@@ -42,12 +42,11 @@ def test_wrong_arity_and_bad_declarations_are_type_errors():
     with pytest.raises(TypeError, match="propose"):
         register_proposer(Bad)
 
-    class Tree(NgramProposer):
-        name = "bad-shape"
-        draft_shape = "forest"
+    class Nameless(NgramProposer):
+        name = ""
 
-    with pytest.raises(TypeError, match="draft_shape"):
-        register_proposer(Tree)
+    with pytest.raises(TypeError, match="name"):
+        register_proposer(Nameless)
     with pytest.raises(TypeError):
         register_proposer(int)
 

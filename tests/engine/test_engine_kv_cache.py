@@ -8,7 +8,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache, num_blocks_for_memory
 from engine.runner import ModelRunner, SeqChunk
-from engine.tiny import tiny_llama
+from helpers.models import tiny_llama
 
 SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                    num_heads=9, num_kv_heads=3, head_dim=64)

@@ -8,7 +8,7 @@ import torch
 from engine.kv_cache import KVCache
 from engine.loader import load_model, model_identity_fields
 from engine.runner import ModelRunner, SeqChunk
-from engine.tiny import tiny_llama
+from helpers.models import tiny_llama
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -7,7 +7,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.runner import ModelRunner, SeqChunk
-from engine.tiny import tiny_llama
+from helpers.models import tiny_llama
 
 BLOCK = 4
 LLAMA3 = {

@@ -8,7 +8,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.runner import ModelRunner, SeqChunk
-from engine.tiny import tiny_hf_config, tiny_llama
+from helpers.models import tiny_hf_config, tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from engine.kv_cache import KVCache
-from engine.loader import (hf_reference_model, load_model, load_tokenizer, model_files,
-                           model_identity_fields)
+from engine.loader import load_model, load_tokenizer, model_files, model_identity_fields
 from engine.runner import ModelRunner, SeqChunk
+from helpers.models import hf_reference_model
 from protocol.messages import ModelIdentity
 
 pytestmark = pytest.mark.slow
@@ -18,16 +16,20 @@ pytestmark = pytest.mark.slow
 
 def test_smollm2_load_cache_and_logits(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMESH_CACHE_DIR", str(tmp_path))
-    t0 = time.perf_counter()
     first = load_model(dtype="float32")
-    t_first = time.perf_counter() - t0
     cache_dir = model_files(None)
     assert cache_dir.parent == tmp_path and (cache_dir / "model.safetensors").is_file()
-    t0 = time.perf_counter()
-    loaded = load_model(dtype="float32")
-    t_second = time.perf_counter() - t0
-    print(f"\nSmolLM2 first load {t_first:.1f}s, cached load {t_second:.2f}s")
-    assert t_second < min(10.0, t_first / 3)
+
+    # The second load reads the safetensors cache and never dequantizes the GGUF again (its
+    # speed is measured by benchmarks/model_load.py, not here).
+    import transformers
+
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("the cached load went back to the GGUF file")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_gguf)
+        loaded = load_model(dtype="float32")
     assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
     for (k, a), b in zip(first.model.state_dict().items(), loaded.model.state_dict().values()):
         assert torch.equal(a, b), k

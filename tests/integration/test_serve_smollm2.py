@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import chat_prompt_ids
+from cluster.gateway.tokens import chat_prompt_ids
 from cluster.config import ClusterConfig
 from cluster.demo import load_prompts
 from cluster.launcher import start_cluster
-from cluster.local import InProcessCluster
+from cluster.inprocess import InProcessCluster
 from engine.loader import load_model
 from protocol.messages import SamplingParams
 
@@ -20,7 +20,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    handle = start_cluster(ClusterConfig(model=None, dtype="float32", num_draft_tokens=4,
+    handle = start_cluster(ClusterConfig.create(model=None, dtype="float32", num_speculative_tokens=4,
                                          kv_cache_mb=128, port=0))
     yield handle
     handle.stop()
@@ -31,7 +31,7 @@ def test_smollm2_http_equals_plain_greedy(cluster):
 
     loaded = load_model(None, dtype="float32")
     tok = loaded.tokenizer
-    plain = InProcessCluster(loaded.model, loaded.config, num_draft_tokens=0,
+    plain = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=0,
                              eos_token_ids=loaded.config.eos_token_ids)
     client = OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=300)
     prompts = load_prompts()[:3]

@@ -10,10 +10,10 @@ import pytest
 import ray
 import zmq
 
-from cluster.cli import chat_prompt_ids
+from cluster.gateway.tokens import chat_prompt_ids
 from cluster.config import ClusterConfig
 from cluster.launcher import start_cluster
-from cluster.local import InProcessCluster
+from cluster.inprocess import InProcessCluster
 from engine.loader import load_model
 from protocol.codec import encode
 from protocol.messages import PROTOCOL_VERSION, Abort, Hello, ModelIdentity, SamplingParams
@@ -26,7 +26,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_model_dir):
-    cfg = ClusterConfig(model=tiny_model_dir, dtype="float32", num_draft_tokens=3,
+    cfg = ClusterConfig.create(model=tiny_model_dir, dtype="float32", num_speculative_tokens=3,
                         kv_cache_mb=32, port=0, max_model_len=1024)
     handle = start_cluster(cfg)
     yield handle
@@ -37,7 +37,7 @@ def cluster(ray_session, tiny_model_dir):
 def reference(tiny_model_dir):
     """Plain greedy (kappa = 0) through the in-process workers."""
     loaded = load_model(tiny_model_dir, dtype="float32")
-    c = InProcessCluster(loaded.model, loaded.config, num_draft_tokens=0,
+    c = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=0,
                          eos_token_ids=loaded.config.eos_token_ids)
     tok = loaded.tokenizer
 

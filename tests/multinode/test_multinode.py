@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.cli import chat_prompt_ids
+from cluster.gateway.tokens import chat_prompt_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
@@ -38,7 +38,7 @@ PROBE = HERE / "_probe.py"
 RAY_START = HERE / "_ray_start.py"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
 MAX_TOKENS = 24
-ROLE_ARGS = ["--model", None, "--dtype", "float32", "--num-draft-tokens", "3",
+ROLE_ARGS = ["--model", None, "--dtype", "float32", "--num-speculative-tokens", "3",
              "--kv-cache-mb", "32", "--max-model-len", "1024", "--threads", "1"]
 
 
@@ -214,12 +214,12 @@ def multinode(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """Plain greedy (kappa = 0) through the in-process workers."""
-    from cluster.local import InProcessCluster
+    from cluster.inprocess import InProcessCluster
     from engine.loader import load_model
     from protocol.messages import SamplingParams
 
     loaded = load_model(tiny_model_dir, dtype="float32")
-    plain = InProcessCluster(loaded.model, loaded.config, num_draft_tokens=0,
+    plain = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=0,
                              eos_token_ids=loaded.config.eos_token_ids)
 
     def run(prompt_ids: list[int]) -> tuple[str, int]:

@@ -25,9 +25,9 @@ def _recv_msg(mb, timeout=5.0):
 
 
 def _pair():
-    server = ZmqMailbox("decode-0", "decode", model=MODEL)
+    server = ZmqMailbox("verifier-0", "verifier", model=MODEL)
     client = ZmqMailbox("gateway-0", "gateway", model=MODEL)
-    client.connect("decode-0", server.endpoint)
+    client.connect("verifier-0", server.endpoint)
     return server, client
 
 
@@ -36,21 +36,21 @@ def test_hello_then_ordered_messages_both_ways():
     try:
         assert server.endpoint.startswith("tcp://127.0.0.1:")
         for i in range(50):
-            client.send("decode-0", Abort(request_id=f"r{i}"))
+            client.send("verifier-0", Abort(request_id=f"r{i}"))
         got = [_recv_msg(server).msg.request_id for _ in range(50)]
         assert got == [f"r{i}" for i in range(50)]
         assert server.ready("gateway-0")
         server.send("gateway-0", TokenStream(request_id="r0", token_ids=[1, 2]))
         env = _recv_msg(client)
-        assert env.peer == "decode-0" and env.msg.token_ids == [1, 2]
-        assert client.ready("decode-0")
+        assert env.peer == "verifier-0" and env.msg.token_ids == [1, 2]
+        assert client.ready("verifier-0")
     finally:
         client.close()
         server.close()
 
 
 def test_message_before_hello_and_garbage_are_protocol_errors():
-    server = ZmqMailbox("decode-0", "decode", model=MODEL)
+    server = ZmqMailbox("verifier-0", "verifier", model=MODEL)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.setsockopt_string(zmq.IDENTITY, "rogue")
@@ -69,18 +69,18 @@ def test_message_before_hello_and_garbage_are_protocol_errors():
 
 
 def test_wrong_hello_is_refused():
-    server = ZmqMailbox("decode-0", "decode", model=MODEL)
+    server = ZmqMailbox("verifier-0", "verifier", model=MODEL)
     other = ModelIdentity(name="m", vocab_size=99, dtype="float32", num_layers=2, num_kv_heads=1,
                           head_dim=4, block_size=16)
     client = ZmqMailbox("drafter-x", "drafter", model=other)
-    client.connect("decode-0", server.endpoint)
+    client.connect("verifier-0", server.endpoint)
     try:
         env = _recv_msg(server)
         assert isinstance(env.msg, ProtocolError) and "vocab_size" in str(env.msg)
         env = _recv_msg(client)
         assert isinstance(env.msg, ProtocolError) and "refused" in str(env.msg)
         try:
-            client.send("decode-0", Abort(request_id="x"))
+            client.send("verifier-0", Abort(request_id="x"))
             raise AssertionError("send to a refusing peer must fail")
         except PeerUnavailable:
             pass
@@ -92,10 +92,10 @@ def test_wrong_hello_is_refused():
 def test_send_from_another_thread_goes_through_the_owner():
     server, client = _pair()
     try:
-        client.send("decode-0", Abort(request_id="first"))
+        client.send("verifier-0", Abort(request_id="first"))
         assert _recv_msg(server).msg.request_id == "first"
         client.recv(0.01)  # client's owner is this thread now
-        t = threading.Thread(target=lambda: client.send("decode-0", DraftClose(request_id="t")))
+        t = threading.Thread(target=lambda: client.send("verifier-0", DraftClose(request_id="t")))
         t.start()
         t.join()
         # the owner thread flushes the outbox while polling
@@ -111,7 +111,7 @@ def test_send_from_another_thread_goes_through_the_owner():
 
 
 def test_unknown_peer_raises():
-    server = ZmqMailbox("decode-0", "decode")
+    server = ZmqMailbox("verifier-0", "verifier")
     try:
         try:
             server.send("nobody", Abort(request_id="x"))
@@ -127,16 +127,16 @@ def test_hello_is_repeated_after_the_peer_restarts():
     seen = []
     try:
         client.on_hello = lambda info, is_new: seen.append((info.incarnation, is_new))
-        client.send("decode-0", Abort(request_id="before"))
+        client.send("verifier-0", Abort(request_id="before"))
         assert _recv_msg(server).msg.request_id == "before"
         deadline = time.monotonic() + 5
-        while not client.ready("decode-0") and time.monotonic() < deadline:
+        while not client.ready("verifier-0") and time.monotonic() < deadline:
             client.recv(0.02)
         first_incarnation = server.incarnation
         port = int(server.endpoint.rsplit(":", 1)[1])
         server.close()
         # a restarted peer on the same endpoint: new incarnation, knows nobody
-        server = ZmqMailbox("decode-0", "decode", model=MODEL, port=port,
+        server = ZmqMailbox("verifier-0", "verifier", model=MODEL, port=port,
                             incarnation=first_incarnation + 1)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not server.ready("gateway-0"):
@@ -147,7 +147,7 @@ def test_hello_is_repeated_after_the_peer_restarts():
         while time.monotonic() < deadline and len(seen) < 2:
             client.recv(0.02)
         assert seen[-1] == (first_incarnation + 1, True)
-        client.send("decode-0", Abort(request_id="after"))
+        client.send("verifier-0", Abort(request_id="after"))
         assert _recv_msg(server).msg.request_id == "after"
     finally:
         client.close()

@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 models (transformers' and ours, same weights) for exactness tests."""
+"""Tiny random Llama / Qwen2 models (transformers' and ours, same weights) and the Hugging Face
+references (model and greedy ``generate``) the exactness tests compare against."""
 
 from __future__ import annotations
 
@@ -96,3 +97,10 @@ def hf_greedy(hf_model: Any, prompt_ids: list[int], max_new_tokens: int,
                                 eos_token_id=list(eos_token_ids) if eos_token_ids else None,
                                 pad_token_id=0)
     return out[0, x.shape[1]:].tolist()
+
+
+def hf_reference_model(model: str | None = None, dtype: str = "float32") -> Any:
+    """The transformers model (eval) with the same weights as specmesh loads for ``model``."""
+    from cluster.bench import load_hf_model
+
+    return load_hf_model(model, dtype)

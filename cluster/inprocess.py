@@ -1,5 +1,6 @@
 """The three workers in one process, wired by an in-process hub that carries real encoded
-messages and frames (tests, ``specmesh generate``, the plain-decode baseline of benchmarks)."""
+messages and frames: the test harness of decode/, ``specmesh generate`` and the plain-decode
+baseline of benchmarks. Imports no Ray (the import-direction test enforces it)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,25 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from decode.worker import VerifierConfig, VerifierWorker
+from decode.config import VerifierConfig
+from decode.worker import VerifierWorker
 from drafter.proposer import Proposer
-from drafter.worker import DrafterConfig, DrafterWorker
+from drafter.config import DrafterConfig
+from drafter.worker import DrafterWorker
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.runner import ModelRunner
-from prefill.worker import PrefillConfig, PrefillWorker
+from prefill.config import PrefillConfig
+from prefill.worker import PrefillWorker
+from protocol.enums import FinishReason
 from protocol.messages import GenerateRequest, SamplingParams, TokenStream
+from protocol.spec_stats import SpecStats
 from protocol.transport import InProcHub
 
 import drafter.proposers  # noqa: F401  (registers the built-in methods)
+
+VERIFIER = "verifier-0"
 
 
 @dataclass
@@ -27,40 +35,34 @@ class Completion:
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str = ""
     num_prompt_tokens: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verify_steps: int = 0
-
-    @property
-    def mean_accept_len(self) -> float:
-        return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def add(self, msg: TokenStream) -> None:
         self.token_ids.extend(msg.token_ids)
-        self.finish_reason = msg.finish_reason
+        self.finish_reason = FinishReason(msg.finish_reason) if msg.finish_reason else None
         self.error = msg.error
         self.num_prompt_tokens = msg.num_prompt_tokens
-        self.num_draft_tokens = msg.num_draft_tokens
-        self.num_accepted_tokens = msg.num_accepted_tokens
-        self.num_verify_steps = msg.num_verify_steps
+        self.spec = SpecStats(msg.num_draft_tokens, msg.num_accepted_tokens,
+                              msg.num_verify_steps)
 
 
 class InProcessCluster:
     """Prefill, verifier and drafter workers over one shared model, each with its own KV cache.
 
     ``proposer`` replaces the drafter's registered method (tests plug oracle / garbage
-    drafters in); ``num_draft_tokens=0`` is plain decode through the same verifier.
+    drafters in); ``num_speculative_tokens=0`` is plain decode through the same verifier;
+    ``verifier_options`` are further ``VerifierConfig`` fields (e.g. ``max_queue_len``).
     """
 
-    def __init__(self, model, config: ModelConfig, *, num_draft_tokens: int = 4,
+    def __init__(self, model, config: ModelConfig, *, num_speculative_tokens: int = 4,
                  eos_token_ids: tuple[int, ...] = (), num_kv_blocks: int = 512,
                  block_size: int = 16, max_model_len: int | None = None,
                  draft_method: str = "ngram", proposer: Proposer | None = None,
                  window: int | None = None, prefill_chunk_size: int = 512,
-                 max_num_seqs: int = 64) -> None:
+                 max_num_seqs: int = 64, **verifier_options) -> None:
         self.hub = InProcHub()
         dtype = model.dtype
 
@@ -74,19 +76,21 @@ class InProcessCluster:
                                      self.hub.mailbox("prefill-0"), p_runner, p_bm)
         max_len = max_model_len or min(config.max_position_embeddings, num_kv_blocks * block_size)
         self.verifier = VerifierWorker(
-            VerifierConfig(num_draft_tokens=num_draft_tokens, eos_token_ids=tuple(eos_token_ids),
+            VerifierConfig(num_speculative_tokens=num_speculative_tokens,
+                           eos_token_ids=tuple(eos_token_ids),
                            max_model_len=max_len, tail_wait_fraction=0.0,
-                           draft_method=draft_method, max_num_seqs=max_num_seqs),
-            self.hub.mailbox("decode-0"), v_runner, v_bm,
+                           draft_method=draft_method, max_num_seqs=max_num_seqs,
+                           **verifier_options),
+            self.hub.mailbox(VERIFIER), v_runner, v_bm,
             prefill_peers=["prefill-0"], drafter_peers=["drafter-0"])
-        w = window or max(2 * num_draft_tokens, 1)
+        w = window or DrafterConfig.default_window(num_speculative_tokens)
         self.drafter = DrafterWorker(DrafterConfig(method=draft_method, window=w, max_segment=w),
                                      self.hub.mailbox("drafter-0"), proposer)
         self.client = self.hub.mailbox("gateway-0")
         self._ids = itertools.count()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                 num_draft_tokens: int | None = None, timeout_s: float = 3600.0,
+                 num_speculative_tokens: int | None = None, timeout_s: float = 3600.0,
                  ) -> list[Completion]:
         """Submit all prompts at once (continuous batching) and step the workers until every
         request finished. Returns completions in prompt order.
@@ -98,9 +102,9 @@ class InProcessCluster:
         ids = [f"req-{next(self._ids)}" for _ in prompts]
         results = {rid: Completion(rid) for rid in ids}
         for rid, prompt, sp in zip(ids, prompts, params):
-            self.client.send("decode-0", GenerateRequest(
+            self.client.send(VERIFIER, GenerateRequest(
                 request_id=rid, prompt_token_ids=list(prompt), sampling=sp,
-                num_draft_tokens=num_draft_tokens))
+                num_speculative_tokens=num_speculative_tokens))
         pending = set(ids)
         deadline = time.monotonic() + timeout_s
         while pending:

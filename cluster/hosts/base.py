@@ -1,0 +1,159 @@
+"""The common base of the role hosts: identity, mailbox, loop thread, controller calls.
+
+Public methods are what the controller calls (Ray method calls, never per token): ``info``,
+``update_roster``, ``stats``, ``health``, ``stop``. Roster changes run inside the loop thread
+(``ZmqMailbox.call_soon``), so sockets are only ever touched by the thread that owns them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from cluster.config import ClusterConfig
+from protocol.enums import Role
+from protocol.messages import ModelIdentity
+from protocol.transport import IDLE_TIMEOUT_S
+from protocol.zmq_transport import PeerInfo, ZmqMailbox
+
+log = logging.getLogger(__name__)
+
+#: Seconds ``stop`` waits for the loop thread to finish its step.
+STOP_JOIN_TIMEOUT_S = 10
+
+
+class RoleHost:
+    """Hosts one worker of ``role`` as ``instance_id``. Subclasses set ``role`` and implement
+    :meth:`build_worker` (and, for roles that dial peers, :meth:`apply_roster`)."""
+
+    role: Role
+
+    def __init__(self, instance_id: str, cfg: ClusterConfig) -> None:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.instance_id, self.cfg = instance_id, cfg
+        self.incarnation = time.time_ns()
+        self.num_calls = 0  # Ray method calls served: must not grow with generated tokens
+        self._error = ""
+        self.set_threads()
+        identity = self.model_identity()
+        self.mailbox = ZmqMailbox(instance_id, self.role.value, host=cfg.host, model=identity,
+                                  draft_method=cfg.verifier.draft_method,
+                                  incarnation=self.incarnation, on_hello=self.on_hello)
+        self.worker = self.build_worker()
+        self.start()
+
+    # -- for subclasses --------------------------------------------------------------------
+
+    def set_threads(self) -> None:
+        """Ray sets OMP_NUM_THREADS=1 in an actor without CPUs: apply the thread plan."""
+        import torch
+
+        torch.set_num_threads(self.cfg.threads.get(self.role.value, 1))
+
+    def model_identity(self) -> ModelIdentity:
+        """What this role announces in Hello; from the model's config files by default."""
+        from engine.loader import model_identity
+
+        return ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
+                                              self.cfg.block_size))
+
+    def build_worker(self) -> Any:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Serve metrics and start the worker's loop thread."""
+        from cluster.metrics import serve_role_metrics
+
+        self.metrics_port = serve_role_metrics(self, self.cfg.host)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"{self.instance_id}-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def on_hello(self, peer: PeerInfo, is_new: bool) -> None:
+        """A peer said Hello (``is_new``: a new incarnation); nothing by default."""
+
+    def apply_roster(self, roster: list[dict]) -> None:
+        """Apply a roster change in the loop thread; this role dials nobody by default."""
+
+    def _loop(self) -> None:
+        self.worker.run(self._stop, IDLE_TIMEOUT_S, on_error=self._on_error)
+
+    def _on_error(self, err: BaseException) -> None:
+        self._error = repr(err)  # reported by health(); the role keeps serving
+
+    # -- called by the controller ----------------------------------------------------------
+
+    def describe(self) -> dict:
+        """Roster entry of this role (not a Ray call: used when registering)."""
+        return {"instance_id": self.instance_id, "role": self.role.value,
+                "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
+                "pid": os.getpid(),
+                "metrics_url": f"http://{self.cfg.host}:{self.metrics_port}/metrics"}
+
+    def info(self) -> dict:
+        self.num_calls += 1
+        return self.describe()
+
+    def update_roster(self, roster: list[dict]) -> None:
+        """Hand the new roster to the loop thread."""
+        self.num_calls += 1
+        self.mailbox.call_soon(lambda: self.apply_roster(roster))
+
+    def connect_only(self, peers: list[dict]) -> None:
+        """Keep dealer connections to exactly ``peers`` (loop thread only)."""
+        known = {r["instance_id"] for r in peers}
+        for peer in list(self.mailbox.dealers):
+            if peer not in known:
+                self.mailbox.disconnect(peer)
+        for r in peers:
+            self.mailbox.connect(r["instance_id"], r["endpoint"])
+
+    def stats(self) -> dict:
+        self.num_calls += 1
+        out = {k: v for k, v in vars(self.worker.stats).items()
+               if isinstance(v, (int, float, list))}
+        out["num_protocol_errors_transport"] = self.mailbox.num_protocol_errors
+        out["num_ray_calls"] = self.num_calls
+        out["ready_peers"] = [p for p in list(self.mailbox.dealers) if self.mailbox.ready(p)]
+        out["peer_incarnations"] = {p: i.incarnation for p, i in
+                                    list(self.mailbox.dealer_peers.items()) if i.acked}
+        out["pid"] = os.getpid()
+        return out
+
+    def health(self) -> dict:
+        self.num_calls += 1
+        return {"alive": self._thread.is_alive(), "last_error": self._error}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=STOP_JOIN_TIMEOUT_S)
+        self.mailbox.close()
+
+
+def peers_of(roster: list[dict], role: Role) -> list[dict]:
+    """The roster entries of ``role``."""
+    return [r for r in roster if r["role"] == role.value]
+
+
+def loaded_runner(cfg: ClusterConfig):
+    """Load the target and build (LoadedModel, ModelRunner, BlockManager) with
+    ``cfg.kv_cache_mb`` of KV in blocks of ``cfg.block_size``.
+
+    Raises:
+        ValueError: the KV memory holds no block.
+    """
+    from engine.block_manager import BlockManager
+    from engine.kv_cache import KVCache, num_blocks_for_memory
+    from engine.loader import load_model
+    from engine.runner import ModelRunner
+
+    loaded = load_model(cfg.model, dtype=cfg.dtype)
+    n = num_blocks_for_memory(loaded.config, cfg.block_size, cfg.dtype, cfg.kv_cache_mb << 20)
+    if n < 1:
+        raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds no block of {cfg.block_size} tokens")
+    cache = KVCache(loaded.config, n, cfg.block_size, loaded.model.dtype, loaded.model.device)
+    return loaded, ModelRunner(loaded.model, loaded.config, cache), BlockManager(n, cfg.block_size)

@@ -1,0 +1,79 @@
+"""Host of the gateway role: tokenizer, a ZMQ mailbox to the verifiers, the OpenAI-compatible
+HTTP server (uvicorn). Its mailbox is driven by the gateway backend, not by a worker loop."""
+
+from __future__ import annotations
+
+import os
+
+from cluster.hosts.base import RoleHost, peers_of
+from protocol.enums import Role
+from protocol.messages import ModelIdentity
+
+
+class GatewayHost(RoleHost):
+    """``port`` overrides ``cfg.port`` (0 = any free port)."""
+
+    role = Role.GATEWAY
+
+    def __init__(self, instance_id: str, cfg, port: int | None = None) -> None:
+        self._port = cfg.port if port is None else port
+        self.verifiers: list[str] = []
+        super().__init__(instance_id, cfg)
+
+    def model_identity(self) -> ModelIdentity:
+        # The gateway holds no KV: it announces the served name and the tokenizer's size; the
+        # KV layout fields stay empty (a verifier compares only what a gateway can know).
+        from engine.loader import load_tokenizer, model_name
+
+        self.tokenizer = load_tokenizer(self.cfg.model)
+        self.model_name = model_name(self.cfg.model)
+        return ModelIdentity(name=self.model_name, vocab_size=len(self.tokenizer), dtype="",
+                             num_layers=0, num_kv_heads=0, head_dim=0, block_size=0)
+
+    def build_worker(self):
+        from cluster.gateway import MailboxBackend
+
+        self.backend = MailboxBackend(self.mailbox, self._pick_verifier)
+        return None
+
+    def start(self) -> None:
+        from cluster.gateway import create_app, serve_gateway
+
+        app = create_app(self.backend, self.tokenizer, self.model_name, self.cfg.max_model_len,
+                         default_temperature=0.0)
+        self.server, _, self.port = serve_gateway(app, self.cfg.host, self._port)
+
+    def _pick_verifier(self) -> str:
+        ready = [v for v in self.verifiers if self.mailbox.ready(v)]
+        if not ready:
+            raise ConnectionError("no verifier is connected yet")
+        load = self.backend.in_flight_by_verifier()
+        return min(ready, key=lambda v: load.get(v, 0))
+
+    def describe(self) -> dict:
+        return {"instance_id": self.instance_id, "role": self.role.value,
+                "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
+                "pid": os.getpid(), "port": self.port,
+                "url": f"http://{self.cfg.host}:{self.port}"}
+
+    def apply_roster(self, roster: list[dict]) -> None:
+        verifiers = peers_of(roster, Role.VERIFIER)
+        for r in verifiers:
+            self.mailbox.connect(r["instance_id"], r["endpoint"])
+        self.verifiers = [r["instance_id"] for r in verifiers]
+
+    def stats(self) -> dict:
+        self.num_calls += 1
+        return {"num_in_flight": self.backend.num_in_flight, "pid": os.getpid(),
+                "num_protocol_errors": self.backend.num_protocol_errors,
+                "num_ray_calls": self.num_calls,
+                "ready_verifiers": [v for v in self.verifiers if self.mailbox.ready(v)]}
+
+    def health(self) -> dict:
+        self.num_calls += 1
+        return {"alive": True, "last_error": ""}
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.backend.close()
+        self.mailbox.close()

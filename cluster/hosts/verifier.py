@@ -1,0 +1,56 @@
+"""Host of the verifier role: the target model, its KV cache and a VerifierWorker that dials
+the prefill workers and drafters of the roster."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cluster.hosts.base import RoleHost, loaded_runner, peers_of
+from protocol.enums import Role
+from protocol.zmq_transport import PeerInfo
+
+
+class VerifierHost(RoleHost):
+    role = Role.VERIFIER
+
+    def build_worker(self):
+        from decode.worker import VerifierWorker
+
+        loaded, runner, bm = loaded_runner(self.cfg)
+        max_len = min(self.cfg.verifier.max_model_len, loaded.config.max_position_embeddings)
+        config = replace(self.cfg.verifier, instance_id=self.instance_id, max_model_len=max_len,
+                         eos_token_ids=tuple(loaded.config.eos_token_ids))
+        return VerifierWorker(config, self.mailbox, runner, bm)
+
+    def on_hello(self, peer: PeerInfo, is_new: bool) -> None:
+        # A drafter that restarted (new incarnation) gets DraftSync for its requests.
+        if peer.role == Role.DRAFTER.value and is_new:
+            self.worker.resync_drafter(peer.name)
+
+    def apply_roster(self, roster: list[dict]) -> None:
+        prefill, drafters = peers_of(roster, Role.PREFILL), peers_of(roster, Role.DRAFTER)
+        self.connect_only(prefill + drafters)
+        self.worker.set_roster([r["instance_id"] for r in prefill],
+                               [r["instance_id"] for r in drafters])
+
+    def set_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
+        """Controller knob: kappa for requests that do not set their own.
+
+        Raises:
+            ValueError: outside ``[0, max_num_speculative_tokens]``.
+        """
+        self.num_calls += 1
+        limit = self.worker.config.max_num_speculative_tokens
+        if not 0 <= num_speculative_tokens <= limit:
+            raise ValueError(f"num_speculative_tokens {num_speculative_tokens} not in [0, {limit}]")
+
+        def apply() -> None:
+            self.worker.num_speculative_tokens = num_speculative_tokens
+
+        self.mailbox.call_soon(apply)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(self.worker.load)
+        out["num_speculative_tokens"] = self.worker.num_speculative_tokens
+        return out

@@ -1,0 +1,64 @@
+"""Settings of the verifier (the decode role) and the named constants its policies use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Weight of the newest verify step in a request's accept-length EMA (SGLang's adaptive
+#: speculation keeps a similar moving average of accepted drafts).
+ACCEPT_LEN_EMA_WEIGHT = 0.5
+#: Initial accept-length EMA of a new request: optimistic, so that a request starts with the
+#: full kappa and only loses drafts after it has shown that they fail.
+INITIAL_ACCEPT_LEN_EMA = 16.0
+#: Weight of the newest step in the verify-step time EMA that sizes the tail-wait budget.
+STEP_TIME_EMA_WEIGHT = 0.2
+#: Default for ``max_num_batched_tokens``: large enough that a full batch of ``max_num_seqs``
+#: requests with kappa drafts each always fits (the budget only bites when set lower).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """Knobs of the verifier.
+
+    ``num_speculative_tokens`` is kappa, the most drafts verified per request per step (vLLM's
+    name; 0 turns speculation off); a request may ask for fewer or more, capped at
+    ``max_num_speculative_tokens``. ``max_num_seqs``: requests admitted at once (prefilling or
+    running). ``max_num_batched_tokens``: tokens in one verify forward (last committed token
+    plus drafts of every request in the batch). ``max_queue_len``: requests waiting for
+    admission; one more is refused (HTTP 429 at the gateway). ``tail_wait_fraction`` bounds how
+    long a step may wait for a draft tail in flight, as a fraction of the measured step time.
+    ``prefill_timeout_s``: a KV transfer not complete by then is cancelled and the request
+    fails. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
+    accept length (never changes the output, only the cost). ``draft_method`` is told to the
+    prefill worker so that it ships the right seed state.
+
+    Raises:
+        ValueError: a setting out of range.
+    """
+
+    instance_id: str = "verifier-0"
+    num_speculative_tokens: int = 4
+    max_num_speculative_tokens: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_queue_len: int = 256
+    max_model_len: int = 2048
+    tail_wait_fraction: float = 0.25
+    prefill_timeout_s: float = 120.0
+    draft_method: str = "ngram"
+    eos_token_ids: tuple[int, ...] = ()
+    adaptive_drafts: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens must be in "
+                             f"[0, {self.max_num_speculative_tokens}], got "
+                             f"{self.num_speculative_tokens}")
+        if self.max_num_seqs < 1 or self.max_queue_len < 0:
+            raise ValueError("max_num_seqs must be >= 1 and max_queue_len >= 0")
+        if self.max_num_batched_tokens < 1 + self.max_num_speculative_tokens:
+            raise ValueError(f"max_num_batched_tokens must be >= {1 + self.max_num_speculative_tokens}"
+                             " (one request with its full kappa)")
+        if self.tail_wait_fraction < 0:
+            raise ValueError("tail_wait_fraction must be >= 0")

@@ -1,0 +1,218 @@
+"""The life of a request on the verifier: every state change and the messages it sends.
+
+:class:`RequestLifecycle` owns the live requests. It starts a request when its KV transfer
+completes (the prefill's first token is output position 0), opens it on a drafter, applies a
+verify step's output (commit, cut at EOS / stop token / max_tokens; VerifyCommit to the
+drafter; TokenStream to the gateway), and ends it (DraftClose, the last TokenStream, PrefillCancel
+when the KV is still in flight, then the blocks go back). Messages leave through the ``send``
+callable it is given, so the worker stays the only transport edge.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from decode.kv_receiver import KVReceiver, Transfer
+from decode.request import Request, RequestStatus
+from decode.scheduler import Scheduler
+from decode.stats import VerifierStats
+from decode.verify_step import VerifyOutput
+from protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    DraftClose,
+    DraftSync,
+    DraftTailStream,
+    PrefillCancel,
+    TokenStream,
+    VerifyCommit,
+)
+
+Send = Callable[[str | None, object], object]
+
+
+class RequestLifecycle:
+    """Live requests by id, and the transitions of DESIGN.md §2 steps 2-6."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVReceiver, stats: VerifierStats,
+                 vocab_size: int, eos_token_ids: frozenset[int], send: Send) -> None:
+        self.scheduler = scheduler
+        self.kv = kv
+        self.stats = stats
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.send = send
+        self.requests: dict[str, Request] = {}
+        self.drafter_peers: list[str] = []
+
+    def get(self, request_id: str | None) -> Request | None:
+        return self.requests.get(request_id) if request_id is not None else None
+
+    def running(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.status is RequestStatus.RUNNING]
+
+    # -- drafter ---------------------------------------------------------------------------
+
+    def open_draft(self, req: Request) -> None:
+        """Assign ``req`` a drafter (least loaded) and open it there with DraftSync; without
+        one (speculation off, quarantined, none known) the request runs as plain decode."""
+        req.drafter = self.scheduler.pick_drafter(req, self.requests.values(), self.drafter_peers)
+        if req.drafter is not None:
+            self.sync_draft(req)
+
+    def sync_draft(self, req: Request) -> None:
+        """(Re-)open ``req`` on its drafter: the committed prefix is the truth it aligns to."""
+        req.tail.reset(req.committed_len)
+        self.send(req.drafter, DraftSync(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            committed_token_ids=list(req.output_token_ids), sampling=req.sampling))
+        req.tail_in_flight = True
+
+    def set_drafters(self, drafter_peers: list[str]) -> None:
+        """Replace the known drafters; a running request whose drafter vanished is re-opened
+        on another (or runs without drafts)."""
+        self.drafter_peers = list(drafter_peers)
+        for req in list(self.requests.values()):
+            if req.drafter is not None and req.drafter not in drafter_peers:
+                req.drafter = None
+                req.tail.reset(req.committed_len)
+                if req.status is RequestStatus.RUNNING:
+                    self.open_draft(req)
+
+    def add_tail(self, peer: str, msg: DraftTailStream) -> None:
+        """Merge a DraftTailStream into its request's tail buffer (DESIGN.md §3); a tail for
+        an unknown, not running or reassigned request is counted and dropped.
+
+        Raises:
+            ProtocolError: tree drafts or a draft token outside the vocabulary (the caller
+                quarantines the request's drafter).
+        """
+        req = self.requests.get(msg.request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or req.drafter != peer:
+            self.stats.num_dropped_tails += 1
+            return
+        if msg.parents is not None:  # tree verification lands with the sampling issue
+            raise ProtocolError("tree drafts are not verified by this verifier",
+                                request_id=req.request_id)
+        if any(t < 0 or t >= self.vocab_size for t in msg.draft_token_ids):
+            raise ProtocolError("draft token id out of vocabulary", request_id=req.request_id)
+        before = req.tail.stats.num_stale_tokens
+        req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids)
+        self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before
+        req.tail_in_flight = False
+
+    def quarantine(self, req: Request) -> None:
+        """Drop ``req``'s drafter state after a bad message from it; it continues without
+        drafts (DESIGN.md §3)."""
+        self.send(req.drafter, DraftClose(request_id=req.request_id, reason=DRAFT_CLOSE_ABORT))
+        req.drafter = None
+        req.spec_enabled = False
+        req.tail.reset(req.committed_len)
+
+    # -- KV transfer -----------------------------------------------------------------------
+
+    def on_transfer(self, t: Transfer | None) -> None:
+        """A KVFrame or PrefillDone was applied: a complete transfer starts its request (or
+        fails it when the prefill reported an error or an invalid first token)."""
+        req = self.get(t.request_id if t else None)
+        if req is None or req.status is not RequestStatus.PREFILLING or t.done is None:
+            return
+        done = t.done
+        if done.error:
+            self.finish(req, FinishReason.ERROR, f"prefill failed: {done.error}")
+        elif not 0 <= done.first_token_id < self.vocab_size:
+            self.finish(req, FinishReason.ERROR, "prefill returned an invalid first token")
+        else:
+            self.start(req, done.first_token_id, done.num_bytes)
+
+    def drop_prefill_peer(self, peer: str) -> None:
+        """``peer`` (a prefill worker) went away: its transfers fail; a CANCELLING request
+        is released at once (no ack will ever come)."""
+        for t in self.kv.drop_peer(peer):
+            req = self.requests.get(t.request_id)
+            if req is not None and req.status is RequestStatus.CANCELLING:
+                self.release(req)
+            elif req is not None:
+                self.finish(req, FinishReason.ERROR, f"prefill worker {peer} went away")
+
+    # -- running ---------------------------------------------------------------------------
+
+    def start(self, req: Request, first_token_id: int, num_kv_bytes: int) -> None:
+        """The KV transfer of ``req`` completed: commit the prefill's first token, open the
+        request on a drafter and stream the token."""
+        self.stats.kv_transfer_bytes += num_kv_bytes
+        req.status = RequestStatus.RUNNING
+        req.first_token_time = time.monotonic()
+        self.stats.observe_ttft(req.first_token_time - req.arrival_time)
+        req.commit([first_token_id], self.eos_token_ids)
+        req.tail.reset(req.committed_len)
+        if req.finish_reason is None:
+            self.open_draft(req)  # DraftSync carries the first token: no VerifyCommit for it
+        self._after_commit(req, [first_token_id], notify_drafter=False)
+
+    def apply(self, req: Request, out: VerifyOutput) -> None:
+        """Commit one verify step's output for ``req`` (cut at EOS / stop / max_tokens)."""
+        if out.num_draft_tokens:
+            req.spec.observe(out.num_draft_tokens, out.accept_len)
+            self.scheduler.observe_accept(req, out.accept_len)
+            self.stats.observe_verify(out.num_draft_tokens, out.accept_len)
+        committed = req.commit(out.token_ids, self.eos_token_ids)
+        self._after_commit(req, committed)
+
+    def _after_commit(self, req: Request, committed: list[int],
+                      notify_drafter: bool = True) -> None:
+        self.stats.num_generated_tokens += len(committed)
+        if req.finish_reason is not None:
+            self.finish(req, req.finish_reason)
+            return
+        req.tail.on_commit(req.output_token_ids)
+        if req.drafter is not None and committed and notify_drafter:
+            self.send(req.drafter, VerifyCommit(
+                request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
+                committed_token_ids=committed))
+            req.tail_in_flight = True
+        self.stream(req)
+
+    def stream(self, req: Request, finished: bool = False) -> None:
+        """Send the gateway the output committed since the last TokenStream."""
+        delta = req.output_token_ids[req.num_streamed:]
+        req.num_streamed = req.committed_len
+        reason = req.finish_reason if finished else None
+        self.send(req.gateway, TokenStream(
+            request_id=req.request_id, token_ids=delta, finished=finished,
+            finish_reason=None if reason is None else FinishReason(reason).value,
+            num_prompt_tokens=req.prompt_len, num_draft_tokens=req.spec.num_draft_tokens,
+            num_accepted_tokens=req.spec.num_accepted_tokens,
+            num_verify_steps=req.spec.num_verify_steps, error=req.error))
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def finish(self, req: Request, reason: FinishReason, error: str = "") -> None:
+        """End ``req`` now (abort, error, or after its last commit) and tell every peer. A
+        request still prefilling keeps its blocks until the prefill side acknowledges the
+        cancel (CANCELLING); any other is released at once."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        prev = req.status
+        req.finish_reason = req.finish_reason or FinishReason(reason)
+        req.error = error
+        self.scheduler.dequeue(req)
+        if req.drafter is not None:
+            close = DRAFT_CLOSE_FINISHED if FinishReason(reason).is_success else DRAFT_CLOSE_ABORT
+            self.send(req.drafter, DraftClose(request_id=req.request_id, reason=close))
+        self.stream(req, finished=True)
+        req.status = RequestStatus.FINISHED
+        if prev is RequestStatus.PREFILLING and req.transfer_id in self.kv.transfers:
+            self.kv.cancel(req.transfer_id)
+            req.status = RequestStatus.CANCELLING  # blocks wait for the cancel ack
+            self.send(req.prefill_peer, PrefillCancel(request_id=req.request_id,
+                                                      transfer_id=req.transfer_id))
+            return
+        self.release(req)
+        self.stats.num_finished += 1
+
+    def release(self, req: Request) -> None:
+        """Free ``req``'s blocks and forget it."""
+        self.scheduler.release(req)
+        self.requests.pop(req.request_id, None)

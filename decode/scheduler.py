@@ -1,0 +1,230 @@
+"""The verifier's scheduler: who runs, with how many drafts, and where (pure Python, no torch).
+
+Modelled on nano-vllm's and vLLM's schedulers: requests wait in a FIFO queue until the KV they
+can ever need (prompt + ``max_tokens``) fits next to what earlier admissions were promised and
+fewer than ``max_num_seqs`` are admitted; blocks are then allocated lazily as the request grows,
+out of that reservation, so a running request never runs out of KV. Each step the scheduler
+plans, per running request, the drafts to verify: its usable tail, capped by kappa
+(``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
+more than its recent accept length, and the whole batch by ``max_num_batched_tokens``. It also
+decides whether a step may wait for a draft tail in flight, and picks the prefill worker and the
+drafter of a request (least loaded).
+
+The block manager is any object with ``num_blocks``, ``num_free_blocks``, ``blocks_for``,
+``allocate`` and ``free`` (``engine.block_manager.BlockManager``); tests hand-build requests and
+use the real one, no model needed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
+from decode.request import Request, RequestStatus
+from protocol.messages import SamplingParams
+
+
+class BlockAllocator(Protocol):
+    num_blocks: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def blocks_for(self, num_tokens: int) -> int: ...
+
+    def allocate(self, num_blocks: int) -> list[int]: ...
+
+    def free(self, block_ids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRequest:
+    """One request of a verify step: verify ``draft_token_ids`` after its last committed token."""
+
+    request: Request
+    draft_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this request puts into the verify forward."""
+        return 1 + len(self.draft_token_ids)
+
+
+class Scheduler:
+    """Admission, KV reservation, draft plans, tail-wait decisions and peer choice.
+
+    ``num_speculative_tokens`` starts at the config's value; the controller may change it.
+    """
+
+    def __init__(self, config: VerifierConfig, block_manager: BlockAllocator) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.waiting: deque[Request] = deque()
+        self.step_time_ema_s = 0.0
+
+    # -- queue -----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                 num_speculative_tokens: int | None, vocab_size: int) -> str:
+        """Why a GenerateRequest of this shape can never run here ("" when it can): an empty
+        prompt, token ids outside ``[0, vocab_size)``, ``max_tokens < 1``, sampling no rule
+        verifies, a negative kappa, or more tokens than ``max_model_len`` / the KV cache."""
+        n, max_tokens = len(prompt_token_ids), sampling.max_tokens
+        if n == 0:
+            return "prompt is empty"
+        if any(t < 0 or t >= vocab_size for t in prompt_token_ids):
+            return f"prompt token ids must lie in [0, {vocab_size})"
+        if max_tokens < 1:
+            return "max_tokens must be >= 1"
+        if sampling.temperature != 0:  # the sampled rules land with the sampling issue
+            return "only greedy decoding (temperature 0) is supported by this verifier"
+        if num_speculative_tokens is not None and num_speculative_tokens < 0:
+            return "num_speculative_tokens must be >= 0"
+        if n + max_tokens > self.config.max_model_len:
+            return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
+                    f"maximum model length {self.config.max_model_len}")
+        need = self.block_manager.blocks_for(n + max_tokens)
+        if need > self.block_manager.num_blocks:
+            return f"request needs {need} KV blocks, the verifier has {self.block_manager.num_blocks}"
+        return ""
+
+    def queue_full(self) -> bool:
+        """True when one more waiting request must be refused (HTTP 429 at the gateway)."""
+        return len(self.waiting) >= self.config.max_queue_len
+
+    def enqueue(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def dequeue(self, req: Request) -> None:
+        """Forget a waiting request (aborted before admission); no-op if it is not waiting."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def speculative_tokens_for(self, requested: int | None) -> int:
+        """Kappa of a new request: its own (capped) or the current default."""
+        k = self.num_speculative_tokens if requested is None else requested
+        return min(k, self.config.max_num_speculative_tokens)
+
+    # -- admission and KV ------------------------------------------------------------------
+
+    def admit(self, requests: Iterable[Request], prefill_peers: list[str],
+              prefill_load: Callable[[str], int]) -> list[Request]:
+        """Move waiting requests that fit into PREFILLING, in arrival order.
+
+        ``requests`` are all live requests (to count admitted ones and outstanding KV). An
+        admitted request gets the blocks of its prompt plus kappa + 1 look-ahead slots now, the
+        rest of its reservation later (:meth:`ensure_blocks`), and a prefill peer (least
+        ``prefill_load``). Nothing is admitted while no prefill worker is known.
+        """
+        live = list(requests)
+        admitted_now = sum(r.status is not RequestStatus.WAITING for r in live)
+        free = self.block_manager.num_free_blocks - self.outstanding_blocks(live)
+        out: list[Request] = []
+        bm = self.block_manager
+        while self.waiting and admitted_now < self.config.max_num_seqs and prefill_peers:
+            req = self.waiting[0]
+            reserve = bm.blocks_for(req.prompt_len + req.sampling.max_tokens)
+            if free < reserve:
+                break
+            self.waiting.popleft()
+            first = bm.blocks_for(req.prompt_len + req.num_speculative_tokens + 1)
+            req.block_table = bm.allocate(min(first, reserve))
+            req.num_reserved_blocks = reserve
+            free -= reserve
+            req.prefill_peer = min(prefill_peers, key=prefill_load)
+            req.status = RequestStatus.PREFILLING
+            admitted_now += 1
+            out.append(req)
+        return out
+
+    def outstanding_blocks(self, requests: Iterable[Request]) -> int:
+        """Blocks promised to admitted requests but not allocated yet."""
+        return sum(max(r.num_reserved_blocks - len(r.block_table), 0)
+                   for r in requests if r.status is not RequestStatus.WAITING)
+
+    def num_free_blocks(self, requests: Iterable[Request]) -> int:
+        """Blocks neither allocated nor promised: room for new admissions."""
+        return self.block_manager.num_free_blocks - self.outstanding_blocks(requests)
+
+    def ensure_blocks(self, req: Request, num_tokens: int) -> None:
+        """Grow ``req.block_table`` to hold ``num_tokens`` positions (out of its reservation)."""
+        need = self.block_manager.blocks_for(num_tokens) - len(req.block_table)
+        if need > 0:
+            req.block_table.extend(self.block_manager.allocate(need))
+
+    def release(self, req: Request) -> None:
+        """Free every block of ``req`` and drop its reservation."""
+        if req.block_table:
+            self.block_manager.free(req.block_table)
+        req.block_table = []
+        req.num_reserved_blocks = 0
+
+    # -- the per-step draft plan -----------------------------------------------------------
+
+    def num_drafts(self, req: Request) -> int:
+        """Drafts to verify for ``req`` this step, before looking at its tail: kappa, never
+        past ``max_tokens``, and with ``adaptive_drafts`` at most one more than the request's
+        recent accept length (an EMA), so a request whose drafts keep failing costs about a
+        plain decode step."""
+        if not (req.spec_enabled and req.drafter is not None):
+            return 0
+        k = min(req.num_speculative_tokens, req.num_remaining - 1)
+        if self.config.adaptive_drafts:
+            k = min(k, int(req.accept_len_ema + 0.5) + 1)  # all accepted -> may grow
+        return max(k, 0)
+
+    def plan(self, running: list[Request]) -> list[PlannedRequest]:
+        """The verify step's batch: every running request (in order) with its usable drafts,
+        within ``max_num_batched_tokens`` (drafts are trimmed first; a request that does not
+        fit even without drafts waits for the next step). Allocates the KV slots the planned
+        tokens will be written to."""
+        budget = self.config.max_num_batched_tokens
+        plans: list[PlannedRequest] = []
+        for req in running:
+            if budget < 1:
+                break
+            drafts = req.tail.usable(min(self.num_drafts(req), budget - 1))
+            budget -= 1 + len(drafts)
+            self.ensure_blocks(req, req.kv_len + 1 + len(drafts))
+            plans.append(PlannedRequest(req, drafts))
+        return plans
+
+    def observe_accept(self, req: Request, accept_len: int) -> None:
+        """Update ``req``'s accept-length EMA after a verify step that carried drafts."""
+        req.accept_len_ema += ACCEPT_LEN_EMA_WEIGHT * (accept_len - req.accept_len_ema)
+
+    # -- waiting for tails -----------------------------------------------------------------
+
+    def observe_step_time(self, seconds: float) -> None:
+        """Feed the verify-step time EMA (sizes the tail-wait budget)."""
+        if self.step_time_ema_s == 0:
+            self.step_time_ema_s = seconds
+        else:
+            self.step_time_ema_s += STEP_TIME_EMA_WEIGHT * (seconds - self.step_time_ema_s)
+
+    def tail_wait_budget_s(self) -> float:
+        """Longest a step may wait for tails in flight: a fraction of one verify step."""
+        return self.config.tail_wait_fraction * self.step_time_ema_s
+
+    def awaiting_tail(self, running: list[Request]) -> list[Request]:
+        """Running requests whose drafter owes them a tail that would add drafts this step."""
+        return [r for r in running if r.tail_in_flight and r.drafter is not None
+                and len(r.tail) < self.num_drafts(r)]
+
+    # -- peer choice -----------------------------------------------------------------------
+
+    def pick_drafter(self, req: Request, requests: Iterable[Request],
+                     drafter_peers: list[str]) -> str | None:
+        """The least loaded drafter for ``req``, or None when it should run without drafts
+        (speculation off for it, quarantined, or no drafter known)."""
+        if not (req.spec_enabled and req.num_speculative_tokens > 0 and drafter_peers):
+            return None
+        load = dict.fromkeys(drafter_peers, 0)
+        for r in requests:
+            if r.drafter in load:
+                load[r.drafter] += 1
+        return min(drafter_peers, key=lambda p: load[p])

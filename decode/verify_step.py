@@ -1,0 +1,66 @@
+"""The verify step: one batched ragged target forward over ``[last committed token] + drafts``
+of every planned request, then each request's logits through its verification rule
+(DESIGN.md §4 steps 3-4). Knows nothing of messages, peers or commits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decode.scheduler import PlannedRequest
+from decode.verification import RuleBatch, get_rule, rule_name_for
+from engine.runner import ModelRunner, SeqChunk
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOutput:
+    """What one request gets out of a verify step: ``token_ids`` are ``accept_len`` accepted
+    drafts plus one bonus or recovered token (not yet cut at EOS / max_tokens)."""
+
+    token_ids: list[int]
+    accept_len: int
+    num_draft_tokens: int
+
+
+class VerifyStep:
+    """Runs verify forwards on ``runner`` (which writes the KV of every position it sees)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def run(self, plan: list[PlannedRequest]) -> list[VerifyOutput]:
+        """Verify every planned request; returns one output per request, in plan order.
+
+        Each request's block table must already cover ``kv_len + 1 + len(drafts)`` positions
+        (the scheduler allocates them).
+
+        Raises:
+            ValueError: a request whose sampling parameters no rule verifies, or a chunk the
+                runner refuses.
+        """
+        if not plan:
+            return []
+        chunks = [SeqChunk(token_ids=[p.request.output_token_ids[-1]] + p.draft_token_ids,
+                           start_pos=p.request.kv_len, block_table=p.request.block_table)
+                  for p in plan]
+        logits = self.runner.forward(chunks, logits="all")  # per request [k_b + 1, vocab]
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(plan):
+            groups.setdefault(rule_name_for(p.request.sampling), []).append(i)
+        outputs: list[VerifyOutput | None] = [None] * len(plan)
+        for name, idx in groups.items():
+            batch = self._rule_batch([plan[i] for i in idx], [logits[i] for i in idx])
+            out, accept_len = get_rule(name).verify(batch)
+            for i, row, a in zip(idx, out.tolist(), accept_len.tolist()):
+                outputs[i] = VerifyOutput(row[: a + 1], a, len(plan[i].draft_token_ids))
+        return outputs  # type: ignore[return-value]
+
+    def _rule_batch(self, plan: list[PlannedRequest], logits: list[torch.Tensor]) -> RuleBatch:
+        drafts = [t for p in plan for t in p.draft_token_ids]
+        counts = torch.tensor([len(p.draft_token_ids) for p in plan], dtype=torch.long)
+        device = logits[0].device
+        return RuleBatch(draft_token_ids=torch.tensor(drafts, dtype=torch.long, device=device),
+                         cu_num_draft_tokens=counts.cumsum(0).to(device),
+                         target_logits=torch.cat(logits),
+                         sampling=[p.request.sampling for p in plan])

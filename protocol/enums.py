@@ -1,0 +1,50 @@
+"""Closed vocabularies of the protocol: role names and finish reasons.
+
+Both are ``str`` enums, so a member equals its wire string (``Role.VERIFIER == "verifier"``)
+and travels as that string; a decoder turns an unknown string into a ProtocolError where the
+field matters.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Role(str, enum.Enum):
+    """The processes of a specmesh cluster (DESIGN.md §2). The decode role is the verifier."""
+
+    PREFILL = "prefill"
+    VERIFIER = "verifier"
+    DRAFTER = "drafter"
+    GATEWAY = "gateway"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended, as ``TokenStream.finish_reason`` and the OpenAI ``finish_reason``
+    carry it. ``STOP``: EOS or a stop token / string; ``LENGTH``: ``max_tokens``; ``ABORT``:
+    the client went away or asked; ``ERROR``: the cluster failed it (``error`` says why);
+    ``INVALID``: refused at admission (HTTP 400); ``QUEUE_FULL``: refused, try later (HTTP 429).
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    INVALID = "invalid"
+    QUEUE_FULL = "queue_full"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_success(self) -> bool:
+        """The request ran to its natural end (not aborted, failed or refused)."""
+        return self in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+#: What DraftClose.reason says for each way a request ends.
+DRAFT_CLOSE_FINISHED = "finished"
+DRAFT_CLOSE_ABORT = "abort"

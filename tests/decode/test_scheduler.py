@@ -1,0 +1,208 @@
+"""The verifier's scheduler with hand-built requests and the real block manager; no model, no
+torch (nano-vllm tests its scheduler the same way)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from decode.config import ACCEPT_LEN_EMA_WEIGHT, VerifierConfig
+from decode.request import Request, RequestStatus
+from decode.scheduler import Scheduler
+from engine.block_manager import BlockManager
+from protocol.messages import SamplingParams
+
+BLOCK = 4
+
+
+def make_request(rid: str, prompt_len: int = 6, max_tokens: int = 10, kappa: int = 4) -> Request:
+    return Request(request_id=rid, gateway="gw", prompt_token_ids=list(range(prompt_len)),
+                   sampling=SamplingParams(max_tokens=max_tokens), num_speculative_tokens=kappa)
+
+
+def make_scheduler(num_blocks: int = 64, **cfg) -> Scheduler:
+    return Scheduler(VerifierConfig(**cfg), BlockManager(num_blocks, BLOCK))
+
+
+def running(req: Request, sched: Scheduler, output: list[int], drafter: str | None = "d0",
+            drafts: list[int] | None = None) -> Request:
+    """Put ``req`` in RUNNING with ``output`` committed and ``drafts`` in its tail."""
+    sched.enqueue(req)
+    assert sched.admit([req], ["p0"], lambda p: 0) == [req]
+    req.status = RequestStatus.RUNNING
+    req.output_token_ids = list(output)
+    req.drafter = drafter
+    req.tail.reset(len(output))
+    if drafts:
+        req.tail.add(len(output), drafts, req.output_token_ids)
+    return req
+
+
+def test_scheduler_imports_no_torch():
+    code = "import sys, decode.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_validate_names_the_limit_exceeded():
+    sched = make_scheduler(num_blocks=4, max_model_len=64)
+
+    def why(prompt_len=10, vocab=100, kappa=None, **sampling):
+        sp = SamplingParams(**{"max_tokens": 6, **sampling})
+        return sched.validate(list(range(prompt_len)), sp, kappa, vocab)
+
+    assert why() == ""  # 16 tokens = 4 blocks
+    assert why(prompt_len=0) == "prompt is empty"
+    assert "[0, 5)" in why(vocab=5)
+    assert why(max_tokens=0) == "max_tokens must be >= 1"
+    assert "only greedy" in why(temperature=0.5)
+    assert why(kappa=-1) == "num_speculative_tokens must be >= 0"
+    assert "maximum model length 64" in why(prompt_len=60, max_tokens=10)
+    assert "needs 5 KV blocks, the verifier has 4" in why(max_tokens=7)
+
+
+def test_queue_full_at_max_queue_len():
+    sched = make_scheduler(max_queue_len=2)
+    assert not sched.queue_full()
+    sched.enqueue(make_request("a"))
+    sched.enqueue(make_request("b"))
+    assert sched.queue_full()
+    sched.dequeue(sched.waiting[0])
+    assert not sched.queue_full()
+    sched.dequeue(make_request("never-queued"))  # no-op
+    assert len(sched.waiting) == 1
+
+
+def test_admission_reserves_kv_and_allocates_prompt_plus_lookahead():
+    sched = make_scheduler(num_blocks=10)
+    req = make_request("a", prompt_len=6, max_tokens=10, kappa=4)  # 16 tokens -> 4 blocks
+    sched.enqueue(req)
+    assert sched.admit([req], ["p0"], lambda p: 0) == [req]
+    assert req.status is RequestStatus.PREFILLING and req.prefill_peer == "p0"
+    assert len(req.block_table) == 3  # prompt 6 + kappa 4 + 1 = 11 tokens
+    assert req.num_reserved_blocks == 4
+    assert sched.outstanding_blocks([req]) == 1
+    assert sched.num_free_blocks([req]) == 10 - 4
+    sched.ensure_blocks(req, 16)
+    assert len(req.block_table) == 4 and sched.outstanding_blocks([req]) == 0
+    sched.release(req)
+    assert sched.block_manager.num_free_blocks == 10 and req.block_table == []
+
+
+def test_admission_is_fifo_and_stops_at_the_first_request_that_does_not_fit():
+    sched = make_scheduler(num_blocks=8)
+    big = make_request("big", prompt_len=20, max_tokens=8)  # 7 blocks
+    small = make_request("small", prompt_len=2, max_tokens=2)  # 1 block
+    first = make_request("first", prompt_len=4, max_tokens=4)  # 2 blocks
+    for r in (first, big, small):
+        sched.enqueue(r)
+    live = [first, big, small]
+    assert sched.admit(live, ["p0"], lambda p: 0) == [first]
+    # big does not fit next to first's reservation; small must not overtake it.
+    assert list(sched.waiting) == [big, small]
+    sched.release(first)
+    first.status = RequestStatus.FINISHED
+    assert sched.admit([big, small], ["p0"], lambda p: 0) == [big, small]
+
+
+def test_admission_caps_at_max_num_seqs_and_needs_a_prefill_peer():
+    sched = make_scheduler(max_num_seqs=2)
+    reqs = [make_request(str(i)) for i in range(3)]
+    for r in reqs:
+        sched.enqueue(r)
+    assert sched.admit(reqs, [], lambda p: 0) == []  # no prefill worker known yet
+    assert sched.admit(reqs, ["p0"], lambda p: 0) == reqs[:2]
+    assert sched.admit(reqs, ["p0"], lambda p: 0) == []  # two admitted already
+    reqs[0].status = RequestStatus.FINISHED
+    sched.release(reqs[0])
+    assert sched.admit(reqs[1:], ["p0"], lambda p: 0) == [reqs[2]]
+
+
+def test_admission_picks_the_least_loaded_prefill_peer():
+    sched = make_scheduler()
+    req = make_request("a")
+    sched.enqueue(req)
+    load = {"p0": 3, "p1": 1, "p2": 2}
+    sched.admit([req], list(load), load.__getitem__)
+    assert req.prefill_peer == "p1"
+
+
+def test_num_drafts_caps_by_kappa_remaining_tokens_and_accept_ema():
+    sched = make_scheduler()
+    req = running(make_request("a", max_tokens=10, kappa=4), sched, output=[7])
+    assert sched.num_drafts(req) == 4
+    req.output_token_ids = [7] * 8  # two tokens left: one verified draft + the bonus token
+    assert sched.num_drafts(req) == 1
+    req.output_token_ids = [7]
+    req.accept_len_ema = 0.2  # drafts keep failing: verify at most one
+    assert sched.num_drafts(req) == 1
+    sched.observe_accept(req, 4)
+    assert req.accept_len_ema == pytest.approx(0.2 + ACCEPT_LEN_EMA_WEIGHT * 3.8)
+    assert sched.num_drafts(req) == 3
+    req.spec_enabled = False  # quarantined
+    assert sched.num_drafts(req) == 0
+
+
+def test_num_drafts_without_adaptive_drafts_ignores_the_ema():
+    sched = make_scheduler(adaptive_drafts=False)
+    req = running(make_request("a", kappa=3), sched, output=[7])
+    req.accept_len_ema = 0.0
+    assert sched.num_drafts(req) == 3
+    req.drafter = None
+    assert sched.num_drafts(req) == 0
+
+
+def test_plan_uses_the_tail_and_allocates_the_verified_slots():
+    sched = make_scheduler(num_blocks=16)
+    req = running(make_request("a", prompt_len=6, max_tokens=10, kappa=4), sched, output=[9],
+                  drafts=[1, 2, 3, 4, 5, 6])
+    (plan,) = sched.plan([req])
+    assert plan.request is req and plan.draft_token_ids == [1, 2, 3, 4]
+    assert plan.num_tokens == 5
+    # kv_len 6 + last committed token + 4 drafts = 11 positions -> 3 blocks
+    assert len(req.block_table) == 3
+
+
+def test_plan_trims_drafts_to_the_token_budget_and_defers_what_does_not_fit():
+    sched = make_scheduler(max_num_batched_tokens=17, max_num_speculative_tokens=16)
+    reqs = [running(make_request(str(i), kappa=8, max_tokens=20), sched, output=[9],
+                    drafts=list(range(10, 18))) for i in range(3)]
+    plans = sched.plan(reqs)
+    assert [p.num_tokens for p in plans] == [9, 8]  # 17 tokens: the second loses a draft
+    assert [p.request for p in plans] == reqs[:2]  # the third waits for the next step
+    assert sum(p.num_tokens for p in plans) <= 17
+
+
+def test_tail_wait_budget_and_awaiting_tail():
+    sched = make_scheduler(tail_wait_fraction=0.5)
+    assert sched.tail_wait_budget_s() == 0.0  # no step measured yet
+    sched.observe_step_time(0.1)
+    assert sched.tail_wait_budget_s() == pytest.approx(0.05)
+    short = running(make_request("short"), sched, output=[1], drafts=[2])
+    full = running(make_request("full"), sched, output=[1], drafts=[2, 3, 4, 5])
+    idle = running(make_request("idle"), sched, output=[1])
+    short.tail_in_flight = full.tail_in_flight = True
+    assert sched.awaiting_tail([short, full, idle]) == [short]
+
+
+def test_pick_drafter_balances_and_respects_quarantine():
+    sched = make_scheduler()
+    a, b, c = (make_request(x) for x in "abc")
+    a.drafter = "d0"
+    b.drafter = "d0"
+    assert sched.pick_drafter(c, [a, b, c], ["d0", "d1"]) == "d1"
+    assert sched.pick_drafter(c, [a, b, c], []) is None
+    c.spec_enabled = False
+    assert sched.pick_drafter(c, [a, b, c], ["d0", "d1"]) is None
+    no_spec = make_request("n", kappa=0)
+    assert sched.pick_drafter(no_spec, [], ["d0"]) is None
+
+
+def test_speculative_tokens_for_caps_a_request_kappa():
+    sched = make_scheduler(num_speculative_tokens=3, max_num_speculative_tokens=6)
+    assert sched.speculative_tokens_for(None) == 3
+    assert sched.speculative_tokens_for(2) == 2
+    assert sched.speculative_tokens_for(50) == 6
+    sched.num_speculative_tokens = 5  # the controller changed kappa
+    assert sched.speculative_tokens_for(None) == 5

@@ -1,0 +1,146 @@
+"""The prefill worker in-process (tiny random Llama, in-process hub): the KV it ships equals the
+KV of its own forward, frame for frame; the first token is the target's argmax; bad requests,
+cancels, aborts, a full queue and garbage each get a clear outcome and the worker goes on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.block_manager import BlockManager
+from engine.frames import buffer_to_tensor
+from engine.kv_cache import KVCache
+from engine.runner import ModelRunner
+from helpers.models import hf_greedy, tiny_llama
+from prefill.config import PrefillConfig
+from prefill.worker import PrefillWorker
+from protocol.messages import (
+    Abort,
+    KVFrame,
+    PrefillCancel,
+    PrefillCancelAck,
+    PrefillDone,
+    PrefillRequest,
+    SamplingParams,
+)
+from protocol.transport import InProcHub
+
+VOCAB = 96
+BLOCK = 4
+NUM_BLOCKS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf, model, cfg = tiny_llama(seed=5, dtype=torch.float32, vocab_size=VOCAB, num_layers=3)
+    return hf, model, cfg
+
+
+def make_worker(tiny, **cfg):
+    _, model, config = tiny
+    hub = InProcHub()
+    verifier = hub.mailbox("verifier-0")
+    runner = ModelRunner(model, config, KVCache(config, NUM_BLOCKS, BLOCK, torch.float32))
+    bm = BlockManager(NUM_BLOCKS, BLOCK)
+    worker = PrefillWorker(PrefillConfig(**cfg), hub.mailbox("prefill-0"), runner, bm)
+    return verifier, worker
+
+
+def request(rid: str, prompt: list[int], transfer_id: int = 1, **sampling) -> PrefillRequest:
+    return PrefillRequest(request_id=rid, transfer_id=transfer_id, prompt_token_ids=prompt,
+                          sampling=SamplingParams(max_tokens=8, **sampling),
+                          block_table=[0, 1, 2, 3])
+
+
+def run(verifier, worker, steps: int = 4):
+    for _ in range(steps):
+        worker.step()
+    return [e.msg for e in verifier.drain()]
+
+
+def test_frames_carry_the_prompt_kv_and_done_the_argmax(tiny):
+    hf, model, config = tiny
+    prompt = [5, 17, 3, 44, 9, 12, 70, 8, 21, 33]
+    verifier, worker = make_worker(tiny, frame_tokens=3, frame_layers=2, chunk_size=4)
+    verifier.send("prefill-0", request("r", prompt, transfer_id=7))
+    msgs = run(verifier, worker)
+    frames = [m for m in msgs if isinstance(m, KVFrame)]
+    (done,) = [m for m in msgs if isinstance(m, PrefillDone)]
+    assert isinstance(msgs[-1], PrefillDone)  # nothing of the transfer follows PrefillDone
+    assert done.error == "" and done.transfer_id == 7
+    assert done.first_token_id == hf_greedy(hf, prompt, 1)[0]
+    # 4 token chunks (3+3+3+1) x 2 layer ranges ([0, 2), [2, 3))
+    assert done.num_frames == len(frames) == 8
+    assert [f.chunk_index for f in frames] == list(range(8))
+    assert done.num_bytes == sum(f.kv.nbytes for f in frames)
+
+    # Reassemble and compare with the KV of an independent prefill of the same prompt.
+    ref = ModelRunner(model, config, KVCache(config, NUM_BLOCKS, BLOCK, torch.float32))
+    ref.prefill(prompt, [0, 1, 2], chunk_size=len(prompt))
+    want = ref.kv_cache.read_chunk(0, config.num_layers, [0, 1, 2], 0, len(prompt))
+    got = torch.zeros_like(want)
+    for f in frames:
+        assert f.transfer_id == 7
+        kv = buffer_to_tensor(f.kv)
+        got[f.layer_start:f.layer_end, :, f.token_start:f.token_start + f.num_tokens] = kv
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert worker.block_manager.num_free_blocks == NUM_BLOCKS  # its own blocks are freed
+    assert worker.stats.num_requests == 1 and worker.stats.num_prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("prompt, sampling, block_table, error", [
+    ([], {}, [0], "empty prompt"),
+    ([1, VOCAB], {}, [0], f"outside [0, {VOCAB})"),
+    ([1, 2], {"temperature": 0.8}, [0], "only greedy"),
+    ([1, 2], {}, [], "no destination blocks"),
+    ([1] * (NUM_BLOCKS * BLOCK + 1), {}, [0], "does not fit"),
+])
+def test_bad_requests_fail_clearly_and_the_worker_goes_on(tiny, prompt, sampling, block_table,
+                                                           error):
+    hf, _, _ = tiny
+    verifier, worker = make_worker(tiny)
+    bad = PrefillRequest(request_id="bad", transfer_id=1, prompt_token_ids=prompt,
+                         sampling=SamplingParams(**sampling), block_table=block_table)
+    verifier.send("prefill-0", bad)
+    verifier.send("prefill-0", request("good", [4, 5, 6], transfer_id=2))
+    msgs = run(verifier, worker)
+    dones = {m.request_id: m for m in msgs if isinstance(m, PrefillDone)}
+    assert error in dones["bad"].error and dones["bad"].first_token_id == -1
+    assert not any(isinstance(m, KVFrame) and m.request_id == "bad" for m in msgs)
+    assert dones["good"].error == ""
+    assert dones["good"].first_token_id == hf_greedy(hf, [4, 5, 6], 1)[0]
+    assert worker.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_cancel_and_abort_of_queued_requests(tiny):
+    verifier, worker = make_worker(tiny)
+    verifier.send("prefill-0", request("a", [1, 2, 3], transfer_id=1))
+    verifier.send("prefill-0", request("b", [4, 5, 6], transfer_id=2))
+    verifier.send("prefill-0", request("c", [7, 8, 9], transfer_id=3))
+    verifier.send("prefill-0", PrefillCancel(request_id="a", transfer_id=1))
+    verifier.send("prefill-0", Abort(request_id="b"))
+    msgs = run(verifier, worker)
+    assert [type(m) for m in msgs if not isinstance(m, KVFrame)] == \
+        [PrefillCancelAck, PrefillDone]
+    assert {m.request_id for m in msgs} == {"a", "c"}  # only c ran; a was acknowledged
+    assert worker.stats.num_cancelled == 1 and worker.stats.num_requests == 1
+
+
+def test_full_queue_refuses_with_an_error(tiny):
+    verifier, worker = make_worker(tiny, max_queue_len=1)
+    verifier.send("prefill-0", request("a", [1, 2, 3], transfer_id=1))
+    verifier.send("prefill-0", request("b", [1, 2, 3], transfer_id=2))
+    worker.ingest()
+    (refused,) = [e.msg for e in verifier.drain()]
+    assert refused.request_id == "b" and refused.error == "prefill queue full"
+    msgs = run(verifier, worker)
+    assert [m.request_id for m in msgs if isinstance(m, PrefillDone)] == ["a"]
+
+
+def test_garbage_is_counted_and_does_not_stop_the_worker(tiny):
+    verifier, worker = make_worker(tiny)
+    verifier.send_frames("prefill-0", [b"\xc1 not msgpack"])
+    verifier.send("prefill-0", request("a", [1, 2, 3]))
+    msgs = run(verifier, worker)
+    assert worker.stats.num_protocol_errors == 1
+    assert [m.error for m in msgs if isinstance(m, PrefillDone)] == [""]
