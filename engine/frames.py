@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from engine.dtypes import dtype_name, torch_dtype
-from protocol.messages import DTYPE_ITEMSIZE, Buffer
+from protocol.messages import Buffer, buffer_nbytes
 
 
 def tensor_to_buffer(t: torch.Tensor) -> Buffer:
@@ -37,16 +37,10 @@ def buffer_to_tensor(buf: Buffer, device: str | torch.device = "cpu") -> torch.T
     Raises:
         ValueError: unknown dtype, a negative dimension, or ``len(data)`` != prod(shape) * itemsize.
     """
-    if buf.dtype not in DTYPE_ITEMSIZE:
-        raise ValueError(f"unknown buffer dtype {buf.dtype!r}")
+    expected = buffer_nbytes(buf.dtype, tuple(buf.shape))
     dtype = torch_dtype(buf.dtype)
-    shape = tuple(int(s) for s in buf.shape)
-    if any(s < 0 for s in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
+    shape = tuple(buf.shape)
     view = memoryview(buf.data).cast("B")
-    expected = DTYPE_ITEMSIZE[buf.dtype]
-    for s in shape:
-        expected *= s
     if view.nbytes != expected:
         raise ValueError(
             f"buffer holds {view.nbytes} bytes, {buf.dtype}{list(shape)} needs {expected}"

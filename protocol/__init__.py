@@ -5,7 +5,7 @@ Imports no torch / numpy: buffers travel as :class:`Buffer` (dtype name, shape, 
 
 from __future__ import annotations
 
-from protocol import codec, errors, messages
+from protocol import codec, errors, messages, schema
 from protocol.codec import (
     MAX_BUFFER_BYTES,
     MAX_DEPTH,
@@ -40,16 +40,18 @@ from protocol.messages import (
     SamplingParams,
     TokenStream,
     VerifyCommit,
+    buffer_nbytes,
     register,
 )
 from protocol.spec_stats import SpecStats
 
 __all__ = [
-    "codec", "errors", "messages",
+    "codec", "errors", "messages", "schema",
     "encode", "decode", "encoded_size",
     "MAX_HEADER_BYTES", "MAX_BUFFER_BYTES", "MAX_FRAMES", "MAX_DEPTH",
     "ProtocolError", "FinishReason", "Role", "SpecStats",
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
+    "buffer_nbytes",
     "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
     "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftClose",

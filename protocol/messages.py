@@ -17,6 +17,7 @@ those, nested registered messages and :class:`Buffer` (an out-of-band binary fra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import ClassVar
 
 PROTOCOL_VERSION = 2  # 2: num_speculative_tokens, block_table, role "verifier"
@@ -57,6 +58,25 @@ def register(tag: int):
     return wrap
 
 
+def buffer_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a C-order array of ``shape`` and ``dtype``: ``prod(shape) * itemsize(dtype)``
+    (the one copy of this product: the codec, the frames and ``Buffer.nbytes`` use it).
+
+    Raises:
+        ValueError: ``dtype`` is not in :data:`DTYPE_ITEMSIZE`, or a dimension is not a
+            non-negative int.
+    """
+    itemsize = DTYPE_ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
+        raise ValueError(f"unknown buffer dtype {dtype!r}")
+    n = itemsize
+    for s in shape:
+        if type(s) is not int or s < 0:
+            raise ValueError(f"bad buffer shape {list(shape)!r}: dimensions must be ints >= 0")
+        n *= s
+    return n
+
+
 @dataclass(frozen=True, slots=True)
 class Buffer:
     """A binary buffer that travels as its own ZMQ frame.
@@ -71,10 +91,8 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPE_ITEMSIZE[self.dtype]
-        for s in self.shape:
-            n *= s
-        return n
+        """``prod(shape) * itemsize(dtype)``, bytes (see :func:`buffer_nbytes`)."""
+        return buffer_nbytes(self.dtype, self.shape)
 
     def __eq__(self, other: object) -> bool:
         return (

