@@ -266,15 +266,13 @@ def model_files(model: str | None = None, dtype: str = "float32") -> Path:
 
 def model_identity_fields(loaded: LoadedModel, block_size: int) -> dict:
     """Fields of ``protocol.messages.ModelIdentity`` for ``loaded``, KV blocks of ``block_size``."""
-    return {
-        "name": loaded.name,
-        "vocab_size": loaded.config.vocab_size,
-        "dtype": dtype_name(loaded.model.dtype),
-        "num_layers": loaded.config.num_layers,
-        "num_kv_heads": loaded.config.num_kv_heads,
-        "head_dim": loaded.config.head_dim,
-        "block_size": int(block_size),
-    }
+    return _identity(loaded.name, loaded.config, dtype_name(loaded.model.dtype), block_size)
+
+
+def _identity(name: str, config: ModelConfig, dtype: str, block_size: int) -> dict:
+    return {"name": name, "vocab_size": config.vocab_size, "dtype": dtype,
+            "num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim, "block_size": int(block_size)}
 
 
 def model_identity(model: str | None, dtype: str, block_size: int) -> dict:
@@ -298,8 +296,5 @@ def model_identity(model: str | None, dtype: str, block_size: int) -> dict:
             hf_config = AutoConfig.from_pretrained(cached)
         else:  # reads the GGUF's metadata, not its tensors
             hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    config = ModelConfig.from_hf(hf_config)
-    return {"name": _model_name(model, kind, path), "vocab_size": config.vocab_size,
-            "dtype": dtype, "num_layers": config.num_layers,
-            "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-            "block_size": int(block_size)}
+    return _identity(_model_name(model, kind, path), ModelConfig.from_hf(hf_config), dtype,
+                     block_size)

@@ -21,12 +21,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
 from protocol.codec import encode
 from protocol.errors import ProtocolError
+from protocol.handshake import PeerInfo, hello_refusal, identity_mismatch  # noqa: F401
 from protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
 from protocol.transport import Envelope, Mailbox, PeerUnavailable, decode_envelope
 
@@ -34,28 +34,6 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 512 * 1024 * 1024  # a KV frame is at most a few MB; refuse anything absurd
 HIGH_WATER_MARK = 100_000  # messages; KV streams are bursty
-
-
-def identity_mismatch(ours: ModelIdentity | None, theirs: ModelIdentity | None) -> str:
-    """Empty when compatible; else which field differs. Empty/zero fields are wildcards
-    (a gateway knows the vocabulary, not the KV layout)."""
-    if ours is None or theirs is None:
-        return ""
-    for f in ("name", "vocab_size", "dtype", "num_layers", "num_kv_heads", "head_dim"):
-        a, b = getattr(ours, f), getattr(theirs, f)
-        if a and b and a != b:
-            return f"model mismatch: {f} {b!r} != ours {a!r}"
-    return ""
-
-
-@dataclass
-class PeerInfo:
-    name: str
-    role: str
-    incarnation: int
-    endpoint: str = ""
-    acked: bool = False  # dealer side: our Hello was accepted on the current connection
-    num_connects: int = 0  # dealer side: TCP connections made (more than one = reconnects)
 
 
 class ZmqMailbox(Mailbox):
@@ -273,13 +251,7 @@ class ZmqMailbox(Mailbox):
             return
         msg = env.msg
         if isinstance(msg, Hello):
-            why = ""
-            if msg.protocol_version != PROTOCOL_VERSION:
-                why = f"protocol version {msg.protocol_version} != {PROTOCOL_VERSION}"
-            elif msg.instance_id != peer:
-                why = f"instance id {msg.instance_id!r} does not match the connection {peer!r}"
-            else:
-                why = identity_mismatch(self.model, msg.model)
+            why = hello_refusal(msg, peer, self.model)
             ack = HelloAck(accepted=not why, role=self.role, instance_id=self.name,
                            incarnation=self.incarnation, error=why)
             try:
