@@ -5,7 +5,13 @@ verifier is the source of truth for the spec-decode counters."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from protocol.step_profile import BUCKETS_S, StepProfile
 
 
 def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> CounterMetricFamily:
@@ -20,6 +26,27 @@ def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMe
     return g
 
 
+def profile_families(profile: StepProfile, labels: dict[str, str]):
+    """``profile`` as Prometheus families: ``specmesh:step_phase_seconds`` (a histogram with a
+    ``phase`` label) and ``specmesh:step_profile_count`` (its counters, ``name`` label)."""
+    snap = profile.as_dict()
+    hist = HistogramMetricFamily("specmesh:step_phase_seconds",
+                                 "Time per phase of a role's step", labels=[*labels, "phase"])
+    for phase, st in snap["phases"].items():
+        cumulative, buckets = 0, []
+        for bound, n in zip([*BUCKETS_S, float("inf")], st["buckets"]):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        hist.add_metric([*labels.values(), phase], buckets, st["total_ms"] / 1e3)
+    yield hist
+    counts = CounterMetricFamily("specmesh:step_profile_count",
+                                 "Step counters of a role (steps, steps with drafts, ...)",
+                                 labels=[*labels, "name"])
+    for name, n in snap["counters"].items():
+        counts.add_metric([*labels.values(), name], float(n))
+    yield counts
+
+
 class RoleCollector:
     """Collects ``host.worker.stats`` (and the verifier's load) for one role host."""
 
@@ -32,6 +59,7 @@ class RoleCollector:
         st = h.worker.stats
         yield _counter("specmesh:protocol_errors", "Malformed or out-of-turn messages received",
                        st.num_protocol_errors, labels)
+        yield from profile_families(h.worker.profile, labels)
         if h.role != "verifier":
             return
         yield _counter("specmesh:spec_decode_num_drafts", "Verify steps x requests with drafts",

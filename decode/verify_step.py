@@ -4,6 +4,7 @@ of every planned request, then each request's logits through its verification ru
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from decode.scheduler import PlannedRequest
 from decode.verification import RuleBatch, get_rule, rule_name_for
 from engine.runner import ModelRunner, SeqChunk
+from protocol.step_profile import StepProfile
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +28,9 @@ class VerifyOutput:
 class VerifyStep:
     """Runs verify forwards on ``runner`` (which writes the KV of every position it sees)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, profile: StepProfile | None = None) -> None:
         self.runner = runner
+        self.profile = profile or StepProfile()
 
     def run(self, plan: list[PlannedRequest]) -> list[VerifyOutput]:
         """Verify every planned request; returns one output per request, in plan order.
@@ -44,7 +47,17 @@ class VerifyStep:
         chunks = [SeqChunk(token_ids=[p.request.output_token_ids[-1]] + p.draft_token_ids,
                            start_pos=p.request.kv_len, block_table=p.request.block_table)
                   for p in plan]
+        # forward time split by whether any request carried drafts: with / without drafts is
+        # the cost ratio the bench compares with a (kappa+1)-token vs 1-token forward
+        kind = "forward_with_drafts" if any(p.draft_token_ids for p in plan) else "forward_plain"
+        t0 = time.perf_counter()
         logits = self.runner.forward(chunks, logits="all")  # per request [k_b + 1, vocab]
+        self.profile.observe("forward", time.perf_counter() - t0)
+        self.profile.observe(kind, time.perf_counter() - t0)
+        with self.profile.phase("verify"):
+            return self._verify(plan, logits)
+
+    def _verify(self, plan: list[PlannedRequest], logits: list[torch.Tensor]) -> list[VerifyOutput]:
         groups: dict[str, list[int]] = {}
         for i, p in enumerate(plan):
             groups.setdefault(rule_name_for(p.request.sampling), []).append(i)

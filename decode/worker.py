@@ -34,6 +34,7 @@ from protocol.messages import (
     PrefillRequest,
     TokenStream,
 )
+from protocol.step_profile import StepProfile
 from protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class VerifierWorker(MailboxWorker):
         self.vocab_size = runner.config.vocab_size
         self.kv = KVReceiver(runner.kv_cache)
         self.scheduler = Scheduler(config, block_manager)
-        self.verify_step = VerifyStep(runner)
+        self.profile = StepProfile()
+        self.verify_step = VerifyStep(runner, self.profile)
         self.stats = VerifierStats(max_num_speculative_tokens=config.max_num_speculative_tokens)
         self.lifecycle = RequestLifecycle(self.scheduler, self.kv, self.stats, self.vocab_size,
                                           frozenset(config.eos_token_ids), self.send)
@@ -207,21 +209,42 @@ class VerifierWorker(MailboxWorker):
 
     def step(self, timeout_s: float = 0.0) -> int:
         """One iteration; waits up to ``timeout_s`` for input only when idle.
-        Returns the number of requests in the verify forward."""
-        t0 = time.monotonic()
+        Returns the number of requests in the verify forward. Phases go to ``self.profile``:
+        ingest, admit, tail_wait, plan, forward, verify, commit (commit includes its sends)."""
+        prof = self.profile
         busy = bool(self.lifecycle.running() or self.scheduler.waiting)
         self.ingest(0.0 if busy else timeout_s)
+        t0 = time.monotonic()
         self._check_timeouts()
-        self._admit()
+        with prof.phase("admit"):
+            self._admit()
         running = self.lifecycle.running()
         if running:
-            self._wait_for_tails(running)
+            with prof.phase("tail_wait"):
+                self._wait_for_tails(running)
             running = self.lifecycle.running()
         if not running:
             return 0
-        plan = self.scheduler.plan(running)
-        for p, out in zip(plan, self.verify_step.run(plan)):
-            self.lifecycle.apply(p.request, out)
+        with prof.phase("plan"):
+            plan = self.scheduler.plan(running)
+        outputs = self.verify_step.run(plan)
+        with prof.phase("commit"):
+            for p, out in zip(plan, outputs):
+                self.lifecycle.apply(p.request, out)
+        self._count_step(plan)
         self.scheduler.observe_step_time(time.monotonic() - t0)
         self.stats.num_steps += 1
         return len(plan)
+
+    def _count_step(self, plan: list) -> None:
+        """Counters of the draft supply: requests that could have used drafts this step and
+        those whose tail had usable ones (their ratio is the share of steps with a tail)."""
+        prof = self.profile
+        prof.count("num_steps")
+        eligible = sum(self.scheduler.num_drafts(p.request) > 0 for p in plan)
+        with_drafts = sum(bool(p.draft_token_ids) for p in plan)
+        prof.count("num_request_steps", len(plan))
+        prof.count("num_request_steps_spec_eligible", eligible)
+        prof.count("num_request_steps_with_drafts", with_drafts)
+        if with_drafts:
+            prof.count("num_steps_with_drafts")

@@ -9,12 +9,14 @@ longest common prefix (the proposer rolls back) and drafting resumes after the c
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from drafter.config import DrafterConfig
 from drafter.proposer import Proposer, get_proposer
 from protocol.errors import ProtocolError
 from protocol.messages import DraftClose, DraftNeedSync, DraftSync, DraftTailStream, VerifyCommit
+from protocol.step_profile import StepProfile
 from protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class DraftState:
     num_sent: int = 0  # tokens of `path` already streamed
     exhausted: bool = False  # proposer found nothing for the current context
     news: bool = True  # synced or committed since the last segment: the verifier may wait
+    commit_received_at: float | None = None  # perf_counter() of the last unanswered commit
 
     @property
     def context(self) -> list[int]:
@@ -64,6 +67,7 @@ class DrafterWorker(MailboxWorker):
         self.proposer = proposer or get_proposer(config.method)(**config.method_kwargs)
         self.requests: dict[str, DraftState] = {}
         self.stats = DrafterStats()
+        self.profile = StepProfile()
 
     # -- message handling ------------------------------------------------------------------
 
@@ -137,6 +141,7 @@ class DrafterWorker(MailboxWorker):
         st.committed.extend(toks)
         st.exhausted = False
         st.news = True
+        st.commit_received_at = time.perf_counter()
 
     def _need_sync(self, st: DraftState, reason: str) -> None:
         self.stats.num_need_sync += 1
@@ -160,7 +165,8 @@ class DrafterWorker(MailboxWorker):
         for st in list(self.requests.values()):
             room = min(self.config.window - len(st.path), self.config.max_segment)
             if room > 0 and not st.exhausted:
-                new = self.proposer.propose(st.request_id, st.context, room)
+                with self.profile.phase("propose"):
+                    new = self.proposer.propose(st.request_id, st.context, room)
                 if new:
                     st.path.extend(new[:room])
                 else:
@@ -173,6 +179,13 @@ class DrafterWorker(MailboxWorker):
                     request_id=st.request_id, base_committed_len=len(st.committed),
                     start_pos=len(st.committed) + st.num_sent, draft_token_ids=seg))
                 st.num_sent = len(st.path)
+                if st.commit_received_at is not None:  # how fast a commit turns into a tail
+                    self.profile.observe("commit_to_tail",
+                                         time.perf_counter() - st.commit_received_at)
+                    st.commit_received_at = None
+                # run-ahead: drafted tokens past the committed prefix when the segment leaves
+                self.profile.count("run_ahead_tokens", len(st.path))
+                self.profile.count("num_segments", 1)
                 self.stats.num_segments_sent += 1
                 self.stats.num_draft_tokens_sent += len(seg)
                 sent += len(seg)

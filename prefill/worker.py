@@ -28,6 +28,7 @@ from protocol.messages import (
     PrefillDone,
     PrefillRequest,
 )
+from protocol.step_profile import StepProfile
 from protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class PrefillWorker(MailboxWorker):
         self.model_config = runner.config
         self.queue: deque[tuple[str, PrefillRequest]] = deque()
         self.stats = PrefillStats()
+        self.profile = StepProfile()
 
     # -- ingest ----------------------------------------------------------------------------
 
@@ -120,10 +122,12 @@ class PrefillWorker(MailboxWorker):
         n = len(req.prompt_token_ids)
         block_table = self.block_manager.allocate(self.block_manager.blocks_for(n))
         try:
-            logits = self.runner.prefill(req.prompt_token_ids, block_table,
-                                         chunk_size=self.config.chunk_size)
-            first = int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]).item())
-            num_frames, num_bytes = self._send_kv(peer, req, block_table, n)
+            with self.profile.phase("forward"):
+                logits = self.runner.prefill(req.prompt_token_ids, block_table,
+                                             chunk_size=self.config.chunk_size)
+                first = int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]).item())
+            with self.profile.phase("send_kv"):
+                num_frames, num_bytes = self._send_kv(peer, req, block_table, n)
         finally:
             self.block_manager.free(block_table)
         self.stats.num_requests += 1

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
+from protocol.step_profile import StepProfile
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,9 @@ class MailboxWorker(ABC):
 
     mailbox: Mailbox
     name: str = "worker"
+    #: time per phase of the step; ``ingest`` (handling received messages, not waiting for
+    #: them) and ``send`` (one message into the mailbox) are recorded here for every worker.
+    profile: StepProfile
 
     @abstractmethod
     def handle(self, env: Envelope) -> None:
@@ -181,10 +186,13 @@ class MailboxWorker(ABC):
         Returns the number handled."""
         n = 0
         env = self.mailbox.recv(timeout_s)
+        t0 = time.perf_counter()
         while env is not None:
             self.handle(env)
             n += 1
             env = self.mailbox.recv(0.0)
+        if n:
+            self.profile.observe("ingest", time.perf_counter() - t0)
         return n
 
     def send(self, peer: str | None, msg: object) -> bool:
@@ -192,8 +200,10 @@ class MailboxWorker(ABC):
         passed to :meth:`on_send_failed`; returns whether the message left."""
         if peer is None:
             return False
+        t0 = time.perf_counter()
         try:
             self.mailbox.send(peer, msg)
+            self.profile.observe("send", time.perf_counter() - t0)
             return True
         except ConnectionError as err:
             log.warning("%s cannot reach %s: %s", self.name, peer, err)

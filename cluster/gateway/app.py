@@ -171,7 +171,10 @@ class _Gateway:
             ev = first
             while True:
                 if isinstance(ev, TextDelta):
-                    yield _sse(chunk(ev.text, None))
+                    t0 = time.perf_counter()
+                    data = _sse(chunk(ev.text, None))
+                    self.metrics.profile.observe("sse", time.perf_counter() - t0)
+                    yield data
                 else:
                     if ev.is_error:
                         yield _sse(error_body(ev.error, "server_error", None, ev.reason))
@@ -240,12 +243,13 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         try:
             gw.check_model(body)
             body.check_supported()
-            if chat:
-                prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())
-                limit = body.output_limit()
-            else:
-                prompt_ids = completion_prompt_ids(tokenizer, body.prompt)
-                limit = body.max_tokens
+            with metrics.profile.phase("tokenize"):
+                if chat:
+                    prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())
+                    limit = body.output_limit()
+                else:
+                    prompt_ids = completion_prompt_ids(tokenizer, body.prompt)
+                    limit = body.max_tokens
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             req = gw.build(body, prompt_ids, limit, rid)
             run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,

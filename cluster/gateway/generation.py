@@ -140,7 +140,11 @@ class RequestRun:
                         if msg.token_ids:
                             self.num_output_tokens += len(msg.token_ids)
                             self._observe_tokens(len(msg.token_ids))
+                            t0 = time.perf_counter()
                             text, stopped = self.matcher.feed(self.detok.add(msg.token_ids))
+                            if self.metrics is not None:
+                                self.metrics.profile.observe("detokenize",
+                                                             time.perf_counter() - t0)
                             if text:
                                 yield TextDelta(text)
                             if stopped:

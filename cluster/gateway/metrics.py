@@ -9,6 +9,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cluster.metrics import profile_families
+from protocol.step_profile import StepProfile
+
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -35,6 +38,14 @@ class _BackendCollector:
                                     "Malformed messages received by the gateway")
             c.add_metric([], float(errors))
             yield c
+
+
+class _ProfileCollector:
+    def __init__(self, profile: StepProfile) -> None:
+        self._profile = profile
+
+    def collect(self):
+        yield from profile_families(self._profile, {"role": "gateway"})
 
 
 class GatewayMetrics:
@@ -72,6 +83,9 @@ class GatewayMetrics:
                              registry=r)
         if backend is not None:
             r.register(_BackendCollector(backend))
+        #: tokenize / detokenize / sse time of this gateway (issue 10's step profile)
+        self.profile = StepProfile()
+        r.register(_ProfileCollector(self.profile))
 
     def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
                          num_drafts: int, draft_tokens: int, accepted_tokens: int,

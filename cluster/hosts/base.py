@@ -122,6 +122,7 @@ class RoleHost:
         out["peer_incarnations"] = {p: i.incarnation for p, i in
                                     list(self.mailbox.dealer_peers.items()) if i.acked}
         out["pid"] = os.getpid()
+        out["profile"] = self.worker.profile.as_dict()
         return out
 
     def health(self) -> dict:

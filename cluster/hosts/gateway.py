@@ -39,9 +39,9 @@ class GatewayHost(RoleHost):
     def start(self) -> None:
         from cluster.gateway import create_app, serve_gateway
 
-        app = create_app(self.backend, self.tokenizer, self.model_name, self.cfg.max_model_len,
-                         default_temperature=0.0)
-        self.server, _, self.port = serve_gateway(app, self.cfg.host, self._port)
+        self.app = create_app(self.backend, self.tokenizer, self.model_name,
+                              self.cfg.max_model_len, default_temperature=0.0)
+        self.server, _, self.port = serve_gateway(self.app, self.cfg.host, self._port)
 
     def _pick_verifier(self) -> str:
         ready = [v for v in self.verifiers if self.mailbox.ready(v)]
@@ -67,7 +67,8 @@ class GatewayHost(RoleHost):
         return {"num_in_flight": self.backend.num_in_flight, "pid": os.getpid(),
                 "num_protocol_errors": self.backend.num_protocol_errors,
                 "num_ray_calls": self.num_calls,
-                "ready_verifiers": [v for v in self.verifiers if self.mailbox.ready(v)]}
+                "ready_verifiers": [v for v in self.verifiers if self.mailbox.ready(v)],
+                "profile": self.app.state.metrics.profile.as_dict()}
 
     def health(self) -> dict:
         self.num_calls += 1

@@ -7,49 +7,11 @@ import pytest
 import torch
 
 from cluster.inprocess import InProcessCluster
-from drafter.proposer import Proposer
 from helpers.models import hf_greedy, tiny_llama
+from helpers.proposers import GarbageProposer, OracleProposer
 from protocol.messages import SamplingParams
 
 MAX_TOKENS = 24
-
-
-class OracleProposer(Proposer):
-    """Proposes the true greedy continuation (known in advance)."""
-
-    name = "oracle-test"
-
-    def __init__(self, prompts, refs):
-        self.seqs = [list(p) + list(r) for p, r in zip(prompts, refs)]
-
-    def open(self, request_id, context_token_ids):
-        pass
-
-    def propose(self, request_id, context_token_ids, num_tokens):
-        n = len(context_token_ids)
-        for seq in self.seqs:
-            if seq[:n] == context_token_ids:
-                return seq[n:n + num_tokens]
-        return []
-
-    def rollback(self, request_id, num_context_tokens):
-        pass
-
-    def close(self, request_id):
-        pass
-
-
-class GarbageProposer(OracleProposer):
-    """Proposes random tokens (never trustworthy)."""
-
-    name = "garbage-test"
-
-    def __init__(self, vocab_size, seed=0):
-        self.rng = random.Random(seed)
-        self.vocab_size = vocab_size
-
-    def propose(self, request_id, context_token_ids, num_tokens):
-        return [self.rng.randrange(self.vocab_size) for _ in range(num_tokens)]
 
 
 @pytest.fixture(scope="module")

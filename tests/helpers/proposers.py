@@ -1,0 +1,44 @@
+"""Test-only drafting methods: an oracle that proposes the known greedy continuation and a
+garbage one that proposes random tokens."""
+
+import random
+
+from drafter.proposer import Proposer
+
+
+class OracleProposer(Proposer):
+    """Proposes the true greedy continuation (known in advance)."""
+
+    name = "oracle-test"
+
+    def __init__(self, prompts, refs):
+        self.seqs = [list(p) + list(r) for p, r in zip(prompts, refs)]
+
+    def open(self, request_id, context_token_ids):
+        pass
+
+    def propose(self, request_id, context_token_ids, num_tokens):
+        n = len(context_token_ids)
+        for seq in self.seqs:
+            if seq[:n] == context_token_ids:
+                return seq[n:n + num_tokens]
+        return []
+
+    def rollback(self, request_id, num_context_tokens):
+        pass
+
+    def close(self, request_id):
+        pass
+
+
+class GarbageProposer(OracleProposer):
+    """Proposes random tokens (never trustworthy)."""
+
+    name = "garbage-test"
+
+    def __init__(self, vocab_size, seed=0):
+        self.rng = random.Random(seed)
+        self.vocab_size = vocab_size
+
+    def propose(self, request_id, context_token_ids, num_tokens):
+        return [self.rng.randrange(self.vocab_size) for _ in range(num_tokens)]
