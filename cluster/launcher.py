@@ -30,6 +30,8 @@ def init_local_ray(num_cpus: int | None = None) -> None:
     if not loopback_enabled():
         raise RuntimeError("an embedded Ray needs cluster.loopback.use_loopback() before the "
                            "first `import ray` of the process; it was not called")
+    # Only what specmesh needs: no dashboard (below), no usage-stats reporting.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2,
              resources={r: 1000 for r in ROLES}, include_dashboard=False,
              _node_ip_address="127.0.0.1", namespace=NAMESPACE, log_to_driver=True,

@@ -67,6 +67,9 @@ class Mailbox(ABC):
         """Names of the peers this mailbox can currently send to."""
         return []
 
+    def wake(self) -> None:  # noqa: B027 - optional hook
+        """Make a ``recv`` blocked in another thread return now (e.g. to honour a stop)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release sockets / queues."""
 
@@ -111,6 +114,9 @@ class InProcHub:
         return list(self._queues)
 
 
+_WAKE = object()  # queued by InProcMailbox.wake: recv returns None at once
+
+
 class InProcMailbox(Mailbox):
     """Mailbox on an :class:`InProcHub`; frames are copied to ``bytes`` like a socket would."""
 
@@ -129,12 +135,18 @@ class InProcMailbox(Mailbox):
     def recv(self, timeout_s: float = 0.0) -> Envelope | None:
         try:
             if timeout_s > 0:
-                src, frames = self._queue.get(timeout=timeout_s)
+                item = self._queue.get(timeout=timeout_s)
             else:
-                src, frames = self._queue.get_nowait()
+                item = self._queue.get_nowait()
         except queue.Empty:
             return None
+        if item is _WAKE:
+            return None
+        src, frames = item
         return decode_envelope(src, frames)
+
+    def wake(self) -> None:
+        self._queue.put(_WAKE)
 
     def peers(self) -> list[str]:
         return [n for n in self._hub.names() if n != self.name]
@@ -142,9 +154,10 @@ class InProcMailbox(Mailbox):
     def close(self) -> None:
         self._hub._remove(self.name)
 
-#: How long an idle worker blocks on its mailbox per loop turn, seconds: short enough that
-#: ``stop`` is honoured promptly, long enough that an idle role uses no CPU.
-IDLE_TIMEOUT_S = 0.05
+#: How long an idle worker blocks on its mailbox per loop turn, seconds. Messages end the wait
+#: at once and a stop wakes the mailbox (:meth:`Mailbox.wake`), so this only bounds how often an
+#: idle role wakes up for nothing (it checks timeouts then): rarely enough to use no CPU.
+IDLE_TIMEOUT_S = 1.0
 
 
 def run_loop(step: Callable[[float], object], stop: threading.Event, idle_timeout_s: float,
@@ -215,5 +228,6 @@ class MailboxWorker(ABC):
 
     def run(self, stop: threading.Event, idle_timeout_s: float = IDLE_TIMEOUT_S,
             on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Step until ``stop`` is set, blocking on the mailbox while idle."""
+        """Step until ``stop`` is set, blocking on the mailbox while idle (whoever sets ``stop``
+        calls ``mailbox.wake()`` to end the wait at once)."""
         run_loop(self.step, stop, idle_timeout_s, self.name, on_error)

@@ -147,6 +147,10 @@ class ZmqMailbox(Mailbox):
         self._outbox.put(fn)
         os.write(self._wake_w, b"x")
 
+    def wake(self) -> None:
+        """End a ``recv`` blocked in the owning thread (a no-op callback through the pipe)."""
+        self.call_soon(lambda: None)
+
     def _send_frames(self, peer: str, frames: list) -> None:
         if peer in self.refused:
             raise PeerUnavailable(f"{peer} refused our Hello: {self.refused[peer]}")

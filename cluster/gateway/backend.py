@@ -65,12 +65,14 @@ class MailboxBackend:
     Args:
         mailbox: the gateway's own mailbox; this object becomes its only reader.
         pick_verifier: returns the verifier peer name for a new request.
-        recv_timeout_s: how long the reader thread blocks per ``recv`` call (bounds close()).
+        recv_timeout_s: how long the reader thread blocks per ``recv`` call; a TokenStream ends
+            the wait at once and close() wakes it, so this only sets how often an idle gateway
+            wakes up for nothing.
         stream_timeout_s: fail a request when no TokenStream arrived for this long (None: never).
     """
 
     def __init__(self, mailbox: Mailbox, pick_verifier: Callable[[], str],
-                 recv_timeout_s: float = 0.05, stream_timeout_s: float | None = None) -> None:
+                 recv_timeout_s: float = 1.0, stream_timeout_s: float | None = None) -> None:
         self.mailbox = mailbox
         self.pick_verifier = pick_verifier
         self.recv_timeout_s = recv_timeout_s
@@ -230,6 +232,7 @@ class MailboxBackend:
     def close(self) -> None:
         """Stop the reader thread and end every in-flight stream with an error."""
         self._stop.set()
+        self.mailbox.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=max(1.0, 4 * self.recv_timeout_s))
         for rid in list(self._pending):

@@ -131,6 +131,7 @@ class RoleHost:
 
     def stop(self) -> None:
         self._stop.set()
+        self.mailbox.wake()
         self._thread.join(timeout=STOP_JOIN_TIMEOUT_S)
         self.mailbox.close()
 
