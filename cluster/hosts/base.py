@@ -149,11 +149,12 @@ def loaded_runner(cfg: ClusterConfig):
         ValueError: the KV memory holds no block.
     """
     from engine.block_manager import BlockManager
+    from engine.devices import resolve_device
     from engine.kv_cache import KVCache, num_blocks_for_memory
     from engine.loader import load_model
     from engine.runner import ModelRunner
 
-    loaded = load_model(cfg.model, dtype=cfg.dtype)
+    loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device))
     n = num_blocks_for_memory(loaded.config, cfg.block_size, cfg.dtype, cfg.kv_cache_mb << 20)
     if n < 1:
         raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds no block of {cfg.block_size} tokens")
