@@ -1,0 +1,20 @@
+"""forward_cost_ratio runs real forwards of both sizes (timings themselves live in the bench)."""
+
+import pytest
+import torch
+
+from cluster.forward_cost import forward_cost_ratio
+from helpers.models import tiny_llama
+
+
+def test_forward_cost_measures_both_sizes():
+    _, model, cfg = tiny_llama(seed=0, dtype=torch.float32)
+    cost = forward_cost_ratio(model, cfg, 4, context_len=20, repeats=2, block_size=4)
+    assert cost.num_tokens == 5 and cost.context_len == 20
+    assert cost.single_ms > 0 and cost.multi_ms > 0
+    assert cost.ratio == pytest.approx(cost.multi_ms / cost.single_ms)
+    assert set(cost.as_dict()) == {"context_len", "num_tokens", "single_ms", "multi_ms", "ratio"}
+    with pytest.raises(ValueError):
+        forward_cost_ratio(model, cfg, 0)
+    with pytest.raises(ValueError, match="exceeds"):
+        forward_cost_ratio(model, cfg, 4, context_len=cfg.max_position_embeddings)
