@@ -16,8 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from cluster.config import ROLES  # noqa: E402
 from cluster.loopback import use_loopback  # noqa: E402
 from cluster.options import (  # noqa: E402
+    add_bench_options,
     add_cluster_options,
     add_model_options,
+    bench_options,
     cluster_config,
     default_instance_id,
 )
@@ -106,11 +108,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    opts = bench_options(args)  # a bad list or prompts file fails before anything starts
+    if opts.prompts_file:
+        from cluster.bench_prompts import load_prompts_file
+
+        load_prompts_file(opts.prompts_file)
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
     from cluster.bench import bench
 
-    bench(cluster_config(args, port=0), repeats=args.repeats, max_tokens=args.max_tokens,
-          num_prompts=args.num_prompts, json_path=args.json)
+    bench(cluster_config(args, port=0), opts)
     return 0
 
 
@@ -147,12 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=96)
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="specmesh k>0 vs k=0 vs HF generate, interleaved repeats")
+    b = sub.add_parser("bench", help="specmesh served / in-process (k>0, k=0) vs HF generate per "
+                                     "concurrency level, interleaved repeats")
     add_cluster_options(b)
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--max-tokens", type=int, default=64)
-    b.add_argument("--num-prompts", type=int, default=None)
-    b.add_argument("--json", default=None, help="write the summary here")
+    add_bench_options(b)
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,10 +1,13 @@
 """Running prompts through a served cluster with the official ``openai`` client, shared by
-``specmesh demo`` and ``specmesh bench``: the bundled prompts and one pass's totals."""
+``specmesh demo`` and ``specmesh bench``: the bundled prompts, one pass's totals, and a pass
+by several concurrent clients."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -23,13 +26,22 @@ def load_prompts(limit: int | None = None) -> list[dict]:
 
 @dataclass
 class RunResult:
-    """One pass over the prompts by one system: tokens, seconds, texts and spec stats."""
+    """One pass over the prompts by one system: completion tokens, seconds (wall time of the
+    pass), texts and spec stats. ``token_ids`` holds each completion's ids when the system
+    exposes them (in-process, HF; not HTTP); ``accepted_per_pos[i]`` counts accepted drafts at
+    draft position i; ``profile`` is the verifier's step profile over the pass
+    (:meth:`protocol.step_profile.StepProfile.as_dict`); ``concurrency`` is the number of
+    concurrent clients (or the batch size)."""
 
     system: str
     seconds: float = 0.0
     num_tokens: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] | None = None
+    accepted_per_pos: list[int] = field(default_factory=list)
+    profile: dict | None = None
+    concurrency: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -38,7 +50,9 @@ class RunResult:
     def as_dict(self) -> dict:
         return {"system": self.system, "seconds": self.seconds, "num_tokens": self.num_tokens,
                 "tokens_per_s": self.tokens_per_s, "spec_stats": self.spec.as_dict(),
-                "texts": self.texts}
+                "texts": self.texts, "token_ids": self.token_ids,
+                "accepted_per_pos": self.accepted_per_pos, "profile": self.profile,
+                "concurrency": self.concurrency}
 
 
 def openai_client(url: str):
@@ -47,6 +61,44 @@ def openai_client(url: str):
 
     return OpenAI(base_url=f"{url}/v1", api_key="specmesh", timeout=CLIENT_TIMEOUT_S,
                   max_retries=0)
+
+
+def _spec_stats(resp) -> SpecStats:
+    stats = (resp.model_extra or {}).get("spec_stats") or {}
+    return SpecStats(stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0),
+                     stats.get("num_verify_steps", 0))
+
+
+def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: int,
+                          system: str, concurrency: int) -> RunResult:
+    """Send ``prompts`` through the gateway from ``concurrency`` client threads sharing one
+    ``openai`` client (each thread takes the next prompt when its previous one finished);
+    greedy. ``seconds`` is the wall time from the first request to the last completion;
+    ``texts`` are in prompt order.
+
+    Raises:
+        openai.OpenAIError: a request failed (the other threads finish first).
+    """
+    res = RunResult(system, concurrency=concurrency)
+    texts: list[str] = [""] * len(prompts)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        resp = client.chat.completions.create(model=model, messages=prompts[i]["messages"],
+                                              max_tokens=max_tokens, temperature=0)
+        with lock:
+            res.num_tokens += resp.usage.completion_tokens
+            res.spec.add(_spec_stats(resp))
+            texts[i] = resp.choices[0].message.content or ""
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(prompts))]
+        for f in futures:
+            f.result()
+    res.seconds = time.perf_counter() - t0
+    res.texts = texts
+    return res
 
 
 def run_openai(client, model: str, prompts: list[dict], max_tokens: int, system: str,
@@ -59,9 +111,7 @@ def run_openai(client, model: str, prompts: list[dict], max_tokens: int, system:
                                               max_tokens=max_tokens, temperature=0)
         res.seconds += time.perf_counter() - t0
         res.num_tokens += resp.usage.completion_tokens
-        stats = (resp.model_extra or {}).get("spec_stats") or {}
-        one = SpecStats(stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0),
-                        stats.get("num_verify_steps", 0))
+        one = _spec_stats(resp)
         res.spec.add(one)
         text = resp.choices[0].message.content or ""
         res.texts.append(text)

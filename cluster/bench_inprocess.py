@@ -1,0 +1,86 @@
+"""The in-process specmesh systems of ``specmesh bench``: prefill, verifier and drafter workers
+in the bench's own process (:class:`cluster.inprocess.InProcessCluster`, no Ray, no HTTP), at
+kappa = K and kappa = 0, with as many requests in flight as the concurrency level, so served /
+in-process ratios come from the same run. Imports no Ray."""
+
+from __future__ import annotations
+
+import time
+
+from cluster.bench_stats import snapshot_delta, verifier_snapshot
+from cluster.runs import RunResult
+
+#: Extra KV blocks per request beyond prompt + max_tokens + kappa + 1 (partial blocks, slack).
+EXTRA_BLOCKS_PER_REQUEST = 2
+
+
+def kv_blocks_needed(max_prompt_len: int, max_tokens: int, kappa: int, concurrency: int,
+                     block_size: int) -> int:
+    """KV blocks for ``concurrency`` requests of at most ``max_prompt_len`` prompt tokens and
+    ``max_tokens`` completion tokens, with kappa + 1 look-ahead slots each."""
+    per_request = -(-(max_prompt_len + max_tokens + kappa + 1) // block_size)
+    return concurrency * (per_request + EXTRA_BLOCKS_PER_REQUEST)
+
+
+class InProcessSystems:
+    """In-process clusters over one loaded model (``engine.loader.load_model``), one per
+    (kappa, concurrency), built on first use; ``max_num_seqs`` = concurrency, so the verifier
+    runs at most that many requests at once and the rest queue, like C concurrent clients."""
+
+    def __init__(self, loaded, max_prompt_len: int, max_tokens: int,
+                 block_size: int = 16) -> None:
+        self.loaded, self.max_prompt_len, self.max_tokens = loaded, max_prompt_len, max_tokens
+        self.block_size = block_size
+        self._clusters: dict[tuple[int, int], object] = {}
+
+    def cluster(self, kappa: int, concurrency: int):
+        """The in-process cluster for ``kappa`` drafts per step and ``concurrency`` requests."""
+        key = (kappa, concurrency)
+        if key not in self._clusters:
+            from cluster.inprocess import InProcessCluster
+
+            cfg = self.loaded.config
+            blocks = kv_blocks_needed(self.max_prompt_len, self.max_tokens, kappa, concurrency,
+                                      self.block_size)
+            self._clusters[key] = InProcessCluster(
+                self.loaded.model, cfg, num_speculative_tokens=kappa,
+                eos_token_ids=cfg.eos_token_ids, num_kv_blocks=blocks,
+                block_size=self.block_size, max_num_seqs=concurrency,
+                max_model_len=min(cfg.max_position_embeddings,
+                                  self.max_prompt_len + self.max_tokens + kappa + 1))
+        return self._clusters[key]
+
+    def run(self, prompt_ids: list[list[int]], kappa: int, concurrency: int,
+            system: str) -> RunResult:
+        """All ``prompt_ids`` through the (kappa, concurrency) cluster, greedy; ``seconds`` is
+        the wall time until the last finished. Spec stats from the completions, per-position
+        accepts and the verifier's step profile from its counters over this pass.
+
+        Raises:
+            RuntimeError: a request did not finish successfully.
+        """
+        from protocol.messages import SamplingParams
+
+        c = self.cluster(kappa, concurrency)
+        before = self._snapshot(c)
+        t0 = time.perf_counter()
+        outs = c.generate(prompt_ids, SamplingParams(max_tokens=self.max_tokens))
+        seconds = time.perf_counter() - t0
+        delta = snapshot_delta(before, self._snapshot(c))
+        bad = [o for o in outs if o.finish_reason is None or not o.finish_reason.is_success]
+        if bad:
+            raise RuntimeError(f"{system}: request {bad[0].request_id} failed: {bad[0].error}")
+        res = RunResult(system, seconds=seconds, token_ids=[o.token_ids for o in outs],
+                        concurrency=concurrency, profile=delta["profile"],
+                        accepted_per_pos=delta["num_accepted_tokens_per_pos"])
+        for o in outs:
+            res.num_tokens += len(o.token_ids)
+            res.spec.add(o.spec)
+        tok = self.loaded.tokenizer
+        res.texts = [tok.decode(t, skip_special_tokens=True) for t in res.token_ids]
+        return res
+
+    @staticmethod
+    def _snapshot(c) -> dict:
+        stats = vars(c.verifier.stats)
+        return verifier_snapshot({**stats, "profile": c.verifier.profile.as_dict()})
