@@ -124,10 +124,13 @@ def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
     levels = {}
     for level, level_runs in runs.items():
         lv = summarize_level(level, level_runs, systems[level])
-        for s in lv["systems"].values():
+        plain_of = {s.name: s.plain for s in systems[level]}
+        for name, s in lv["systems"].items():
             if s.get("profile_raw") and s["kappa"] > 0:
+                plain = lv["systems"].get(plain_of.get(name) or "", {}).get("profile_raw")
                 s["step_cost"] = step_cost_check(s["profile_raw"],
-                                                 forward_cost["ratio"] if forward_cost else None)
+                                                 forward_cost["ratio"] if forward_cost else None,
+                                                 plain)
         levels[str(level)] = lv
     return {"config": config, "forward_cost": forward_cost, "levels": levels}
 
@@ -207,7 +210,8 @@ def profile_markdown(level: dict) -> list[str]:
             continue
         ok = {True: "within", False: "OVER", None: "n/a"}[c["within_bound"]]
         lines.append(f"- {n}: mean verify forward with drafts {_ms(c['with_drafts_mean_ms'])}, "
-                     f"without {_ms(c['without_drafts_mean_ms'])}; bound {c['tolerance']} x "
+                     f"without {_ms(c['without_drafts_mean_ms'])} ({c['without_drafts_from']}); "
+                     f"bound {c['tolerance']} x "
                      f"ratio {_num(c['forward_cost_ratio']) or 'n/a'} x without = "
                      f"{_ms(c['bound_ms'])} ({ok})")
     lines.append("")

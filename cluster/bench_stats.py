@@ -129,17 +129,25 @@ def profile_summary(profile: dict) -> dict:
 
 
 def step_cost_check(profile: dict, forward_cost_ratio: float | None,
-                    tolerance: float = 1.1) -> dict:
-    """Mean verify forward with drafts vs without (ms), and the bound the with-drafts step must
-    stay under: ``tolerance * forward_cost_ratio * mean without drafts``, where the ratio is the
-    measured (kappa+1)-token / 1-token forward cost. ``within_bound`` is None when either mean
-    or the ratio is missing."""
-    phases = profile.get("phases", {})
-    with_d = phases.get("forward_with_drafts", {}).get("mean_ms")
-    without = phases.get("forward_plain", {}).get("mean_ms")
+                    plain_profile: dict | None = None, tolerance: float = 1.1) -> dict:
+    """Mean verify forward with drafts (from ``profile``) vs without (ms), and the bound the
+    with-drafts forward must stay under: ``tolerance * forward_cost_ratio * mean without``,
+    where the ratio is the measured (kappa+1)-token / 1-token forward cost. The without-drafts
+    mean comes from ``plain_profile`` (the kappa = 0 run of the same system and level: same
+    batch, many steps) when it has plain forwards, else from ``profile``'s own plain steps
+    (``without_drafts_from`` says which). ``within_bound`` is None when a mean or the ratio is
+    missing."""
+    def plain_mean(p: dict | None) -> float | None:
+        return (p or {}).get("phases", {}).get("forward_plain", {}).get("mean_ms")
+
+    with_d = profile.get("phases", {}).get("forward_with_drafts", {}).get("mean_ms")
+    without, source = plain_mean(plain_profile), "kappa=0 run"
+    if without is None:
+        without, source = plain_mean(profile), "own plain steps"
     bound = (tolerance * forward_cost_ratio * without
              if without is not None and forward_cost_ratio else None)
     return {"with_drafts_mean_ms": with_d, "without_drafts_mean_ms": without,
+            "without_drafts_from": source if without is not None else None,
             "forward_cost_ratio": forward_cost_ratio, "tolerance": tolerance,
             "bound_ms": bound,
             "within_bound": (with_d <= bound) if with_d is not None and bound is not None

@@ -76,6 +76,12 @@ def test_step_cost_check_and_acceptance_per_position():
     assert c["within_bound"] is True
     assert step_cost_check(prof, 1.0)["within_bound"] is False
     assert step_cost_check(prof, None)["within_bound"] is None
+    assert c["without_drafts_from"] == "own plain steps"
+    k0 = step_cost_check(_profile([5.0], [], 1, 1), 1.2, _profile([], [5.0], 3, 0))
+    assert k0["without_drafts_from"] == "kappa=0 run"
+    assert k0["bound_ms"] == pytest.approx(1.1 * 1.2 * 5.0)
+    none = step_cost_check(_profile([5.0], [], 1, 1), 1.2)
+    assert none["without_drafts_mean_ms"] is None and none["within_bound"] is None
     assert acceptance_per_position([6, 3, 1], 10) == [0.6, 0.3, 0.1]
     assert acceptance_per_position([0, 0], 0) == []
 
@@ -149,6 +155,8 @@ def test_summarize_medians_ratios_identity():
     assert lv["ratios"]["specmesh k=2 / specmesh k=0"] == pytest.approx(1.6)
     assert lv["ratios"]["specmesh k=2 / in-process k=2"] == pytest.approx(0.8)
     assert spec["step_cost"]["bound_ms"] == pytest.approx(1.1 * 1.25 * 4.0)
+    assert spec["step_cost"]["without_drafts_from"] == "kappa=0 run"
+    assert lv["systems"]["in-process k=2"]["step_cost"]["without_drafts_from"] == "own plain steps"
     assert "hf prompt lookup k=2" not in s["levels"]["2"]["systems"]
 
 
