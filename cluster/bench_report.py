@@ -70,6 +70,7 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
         per_pos = add_lists(per_pos, r.accepted_per_pos)
         if r.profile is not None:
             profile = profile_sum(profile or {}, r.profile)
+    per_pos = per_pos[:system.kappa]  # the verifier counts up to its max kappa; K are drafted
     first = runs[0]
     hf = level_runs.get(HF_BASELINE)
     plain = level_runs.get(system.plain) if system.plain else None
@@ -225,6 +226,7 @@ def write_plot(summary: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     levels = list(summary["levels"].values())
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -249,7 +251,8 @@ def write_plot(summary: dict, path: str) -> None:
                          label=f"{n}, C={lv['concurrency']}")
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("accepted / verify steps with drafts")
-    ax2.set_ylim(0, 1)
+    ax2.set_ylim(0, 1.05)
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_title("acceptance per draft position")
     if ax2.lines:
         ax2.legend(fontsize=7)

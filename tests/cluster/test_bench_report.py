@@ -112,7 +112,7 @@ def _run(name, tps, texts, ids=None, spec=(0, 0, 0), per_pos=(), profile=None, c
 def _fake_runs(level: int) -> dict:
     prof = _profile([5.0], [4.0, 4.0], 3, 1)
     runs = {
-        "specmesh k=2": [_run("specmesh k=2", 30, ["a", "b"], spec=(4, 2, 2), per_pos=[2, 0],
+        "specmesh k=2": [_run("specmesh k=2", 30, ["a", "b"], spec=(4, 2, 2), per_pos=[2, 0, 0],
                               profile=prof),
                          _run("specmesh k=2", 34, ["a", "b"], spec=(4, 2, 2), per_pos=[1, 1],
                               profile=prof)],
