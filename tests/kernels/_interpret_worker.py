@@ -8,7 +8,10 @@ Usage: ``python _interpret_worker.py IN OUT``; IN is a ``torch.save``'d dict ``{
 [{"func": "pkg.mod.fn", "args": [...], "kwargs": {...}, "disable": ["pkg.mod.name", ...]}]}``;
 OUT receives a list with ``{"ok": [tensors]}`` or ``{"error": "Type: message"}`` per case.
 ``disable`` replaces module attributes with a function that raises (to prove a launcher did
-not take that path).
+not take that path). Inside ``args``/``kwargs`` (at any depth of lists and dicts), a dict
+``{"__call__": "pkg.mod.fn", "args": [...], "kwargs": {...}}`` is replaced by what that call
+returns in the worker: objects ``torch.load(weights_only=True)`` cannot carry (e.g. a
+``PagedAttentionPlan``) are built on the spot.
 """
 
 from __future__ import annotations
@@ -27,6 +30,19 @@ def _disabled(*args: object, **kwargs: object) -> None:
     raise AssertionError("disabled by the test")
 
 
+def _build(value: object) -> object:
+    """``value`` with every ``{"__call__": ...}`` dict replaced by the result of that call."""
+    if isinstance(value, dict):
+        if "__call__" in value:
+            module, attr = _resolve(value["__call__"])
+            return getattr(module, attr)(*_build(value.get("args", [])),
+                                         **_build(value.get("kwargs", {})))
+        return {k: _build(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_build(v) for v in value)
+    return value
+
+
 def main(in_path: str, out_path: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("TRITON_INTERPRET=1 must be set")
@@ -42,7 +58,7 @@ def main(in_path: str, out_path: str) -> None:
             setattr(module, attr, _disabled)
         try:
             module, attr = _resolve(case["func"])
-            out = getattr(module, attr)(*case["args"], **case.get("kwargs", {}))
+            out = getattr(module, attr)(*_build(case["args"]), **_build(case.get("kwargs", {})))
             results.append({"ok": list(out) if isinstance(out, tuple) else [out]})
         except Exception as e:  # noqa: BLE001 - reported to the test
             results.append({"error": f"{type(e).__name__}: {e}"})

@@ -1,0 +1,384 @@
+"""Paged attention over a ragged batch: every request's queries read its K/V from the paged
+cache through its block table, in one batched op (no per-request loop) (DESIGN.md §11).
+
+Request ``b`` has ``query_lens[b] = q`` query rows (its rows of ``q`` follow request ``b-1``'s)
+and ``kv_lens[b] = n`` cached positions, the last ``q`` of which are its queries' own K/V (the
+caller writes them before attending). Query row ``j`` sees positions ``p < n - q + j + 1``:
+the causal mask aligned bottom-right, as a verify chunk needs (torch SDPA's ``is_causal`` aligns
+top-left when q != n, which is silently wrong here). Position ``p`` of request ``b`` lives at
+``k_cache[block_tables[b, p // block_size], p % block_size]``. Grouped-query attention: query
+head ``h`` reads KV head ``h // (H // Hkv)`` (the Llama / transformers convention).
+
+Batch invariance: the result of one query row depends only on that row, the positions it
+sees, and the cache; not on how many rows its request has in this step, on the other requests
+of the batch, or on how far the batch is padded. So a verify step over ``[last token] +
+drafts`` computes, for each row, bit for bit what a one-token decode step at that position
+computes, and bf16 output with speculation equals output without it. The reference gets this
+from the shapes of its matmuls (a row's dot products and weighted sums are one fixed-size
+reduction each, padding contributes exact zeros) and the test suite checks it on this
+machine's matmul library; the Triton kernel gets it by construction (one program per query
+row and head, a fixed loop over KV tiles).
+
+Entry points, one signature:
+- :func:`paged_attention_ref`: plain torch, the source of truth (any device);
+- :func:`paged_attention_triton`: the Triton kernel (CUDA tensors, or CPU under
+  ``TRITON_INTERPRET=1``, set before triton is imported);
+- :func:`paged_attention`: the launcher (CUDA or interpreter → kernel, else the reference).
+
+Shapes: ``q`` [T, H, D] (T = sum(query_lens)); ``k_cache``/``v_cache`` [num_blocks,
+block_size, Hkv, D]; ``block_tables`` int [B, max_blocks] (entries past a request's last block
+are ignored, pad with any valid id); ``query_lens``, ``kv_lens`` int [B]; ``scale`` the softmax
+scale (usually D ** -0.5). Returns [T, H, D] in q's dtype. Scores and softmax are computed in
+float32 (float64 for a float64 model); probabilities are cast back to the model dtype before
+the value product, as transformers' eager attention does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import JITFunction
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class PagedAttentionPlan:
+    """Index tensors of one ragged batch, built once per forward and shared by every layer.
+
+    ``token_batch``/``token_row`` [T]: the request and the row within it of each query token;
+    ``visible`` bool [B, 1, 1, q_max, n_blocks * block_size]: which cached positions each
+    (padded) query row sees; ``block_tables`` long [B, n_blocks]: the blocks read;
+    ``token_visible`` int32 [T]: how many positions each query token sees (``n - q + j + 1``,
+    what the Triton kernel reads; derived from ``visible`` when None).
+    """
+
+    token_batch: torch.Tensor
+    token_row: torch.Tensor
+    visible: torch.Tensor
+    block_tables: torch.Tensor
+    q_max: int
+    n_blocks: int
+    token_visible: torch.Tensor | None = None
+
+
+def _as_list(x: torch.Tensor | list[int], name: str) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype not in _INT_DTYPES:
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        return [int(v) for v in x.tolist()]
+    return [int(v) for v in x]
+
+
+def plan_paged_attention(
+    query_lens: torch.Tensor | list[int],
+    kv_lens: torch.Tensor | list[int],
+    block_tables: torch.Tensor | list[list[int]],
+    block_size: int,
+    device: str | torch.device = "cpu",
+) -> PagedAttentionPlan:
+    """Build the :class:`PagedAttentionPlan` of a batch (host-side lengths, one sync at most).
+
+    Raises:
+        ValueError: lengths of different sizes, an empty batch, a request with no query rows,
+            more query rows than KV positions, or a block table too short for its KV length.
+    """
+    q_lens, n_lens = _as_list(query_lens, "query_lens"), _as_list(kv_lens, "kv_lens")
+    if isinstance(block_tables, torch.Tensor):
+        if block_tables.dim() != 2 or block_tables.dtype not in _INT_DTYPES:
+            raise ValueError(f"block_tables must be a 2-D int tensor, got "
+                             f"{block_tables.dtype} {tuple(block_tables.shape)}")
+        widths = [block_tables.shape[1]] * block_tables.shape[0]
+        tables = block_tables.to(device=device, dtype=torch.long)
+    else:
+        widths = [len(t) for t in block_tables]
+        tables = None
+    if not q_lens or not len(q_lens) == len(n_lens) == len(widths):
+        raise ValueError(f"need one query length, KV length and block table per request, got "
+                         f"{len(q_lens)}, {len(n_lens)}, {len(widths)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for b, (q, n, w) in enumerate(zip(q_lens, n_lens, widths)):
+        if q < 1 or n < q:
+            raise ValueError(f"request {b}: need 1 <= query_len <= kv_len, got {q}, {n}")
+        if w * block_size < n:
+            raise ValueError(f"request {b}: {w} blocks of {block_size} cannot hold {n} positions")
+    n_blocks = -(-max(n_lens) // block_size)
+    if tables is None:
+        tables = torch.tensor([t[:n_blocks] + [t[0]] * (n_blocks - min(len(t), n_blocks))
+                               for t in block_tables], dtype=torch.long, device=device)
+    tables = tables[:, :n_blocks]
+    q_max = max(q_lens)
+    token_batch = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    token_row = torch.cat([torch.arange(q) for q in q_lens])
+    # row j of request b sees p < n - q + j + 1
+    num_visible = (torch.tensor(n_lens) - torch.tensor(q_lens) + 1)[:, None] + \
+        torch.arange(q_max)[None, :]
+    visible = torch.arange(n_blocks * block_size)[None, None, :] < num_visible[:, :, None]
+    token_visible = num_visible[token_batch, token_row].to(torch.int32)
+    return PagedAttentionPlan(token_batch.to(device), token_row.to(device),
+                              visible[:, None, None].to(device), tables, q_max, n_blocks,
+                              token_visible.to(device))
+
+
+def _check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need q [T, H, D] and k_cache == v_cache [blocks, block_size, Hkv, D]"
+                         f", got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"head_dim {q.shape[2]} vs {k_cache.shape[3]}, or {q.shape[1]} query "
+                         f"heads not a multiple of {k_cache.shape[2]} KV heads")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor | list[list[int]],
+    query_lens: torch.Tensor | list[int],
+    kv_lens: torch.Tensor | list[int],
+    scale: float,
+    plan: PagedAttentionPlan | None = None,
+) -> torch.Tensor:
+    """Attention of every query row over its visible cached positions (see the module doc).
+
+    ``plan`` (from :func:`plan_paged_attention` with the same lengths and tables) saves
+    rebuilding the index tensors in every layer.
+
+    Returns:
+        [T, H, D] in ``q.dtype``.
+
+    Raises:
+        ValueError: see :func:`plan_paged_attention`; shapes or dtypes that do not match, or
+            ``T != sum(query_lens)``.
+    """
+    _check_tensors(q, k_cache, v_cache)
+    num_blocks, block_size, hkv, d = k_cache.shape
+    if plan is None:
+        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device)
+    t, h, _ = q.shape
+    if plan.token_batch.numel() != t:
+        raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
+    b, g = plan.block_tables.shape[0], h // hkv
+    length = plan.n_blocks * block_size
+    # [B, Hkv, L, D] views of each request's blocks (one gather per layer for the whole batch)
+    k = k_cache[plan.block_tables].reshape(b, length, hkv, d).permute(0, 2, 1, 3)
+    v = v_cache[plan.block_tables].reshape(b, length, hkv, d).permute(0, 2, 1, 3)
+    qp = q.new_zeros((b, plan.q_max, h, d))
+    qp[plan.token_batch, plan.token_row] = q
+    # [B, Hkv, G * q_max, D]: query head h = kv_head * G + g
+    qp = qp.view(b, plan.q_max, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * plan.q_max, d)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(qp, k.transpose(-1, -2)).to(acc).view(b, hkv, g, plan.q_max, length)
+    scores = (scores * scale).masked_fill_(~plan.visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, hkv, g * plan.q_max, length)
+    out = torch.matmul(probs, v)  # [B, Hkv, G * q_max, D]
+    out = out.view(b, hkv, g, plan.q_max, d).permute(0, 3, 1, 2, 4).reshape(b, plan.q_max, h, d)
+    return out[plan.token_batch, plan.token_row]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor | list[list[int]],
+    query_lens: torch.Tensor | list[int],
+    kv_lens: torch.Tensor | list[int],
+    scale: float,
+    plan: PagedAttentionPlan | None = None,
+) -> torch.Tensor:
+    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else
+    :func:`paged_attention_ref`. Arguments, result and errors as the reference (plus the
+    kernel's, see :func:`paged_attention_triton`)."""
+    kernel = _triton_entry()
+    if kernel is not None and (q.is_cuda or _interpret_mode()):
+        return kernel(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale, plan)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale,
+                               plan)
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Fixed tile of KV positions: launch parameters depend only on the model (heads, head_dim,
+# dtype), never on the batch, so a row's reduction order is the same in every step.
+_BLOCK_N = 64
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,  # [num_blocks, block_size, Hkv, D]
+    out_ptr,  # [T, H, D], contiguous
+    tables_ptr,  # int64 [B, n_blocks]
+    token_batch_ptr,  # int [T]: request of each query token
+    token_visible_ptr,  # int [T]: positions each query token sees (n - q + j + 1)
+    scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh,
+    stride_tb,
+    block_size,
+    head_dim,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # power of two >= max(GROUP, 16)
+    BLOCK_N: tl.constexpr,  # KV positions per tile, power of two >= 16
+    BLOCK_D: tl.constexpr,  # power of two >= max(head_dim, 16)
+    ACC_DTYPE: tl.constexpr,  # float32, or float64 for a float64 model
+    DOT_FP32: tl.constexpr,  # feed tl.dot float32 (the interpreter's dot misreads bfloat16)
+):
+    """One program per (query token, KV head): the GROUP query heads that read this KV head,
+    over the token's visible positions in tiles of BLOCK_N, with an online softmax."""
+    tok = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    req = tl.load(token_batch_ptr + tok).to(tl.int64)
+    n_vis = tl.load(token_visible_ptr + tok).to(tl.int32)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < head_dim
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), ACC_DTYPE)
+    l_i = tl.zeros([BLOCK_G], ACC_DTYPE)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], ACC_DTYPE)
+    for start in range(0, n_vis, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        p_mask = pos < n_vis
+        blk = tl.load(tables_ptr + req * stride_tb + pos // block_size, mask=p_mask,
+                      other=0).to(tl.int64)
+        off = (pos % block_size).to(tl.int64)
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks
+                    + kvh * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        # scores rounded to the model dtype (as the reference's and eager attention's matmul),
+        # then scaled and softmaxed in ACC_DTYPE
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee",
+                       out_dtype=ACC_DTYPE)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=ACC_DTYPE)
+        s = s.to(q.dtype).to(ACC_DTYPE) * scale
+        s = tl.where(p_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the first tile sees position 0
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
+                    + kvh * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        # probabilities cast to the model dtype before the value product (as the reference)
+        p = p.to(v.dtype)
+        if DOT_FP32:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee",
+                        out_dtype=ACC_DTYPE)
+        else:
+            pv = tl.dot(p, v, input_precision="ieee", out_dtype=ACC_DTYPE)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+def _interpret_mode() -> bool:
+    """Whether ``TRITON_INTERPRET`` is on now (triton reads the environment on each access)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _kernel_is_interpreted() -> bool:
+    """Whether ``@triton.jit`` made an interpreted kernel: ``TRITON_INTERPRET=1`` must be in the
+    environment before triton is imported (triton decides when it decorates a function)."""
+    return not isinstance(_paged_attention_kernel, JITFunction)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor | list[list[int]],
+    query_lens: torch.Tensor | list[int],
+    kv_lens: torch.Tensor | list[int],
+    scale: float,
+    plan: PagedAttentionPlan | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention_ref` computed by the Triton kernel (same arguments and result).
+
+    One program per (query token, KV head) covers that KV head's group of query heads and loops
+    over the token's visible positions in fixed tiles (online softmax, float32 accumulator;
+    float64 for float64): a row's result depends on nothing else in the batch, bit for bit.
+
+    Raises:
+        ValueError: as :func:`paged_attention_ref`; a dtype other than float16/bfloat16/
+            float32/float64; tensors (or the plan's) on different devices; block ids out of
+            range (checked for CPU tensors only); CPU tensors while the kernel is compiled.
+        RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
+            imported (the kernel was already decorated for compilation).
+    """
+    _check_tensors(q, k_cache, v_cache)
+    if q.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"the kernel supports float16/bfloat16/float32/float64, got {q.dtype}")
+    devices = {q.device, k_cache.device, v_cache.device}
+    if len(devices) != 1:
+        raise ValueError(f"q, k_cache, v_cache are on different devices: "
+                         f"{sorted(map(str, devices))}")
+    num_blocks, block_size, hkv, d = k_cache.shape
+    if plan is None:
+        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device)
+    t, h, _ = q.shape
+    if plan.token_batch.numel() != t:
+        raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
+    token_visible = plan.token_visible
+    if token_visible is None:  # a plan built by hand: count each token's visible positions
+        token_visible = plan.visible[plan.token_batch, 0, 0, plan.token_row].sum(-1)
+    plan_tensors = (plan.token_batch, token_visible, plan.block_tables)
+    if any(x.device != q.device for x in plan_tensors):
+        raise ValueError(f"the plan's tensors must be on {q.device}, got "
+                         f"{sorted({str(x.device) for x in plan_tensors})}")
+    if not q.is_cuda:
+        if not _kernel_is_interpreted():
+            if _interpret_mode():
+                raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set "
+                                   "it in the environment before the process imports triton")
+            raise ValueError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+        if plan.block_tables.numel() and not (
+                0 <= int(plan.block_tables.min()) and int(plan.block_tables.max()) < num_blocks):
+            raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    if t == 0 or h == 0:
+        return out
+    tables = plan.block_tables
+    if tables.dtype != torch.int64 or tables.stride(-1) != 1:
+        tables = tables.to(torch.int64).contiguous()
+    group = h // hkv
+    _paged_attention_kernel[(t, hkv)](
+        q, k_cache, v_cache, out, tables, plan.token_batch, token_visible, float(scale),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), out.stride(0), out.stride(1),
+        tables.stride(0), block_size, d,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        ACC_DTYPE=tl.float64 if q.dtype == torch.float64 else tl.float32,
+        # triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits; the
+        # products of bfloat16 values are exact in float32, so only the summation order differs
+        DOT_FP32=q.dtype == torch.bfloat16 and _kernel_is_interpreted(),
+        num_warps=4,
+    )
+    return out
+
+
+def _triton_entry():  # noqa: ANN202
+    """The Triton entry point (looked up at call time, so tests may replace it)."""
+    return paged_attention_triton
+
+
+__all__ = ["PagedAttentionPlan", "paged_attention", "paged_attention_ref",
+           "paged_attention_triton", "plan_paged_attention"]
