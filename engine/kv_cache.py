@@ -92,6 +92,12 @@ class KVCache:
         self.data[layer, 0].index_copy_(0, slots, k)
         self.data[layer, 1].index_copy_(0, slots, v)
 
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of one layer's keys and values as [num_blocks, block_size, H, D]:
+        the layout :func:`kernels.paged_attention.paged_attention` reads through block tables."""
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.data[layer, 0].view(shape), self.data[layer, 1].view(shape)
+
     def gather(
         self, layer: int, block_table: list[int] | torch.Tensor, kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

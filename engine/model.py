@@ -12,6 +12,7 @@ from torch import nn
 from engine.block_manager import slot_mapping as _slot_mapping
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
 
 
 @dataclass
@@ -26,8 +27,9 @@ class AttentionMetadata:
     kv_lens: list[int]
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor
-    _masks: list[torch.Tensor | None] | None = field(default=None, repr=False)
-    _tables: list[torch.Tensor] | None = field(default=None, repr=False)
+    block_size: int = 0
+    _plan: PagedAttentionPlan | None = field(default=None, repr=False)
+    _prepared: bool = field(default=False, repr=False)
 
     @classmethod
     def build(
@@ -55,25 +57,23 @@ class AttentionMetadata:
             kv_lens=[s + q for s, q in zip(start_positions, query_lens)],
             block_tables=[list(t) for t in block_tables],
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_size=block_size,
         )
 
-    def prepare(self, device: torch.device) -> None:
-        """Build (once) the per-request causal masks and block-table tensors used by all layers.
+    @property
+    def whole_prompts(self) -> bool:
+        """Every chunk is a whole prompt (q_len == kv_len): its K/V are all in this chunk."""
+        return all(q == n for q, n in zip(self.query_lens, self.kv_lens))
 
-        Mask i is bool [q_len, kv_len], True where query j may see kv position p:
-        p <= kv_len - q_len + j (bottom-right aligned); None when q_len == 1 (sees everything) or
-        when q_len == kv_len (a whole prompt: SDPA's ``is_causal`` is then the same mask).
-        """
-        if self._masks is not None:
+    def prepare(self, device: torch.device) -> None:
+        """Build (once per forward) the paged-attention plan every layer shares; nothing when
+        every chunk is a whole prompt (those attend within the chunk, causal)."""
+        if self._prepared:
             return
-        self._masks, self._tables = [], []
-        for q_len, kv_len, table in zip(self.query_lens, self.kv_lens, self.block_tables):
-            if q_len == 1 or q_len == kv_len:
-                self._masks.append(None)
-            else:
-                q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-                self._masks.append(torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])
-            self._tables.append(torch.tensor(table, dtype=torch.long, device=device))
+        self._prepared = True
+        if not self.whole_prompts:
+            self._plan = plan_paged_attention(self.query_lens, self.kv_lens, self.block_tables,
+                                              self.block_size, device)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -150,24 +150,21 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         kv_cache.write(layer, meta.slot_mapping, k, v)
 
-        out = torch.empty_like(q)
-        offset = 0
-        for i, (q_len, kv_len) in enumerate(zip(meta.query_lens, meta.kv_lens)):
-            if q_len == kv_len:  # a whole prompt: its K/V are all in this chunk
-                k_all, v_all = k[offset : offset + q_len], v[offset : offset + q_len]
-            else:
-                k_all, v_all = kv_cache.gather(layer, meta._tables[i], kv_len)  # [kv_len, Hkv, D]
-            o = F.scaled_dot_product_attention(
-                q[offset : offset + q_len].transpose(0, 1),  # [H, q_len, D]
-                k_all.transpose(0, 1),
-                v_all.transpose(0, 1),
-                attn_mask=meta._masks[i],
-                is_causal=1 < q_len == kv_len,
-                scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-            out[offset : offset + q_len] = o.transpose(0, 1)
-            offset += q_len
+        if meta._plan is None:  # whole prompts: causal attention within each chunk
+            out = torch.empty_like(q)
+            offset = 0
+            for q_len in meta.query_lens:
+                rows = slice(offset, offset + q_len)
+                out[rows] = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+                    is_causal=q_len > 1, scale=self.scaling,
+                    enable_gqa=self.num_heads != self.num_kv_heads,
+                ).transpose(0, 1)
+                offset += q_len
+        else:  # decode / verify / chunked prefill: one batched op over the paged cache
+            k_blocks, v_blocks = kv_cache.layer_blocks(layer)
+            out = paged_attention(q, k_blocks, v_blocks, meta.block_tables, meta.query_lens,
+                                  meta.kv_lens, self.scaling, plan=meta._plan)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 

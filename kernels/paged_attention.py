@@ -13,11 +13,13 @@ Batch invariance: the result of one query row depends only on that row, the posi
 sees, and the cache; not on how many rows its request has in this step, on the other requests
 of the batch, or on how far the batch is padded. So a verify step over ``[last token] +
 drafts`` computes, for each row, bit for bit what a one-token decode step at that position
-computes, and bf16 output with speculation equals output without it. The reference gets this
-from the shapes of its matmuls (a row's dot products and weighted sums are one fixed-size
-reduction each, padding contributes exact zeros) and the test suite checks it on this
-machine's matmul library; the Triton kernel gets it by construction (one program per query
-row and head, a fixed loop over KV tiles).
+computes, and bf16 (and fp32) output with speculation equals output without it. The reference
+gets this from the shapes of its matmuls: positions are reduced in fixed tiles of
+:func:`tile_len` positions (one fixed-shape product per tile), tiles are added in order
+(``cumsum``), padding adds whole tiles of exact zeros, and every product has at least
+:data:`MIN_MATMUL_ROWS` rows; tests check the property on this machine's BLAS. The Triton
+kernel gets it by construction (one program per query row and KV head, a fixed loop over KV
+tiles).
 
 Entry points, one signature:
 - :func:`paged_attention_ref`: plain torch, the source of truth (any device);
@@ -28,14 +30,14 @@ Entry points, one signature:
 Shapes: ``q`` [T, H, D] (T = sum(query_lens)); ``k_cache``/``v_cache`` [num_blocks,
 block_size, Hkv, D]; ``block_tables`` int [B, max_blocks] (entries past a request's last block
 are ignored, pad with any valid id); ``query_lens``, ``kv_lens`` int [B]; ``scale`` the softmax
-scale (usually D ** -0.5). Returns [T, H, D] in q's dtype. Scores and softmax are computed in
-float32 (float64 for a float64 model); probabilities are cast back to the model dtype before
-the value product, as transformers' eager attention does.
+scale (usually D ** -0.5). Returns [T, H, D] in q's dtype. The reference computes scores,
+softmax and the value product in float32 (float64 for a float64 model) from the exact upcast
+inputs and rounds once at the end.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -45,24 +47,57 @@ from triton.runtime import JITFunction
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
+#: Positions per KV tile of the reference: the reductions over positions run tile by tile with
+#: a fixed tile shape, so padding a request's KV (a longer chunk, a longer batch) only adds
+#: whole tiles of exact zeros. A multiple of the block size near 64 (see :func:`tile_len`).
+TILE_TOKENS = 64
+#: Matmuls with fewer rows than this take another BLAS kernel (measured on this machine type:
+#: fp32 rows of an M <= 3 product differ in the last bit from the same rows in a larger M), so
+#: the reference pads the query rows of every KV head to at least this many.
+MIN_MATMUL_ROWS = 4
+
+
+def tile_len(block_size: int) -> int:
+    """KV tile length (positions) of the reference for ``block_size``: the largest multiple of
+    the block size <= :data:`TILE_TOKENS` (the block size itself when larger)."""
+    return block_size * max(1, TILE_TOKENS // block_size)
+
+
 @dataclass(frozen=True)
 class PagedAttentionPlan:
     """Index tensors of one ragged batch, built once per forward and shared by every layer.
 
-    ``token_batch``/``token_row`` [T]: the request and the row within it of each query token;
-    ``visible`` bool [B, 1, 1, q_max, n_blocks * block_size]: which cached positions each
-    (padded) query row sees; ``block_tables`` long [B, n_blocks]: the blocks read;
-    ``token_visible`` int32 [T]: how many positions each query token sees (``n - q + j + 1``,
-    what the Triton kernel reads; derived from ``visible`` when None).
+    ``token_batch``/``token_row`` long [T]: the request and the row within it of each query
+    token; ``num_visible`` long [B, q_max]: positions row j of request b sees
+    (``n - q + j + 1``); ``token_visible`` int32 [T]: the same per query token (what the Triton
+    kernel reads); ``block_tables`` long [B, n_blocks]: the blocks read, padded to whole KV
+    tiles (``n_blocks * block_size`` is a multiple of :func:`tile_len`).
     """
 
     token_batch: torch.Tensor
     token_row: torch.Tensor
-    visible: torch.Tensor
+    num_visible: torch.Tensor
     block_tables: torch.Tensor
     q_max: int
     n_blocks: int
     token_visible: torch.Tensor | None = None
+    block_size: int = 0
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tile_mask(self, q_pad: int) -> torch.Tensor:
+        """bool [B, 1, n_tiles, 1, q_pad, tile]: which positions each padded query row sees
+        (rows past a request's own see everything: they are dropped)."""
+        mask = self._masks.get(q_pad)
+        if mask is None:
+            tile = tile_len(self.block_size)
+            n_tiles = self.n_blocks * self.block_size // tile
+            nv = self.num_visible
+            if q_pad > self.q_max:
+                nv = torch.cat([nv, nv.new_full((nv.shape[0], q_pad - self.q_max), 1 << 30)], 1)
+            pos = torch.arange(n_tiles * tile, device=nv.device).view(n_tiles, tile)
+            mask = (pos[None, :, None, :] < nv[:, None, :, None])[:, None, :, None]
+            self._masks[q_pad] = mask
+        return mask
 
 
 def _as_list(x: torch.Tensor | list[int], name: str) -> list[int]:
@@ -107,22 +142,24 @@ def plan_paged_attention(
             raise ValueError(f"request {b}: need 1 <= query_len <= kv_len, got {q}, {n}")
         if w * block_size < n:
             raise ValueError(f"request {b}: {w} blocks of {block_size} cannot hold {n} positions")
-    n_blocks = -(-max(n_lens) // block_size)
+    tile = tile_len(block_size)
+    n_blocks = -(-max(n_lens) // tile) * tile // block_size
     if tables is None:
         tables = torch.tensor([t[:n_blocks] + [t[0]] * (n_blocks - min(len(t), n_blocks))
                                for t in block_tables], dtype=torch.long, device=device)
-    tables = tables[:, :n_blocks]
+    elif tables.shape[1] < n_blocks:  # pad to whole tiles (the padding is never visible)
+        tables = torch.cat([tables, tables[:, :1].expand(-1, n_blocks - tables.shape[1])], 1)
+    tables = tables[:, :n_blocks].contiguous()
     q_max = max(q_lens)
     token_batch = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
     token_row = torch.cat([torch.arange(q) for q in q_lens])
     # row j of request b sees p < n - q + j + 1
     num_visible = (torch.tensor(n_lens) - torch.tensor(q_lens) + 1)[:, None] + \
         torch.arange(q_max)[None, :]
-    visible = torch.arange(n_blocks * block_size)[None, None, :] < num_visible[:, :, None]
     token_visible = num_visible[token_batch, token_row].to(torch.int32)
     return PagedAttentionPlan(token_batch.to(device), token_row.to(device),
-                              visible[:, None, None].to(device), tables, q_max, n_blocks,
-                              token_visible.to(device))
+                              num_visible.to(device), tables, q_max, n_blocks,
+                              token_visible.to(device), block_size)
 
 
 def _check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -166,22 +203,40 @@ def paged_attention_ref(
     t, h, _ = q.shape
     if plan.token_batch.numel() != t:
         raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
+    if plan.block_size != block_size:
+        raise ValueError(f"plan built for block size {plan.block_size}, cache has {block_size}")
     b, g = plan.block_tables.shape[0], h // hkv
-    length = plan.n_blocks * block_size
-    # [B, Hkv, L, D] views of each request's blocks (one gather per layer for the whole batch)
-    k = k_cache[plan.block_tables].reshape(b, length, hkv, d).permute(0, 2, 1, 3)
-    v = v_cache[plan.block_tables].reshape(b, length, hkv, d).permute(0, 2, 1, 3)
-    qp = q.new_zeros((b, plan.q_max, h, d))
-    qp[plan.token_batch, plan.token_row] = q
-    # [B, Hkv, G * q_max, D]: query head h = kv_head * G + g
-    qp = qp.view(b, plan.q_max, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * plan.q_max, d)
+    tile = tile_len(block_size)
+    n_tiles = plan.n_blocks * block_size // tile
+    q_pad = max(plan.q_max, -(-MIN_MATMUL_ROWS // g))
+    rows = g * q_pad
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.matmul(qp, k.transpose(-1, -2)).to(acc).view(b, hkv, g, plan.q_max, length)
-    scores = (scores * scale).masked_fill_(~plan.visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, hkv, g * plan.q_max, length)
-    out = torch.matmul(probs, v)  # [B, Hkv, G * q_max, D]
-    out = out.view(b, hkv, g, plan.q_max, d).permute(0, 3, 1, 2, 4).reshape(b, plan.q_max, h, d)
-    return out[plan.token_batch, plan.token_row]
+    # each request's tiles, [B, Hkv, n_tiles, tile, D], in the accumulation dtype (one gather)
+    def tiles(cache: torch.Tensor) -> torch.Tensor:
+        x = cache.index_select(0, plan.block_tables.view(-1))
+        x = x.view(b, n_tiles, tile, hkv, d).permute(0, 3, 1, 2, 4)
+        return x.to(dtype=acc, memory_format=torch.contiguous_format)
+
+    k, v = tiles(k_cache), tiles(v_cache)
+    padded = not (q_pad == plan.q_max and t == b * q_pad)
+    if not padded:  # every request has q_max rows: no padding
+        qp = q.view(b, q_pad, h, d)
+    else:
+        qp = q.new_zeros((b, q_pad, h, d))
+        qp[plan.token_batch, plan.token_row] = q
+    # [B, Hkv, 1, G * q_pad, D]: query head h = kv_head * G + g
+    qp = qp.view(b, q_pad, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, 1, rows, d)
+    scores = torch.matmul(qp.to(acc) * scale, k.transpose(-1, -2))  # [B, Hkv, nt, rows, tile]
+    scores = scores.view(b, hkv, n_tiles, g, q_pad, tile)
+    scores.masked_fill_(~plan.tile_mask(q_pad), float("-inf"))
+    e = scores.sub_(scores.amax(dim=(2, 5), keepdim=True)).exp_()
+    # sums over positions: within a tile (fixed shape), then tile by tile in order (cumsum)
+    den = e.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, G, q_pad]
+    num = torch.matmul(e.view(b, hkv, n_tiles, rows, tile), v).cumsum(2)[:, :, -1]
+    out = num.view(b, hkv, g, q_pad, d) / den[..., None]
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, q_pad, h, d)
+    out = out[plan.token_batch, plan.token_row] if padded else out.reshape(t, h, d)
+    return out.to(q.dtype)
 
 
 def paged_attention(
@@ -339,7 +394,7 @@ def paged_attention_triton(
         raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
     token_visible = plan.token_visible
     if token_visible is None:  # a plan built by hand: count each token's visible positions
-        token_visible = plan.visible[plan.token_batch, 0, 0, plan.token_row].sum(-1)
+        token_visible = plan.num_visible[plan.token_batch, plan.token_row]
     plan_tensors = (plan.token_batch, token_visible, plan.block_tables)
     if any(x.device != q.device for x in plan_tensors):
         raise ValueError(f"the plan's tensors must be on {q.device}, got "

@@ -296,6 +296,9 @@ class ZmqMailbox(Mailbox):
         self._pending.append(env)
 
     def close(self) -> None:
+        """Close every socket and the wake pipe; a second call does nothing."""
+        if self.router.closed:
+            return
         for peer in list(self.dealers):
             self.disconnect(peer)
         self.poller.unregister(self.router)

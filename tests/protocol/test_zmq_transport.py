@@ -122,6 +122,20 @@ def test_unknown_peer_raises():
         server.close()
 
 
+def _rebind(port, incarnation, timeout_s=10.0):
+    """A restarted verifier on the same port: ZMQ releases a closed socket's port in its I/O
+    thread, a little after close(); a real restart retries the same way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ZmqMailbox("verifier-0", "verifier", model=MODEL, port=port,
+                              incarnation=incarnation)
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_hello_is_repeated_after_the_peer_restarts():
     server, client = _pair()
     seen = []
