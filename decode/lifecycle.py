@@ -85,20 +85,28 @@ class RequestLifecycle:
         an unknown, not running or reassigned request is counted and dropped.
 
         Raises:
-            ProtocolError: tree drafts or a draft token outside the vocabulary (the caller
-                quarantines the request's drafter).
+            ProtocolError: a segment no drafter could have sent: tree drafts, a draft token
+                outside the vocabulary, a ``base_committed_len`` past what the verifier has
+                committed, or positions out of range (decoding refuses negative ones; the
+                caller counts the error and quarantines the request's drafter).
         """
         req = self.requests.get(msg.request_id)
         if req is None or req.status is not RequestStatus.RUNNING or req.drafter != peer:
             self.stats.num_dropped_tails += 1
             return
+        rid = req.request_id
         if msg.parents is not None:  # tree verification lands with the sampling issue
-            raise ProtocolError("tree drafts are not verified by this verifier",
-                                request_id=req.request_id)
+            raise ProtocolError("tree drafts are not verified by this verifier", request_id=rid)
         if any(t < 0 or t >= self.vocab_size for t in msg.draft_token_ids):
-            raise ProtocolError("draft token id out of vocabulary", request_id=req.request_id)
+            raise ProtocolError("draft token id out of vocabulary", request_id=rid)
+        if msg.base_committed_len > req.committed_len:
+            raise ProtocolError(f"tail drafted on {msg.base_committed_len} committed tokens, "
+                                f"the verifier committed {req.committed_len}", request_id=rid)
         before = req.tail.stats.num_stale_tokens
-        req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids)
+        try:
+            req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids)
+        except ValueError as err:  # the buffer's own range checks: still the peer's fault
+            raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
         self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before
         req.tail_in_flight = False
 

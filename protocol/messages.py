@@ -18,10 +18,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-PROTOCOL_VERSION = 2  # 2: num_speculative_tokens, block_table, role "verifier"
+# 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges
+PROTOCOL_VERSION = 3
 PLACEHOLDER_TOKEN_ID = -1
+
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Bounds of an int field, as ``Annotated[int, Range(lo, hi)]`` metadata: decoding refuses a
+    value outside ``[lo, hi]`` (``None``: unbounded) with a ProtocolError (protocol/schema.py).
+    Constructing a message locally does not check them."""
+
+    lo: int | None = None
+    hi: int | None = None
+
+
+#: a count, length or output position (never negative)
+NonNegInt = Annotated[int, Range(0)]
+#: a token id (vocabulary bounds are the receiver's to check: the wire layer has no vocabulary)
+TokenId = Annotated[int, Range(0)]
 
 #: tag -> message class; filled by :func:`register`.
 REGISTRY: dict[int, type] = {}
@@ -224,13 +242,13 @@ class TokenStream:
     """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: list[TokenId]
     finished: bool = False
     finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_draft_tokens: int = 0  # drafts verified so far for this request
-    num_accepted_tokens: int = 0  # of which accepted
-    num_verify_steps: int = 0  # verify forwards that included drafts
+    num_prompt_tokens: NonNegInt = 0
+    num_draft_tokens: NonNegInt = 0  # drafts verified so far for this request
+    num_accepted_tokens: NonNegInt = 0  # of which accepted
+    num_verify_steps: NonNegInt = 0  # verify forwards that included drafts
     error: str = ""
     TAG: ClassVar[int]
 
@@ -244,15 +262,22 @@ class TokenStream:
 @register(22)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Abort:
-    """Gateway -> verifier (client gone, stop string hit) or verifier -> prefill."""
+    """Gateway -> verifier (client gone, stop string hit) or verifier -> prefill.
+
+    ``num_output_tokens``: the output tokens the client kept when a stop string ended the
+    output (the token that completed the stop string included); the verifier counts usage and
+    spec stats only up to there (DESIGN.md §4: nothing past the cut is counted). None: the
+    request is dropped where it stands (client gone).
+    """
 
     request_id: str
     reason: str = "abort"
+    num_output_tokens: NonNegInt | None = None
     TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> Abort:
-        return cls(request_id="req-1", reason="client disconnected")
+        return cls(request_id="req-1", reason="stop string", num_output_tokens=7)
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,15 +435,22 @@ class DraftTailStream:
     """Drafter -> verifier: draft tokens at output positions ``start_pos, start_pos + 1, ...``.
 
     A chain, or a tree when ``parents`` is given (index of each token's parent within this
-    segment, -1 = the token before ``start_pos``). ``draft_probs`` (``[n, vocab_size]``) only
-    when the verification rule needs them. ``base_committed_len`` is the committed length the
-    drafter had seen (diagnostic only: staleness is decided by tokens).
+    segment, -1 = the token before ``start_pos``; one per draft token). ``draft_probs``
+    (``[n, vocab_size]``, n = number of drafts) only when the verification rule needs them.
+    ``base_committed_len`` is the committed length the drafter had seen when it drafted
+    (``<= start_pos``): the segment continues the drafter's path at positions
+    ``[base_committed_len, start_pos)``, which the verifier uses to see that a segment was
+    drafted on a prefix it has since rejected (decode/tail_buffer.py).
+
+    Decoding refuses (ProtocolError) negative positions or token ids, ``start_pos <
+    base_committed_len``, parents of the wrong length or pointing outside the segment, and
+    ``draft_probs`` whose rows are not the drafts.
     """
 
     request_id: str
-    base_committed_len: int
-    start_pos: int
-    draft_token_ids: list[int]
+    base_committed_len: NonNegInt
+    start_pos: NonNegInt
+    draft_token_ids: list[TokenId]
     draft_probs: Buffer | None = None
     parents: list[int] | None = None
     TAG: ClassVar[int]
@@ -459,6 +491,7 @@ class DraftNeedSync:
 
 __all__ = [
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
+    "Range", "NonNegInt", "TokenId",
     "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
     "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftClose",

@@ -3,8 +3,11 @@ from its type hints (DESIGN.md §3). A check takes the value read off the wire a
 Python value, or raises :class:`ProtocolError`: decoding never trusts a peer.
 
 Supported field types: int, float, str, bytes, bool, None, :class:`Buffer`, a registered message
-(nested), ``X | None``, unions, ``list[X]`` and ``tuple[X, ...]``. Limits are module attributes,
-read at every call (tests may monkeypatch them).
+(nested), ``X | None``, unions, ``list[X]``, ``tuple[X, ...]`` and ``Annotated[int, Range(lo,
+hi)]`` (a bounded int: a value out of range is a ProtocolError). Checks that span fields (a
+segment's ``parents`` one per draft, ``start_pos >= base_committed_len``, ...) live in
+:data:`CROSS_FIELD_CHECKS`, run on the decoded message. Limits are module attributes, read at
+every call (tests may monkeypatch them).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import msgpack
 
 from protocol.errors import ProtocolError
-from protocol.messages import REGISTRY, Buffer, buffer_nbytes
+from protocol.messages import REGISTRY, Buffer, DraftTailStream, Range, buffer_nbytes
 
 #: Deepest nesting of registered messages inside one message (the top level is depth 0).
 MAX_DEPTH = 8
@@ -69,7 +72,7 @@ def _buildspec_of(cls: type) -> Spec:
     if (not isinstance(cls, type) or not dataclasses.is_dataclass(cls)
             or type(tag) is not int or REGISTRY.get(tag) is not cls):
         raise TypeError(f"{getattr(cls, '__name__', cls)!r} is not a registered message class")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = dataclasses.fields(cls)
     names = tuple(f.name for f in fields)
     checks = tuple((n, _compile(hints[n], f"{cls.__name__}.{n}")) for n in names)
@@ -191,6 +194,31 @@ def _c_message(cls: type) -> _Check:
     return check
 
 
+def _c_range(inner: _Check, bounds: tuple[Range, ...]) -> _Check:
+    def check(v: Any, ctx: Ctx) -> Any:
+        v = inner(v, ctx)
+        for r in bounds:
+            if (r.lo is not None and v < r.lo) or (r.hi is not None and v > r.hi):
+                lo = "-inf" if r.lo is None else r.lo
+                hi = "inf" if r.hi is None else r.hi
+                raise ProtocolError(f"{v} is out of range [{lo}, {hi}]")
+        return v
+
+    return check
+
+
+def _c_list_range(bounds: tuple[Range, ...], what: str) -> _Check:
+    item = _c_range(_c_int, bounds)
+
+    def check(v: Any, ctx: Ctx) -> list[int]:
+        v = _c_list_int(v, ctx)
+        for x in v:
+            item(x, ctx)
+        return v
+
+    return check
+
+
 def _c_optional(inner: _Check) -> _Check:
     def check(v: Any, ctx: Ctx) -> Any:
         return None if v is None else inner(v, ctx)
@@ -246,13 +274,23 @@ def _compile(tp: Any, where: str) -> _Check:
     if _is_message_class(tp):
         return _c_message(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        bounds = tuple(m for m in tp.__metadata__ if isinstance(m, Range))
+        inner = _compile(args[0], where)
+        return _c_range(inner, bounds) if bounds else inner
     if origin is typing.Union or origin is types.UnionType:
         rest = tuple(a for a in args if a is not _NoneType)
         inner = (_compile(rest[0], where) if len(rest) == 1
                  else _c_union(tuple(_compile(a, where) for a in rest), str(tp)))
         return _c_optional(inner) if len(rest) < len(args) else inner
     if origin is list and len(args) == 1:
-        return _c_list_int if args[0] is int else _c_list(_compile(args[0], where), str(tp))
+        if args[0] is int:
+            return _c_list_int
+        item = args[0]
+        if typing.get_origin(item) is typing.Annotated and typing.get_args(item)[0] is int:
+            bounds = tuple(m for m in item.__metadata__ if isinstance(m, Range))
+            return _c_list_range(bounds, str(tp))  # the fast path of list[int], bounded
+        return _c_list(_compile(item, where), str(tp))
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return _c_tuple(_compile(args[0], where), str(tp))
     raise TypeError(f"{where}: field type {tp!r} is not supported by the wire codec")
@@ -294,6 +332,41 @@ def decode_body(spec: Spec, body: Any, ctx: Ctx) -> Any:
         except ProtocolError as e:
             raise ProtocolError(f"{cls.__name__}.{name}: {e}") from None
     try:
-        return cls(**kwargs)
+        msg = cls(**kwargs)
     except Exception as e:  # noqa: BLE001 - __post_init__ validation of the dataclass
         raise ProtocolError(f"{cls.__name__} rejected its fields: {e}") from None
+    cross = CROSS_FIELD_CHECKS.get(cls)
+    if cross is not None:
+        error = cross(msg)
+        if error:
+            raise ProtocolError(f"{cls.__name__}: {error}")
+    return msg
+
+
+# --------------------------------------------------------------------------------------------
+# Checks that span fields (run on the decoded message; "" when it is fine)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_draft_tail(m: DraftTailStream) -> str:
+    n = len(m.draft_token_ids)
+    if m.start_pos < m.base_committed_len:
+        return (f"start_pos {m.start_pos} < base_committed_len {m.base_committed_len} (a "
+                "segment starts at or after the drafter's committed prefix)")
+    if m.parents is not None:
+        if len(m.parents) != n:
+            return f"{len(m.parents)} parents for {n} draft tokens"
+        for i, p in enumerate(m.parents):
+            if not -1 <= p < i:
+                return f"parents[{i}] = {p} is not -1 or an earlier token of the segment"
+    if m.draft_probs is not None:
+        shape = tuple(m.draft_probs.shape)
+        if len(shape) != 2 or shape[0] != n:
+            return f"draft_probs of shape {list(shape)} for {n} draft tokens (want [{n}, vocab])"
+    return ""
+
+
+#: message class -> check of the decoded message returning an error ("" when valid)
+CROSS_FIELD_CHECKS: dict[type, Callable[[Any], str]] = {
+    DraftTailStream: _check_draft_tail,
+}

@@ -107,3 +107,61 @@ def test_garbage_from_drafter_quarantines_only_that_request(model):
     assert got["g0"] == want[0] and got["g1"] == want[1]
     assert c.verifier.stats.num_protocol_errors == 1
     assert c.verifier.stats.num_ignored_messages == 1
+
+
+def _tail_frames(**fields):
+    """Frames of a DraftTailStream whose header carries ``fields`` as given (out-of-range
+    values included: a local constructor would not stop a peer from sending them)."""
+    import msgpack
+
+    from protocol.codec import encode
+
+    frames = encode(DraftTailStream(request_id="x", base_committed_len=1, start_pos=1,
+                                    draft_token_ids=[1]))
+    tag, body = msgpack.unpackb(frames[0], raw=False)
+    body.update(fields)
+    return [msgpack.packb([tag, body])]
+
+
+@pytest.mark.parametrize("bad", [
+    {"start_pos": -1},
+    {"base_committed_len": -3},
+    {"start_pos": 1, "base_committed_len": 2},  # starts before the drafter's own prefix
+    {"draft_token_ids": [1, -5]},
+    {"draft_token_ids": [1, 10_000]},  # outside the vocabulary (checked by the verifier)
+    {"base_committed_len": 500, "start_pos": 500},  # more than the verifier ever committed
+    {"draft_token_ids": [1, 2], "parents": [-1]},  # parents of the wrong length
+    {"draft_token_ids": [1, 2], "parents": [-1, 1]},  # a token its own parent
+], ids=["neg-start", "neg-base", "start-before-base", "neg-token", "oov-token", "future-base",
+        "parents-len", "parents-self"])
+def test_out_of_range_tail_is_a_protocol_error_and_the_request_continues_plain(model, bad):
+    m, cfg = model
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=32, block_size=4)
+    sp = SamplingParams(max_tokens=10)
+    ref = InProcessCluster(m, cfg, num_speculative_tokens=0, num_kv_blocks=32, block_size=4)
+    prompts = [[5, 6, 7], [9, 9, 9, 9]]
+    want = [r.token_ids for r in ref.generate(prompts, sp)]
+    for i, p in enumerate(prompts):
+        c.client.send("verifier-0", GenerateRequest(request_id=f"g{i}", prompt_token_ids=p,
+                                                  sampling=sp))
+    for _ in range(3):
+        c.prefill.step()
+        c.verifier.step()
+    assert c.verifier.requests["g0"].drafter == "drafter-0"
+    c.drafter.mailbox.send_frames("verifier-0", _tail_frames(request_id="g0", **bad))
+    n_steps = c.verifier.stats.num_steps
+    c.verifier.step()  # must not raise: the step runs, the bad tail is counted
+    assert c.verifier.stats.num_steps == n_steps + 1
+    assert c.verifier.stats.num_protocol_errors == 1
+    g0 = c.verifier.requests["g0"]
+    assert g0.drafter is None and not g0.spec_enabled  # quarantined: plain decode from now on
+    got = {}
+    for _ in range(40):
+        c.drafter.step()
+        c.prefill.step()
+        c.verifier.step()
+        for env in c.client.drain():
+            if isinstance(env.msg, TokenStream):
+                got.setdefault(env.msg.request_id, []).extend(env.msg.token_ids)
+    assert got["g0"] == want[0] and got["g1"] == want[1]
+    assert c.verifier.stats.num_finished == 2 and c.verifier.stats.num_protocol_errors == 1

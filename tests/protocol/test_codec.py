@@ -21,6 +21,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import (
     DTYPE_ITEMSIZE,
     REGISTRY,
+    Abort,
     Buffer,
     DraftTailStream,
     GenerateRequest,
@@ -113,8 +114,9 @@ def test_encoded_size() -> None:
     assert encoded_size([zmq.Frame(b"abc"), memoryview(b"de")]) == 5
 
 
-_token = st.integers(min_value=-1, max_value=2**31 - 1)
+_token = st.integers(min_value=0, max_value=2**31 - 1)
 _small_int = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+_count = st.integers(min_value=0, max_value=2**63 - 1)
 _text = st.text(max_size=20)
 
 
@@ -129,17 +131,31 @@ def _buffers(draw: st.DrawFn) -> Buffer:
     return Buffer(dtype, shape, draw(st.sampled_from([data, memoryview(data)])))
 
 
+@st.composite
+def _tails(draw: st.DrawFn) -> DraftTailStream:
+    """Valid segments: positions >= 0, start_pos >= base, parents one per draft (earlier
+    tokens or -1), draft_probs [n, vocab]."""
+    drafts = draw(st.lists(_token, max_size=16))
+    n = len(drafts)
+    base = draw(st.integers(0, 2**62))
+    parents = draw(st.none() | st.just([draw(st.integers(-1, i - 1)) for i in range(n)]))
+    probs = draw(st.none() | st.integers(0, 3).map(
+        lambda v: Buffer("float32", (n, v), bytes(4 * n * v))))
+    return DraftTailStream(request_id=draw(_text), base_committed_len=base,
+                           start_pos=base + draw(st.integers(0, 2**62)),
+                           draft_token_ids=drafts, draft_probs=probs, parents=parents)
+
+
 _messages = st.one_of(
-    st.builds(DraftTailStream, request_id=_text, base_committed_len=_small_int,
-              start_pos=_small_int, draft_token_ids=st.lists(_token, max_size=16),
-              draft_probs=st.none() | _buffers(), parents=st.none() | st.lists(_token)),
+    _tails(),
     st.builds(VerifyCommit, request_id=_text, pre_commit_len=_small_int,
               committed_token_ids=st.lists(_token, max_size=16),
               seed_state=st.none() | _buffers()),
     st.builds(TokenStream, request_id=_text, token_ids=st.lists(_token), finished=st.booleans(),
               finish_reason=st.none() | st.sampled_from(["stop", "length", "abort", "error"]),
-              num_prompt_tokens=_small_int, num_draft_tokens=_small_int,
-              num_accepted_tokens=_small_int, num_verify_steps=_small_int, error=_text),
+              num_prompt_tokens=_count, num_draft_tokens=_count,
+              num_accepted_tokens=_count, num_verify_steps=_count, error=_text),
+    st.builds(Abort, request_id=_text, reason=_text, num_output_tokens=st.none() | _count),
 )
 
 
@@ -227,6 +243,34 @@ def test_wrong_field_type_is_rejected(cls: type, field_name: str, value: object)
     err = _rejects(_frames_with([tag, body], frames))
     if "request_id" in body and type(body["request_id"]) is str:
         assert err.request_id == body["request_id"]
+
+
+@pytest.mark.parametrize("cls,fields,what", [
+    (DraftTailStream, {"start_pos": -1}, "start_pos"),
+    (DraftTailStream, {"base_committed_len": -1, "start_pos": 0}, "base_committed_len"),
+    (DraftTailStream, {"base_committed_len": 5, "start_pos": 4}, "start_pos 4 < base"),
+    (DraftTailStream, {"draft_token_ids": [8, -2, 10]}, "draft_token_ids"),
+    (DraftTailStream, {"parents": [-1, 0]}, "2 parents for 3"),
+    (DraftTailStream, {"parents": [-1, 0, 2]}, "parents[2]"),
+    (DraftTailStream, {"parents": [-2, 0, 1]}, "parents[0]"),
+    (TokenStream, {"token_ids": [1, -1]}, "token_ids"),
+    (TokenStream, {"num_accepted_tokens": -3}, "num_accepted_tokens"),
+    (Abort, {"num_output_tokens": -1}, "num_output_tokens"),
+], ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_out_of_range_values_are_protocol_errors(cls: type, fields: dict, what: str) -> None:
+    frames = encode(cls.example())
+    tag, body = _header(frames)
+    err = _rejects(_frames_with([tag, {**body, **fields}], frames))
+    assert what in str(err)
+    assert err.request_id == body["request_id"]  # names the request: only it is quarantined
+
+
+def test_draft_probs_must_have_one_row_per_draft() -> None:
+    msg = DraftTailStream(request_id="r", base_committed_len=1, start_pos=1,
+                          draft_token_ids=[3, 4], draft_probs=Buffer("float32", (3, 2),
+                                                                     bytes(24)))
+    err = _rejects(encode(msg))
+    assert "draft_probs" in str(err) and err.request_id == "r"
 
 
 def test_bool_is_not_int_and_int_is_not_bool() -> None:
