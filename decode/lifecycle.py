@@ -104,7 +104,8 @@ class RequestLifecycle:
                                 f"the verifier committed {req.committed_len}", request_id=rid)
         before = req.tail.stats.num_stale_tokens
         try:
-            req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids)
+            req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids,
+                         base_committed_len=msg.base_committed_len)
         except ValueError as err:  # the buffer's own range checks: still the peer's fault
             raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
         self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before

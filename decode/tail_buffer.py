@@ -3,6 +3,15 @@
 Tokens decide staleness: a tail token is usable only if every tail token before it, and every
 tail token at an already committed output position, equals what the verifier committed there.
 The buffer always starts right after the committed prefix (output position ``committed_len``).
+
+A segment also continues the drafter's path at positions ``[base_committed_len, start_pos)``
+(tokens it sent in earlier segments, not repeated in this one): it is usable only if the
+verifier knows that path and it agrees with every commit. The buffer keeps the stretch of the
+drafter's path it has seen and found consistent, ``[origin, path_end)``: a commit that
+disagrees with the path ends it at the disagreement, a segment drafted fresh from the drafter's
+committed prefix (``start_pos == base_committed_len``) starts a new one. A segment whose path
+reaches outside that stretch was drafted on a prefix the verifier rejected (stale) or never saw
+(a gap), and is dropped whole, even when its ``start_pos`` equals the committed length.
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ class TailBuffer:
         self.start = committed_len
         self.tokens: list[int] = []
         self.stats = TailStats()
+        self.origin = committed_len  # the drafter's path is known and consistent on
+        self.path_end = committed_len  # [origin, path_end)
+        self._rejected = False  # path_end is where a commit disagreed with the path
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -38,34 +50,57 @@ class TailBuffer:
         return self.start + len(self.tokens)
 
     def reset(self, committed_len: int) -> None:
-        """Forget every buffered token (e.g. after a DraftSync re-open)."""
+        """Forget every buffered token and the drafter's path (e.g. after a DraftSync
+        re-open): only a segment drafted fresh from a committed prefix is usable next."""
         self.start = committed_len
         self.tokens.clear()
+        self.origin = self.path_end = committed_len
+        self._rejected = False
 
-    def add(self, start_pos: int, draft_token_ids: list[int], committed: list[int]) -> int:
-        """Merge a DraftTailStream segment; ``committed`` is the full committed output.
+    def add(self, start_pos: int, draft_token_ids: list[int], committed: list[int], *,
+            base_committed_len: int) -> int:
+        """Merge a DraftTailStream segment; ``committed`` is the full committed output and
+        ``base_committed_len`` the drafter's committed length when it drafted the segment.
 
-        Returns the number of new tokens appended. A segment that disagrees with a committed
-        token is stale from that token on; one that starts past the buffered end is a gap and
-        is dropped whole; a part that overlaps the buffer and disagrees replaces the buffer
-        from the first difference (the drafter changed its path).
+        Returns the number of new tokens appended. A segment whose path before ``start_pos``
+        the verifier rejected (or never saw) is stale (or a gap) and dropped whole; one that
+        disagrees with a committed token is stale from that token on; one that starts past the
+        buffered end is a gap and is dropped whole; a part that overlaps the buffer and
+        disagrees replaces the buffer from the first difference (the drafter changed its path).
+
+        Raises:
+            ValueError: a negative position, or ``start_pos < base_committed_len`` (decoding
+                refuses both: only a local caller can pass them).
         """
-        if start_pos < 0:
-            raise ValueError(f"negative start_pos {start_pos}")
+        if start_pos < 0 or base_committed_len < 0 or start_pos < base_committed_len:
+            raise ValueError(f"bad segment positions: start_pos {start_pos}, "
+                             f"base_committed_len {base_committed_len}")
         self.stats.num_received_tokens += len(draft_token_ids)
         committed_len = len(committed)
         if self.start != committed_len:  # commits always go through on_commit first
             self.reset(committed_len)
+        if start_pos == base_committed_len:  # drafted fresh from a committed prefix: a new path
+            self.origin = self.path_end = start_pos
+            self._rejected = False
+        elif base_committed_len < self.origin or start_pos > self.path_end:
+            # continues a path the verifier rejected, replaced or never saw
+            if base_committed_len < self.origin or self._rejected:
+                self.stats.num_stale_tokens += len(draft_token_ids)
+            else:
+                self.stats.num_gap_segments += 1
+            return 0
         toks = draft_token_ids
         pos = start_pos
         # Part of the segment that lies inside the committed prefix must equal it.
         while toks and pos < committed_len:
             if toks[0] != committed[pos]:
                 self.stats.num_stale_tokens += len(toks)
+                self._cut_path(pos)
                 return 0
             self.stats.num_duplicate_tokens += 1
             toks = toks[1:]
             pos += 1
+        self.path_end = max(self.path_end, pos)
         if not toks:
             return 0
         if pos > self.end:
@@ -82,16 +117,26 @@ class TailBuffer:
             toks = toks[1:]
             i += 1
         self.tokens.extend(toks)
+        self.path_end = max(self.end, committed_len)
         return len(toks)
 
+    def _cut_path(self, pos: int) -> None:
+        """The drafter's path disagrees with the commit at ``pos``: nothing drafted after it
+        is usable."""
+        self.path_end = min(self.path_end, pos)
+        self._rejected = True
+
     def on_commit(self, committed: list[int]) -> None:
-        """Advance past newly committed tokens; on the first disagreement drop the whole tail."""
+        """Advance past newly committed tokens; on the first disagreement drop the whole tail
+        (and remember that the drafter's path is wrong from there on)."""
         new_len = len(committed)
         n = min(new_len - self.start, len(self.tokens))
         for i in range(n):
             if self.tokens[i] != committed[self.start + i]:
                 self.stats.num_stale_tokens += len(self.tokens) - i
-                self.reset(new_len)
+                self._cut_path(self.start + i)
+                self.start = new_len
+                self.tokens.clear()
                 return
         del self.tokens[: max(new_len - self.start, 0)]
         self.start = new_len
