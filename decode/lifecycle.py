@@ -161,12 +161,13 @@ class RequestLifecycle:
         self._after_commit(req, [first_token_id], notify_drafter=False)
 
     def apply(self, req: Request, out: VerifyOutput) -> None:
-        """Commit one verify step's output for ``req`` (cut at EOS / stop / max_tokens)."""
-        if out.num_draft_tokens:
-            req.spec.observe(out.num_draft_tokens, out.accept_len)
-            self.scheduler.observe_accept(req, out.accept_len)
-            self.stats.observe_verify(out.num_draft_tokens, out.accept_len)
+        """Commit one verify step's output for ``req`` (cut at EOS / stop / max_tokens); its
+        spec stats count only the drafts up to the cut."""
+        start = req.committed_len
         committed = req.commit(out.token_ids, self.eos_token_ids)
+        if out.num_draft_tokens:
+            self.scheduler.observe_accept(req, out.accept_len)
+            req.observe_spec(start, len(committed), out.num_draft_tokens, out.accept_len)
         self._after_commit(req, committed)
 
     def _after_commit(self, req: Request, committed: list[int],
@@ -197,15 +198,25 @@ class RequestLifecycle:
 
     # -- ending ----------------------------------------------------------------------------
 
-    def finish(self, req: Request, reason: FinishReason, error: str = "") -> None:
+    def finish(self, req: Request, reason: FinishReason, error: str = "",
+               num_output_tokens: int | None = None) -> None:
         """End ``req`` now (abort, error, or after its last commit) and tell every peer. A
         request still prefilling keeps its blocks until the prefill side acknowledges the
-        cancel (CANCELLING); any other is released at once."""
+        cancel (CANCELLING); any other is released at once.
+
+        ``num_output_tokens``: where the output really ended (a stop string the gateway found,
+        sent with its Abort); spec stats are cut there. The request's spec stats go into the
+        verifier's counters (``spec_decode_*``, per-position acceptance) now, once the end of
+        its output is known, so they never count a draft past it."""
         if req.status is RequestStatus.FINISHED:
             return
         prev = req.status
         req.finish_reason = req.finish_reason or FinishReason(reason)
         req.error = error
+        if num_output_tokens is not None:
+            req.cut_output(num_output_tokens)
+        for _, _, num_draft_tokens, accept_len in req.spec_steps:
+            self.stats.observe_verify(num_draft_tokens, accept_len)
         self.scheduler.dequeue(req)
         if req.drafter is not None:
             close = DRAFT_CLOSE_FINISHED if FinishReason(reason).is_success else DRAFT_CLOSE_ABORT

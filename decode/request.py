@@ -29,8 +29,12 @@ class Request:
     """One request on the verifier. Output positions count from the first output token.
 
     ``num_speculative_tokens`` is this request's kappa; ``spec`` counts the drafts verified for
-    it. ``block_table`` holds its KV blocks in position order; ``num_reserved_blocks`` the blocks
-    promised at admission (allocated lazily out of that promise).
+    it, only up to the end of the output; ``spec_steps`` keeps, per verify step that carried
+    drafts, ``(first output position it committed, tokens committed, drafts, accepted)`` so the
+    stats can be cut where a stop string found later by the gateway ended the output
+    (:meth:`cut_output`). ``block_table`` holds its KV blocks in position order;
+    ``num_reserved_blocks`` the blocks promised at admission (allocated lazily out of that
+    promise).
     """
 
     request_id: str
@@ -52,6 +56,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str = ""
     spec: SpecStats = field(default_factory=SpecStats)
+    spec_steps: list[tuple[int, int, int, int]] = field(default_factory=list)
     accept_len_ema: float = INITIAL_ACCEPT_LEN_EMA
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -91,3 +96,36 @@ class Request:
         if self.committed_len >= self.sampling.max_tokens:
             self.finish_reason = FinishReason.LENGTH
         return out
+
+    def observe_spec(self, start: int, num_committed: int, num_draft_tokens: int,
+                     accept_len: int) -> tuple[int, int]:
+        """Record a verify step that carried ``num_draft_tokens`` drafts, accepted
+        ``accept_len`` and committed ``num_committed`` tokens from output position ``start``.
+        When the output ended in this step (``finish_reason`` set by :meth:`commit`) drafts
+        past the cut are not counted. Returns the ``(drafts, accepted)`` counted."""
+        if self.finish_reason is not None:
+            num_draft_tokens, accept_len = SpecStats.cut_step(num_draft_tokens, accept_len,
+                                                              num_committed)
+        if num_draft_tokens > 0:
+            self.spec.observe(num_draft_tokens, accept_len)
+            self.spec_steps.append((start, num_committed, num_draft_tokens, accept_len))
+        return num_draft_tokens, accept_len
+
+    def cut_output(self, num_output_tokens: int) -> None:
+        """The output ended after its first ``num_output_tokens`` tokens (a stop string the
+        gateway found): spec stats count only drafts up to there. No-op when nothing past
+        that was committed."""
+        if num_output_tokens >= self.committed_len:
+            return
+        steps: list[tuple[int, int, int, int]] = []
+        spec = SpecStats()
+        for start, n, d, a in self.spec_steps:
+            if start >= num_output_tokens:
+                break
+            if start + n > num_output_tokens:
+                n = num_output_tokens - start
+                d, a = SpecStats.cut_step(d, a, n)
+            if d > 0:
+                steps.append((start, n, d, a))
+                spec.observe(d, a)
+        self.spec_steps, self.spec = steps, spec

@@ -109,7 +109,8 @@ class VerifierWorker(MailboxWorker):
 
         - GenerateRequest (gateway): validated, then queued (WAITING); refused with a finished
           TokenStream (``invalid`` / ``queue_full``) when it cannot run or the queue is full.
-        - Abort (gateway): the request ends with ``abort`` (its transfer is cancelled).
+        - Abort (gateway): the request ends with ``abort`` (its transfer is cancelled); with
+          ``num_output_tokens`` (a stop string ended the output) its spec stats are cut there.
         - KVFrame / PrefillDone (prefill): written into the request's blocks; a complete
           transfer makes the request RUNNING with its first token committed.
         - PrefillCancelAck (prefill): a CANCELLING request's blocks are freed.
@@ -133,7 +134,8 @@ class VerifierWorker(MailboxWorker):
                 self._on_generate(peer, msg)
             elif isinstance(msg, Abort):
                 if (req := self.requests.get(msg.request_id)) is not None:
-                    self.lifecycle.finish(req, FinishReason.ABORT, msg.reason)
+                    self.lifecycle.finish(req, FinishReason.ABORT, msg.reason,
+                                          num_output_tokens=msg.num_output_tokens)
             elif isinstance(msg, PrefillCancelAck):
                 t = self.kv.on_cancel_ack(msg.transfer_id)
                 req = self.lifecycle.get(t.request_id if t else None)

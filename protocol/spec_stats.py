@@ -28,6 +28,14 @@ class SpecStats:
         self.num_accepted_tokens += accept_len
         self.num_verify_steps += 1
 
+    @staticmethod
+    def cut_step(num_draft_tokens: int, accept_len: int, num_kept: int) -> tuple[int, int]:
+        """``(drafts, accepted)`` of a verify step whose output ends after ``num_kept`` of the
+        tokens it committed (EOS, stop token, max_tokens or a stop string inside it): a draft
+        past the end of the output is neither drafted nor accepted (DESIGN.md §4 step 4)."""
+        kept = max(num_kept, 0)
+        return min(num_draft_tokens, kept), min(accept_len, kept)
+
     def add(self, other: SpecStats) -> None:
         """Add ``other``'s counters to these."""
         self.num_draft_tokens += other.num_draft_tokens
