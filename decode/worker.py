@@ -229,21 +229,23 @@ class VerifierWorker(MailboxWorker):
             return 0
         with prof.phase("plan"):
             plan = self.scheduler.plan(running)
+            # before the commit: a request that finishes in this step was still eligible
+            eligible = sum(self.scheduler.num_drafts(p.request) > 0 for p in plan)
         outputs = self.verify_step.run(plan)
         with prof.phase("commit"):
             for p, out in zip(plan, outputs):
                 self.lifecycle.apply(p.request, out)
-        self._count_step(plan)
+        self._count_step(plan, eligible)
         self.scheduler.observe_step_time(time.monotonic() - t0)
         self.stats.num_steps += 1
         return len(plan)
 
-    def _count_step(self, plan: list) -> None:
-        """Counters of the draft supply: requests that could have used drafts this step and
-        those whose tail had usable ones (their ratio is the share of steps with a tail)."""
+    def _count_step(self, plan: list, eligible: int) -> None:
+        """Counters of the draft supply: requests that could have used drafts this step
+        (``eligible``, counted when the step was planned) and those whose tail had usable ones
+        (their ratio is the share of steps with a tail)."""
         prof = self.profile
         prof.count("num_steps")
-        eligible = sum(self.scheduler.num_drafts(p.request) > 0 for p in plan)
         with_drafts = sum(bool(p.draft_token_ids) for p in plan)
         prof.count("num_request_steps", len(plan))
         prof.count("num_request_steps_spec_eligible", eligible)

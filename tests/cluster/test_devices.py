@@ -32,3 +32,30 @@ def test_model_role_gpus():
     assert model_role_gpus(cfg, 1, 2) == 0.5
     assert model_role_gpus(cfg, 4, 2) == 1.0
     assert model_role_gpus(ClusterConfig.create(device="cpu"), 4, 2) == 0
+
+
+def test_auto_dtype_follows_native_bf16_support(tmp_path):
+    from engine.devices import cpu_flags, default_dtype, resolve_dtype
+
+    assert default_dtype("cpu", flags={"avx2", "avx512_bf16"}) == "bfloat16"
+    assert default_dtype("cpu", flags={"avx2", "amx_bf16"}) == "bfloat16"
+    assert default_dtype("cpu", flags={"avx2", "avx512f"}) == "float32"
+    assert resolve_dtype("float64", "cpu") == "float64"
+    assert resolve_dtype("auto", "cpu") in ("bfloat16", "float32")
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n")
+    assert cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_flags(str(tmp_path / "missing")) == set()
+
+
+def test_cli_dtype_auto_is_resolved_in_the_cluster_config():
+    import argparse
+
+    from cluster.options import add_cluster_options, cluster_config
+    from engine.devices import default_dtype
+
+    p = argparse.ArgumentParser()
+    add_cluster_options(p)
+    cfg = cluster_config(p.parse_args(["--device", "cpu"]))
+    assert cfg.dtype == default_dtype("cpu")
+    assert cluster_config(p.parse_args(["--dtype", "float32"])).dtype == "float32"
