@@ -38,8 +38,10 @@ class GenerationBackend(Protocol):
     def generate(self, req: GenerateRequest) -> AsyncIterator[TokenStream]:
         """Stream the request's TokenStream deltas; the last one has ``finished=True``."""
 
-    def abort(self, request_id: str, reason: str) -> None:
-        """Tell the verifier to drop the request; the stream ends with ``"abort"``."""
+    def abort(self, request_id: str, reason: str, num_output_tokens: int | None = None) -> None:
+        """Tell the verifier to drop the request; the stream ends with ``"abort"``.
+        ``num_output_tokens``: where a stop string ended the output (the verifier cuts its
+        spec stats there)."""
 
 
 def finished_stream(request_id: str, reason: str, error: str = "") -> TokenStream:
@@ -211,8 +213,11 @@ class MailboxBackend:
             if not finished:
                 self.abort(rid, ABANDONED_REASON)
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str, reason: str = "abort",
+              num_output_tokens: int | None = None) -> None:
         """Send Abort to the request's verifier and end its stream with ``"abort"``.
+        ``num_output_tokens`` tells the verifier where a stop string ended the output, so it
+        counts spec stats only up to there.
 
         Idempotent; unknown or finished requests are ignored. Thread-safe.
         """
@@ -223,7 +228,8 @@ class MailboxBackend:
             verifier = pending.verifier
         if verifier:
             try:
-                self._send(verifier, Abort(request_id=request_id, reason=reason))
+                self._send(verifier, Abort(request_id=request_id, reason=reason,
+                                           num_output_tokens=num_output_tokens))
                 self.num_aborts_sent += 1
             except Exception as err:  # noqa: BLE001 - the verifier may be gone already
                 log.warning("abort of %s not delivered to %s: %s", request_id, verifier, err)

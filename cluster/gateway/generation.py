@@ -127,8 +127,36 @@ class RequestRun:
             return tail, Finish(FinishReason.STOP)
         return tail + self.matcher.flush(), Finish(reason)
 
+    def _feed(self, token_ids: list[int]) -> tuple[str, int, bool]:
+        """Detokenize a delta one token at a time, as if each had arrived alone, so a stop
+        string ends the output at the token that completes it whatever the delta's size
+        (kappa). Returns ``(text to emit, tokens kept, stopped)``."""
+        parts: list[str] = []
+        for i, tok in enumerate(token_ids):
+            text, stopped = self.matcher.feed(self.detok.add([tok]))
+            parts.append(text)
+            if stopped:
+                return "".join(parts), i + 1, True
+        return "".join(parts), len(token_ids), False
+
+    def _cut_stats(self, before: SpecStats, num_kept: int) -> None:
+        """A stop string ended the output after ``num_kept`` tokens of the last delta: that
+        verify step's drafts past the cut are neither drafted nor accepted."""
+        s = self.stats
+        drafts, accepted = SpecStats.cut_step(s.num_draft_tokens - before.num_draft_tokens,
+                                              s.num_accepted_tokens - before.num_accepted_tokens,
+                                              num_kept)
+        steps = s.num_verify_steps - before.num_verify_steps if drafts else 0
+        self.stats = SpecStats(before.num_draft_tokens + drafts,
+                               before.num_accepted_tokens + accepted,
+                               before.num_verify_steps + steps)
+
     async def events(self) -> AsyncIterator[TextDelta | Finish]:
-        """Yield text deltas, then exactly one :class:`Finish` (unless cancelled)."""
+        """Yield text deltas, then exactly one :class:`Finish` (unless cancelled).
+
+        A stop string ends the output at the token that completes it: usage
+        (``num_output_tokens``), spec stats and metrics count up to there, and the verifier
+        is told where with the Abort (``num_output_tokens``)."""
         watcher = None
         if self.http_request is not None:
             watcher = asyncio.create_task(self._watch_disconnect())
@@ -136,20 +164,25 @@ class RequestRun:
             async with contextlib.aclosing(self.backend.generate(self.req)) as stream:
                 try:
                     async for msg in stream:
+                        before = SpecStats(self.stats.num_draft_tokens,
+                                           self.stats.num_accepted_tokens,
+                                           self.stats.num_verify_steps)
                         update_spec_stats(self.stats, msg)
                         if msg.token_ids:
-                            self.num_output_tokens += len(msg.token_ids)
-                            self._observe_tokens(len(msg.token_ids))
                             t0 = time.perf_counter()
-                            text, stopped = self.matcher.feed(self.detok.add(msg.token_ids))
+                            text, kept, stopped = self._feed(msg.token_ids)
                             if self.metrics is not None:
                                 self.metrics.profile.observe("detokenize",
                                                              time.perf_counter() - t0)
+                            self.num_output_tokens += kept
+                            self._observe_tokens(kept)
                             if text:
                                 yield TextDelta(text)
                             if stopped:
-                                self.backend.abort(self.request_id, "stop string")
+                                self._cut_stats(before, kept)
                                 self.finish = Finish(FinishReason.STOP)
+                                self.backend.abort(self.request_id, "stop string",
+                                                   num_output_tokens=self.num_output_tokens)
                                 break
                         if msg.finished:
                             text, self.finish = self._finish_with(msg)

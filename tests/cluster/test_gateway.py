@@ -252,14 +252,16 @@ def test_chat_eos_finish_and_stream(cluster):
 
 
 def _spanning_stop(tok, script) -> tuple[str, int]:
-    """A stop string spanning two deltas, and how many tokens stream up to its end."""
+    """A stop string spanning two deltas, and how many tokens the output keeps: up to the
+    token that completes it (not the rest of its delta), as if tokens came one at a time."""
     ds = deltas_of(script)
     for i in range(3, len(ds) - 10):
         left = tok.decode(sum(ds[:i + 1], []))
         right = tok.decode(sum(ds[:i + 2], []))[len(left):]
         stop = left[-2:] + right[:2]
         if stop.isascii() and stop.strip() == stop and SCRIPT.find(stop) == len(left) - 2:
-            return stop, len(sum(ds[:i + 2], []))
+            n = next(k for k in range(1, len(script) + 1) if stop in tok.decode(script[:k]))
+            return stop, n
     raise AssertionError("no suitable stop string")
 
 
@@ -285,6 +287,7 @@ def test_stop_string_spanning_deltas(cluster, stream):
     rid = fake.requests[-1].request_id
     aborts = fake.wait_abort(rid)
     assert aborts and aborts[0].reason == "stop string"
+    assert aborts[0].num_output_tokens == n_tokens  # the verifier cuts its stats there
 
 
 def test_errors_from_verifier(cluster):
