@@ -8,6 +8,25 @@ Imports only torch, triton and the standard library.
 from __future__ import annotations
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
+from kernels.coupled_sample import (
+    coupled_sample,
+    coupled_sample_ref,
+    coupled_sample_triton,
+    gumbel_sample,
+    gumbel_sample_ref,
+    gumbel_sample_triton,
+)
 from kernels.greedy_verify import greedy_verify, greedy_verify_ref, greedy_verify_triton
+from kernels.logits_processing import process_logits, process_logits_ref
+from kernels.rejection_sample import (
+    rejection_sample,
+    rejection_sample_noise,
+    rejection_sample_ref,
+    rejection_sample_triton,
+)
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "greedy_verify", "greedy_verify_ref", "greedy_verify_triton"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "coupled_sample", "coupled_sample_ref", "coupled_sample_triton",
+           "greedy_verify", "greedy_verify_ref", "greedy_verify_triton", "gumbel_sample",
+           "gumbel_sample_ref", "gumbel_sample_triton", "process_logits", "process_logits_ref",
+           "rejection_sample", "rejection_sample_noise", "rejection_sample_ref",
+           "rejection_sample_triton"]

@@ -330,8 +330,10 @@ def _rejection_sample_kernel(
         res = tl.where(recovered, res, t)
         s_res = tl.where(in_vocab, tl.math.fdiv(res, q, ieee_rounding=True), -1.0)
         s_tgt = tl.where(in_vocab, tl.math.fdiv(t, q, ieee_rounding=True), -1.0)
-        m_res, i_res = tl.max(s_res, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        m_tgt, i_tgt = tl.max(s_tgt, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        m_res, i_res = tl.max(s_res, axis=0, return_indices=True,
+                              return_indices_tie_break_left=True)
+        m_tgt, i_tgt = tl.max(s_tgt, axis=0, return_indices=True,
+                              return_indices_tie_break_left=True)
         better_res = m_res > best_res  # strict: an earlier chunk wins ties
         best_res_idx = tl.where(better_res, off + i_res.to(tl.int64), best_res_idx)
         best_res = tl.where(better_res, m_res, best_res)
