@@ -163,10 +163,21 @@ class VerifierWorker(MailboxWorker):
             self.lifecycle.quarantine(req)
 
     def _on_generate(self, peer: str, msg: GenerateRequest) -> None:
+        """Queue a new request, or refuse it with a finished TokenStream. An id that is live
+        here is refused (``invalid``, "duplicate request id") and the live request is not
+        touched; when the duplicate comes from the live request's own gateway no answer is
+        sent (it would end the live request's stream there): it is counted as a protocol
+        error."""
+        live = self.requests.get(msg.request_id)
+        if live is not None and live.gateway == peer:
+            self._on_protocol_error(ProtocolError(
+                f"GenerateRequest for request {msg.request_id!r}, which is live", peer=peer))
+            return
         error = self.scheduler.validate(msg.prompt_token_ids, msg.sampling,
                                         msg.num_speculative_tokens, self.vocab_size)
-        if not error and msg.request_id in self.requests:
-            error = f"duplicate request id {msg.request_id!r}"
+        if not error and live is not None:
+            error = (f"duplicate request id {msg.request_id!r}: a request with this id is "
+                     "live on this verifier")
         reason = FinishReason.INVALID if error else None
         if not error and self.scheduler.queue_full():
             self.stats.num_rejected_queue_full += 1

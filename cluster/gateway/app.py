@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
 from cluster.gateway.metrics import GatewayMetrics
 from cluster.gateway.schemas import (
-    ChatCompletionRequest, CompletionRequest, GatewayError, bad_request, error_body,
+    MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest, GatewayError, bad_request,
+    error_body,
 )
 from cluster.gateway.tokens import chat_prompt_ids, completion_prompt_ids
 from protocol.enums import FinishReason
@@ -45,6 +46,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"request body is not valid JSON: {first.get('msg', '')}", None
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def client_request_id(body, request: Request) -> str:
+    """The client's request id (body ``request_id``, else header ``X-Request-Id``, as vLLM),
+    else a fresh one. One in flight already is refused later with 409.
+
+    Raises:
+        GatewayError: 400 for a header id that is empty, too long or not printable ASCII.
+    """
+    if body.request_id is not None:
+        return body.request_id
+    header = request.headers.get("x-request-id")
+    if header is None:
+        return uuid.uuid4().hex
+    if not (0 < len(header) <= MAX_REQUEST_ID_LEN and header.isascii() and header.isprintable()):
+        raise bad_request(f"X-Request-Id must be 1-{MAX_REQUEST_ID_LEN} printable ASCII "
+                          "characters", param="X-Request-Id")
+    return header
 
 
 class _Gateway:
@@ -101,10 +120,10 @@ class _Gateway:
                 "total_tokens": run.num_prompt_tokens + run.num_output_tokens}
 
     def error_response(self, finish: Finish) -> JSONResponse:
-        kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(finish.status,
-                                                                           "server_error")
+        kind = {429: "rate_limit_error", 400: "invalid_request_error",
+                409: "invalid_request_error"}.get(finish.status, "server_error")
         refused = (FinishReason.QUEUE_FULL, FinishReason.INVALID)
-        code = finish.reason if finish.reason in refused else None
+        code = finish.code or (finish.reason if finish.reason in refused else None)
         return JSONResponse(error_body(finish.error, kind, None, code), status_code=finish.status)
 
     async def complete(self, run: RequestRun, chat: bool) -> Response:
@@ -250,7 +269,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                 else:
                     prompt_ids = completion_prompt_ids(tokenizer, body.prompt)
                     limit = body.max_tokens
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
             req = gw.build(body, prompt_ids, limit, rid)
             run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,
                              arrival)

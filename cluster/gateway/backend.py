@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 ABANDONED_REASON = "client disconnected"
 
 
+class DuplicateRequestId(ValueError):
+    """``generate`` was given the id of a request still in flight (the gateway answers 409);
+    the request in flight is not touched."""
+
+
 @runtime_checkable
 class GenerationBackend(Protocol):
     """What the HTTP app needs from a backend."""
@@ -177,12 +182,16 @@ class MailboxBackend:
         Closing the iterator early or cancelling the task that awaits it (the HTTP client went
         away) aborts the request with reason ``"client disconnected"`` unless :meth:`abort` was
         already called for it (e.g. with ``"stop string"``).
+
+        Raises:
+            DuplicateRequestId: (at the first iteration) a request with this id is in flight;
+                it is left as it is (nothing is sent, nothing aborted).
         """
         rid = req.request_id
         pending = _Pending(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
         with self._lock:
             if rid in self._pending:
-                raise ValueError(f"request id {rid!r} is already in flight")
+                raise DuplicateRequestId(f"request id {rid!r} is already in flight")
             self._pending[rid] = pending
         finished = False
         try:

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from cluster.gateway.backend import DuplicateRequestId
 from cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
 from cluster.gateway.metrics import GatewayMetrics
 from protocol.enums import FinishReason
@@ -37,11 +38,13 @@ class TextDelta:
 
 @dataclass(frozen=True)
 class Finish:
-    """The request ended; ``status`` is the HTTP status of an error finish, else 200."""
+    """The request ended; ``status`` is the HTTP status of an error finish, else 200;
+    ``code`` the OpenAI error code when it is not the reason."""
 
     reason: str
     error: str = ""
     status: int = 200
+    code: str | None = None
 
     @property
     def is_error(self) -> bool:
@@ -189,6 +192,9 @@ class RequestRun:
                             if text:
                                 yield TextDelta(text)
                             break
+                except DuplicateRequestId as err:  # nothing was sent: leave the other one be
+                    self.finish = Finish(FinishReason.INVALID, str(err), 409,
+                                         "duplicate_request_id")
                 finally:
                     if self.finish is None:  # cancelled: the client went away
                         self.backend.abort(self.request_id, "client disconnected")

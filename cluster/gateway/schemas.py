@@ -13,6 +13,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 
+#: longest client-supplied request id (body ``request_id`` or header ``X-Request-Id``)
+MAX_REQUEST_ID_LEN = 256
+
+
 class GatewayError(Exception):
     """An error answered as ``{"error": {...}}`` with ``status_code``."""
 
@@ -66,6 +70,9 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    # vLLM extension: the client's request id (or header X-Request-Id); the response id is
+    # ``cmpl-<id>`` / ``chatcmpl-<id>``; one already in flight is refused with HTTP 409
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_LEN)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -457,3 +457,49 @@ def test_concurrent_streams_are_routed_per_request(cluster):
 
     texts = asyncio.run(main())
     assert texts == [tok.decode(script[:n]) for n in range(10, 40, 3)]
+
+
+@pytest.mark.parametrize("how", ["body", "header"])
+def test_client_request_id_in_flight_is_refused_409_and_the_first_is_untouched(cluster, how):
+    """Issue 9 scenario 9: a client-supplied request id that is in flight is refused with 409;
+    the request that holds it streams on to its end (it is not aborted nor mixed)."""
+    c, fake = cluster["client"], cluster["fake"]
+    cid = f"dup-{how}"
+    extra = {"json": {"request_id": cid}} if how == "body" else {"headers": {"X-Request-Id": cid}}
+
+    def body(**kw):
+        b = {"model": MODEL, "prompt": "Go:", "max_tokens": 12, "seed": 999, **kw}
+        return {**b, **extra["json"]} if how == "body" else b
+
+    first: dict = {}
+
+    def run_first():
+        r = c.post("/v1/completions", json=body(), headers=extra.get("headers"))
+        first["status"], first["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=run_first)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not any(r.request_id == f"cmpl-{cid}" for r in fake.requests):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    dup = c.post("/v1/completions", json=body(max_tokens=3), headers=extra.get("headers"))
+    assert dup.status_code == 409, dup.text
+    assert dup.json()["error"]["code"] == "duplicate_request_id"
+    t.join(10)
+    assert first["status"] == 200
+    out = first["body"]
+    assert out["id"] == f"cmpl-{cid}" and out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 12
+    assert fake.aborts_for(f"cmpl-{cid}") == []
+    assert sum(r.request_id == f"cmpl-{cid}" for r in fake.requests) == 1  # never sent twice
+    # once it finished the id is free again
+    again = c.post("/v1/completions", json=body(max_tokens=2, seed=1),
+                   headers=extra.get("headers"))
+    assert again.status_code == 200 and again.json()["id"] == f"cmpl-{cid}"
+
+
+def test_bad_request_id_header_is_400(cluster):
+    r = cluster["client"].post("/v1/completions", json={"prompt": "Go:", "max_tokens": 2},
+                               headers={"X-Request-Id": "x" * 300})
+    assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]

@@ -165,3 +165,38 @@ def test_out_of_range_tail_is_a_protocol_error_and_the_request_continues_plain(m
                 got.setdefault(env.msg.request_id, []).extend(env.msg.token_ids)
     assert got["g0"] == want[0] and got["g1"] == want[1]
     assert c.verifier.stats.num_finished == 2 and c.verifier.stats.num_protocol_errors == 1
+
+
+def test_generate_request_with_a_live_id_is_refused_and_the_live_one_is_untouched(model):
+    """Issue 9 scenario 9 on the verifier: a GenerateRequest whose id is live is refused; the
+    sender gets a clear error when it is another gateway, and nothing when it is the gateway
+    of the live request (an answer under that id would end the live request's stream)."""
+    m, cfg = model
+    c = InProcessCluster(m, cfg, num_speculative_tokens=2, num_kv_blocks=32, block_size=4)
+    other = c.hub.mailbox("gateway-1")
+    sp = SamplingParams(max_tokens=8)
+    ref = InProcessCluster(m, cfg, num_speculative_tokens=0, num_kv_blocks=32, block_size=4)
+    (want,) = ref.generate([[5, 6, 7]], sp)
+    c.client.send("verifier-0", GenerateRequest(request_id="live", prompt_token_ids=[5, 6, 7],
+                                              sampling=sp))
+    c.prefill.step()
+    c.verifier.step()
+    c.prefill.step()
+    c.verifier.step()
+    assert c.verifier.requests["live"].committed_len > 0
+    dup = GenerateRequest(request_id="live", prompt_token_ids=[9, 9], sampling=sp)
+    other.send("verifier-0", dup)  # another gateway
+    c.client.send("verifier-0", dup)  # the live request's own gateway
+    streams: list[TokenStream] = []
+    for _ in range(40):
+        c.drafter.step()
+        c.prefill.step()
+        c.verifier.step()
+        streams += [e.msg for e in c.client.drain() if isinstance(e.msg, TokenStream)]
+    (refusal,) = [e.msg for e in other.drain()]
+    assert refusal.finished and refusal.finish_reason == "invalid"
+    assert "duplicate request id" in refusal.error
+    finals = [s for s in streams if s.finished]
+    assert len(finals) == 1 and finals[0].finish_reason == "length"
+    assert [t for s in streams for t in s.token_ids] == want.token_ids
+    assert c.verifier.stats.num_protocol_errors == 1  # the same-gateway duplicate, counted
