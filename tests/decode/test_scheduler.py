@@ -36,7 +36,7 @@ def running(req: Request, sched: Scheduler, output: list[int], drafter: str | No
     req.drafter = drafter
     req.tail.reset(len(output))
     if drafts:
-        req.tail.add(len(output), drafts, req.output_token_ids)
+        req.tail.add(len(output), drafts, req.output_token_ids, base_committed_len=len(output))
     return req
 
 
