@@ -54,7 +54,8 @@ def test_out_of_order_segments_later_one_is_a_gap_then_earlier_fills():
     committed = [10]
     assert tb.add(3, [3, 4], committed, base_committed_len=1) == 0  # arrives first: gap
     assert tb.add(1, [1, 2], committed, base_committed_len=1) == 2
-    assert tb.add(3, [3, 4], committed, base_committed_len=1) == 2  # re-sent in order: now contiguous
+    # re-sent in order: now contiguous
+    assert tb.add(3, [3, 4], committed, base_committed_len=1) == 2
     assert tb.usable(8) == [1, 2, 3, 4]
 
 
