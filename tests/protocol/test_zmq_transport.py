@@ -150,8 +150,7 @@ def test_hello_is_repeated_after_the_peer_restarts():
         port = int(server.endpoint.rsplit(":", 1)[1])
         server.close()
         # a restarted peer on the same endpoint: new incarnation, knows nobody
-        server = ZmqMailbox("verifier-0", "verifier", model=MODEL, port=port,
-                            incarnation=first_incarnation + 1)
+        server = _rebind(port, first_incarnation + 1)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not server.ready("gateway-0"):
             client.recv(0.02)
