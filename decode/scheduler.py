@@ -72,7 +72,8 @@ class Scheduler:
                  num_speculative_tokens: int | None, vocab_size: int) -> str:
         """Why a GenerateRequest of this shape can never run here ("" when it can): an empty
         prompt, token ids outside ``[0, vocab_size)``, ``max_tokens < 1``, sampling no rule
-        verifies, a negative kappa, or more tokens than ``max_model_len`` / the KV cache."""
+        verifies (SamplingParams.invalid_reason), a negative kappa, or more tokens than
+        ``max_model_len`` / the KV cache."""
         n, max_tokens = len(prompt_token_ids), sampling.max_tokens
         if n == 0:
             return "prompt is empty"
@@ -80,8 +81,9 @@ class Scheduler:
             return f"prompt token ids must lie in [0, {vocab_size})"
         if max_tokens < 1:
             return "max_tokens must be >= 1"
-        if sampling.temperature != 0:  # the sampled rules land with the sampling issue
-            return "only greedy decoding (temperature 0) is supported by this verifier"
+        why = sampling.invalid_reason()  # greedy, sampled and seeded requests all run
+        if why:
+            return why
         if num_speculative_tokens is not None and num_speculative_tokens < 0:
             return "num_speculative_tokens must be >= 0"
         if n + max_tokens > self.config.max_model_len:

@@ -10,10 +10,16 @@ rows of the verify forward over ``[last committed token] + drafts``). A rule ret
 when all passed or the recovered token after a rejection, then ``PLACEHOLDER_TOKEN_ID``
 padding) and ``accept_len`` [batch] (int64; excludes the bonus / recovered token).
 
-A rule is chosen per request from its sampling parameters (:func:`rule_name_for`); the verify
-step groups a batch by rule, so greedy, sampled and seeded requests mix in one forward. Rules
-register by name (:func:`register_rule`), like the drafter's proposers; the sampled rules of
-DESIGN.md §5 plug in here without touching the verify step.
+A rule is chosen per request from its sampling parameters (:func:`rule_name_for`; the mode of
+engine/sampling.py): ``greedy`` (temperature 0), ``coupled`` (sampled with a seed) and
+``rejection`` (sampled, no seed). The verify step groups a batch by rule, so greedy, sampled and
+seeded requests mix in one forward. Rules register by name (:func:`register_rule`), like the
+drafter's proposers.
+
+The sampled rules process every verified row with the row's request parameters (temperature,
+top-k, top-p, min-p; engine.sampling.processed_probs) into ``target_probs`` [num_draft_total +
+batch, vocab_size] (float32) before verifying, so drafts are judged against the distribution
+the request actually samples from, at every position, not only the bonus one.
 """
 
 from __future__ import annotations
@@ -24,22 +30,46 @@ from typing import ClassVar
 
 import torch
 
-from kernels import greedy_verify
+from engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
+from kernels import coupled_sample, greedy_verify, rejection_sample, rejection_sample_noise
 from protocol.messages import SamplingParams
 
 
 @dataclass(frozen=True)
 class RuleBatch:
-    """The requests of one verify step that share a rule (shapes in the module docstring)."""
+    """The requests of one verify step that share a rule (shapes in the module docstring).
+
+    ``positions`` (int64 [batch]): the output position of each request's first verified row
+    (its committed length: row ``j`` predicts output position ``positions[b] + j``; 0 is the
+    prefill worker's first token), the noise key of the coupled rule. ``draft_probs``
+    ([num_draft_total, vocab_size] float32, or None): the distributions the drafts were
+    sampled from (DraftTailStream.draft_probs); None means one-hot drafts (n-gram and greedy
+    drafters). ``generator``: the verifier's randomness for unseeded sampled requests (on the
+    logits' device; torch's default generator when None).
+    """
 
     draft_token_ids: torch.Tensor
     cu_num_draft_tokens: torch.Tensor
     target_logits: torch.Tensor
     sampling: list[SamplingParams]
+    positions: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+    generator: torch.Generator | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.sampling)
+
+    def num_draft_tokens(self) -> list[int]:
+        """Drafts per request, ``k_b`` [batch]."""
+        cu = self.cu_num_draft_tokens.tolist()
+        return [b - a for a, b in zip([0] + cu[:-1], cu)]
+
+    def target_probs(self) -> torch.Tensor:
+        """float32 [num_draft_total + batch, vocab_size]: every row processed with its
+        request's parameters (engine.sampling.processed_probs)."""
+        rows = [k + 1 for k in self.num_draft_tokens()]
+        return processed_probs(self.target_logits, self.sampling, rows)
 
 
 class VerificationRule(ABC):
@@ -68,6 +98,48 @@ class GreedyRule(VerificationRule):
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
         target_token_ids = torch.argmax(batch.target_logits, dim=-1)
         return greedy_verify(batch.draft_token_ids, batch.cu_num_draft_tokens, target_token_ids)
+
+
+class RejectionRule(VerificationRule):
+    """Standard speculative sampling (Leviathan et al. arXiv 2211.17192, Chen et al. arXiv
+    2302.01318) for unseeded sampled requests: draft ``x`` passes with probability
+    ``min(1, target_probs[x] / draft_probs[x])``; after a rejection the recovered token is
+    sampled from ``normalize(max(target_probs - draft_probs, 0))``, after the last draft the
+    bonus token from the target row. One-hot drafts (``draft_probs`` None) pass with
+    probability ``target_probs[x]``; exact for any deterministic drafter. Runs
+    ``kernels.rejection_sample`` with noise from the batch's generator."""
+
+    name = "rejection"
+
+    def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        target_probs = batch.target_probs()
+        uniform, noise = rejection_sample_noise(batch.cu_num_draft_tokens, target_probs.shape[1],
+                                                dtype=target_probs.dtype,
+                                                generator=batch.generator)
+        draft_probs = batch.draft_probs
+        if draft_probs is not None:
+            draft_probs = draft_probs.to(target_probs.dtype)
+        return rejection_sample(batch.draft_token_ids, batch.cu_num_draft_tokens, draft_probs,
+                                target_probs, uniform, noise)
+
+
+class CoupledRule(VerificationRule):
+    """Coupled verification for seeded requests (DESIGN.md §5): the target token at output
+    position ``i`` is the Gumbel-max sample of the processed row with noise keyed by (seed,
+    ``i``); a draft passes iff it equals that token. The committed tokens are then the ones
+    plain decode (and the prefill worker at position 0) samples with the same seed, whatever
+    the drafter proposed. Runs ``kernels.coupled_sample``."""
+
+    name = "coupled"
+
+    def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch.positions is None:
+            raise ValueError("the coupled rule needs the requests' output positions")
+        target_probs = batch.target_probs()
+        seeds = seeds_tensor(batch.sampling, target_probs.device)
+        positions = batch.positions.to(device=target_probs.device, dtype=torch.int64)
+        return coupled_sample(batch.draft_token_ids, batch.cu_num_draft_tokens, target_probs,
+                              seeds, positions)
 
 
 _RULES: dict[str, VerificationRule] = {}
@@ -100,15 +172,22 @@ def get_rule(name: str) -> VerificationRule:
 
 
 def rule_name_for(sampling: SamplingParams) -> str:
-    """The rule a request with ``sampling`` is verified with.
+    """The rule a request with ``sampling`` is verified with: ``greedy`` at temperature 0 (below
+    1e-5), ``coupled`` for a sampled request with a seed, else ``rejection``.
 
     Raises:
-        ValueError: no registered rule verifies these parameters (the verifier refuses such
-            requests at admission, so this is never reached mid-request).
+        ValueError: parameters no rule can verify (SamplingParams.invalid_reason; the verifier
+            refuses such requests at admission, so this is never reached mid-request).
     """
-    if sampling.temperature == 0:
+    why = sampling.invalid_reason()
+    if why:
+        raise ValueError(why)
+    mode = sampling_mode(sampling)
+    if mode == GREEDY:
         return GreedyRule.name
-    raise ValueError("only greedy decoding (temperature 0) is supported by this verifier")
+    return CoupledRule.name if mode == COUPLED else RejectionRule.name
 
 
 register_rule(GreedyRule())
+register_rule(RejectionRule())
+register_rule(CoupledRule())

@@ -26,11 +26,32 @@ class VerifyOutput:
 
 
 class VerifyStep:
-    """Runs verify forwards on ``runner`` (which writes the KV of every position it sees)."""
+    """Runs verify forwards on ``runner`` (which writes the KV of every position it sees).
 
-    def __init__(self, runner: ModelRunner, profile: StepProfile | None = None) -> None:
+    ``seed`` seeds the verifier's own ``torch.Generator`` (on the logits' device), the
+    randomness of unseeded sampled requests (the rejection rule); None draws a fresh one.
+    Seeded requests never touch it (their noise is keyed by (seed, position)).
+    """
+
+    def __init__(self, runner: ModelRunner, profile: StepProfile | None = None,
+                 seed: int | None = None) -> None:
         self.runner = runner
         self.profile = profile or StepProfile()
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The verifier's generator on ``device`` (created on first use)."""
+        device = torch.device(device)
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
 
     def run(self, plan: list[PlannedRequest]) -> list[VerifyOutput]:
         """Verify every planned request; returns one output per request, in plan order.
@@ -73,7 +94,11 @@ class VerifyStep:
         drafts = [t for p in plan for t in p.draft_token_ids]
         counts = torch.tensor([len(p.draft_token_ids) for p in plan], dtype=torch.long)
         device = logits[0].device
+        # row 0 of a request predicts output position committed_len (DESIGN.md §5 positions)
+        positions = torch.tensor([p.request.committed_len for p in plan], dtype=torch.int64,
+                                 device=device)
         return RuleBatch(draft_token_ids=torch.tensor(drafts, dtype=torch.long, device=device),
                          cu_num_draft_tokens=counts.cumsum(0).to(device),
                          target_logits=torch.cat(logits),
-                         sampling=[p.request.sampling for p in plan])
+                         sampling=[p.request.sampling for p in plan],
+                         positions=positions, generator=self.generator(device))

@@ -1,8 +1,9 @@
 """Prefill worker: runs the target over prompts, ships the KV and the first token (DESIGN.md §2).
 
 For each PrefillRequest it allocates blocks in its own KV cache, runs the prompt (in chunks of
-``chunk_size`` tokens when long), samples output position 0, streams the prompt's KV to the
-verifier as KVFrames stamped (request id, transfer id, layer range, chunk index) and finishes
+``chunk_size`` tokens when long), samples output position 0 with the request's sampling mode
+(engine/sampling.py: greedy, seeded = the coupled rule at position 0, or random), streams the
+prompt's KV to the verifier as KVFrames stamped (request id, transfer id, layer range, chunk index) and finishes
 with PrefillDone carrying the frame count and byte total. KV frames and PrefillDone go on the
 same ordered channel. A PrefillCancel is acknowledged once no frame of that transfer can follow.
 """
@@ -18,6 +19,7 @@ import torch
 from engine.block_manager import BlockManager, KVCacheExhausted
 from engine.frames import tensor_to_buffer
 from engine.runner import ModelRunner
+from engine.sampling import sample_tokens
 from prefill.config import PrefillConfig
 from protocol.errors import ProtocolError
 from protocol.messages import (
@@ -60,6 +62,15 @@ class PrefillWorker(MailboxWorker):
         self.queue: deque[tuple[str, PrefillRequest]] = deque()
         self.stats = PrefillStats()
         self.profile = StepProfile()
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """This worker's randomness for unseeded sampled first tokens (freshly seeded)."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+            gen.seed()
+        return gen
 
     # -- ingest ----------------------------------------------------------------------------
 
@@ -103,10 +114,9 @@ class PrefillWorker(MailboxWorker):
             return f"prompt of {n} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}"
         if any(t < 0 or t >= cfg.vocab_size for t in req.prompt_token_ids):
             return f"prompt token id outside [0, {cfg.vocab_size})"
-        if req.sampling.temperature != 0:
-            # The sampled first token follows the verifier's rule for the request (DESIGN.md
-            # §5, coupled for seeded requests): it lands with the sampled verification rules.
-            return "only greedy decoding (temperature 0) is supported by this prefill worker"
+        why = req.sampling.invalid_reason()
+        if why:
+            return why
         if not req.block_table:
             return "no destination blocks"
         if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
@@ -125,7 +135,10 @@ class PrefillWorker(MailboxWorker):
             with self.profile.phase("forward"):
                 logits = self.runner.prefill(req.prompt_token_ids, block_table,
                                              chunk_size=self.config.chunk_size)
-                first = int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]).item())
+                last = logits.reshape(-1, logits.shape[-1])[-1:]
+                # output position 0, by the request's mode (engine/sampling.py): greedy argmax,
+                # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
+                (first,) = sample_tokens(last, [req.sampling], [0], self._generator(last.device))
             with self.profile.phase("send_kv"):
                 num_frames, num_bytes = self._send_kv(peer, req, block_table, n)
         finally:

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Annotated, ClassVar
 
-# 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges
-PROTOCOL_VERSION = 3
+# 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges;
+# 4: SamplingParams.min_p (sampled and seeded requests)
+PROTOCOL_VERSION = 4
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -152,7 +153,11 @@ class ModelIdentity:
 @register(2)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` is greedy; ``max_tokens`` counts output tokens."""
+    """Per-request sampling (vLLM's semantics, kernels/logits_processing.py): ``temperature``
+    below 1e-5 is greedy (top-p/k and min-p then ignored); ``top_k <= 0`` (or ``>= vocab``),
+    ``top_p == 1`` and ``min_p == 0`` are off. ``seed`` set on a sampled request selects the
+    coupled rule (DESIGN.md §5): its output is a function of (prompt, parameters, seed) alone,
+    the same with speculation on or off. ``max_tokens`` counts output tokens."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -161,7 +166,25 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
     TAG: ClassVar[int]
+
+    def invalid_reason(self) -> str:
+        """Why these parameters can never be sampled ("" when they can): a temperature that is
+        negative or not finite, ``top_p`` outside ``(0, 1]``, ``min_p`` outside ``[0, 1]``, a
+        ``top_k`` beyond int64, a seed outside ``[-2**63, 2**64)``. Pure Python (the scheduler and prefill call it)."""
+        t = self.temperature
+        if not (t >= 0 and t != float("inf")):  # also refuses NaN
+            return f"temperature must be finite and >= 0, got {t!r}"
+        if not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        if not 0 <= self.min_p <= 1:
+            return f"min_p must be in [0, 1], got {self.min_p!r}"
+        if not -(1 << 63) <= self.top_k < 1 << 63:
+            return f"top_k must be a 64-bit signed integer, got {self.top_k}"
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            return f"seed must be in [-2**63, 2**64), got {self.seed}"
+        return ""
 
     @classmethod
     def example(cls) -> SamplingParams:

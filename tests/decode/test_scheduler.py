@@ -56,7 +56,10 @@ def test_validate_names_the_limit_exceeded():
     assert why(prompt_len=0) == "prompt is empty"
     assert "[0, 5)" in why(vocab=5)
     assert why(max_tokens=0) == "max_tokens must be >= 1"
-    assert "only greedy" in why(temperature=0.5)
+    assert why(temperature=0.5) == why(temperature=0.5, seed=3) == ""  # sampled, seeded
+    assert "temperature must be finite" in why(temperature=float("nan"))
+    assert "min_p must be in [0, 1]" in why(temperature=1.0, min_p=1.5)
+    assert "seed must be in" in why(temperature=1.0, seed=1 << 64)
     assert why(kappa=-1) == "num_speculative_tokens must be >= 0"
     assert "maximum model length 64" in why(prompt_len=60, max_tokens=10)
     assert "needs 5 KV blocks, the verifier has 4" in why(max_tokens=7)

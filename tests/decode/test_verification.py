@@ -67,8 +67,12 @@ def test_registry_refuses_non_rules_nameless_rules_and_name_clashes():
 
 def test_rule_for_sampling_params():
     assert rule_name_for(SamplingParams(temperature=0.0)) == "greedy"
-    with pytest.raises(ValueError, match="only greedy"):
-        rule_name_for(SamplingParams(temperature=0.7))
+    assert rule_name_for(SamplingParams(temperature=0.0, seed=3)) == "greedy"
+    assert rule_name_for(SamplingParams(temperature=1e-6, seed=3)) == "greedy"
+    assert rule_name_for(SamplingParams(temperature=0.7)) == "rejection"
+    assert rule_name_for(SamplingParams(temperature=0.7, seed=0)) == "coupled"
+    with pytest.raises(ValueError, match="top_p"):
+        rule_name_for(SamplingParams(temperature=0.7, top_p=0.0))
 
 
 class ScriptedRunner:

@@ -46,12 +46,13 @@ def test_invalid_requests_get_clear_errors_and_the_next_request_is_served(model)
     for rid, prompt in bad.items():
         c.client.send("verifier-0", GenerateRequest(request_id=rid, prompt_token_ids=prompt,
                                                   sampling=sp))
-    c.client.send("verifier-0", GenerateRequest(request_id="sampled", prompt_token_ids=[1],
-                                              sampling=SamplingParams(temperature=0.7)))
+    c.client.send("verifier-0", GenerateRequest(request_id="bad-top-p", prompt_token_ids=[1],
+                                              sampling=SamplingParams(temperature=0.7,
+                                                                      top_p=1.5)))
     c.verifier.step()
     finals = _finals(c)
     assert {r: f.finish_reason for r, f in finals.items()} == {
-        "empty": "invalid", "oov": "invalid", "too-long": "invalid", "sampled": "invalid"}
+        "empty": "invalid", "oov": "invalid", "too-long": "invalid", "bad-top-p": "invalid"}
     assert "maximum model length" in finals["too-long"].error
     assert c.verifier.stats.num_protocol_errors == 2
     (ok,) = c.generate([[3, 4, 5]], sp)

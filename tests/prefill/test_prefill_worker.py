@@ -91,7 +91,8 @@ def test_frames_carry_the_prompt_kv_and_done_the_argmax(tiny):
 @pytest.mark.parametrize("prompt, sampling, block_table, error", [
     ([], {}, [0], "empty prompt"),
     ([1, VOCAB], {}, [0], f"outside [0, {VOCAB})"),
-    ([1, 2], {"temperature": 0.8}, [0], "only greedy"),
+    ([1, 2], {"temperature": -0.5}, [0], "temperature must be finite and >= 0"),
+    ([1, 2], {"temperature": 0.8, "top_p": 0.0}, [0], "top_p must be in (0, 1]"),
     ([1, 2], {}, [], "no destination blocks"),
     ([1] * (NUM_BLOCKS * BLOCK + 1), {}, [0], "does not fit"),
 ])
