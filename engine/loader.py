@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -230,7 +231,7 @@ def load_model(
     else:
         hf_config = AutoConfig.from_pretrained(path)
         state = _read_state_dict(path)
-    config = ModelConfig.from_hf(hf_config)
+    config = with_generation_eos(ModelConfig.from_hf(hf_config), path)
     ours = build_model(config, state, model_dtype(dtype), device)
     del hf_model, state
     if tokenizer is None:
@@ -239,6 +240,39 @@ def load_model(
         except (OSError, ValueError) as e:  # a weights-only dir (tests): no tokenizer
             log.warning("no tokenizer in %s: %s", path, e)
     return LoadedModel(ours, config, tokenizer, name, hf_config, dtype, str(path))
+
+
+def generation_eos_token_ids(path: Path) -> tuple[int, ...]:
+    """EOS ids listed in ``path/generation_config.json`` (``eos_token_id``: an int or a list;
+    Llama-3-Instruct lists ``<|eot_id|>`` there and not in config.json), () without one.
+
+    Raises:
+        ValueError: the file is not JSON or its ``eos_token_id`` is not ints.
+    """
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return ()
+    try:
+        value = json.loads(f.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(f"{f}: not a JSON object: {err}") from err
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{f}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return tuple(values)
+
+
+def with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
+    """``config`` whose ``eos_token_ids`` also hold those of ``path``'s generation_config.json
+    (config.json's first, then the new ones, as Hugging Face ``generate`` stops at any).
+
+    Raises:
+        ValueError: see :func:`generation_eos_token_ids`.
+    """
+    extra = [t for t in generation_eos_token_ids(path) if t not in config.eos_token_ids]
+    if not extra:
+        return config
+    return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra))
 
 
 def load_tokenizer(model: str | None = None) -> Any:

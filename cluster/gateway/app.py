@@ -71,7 +71,7 @@ class _Gateway:
 
     def __init__(self, backend, tokenizer, model_name: str, max_model_len: int,
                  default_max_tokens: int, default_temperature: float,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, vocab_size: int | None = None) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -79,6 +79,7 @@ class _Gateway:
         self.default_max_tokens = default_max_tokens
         self.default_temperature = default_temperature
         self.metrics = metrics
+        self.vocab_size = vocab_size
         self.created = int(time.time())
 
     # ---------------------------------------------------------------- request -> GenerateRequest
@@ -98,12 +99,16 @@ class _Gateway:
         elif n + max_tokens > self.max_model_len:
             raise bad_request(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                               f"max_model_len {self.max_model_len}", param="max_tokens")
+        stop_ids = list(body.stop_token_ids or [])
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in stop_ids):
+            raise bad_request(f"stop_token_ids must lie in [0, {self.vocab_size}) (the model's "
+                              "vocabulary)", param="stop_token_ids")
         temperature = self.default_temperature if body.temperature is None else body.temperature
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=float(temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=max(0, body.top_k or 0), seed=body.seed,
-            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
+            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                sampling=sampling, num_speculative_tokens=body.num_speculative_tokens)
 
@@ -215,7 +220,7 @@ class _Gateway:
 
 def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                default_max_tokens: int = 256, metrics_registry: CollectorRegistry | None = None,
-               default_temperature: float = 1.0) -> FastAPI:
+               default_temperature: float = 1.0, vocab_size: int | None = None) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -226,10 +231,12 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         default_max_tokens: output limit when the request gives none (clamped to the room left).
         metrics_registry: registry for ``/metrics``; a fresh one per app when None.
         default_temperature: used when a request omits ``temperature`` (OpenAI's default is 1).
+        vocab_size: the model's vocabulary (embedding rows, config.json); ``stop_token_ids``
+            outside it are refused with 400. None: not checked.
     """
     metrics = GatewayMetrics(metrics_registry, backend=backend)
     gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
-                  default_temperature, metrics)
+                  default_temperature, metrics, vocab_size)
     app = FastAPI(title="specmesh gateway")
     app.state.gateway = gw
     app.state.metrics = metrics

@@ -21,13 +21,16 @@ class GatewayHost(RoleHost):
         super().__init__(instance_id, cfg)
 
     def model_identity(self) -> ModelIdentity:
-        # The gateway holds no KV: it announces the served name and the tokenizer's size; the
-        # KV layout fields stay empty (a verifier compares only what a gateway can know).
-        from engine.loader import load_tokenizer, model_name
+        # The gateway holds no KV: it announces the served name and the model's vocabulary
+        # size (the embedding rows of config.json, which a padded vocabulary makes larger than
+        # the tokenizer: Qwen2 151,936 rows for 151,665 tokens); the KV layout fields stay
+        # empty (a verifier compares only what a gateway can know).
+        from engine.loader import load_tokenizer, model_identity, model_name
 
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.model_name = model_name(self.cfg.model)
-        return ModelIdentity(name=self.model_name, vocab_size=len(self.tokenizer), dtype="",
+        self.vocab_size = model_identity(self.cfg.model, self.cfg.dtype, 0)["vocab_size"]
+        return ModelIdentity(name=self.model_name, vocab_size=self.vocab_size, dtype="",
                              num_layers=0, num_kv_heads=0, head_dim=0, block_size=0)
 
     def build_worker(self):
@@ -40,7 +43,8 @@ class GatewayHost(RoleHost):
         from cluster.gateway import create_app, serve_gateway
 
         self.app = create_app(self.backend, self.tokenizer, self.model_name,
-                              self.cfg.max_model_len, default_temperature=0.0)
+                              self.cfg.max_model_len, default_temperature=0.0,
+                              vocab_size=self.vocab_size)
         self.server, _, self.port = serve_gateway(self.app, self.cfg.host, self._port)
 
     def _pick_verifier(self) -> str:
