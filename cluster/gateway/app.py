@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -220,7 +220,8 @@ class _Gateway:
 
 def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                default_max_tokens: int = 256, metrics_registry: CollectorRegistry | None = None,
-               default_temperature: float = 1.0, vocab_size: int | None = None) -> FastAPI:
+               default_temperature: float = 1.0, vocab_size: int | None = None,
+               readiness: Callable[[], str] | None = None) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -233,6 +234,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         default_temperature: used when a request omits ``temperature`` (OpenAI's default is 1).
         vocab_size: the model's vocabulary (embedding rows, config.json); ``stop_token_ids``
             outside it are refused with 400. None: not checked.
+        readiness: why a request cannot be served end to end right now ("" when it can);
+            ``/health`` answers 503 with that reason until it is "". None: always ready.
     """
     metrics = GatewayMetrics(metrics_registry, backend=backend)
     gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
@@ -305,6 +308,9 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
 
     @app.get("/health")
     async def health():
+        reason = readiness() if readiness is not None else ""
+        if reason:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

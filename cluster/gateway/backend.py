@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 
 #: Abort reason when a stream is closed or cancelled before its finished TokenStream
 ABANDONED_REASON = "client disconnected"
+#: How long a new request waits for a verifier to be connected (a cluster still starting, a
+#: verifier restarting) before it fails, seconds; and how often it looks again.
+VERIFIER_WAIT_S = 30.0
+VERIFIER_POLL_S = 0.05
 
 
 class DuplicateRequestId(ValueError):
@@ -76,14 +81,18 @@ class MailboxBackend:
             the wait at once and close() wakes it, so this only sets how often an idle gateway
             wakes up for nothing.
         stream_timeout_s: fail a request when no TokenStream arrived for this long (None: never).
+        verifier_wait_s: how long a new request waits while ``pick_verifier`` raises (no
+            verifier connected yet) before it fails with an error.
     """
 
     def __init__(self, mailbox: Mailbox, pick_verifier: Callable[[], str],
-                 recv_timeout_s: float = 1.0, stream_timeout_s: float | None = None) -> None:
+                 recv_timeout_s: float = 1.0, stream_timeout_s: float | None = None,
+                 verifier_wait_s: float = VERIFIER_WAIT_S) -> None:
         self.mailbox = mailbox
         self.pick_verifier = pick_verifier
         self.recv_timeout_s = recv_timeout_s
         self.stream_timeout_s = stream_timeout_s
+        self.verifier_wait_s = verifier_wait_s
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -181,7 +190,9 @@ class MailboxBackend:
 
         Closing the iterator early or cancelling the task that awaits it (the HTTP client went
         away) aborts the request with reason ``"client disconnected"`` unless :meth:`abort` was
-        already called for it (e.g. with ``"stop string"``).
+        already called for it (e.g. with ``"stop string"``). While no verifier is connected
+        (``pick_verifier`` raises) the request waits up to ``verifier_wait_s``, then ends with
+        an ``error`` TokenStream ("no verifier available ...").
 
         Raises:
             DuplicateRequestId: (at the first iteration) a request with this id is in flight;
@@ -196,8 +207,10 @@ class MailboxBackend:
         finished = False
         try:
             try:
-                pending.verifier = self.pick_verifier()
-                self._send(pending.verifier, req)
+                verifier = await self._wait_for_verifier()
+                if not pending.closed:  # not aborted while it waited
+                    pending.verifier = verifier
+                    self._send(verifier, req)
             except Exception as err:  # noqa: BLE001 - no verifier / peer unavailable
                 log.warning("cannot send request %s: %s", rid, err)
                 with self._lock:
@@ -221,6 +234,23 @@ class MailboxBackend:
         finally:
             if not finished:
                 self.abort(rid, ABANDONED_REASON)
+
+    async def _wait_for_verifier(self) -> str:
+        """``pick_verifier()``, asked again every VERIFIER_POLL_S while it raises, for at most
+        ``verifier_wait_s``.
+
+        Raises:
+            ConnectionError: still no verifier after ``verifier_wait_s`` (the last error says
+                why).
+        """
+        deadline = time.monotonic() + self.verifier_wait_s
+        while True:
+            try:
+                return self.pick_verifier()
+            except Exception as err:  # noqa: BLE001 - whatever says "not now"
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"{err} (waited {self.verifier_wait_s:g} s)") from err
+            await asyncio.sleep(VERIFIER_POLL_S)
 
     def abort(self, request_id: str, reason: str = "abort",
               num_output_tokens: int | None = None) -> None:

@@ -18,6 +18,7 @@ class GatewayHost(RoleHost):
     def __init__(self, instance_id: str, cfg, port: int | None = None) -> None:
         self._port = cfg.port if port is None else port
         self.verifiers: list[str] = []
+        self.prefills: list[str] = []
         super().__init__(instance_id, cfg)
 
     def model_identity(self) -> ModelIdentity:
@@ -44,8 +45,21 @@ class GatewayHost(RoleHost):
 
         self.app = create_app(self.backend, self.tokenizer, self.model_name,
                               self.cfg.max_model_len, default_temperature=0.0,
-                              vocab_size=self.vocab_size)
-        self.server, _, self.port = serve_gateway(self.app, self.cfg.host, self._port)
+                              vocab_size=self.vocab_size, readiness=self.not_ready_reason)
+        self.server, self._server_thread, self.port = serve_gateway(self.app, self.cfg.host,
+                                                                    self._port)
+
+    def not_ready_reason(self) -> str:
+        """Why a request cannot be served end to end now ("" when it can): the roster has
+        no prefill worker or no verifier, or no verifier has acknowledged our Hello yet.
+        ``/health`` is 503 with this reason until it is ""."""
+        if not self.prefills:
+            return "no prefill worker in the roster"
+        if not self.verifiers:
+            return "no verifier in the roster"
+        if not any(self.mailbox.ready(v) for v in self.verifiers):
+            return "no verifier is connected yet"
+        return ""
 
     def _pick_verifier(self) -> str:
         ready = [v for v in self.verifiers if self.mailbox.ready(v)]
@@ -65,6 +79,7 @@ class GatewayHost(RoleHost):
         for r in verifiers:
             self.mailbox.connect(r["instance_id"], r["endpoint"])
         self.verifiers = [r["instance_id"] for r in verifiers]
+        self.prefills = [r["instance_id"] for r in peers_of(roster, Role.PREFILL)]
 
     def stats(self) -> dict:
         self.num_calls += 1
@@ -76,7 +91,9 @@ class GatewayHost(RoleHost):
 
     def health(self) -> dict:
         self.num_calls += 1
-        return {"alive": True, "last_error": ""}
+        reason = self.not_ready_reason()
+        return {"alive": self._server_thread.is_alive(), "ready": not reason,
+                "reason": reason, "last_error": ""}
 
     def stop(self) -> None:
         self.server.stop()
