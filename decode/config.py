@@ -31,13 +31,16 @@ class VerifierConfig:
     ``prefill_timeout_s``: a KV transfer not complete by then is cancelled and the request
     fails. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
     accept length (never changes the output, only the cost). ``draft_method`` is told to the
-    prefill worker so that it ships the right seed state.
+    prefill worker so that it ships the right seed state. ``incarnation`` is this process's
+    (a ``time.time_ns()`` stamp, as in Hello): transfer ids are ``incarnation + 1, + 2, ...``,
+    so a restarted verifier's ids never collide with its previous life's (DESIGN.md §3).
 
     Raises:
         ValueError: a setting out of range.
     """
 
     instance_id: str = "verifier-0"
+    incarnation: int = 0
     num_speculative_tokens: int = 4
     max_num_speculative_tokens: int = 16
     max_num_seqs: int = 64

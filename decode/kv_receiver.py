@@ -68,7 +68,9 @@ class KVReceiver:
 
         Raises:
             ProtocolError: the frame does not fit its transfer (layer or token range, shape,
-                dtype, sender); only that request fails.
+                dtype); only that request fails. A frame naming a transfer of another peer, or
+                another request, is refused without failing the transfer it names (matched by
+                sender: a peer cannot end a transfer it does not serve).
         """
         t = self.transfers.get(frame.transfer_id)
         if t is None or t.cancelled:
@@ -76,8 +78,8 @@ class KVReceiver:
             return None
         rid = t.request_id
         if peer != t.prefill_peer or frame.request_id != rid:
-            raise ProtocolError(f"KV frame for transfer {t.transfer_id} from the wrong sender",
-                                request_id=rid)
+            raise ProtocolError(f"KV frame for transfer {t.transfer_id} from the wrong sender "
+                                f"{peer} (request {frame.request_id!r})")
         cfg = self.kv_cache.config
         if not (0 <= frame.layer_start < frame.layer_end <= cfg.num_layers):
             raise ProtocolError(f"bad layer range [{frame.layer_start}, {frame.layer_end})",
@@ -106,12 +108,18 @@ class KVReceiver:
         return self._finish_if_complete(t)
 
     def on_done(self, peer: str, done: PrefillDone) -> Transfer | None:
-        """Record PrefillDone; returns the transfer when it is complete or failed."""
+        """Record PrefillDone; returns the transfer when it is complete or failed.
+
+        Raises:
+            ProtocolError: a PrefillDone naming a transfer of another peer or request (the
+                transfer it names is left as it is).
+        """
         t = self.transfers.get(done.transfer_id)
         if t is None or t.cancelled:
             return None
-        if peer != t.prefill_peer or done.request_id != t.request_id:
-            raise ProtocolError("PrefillDone from the wrong sender", request_id=t.request_id)
+        if peer != t.prefill_peer or done.request_id != t.request_id:  # not this transfer's
+            raise ProtocolError(f"PrefillDone for transfer {t.transfer_id} from the wrong "
+                                f"sender {peer} (request {done.request_id!r})")
         t.done = done
         if done.error:
             self.transfers.pop(t.transfer_id)

@@ -61,7 +61,10 @@ class VerifierWorker(MailboxWorker):
                                           frozenset(config.eos_token_ids), self.send)
         self.prefill_peers: list[str] = list(prefill_peers or [])
         self.lifecycle.drafter_peers = list(drafter_peers or [])
-        self._next_transfer_id = 1
+        # Transfers are keyed by (this verifier, its incarnation, a counter): the ids of one
+        # incarnation start past its time_ns() stamp, so a restart (a later stamp, by at least
+        # the restart time in ns) never reuses an id a prefill worker may still send frames for.
+        self._next_transfer_id = config.incarnation + 1
 
     @property
     def requests(self) -> dict[str, Request]:

@@ -45,6 +45,7 @@ class PrefillStats:
     num_cancelled: int = 0
     num_failed: int = 0
     num_protocol_errors: int = 0
+    num_dropped_backlog: int = 0  # queued requests of a verifier that went away or restarted
 
 
 class PrefillWorker(MailboxWorker):
@@ -78,12 +79,14 @@ class PrefillWorker(MailboxWorker):
         """PrefillRequest: queued (refused with a failed PrefillDone when the queue is full).
         PrefillCancel: the transfer is dropped if still queued, then acknowledged (nothing of it
         follows the ack). Abort: the request is dropped if still queued. ProtocolError: counted;
-        a named request is dropped. Anything else is ignored."""
+        a named request is dropped. Anything else is ignored. Every match is by sender: a
+        transfer is keyed by (verifier, transfer id), so one verifier's cancel or abort never
+        drops another verifier's transfer that happens to have the same id."""
         msg = env.msg
         if isinstance(msg, ProtocolError):
             self.stats.num_protocol_errors += 1
             if msg.request_id is not None:  # fail only the named request
-                self._drop_queued(lambda r: r.request_id == msg.request_id)
+                self._drop_queued(env.peer, lambda r: r.request_id == msg.request_id)
             return
         if isinstance(msg, PrefillRequest):
             if len(self.queue) >= self.config.max_queue_len:
@@ -91,17 +94,30 @@ class PrefillWorker(MailboxWorker):
             else:
                 self.queue.append((env.peer, msg))
         elif isinstance(msg, PrefillCancel):
-            self._drop_queued(lambda r: r.transfer_id == msg.transfer_id)
+            self._drop_queued(env.peer, lambda r: r.transfer_id == msg.transfer_id)
             self.stats.num_cancelled += 1
             self.send(env.peer, PrefillCancelAck(request_id=msg.request_id,
                                                   transfer_id=msg.transfer_id))
         elif isinstance(msg, Abort):
-            self._drop_queued(lambda r: r.request_id == msg.request_id)
+            self._drop_queued(env.peer, lambda r: r.request_id == msg.request_id)
         else:
             log.debug("prefill ignores %s from %s", type(msg).__name__, env.peer)
 
-    def _drop_queued(self, match) -> None:
-        self.queue = deque((p, r) for p, r in self.queue if not match(r))
+    def _drop_queued(self, peer: str, match) -> int:
+        """Drop the queued requests of ``peer`` that ``match``; returns how many."""
+        before = len(self.queue)
+        self.queue = deque((p, r) for p, r in self.queue if p != peer or not match(r))
+        return before - len(self.queue)
+
+    def drop_peer(self, peer: str) -> int:
+        """``peer`` (a verifier) is gone or restarted (a new incarnation): drop its backlog,
+        which nobody will receive (its frames would reach the new incarnation under transfer
+        ids it never issued). Returns the requests dropped."""
+        n = self._drop_queued(peer, lambda r: True)
+        self.stats.num_dropped_backlog += n
+        if n:
+            log.info("dropped %d queued prefill requests of %s (gone or restarted)", n, peer)
+        return n
 
     # -- work ------------------------------------------------------------------------------
 

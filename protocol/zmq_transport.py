@@ -53,6 +53,9 @@ class ZmqMailbox(Mailbox):
         self.ctx = zmq.Context.instance()
         self.router = self._socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted peer reconnects under its old identity before the old connection is
+        # seen to close: it takes the identity over (else its Hello would be lost).
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.router.bind(f"tcp://{host}:{port}")
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.accepted: dict[str, PeerInfo] = {}  # peers that said Hello to our ROUTER

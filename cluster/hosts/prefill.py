@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cluster.hosts.base import RoleHost, loaded_runner
+from cluster.hosts.base import RoleHost, loaded_runner, peers_of
 from protocol.enums import Role
+from protocol.zmq_transport import PeerInfo
 
 
 class PrefillHost(RoleHost):
@@ -19,3 +20,15 @@ class PrefillHost(RoleHost):
         _, runner, bm = loaded_runner(self.cfg)
         config = replace(self.cfg.prefill, instance_id=self.instance_id)
         return PrefillWorker(config, self.mailbox, runner, bm)
+
+    def on_hello(self, peer: PeerInfo, is_new: bool) -> None:
+        # A verifier's new incarnation: the backlog of its previous life goes nowhere.
+        if peer.role == Role.VERIFIER.value and is_new:
+            self.worker.drop_peer(peer.name)
+
+    def apply_roster(self, roster: list[dict]) -> None:
+        # A verifier that left the roster (deregistered): its backlog goes nowhere.
+        now = {r["instance_id"] for r in peers_of(roster, Role.VERIFIER)}
+        for gone in getattr(self, "_verifiers", set()) - now:
+            self.worker.drop_peer(gone)
+        self._verifiers = now

@@ -18,7 +18,8 @@ class VerifierHost(RoleHost):
 
         loaded, runner, bm = loaded_runner(self.cfg)
         max_len = min(self.cfg.verifier.max_model_len, loaded.config.max_position_embeddings)
-        config = replace(self.cfg.verifier, instance_id=self.instance_id, max_model_len=max_len,
+        config = replace(self.cfg.verifier, instance_id=self.instance_id,
+                         incarnation=self.incarnation, max_model_len=max_len,
                          eos_token_ids=tuple(loaded.config.eos_token_ids))
         return VerifierWorker(config, self.mailbox, runner, bm)
 
