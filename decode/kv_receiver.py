@@ -30,6 +30,7 @@ class Transfer:
     num_bytes: int = 0
     done: PrefillDone | None = None
     cancelled: bool = False
+    cancelled_at: float | None = None  # monotonic time of the cancel
 
     @property
     def complete(self) -> bool:
@@ -43,6 +44,7 @@ class KVReceiverStats:
     num_frames: int = 0
     num_bytes: int = 0
     num_late_frames: int = 0  # for unknown or cancelled transfers, dropped
+    num_orphaned: int = 0  # transfers whose prefill peer can send nothing more (gone, restarted)
     num_completed: int = 0
     transfer_seconds: float = 0.0
 
@@ -137,25 +139,26 @@ class KVReceiver:
     def cancel(self, transfer_id: int) -> Transfer | None:
         """Stop accepting frames; the blocks stay owned until :meth:`on_cancel_ack`."""
         t = self.transfers.get(transfer_id)
-        if t is not None:
-            t.cancelled = True
+        if t is not None and not t.cancelled:
+            t.cancelled, t.cancelled_at = True, time.monotonic()
         return t
 
-    def on_cancel_ack(self, transfer_id: int) -> Transfer | None:
-        """The prefill side sends nothing more for ``transfer_id``: its blocks may be reused."""
+    def on_cancel_ack(self, peer: str, transfer_id: int) -> Transfer | None:
+        """``peer`` sends nothing more for ``transfer_id``: its blocks may be reused. An ack
+        from another peer than the transfer's is ignored (matched by sender)."""
         t = self.transfers.get(transfer_id)
-        if t is None or not t.cancelled:
+        if t is None or not t.cancelled or t.prefill_peer != peer:
             return None
         return self.transfers.pop(transfer_id)
 
-    def drop_peer(self, peer: str) -> list[Transfer]:
-        """A prefill peer is gone for good: its transfers will never complete nor be acked."""
-        gone = [t for t in self.transfers.values() if t.prefill_peer == peer]
-        for t in gone:
-            self.transfers.pop(t.transfer_id)
-        return gone
-
     def timed_out(self, timeout_s: float) -> list[Transfer]:
+        """Transfers still running (not cancelled) that started more than ``timeout_s`` ago."""
         now = time.monotonic()
         return [t for t in self.transfers.values()
                 if not t.cancelled and now - t.started_at > timeout_s]
+
+    def cancel_unacked(self, timeout_s: float) -> list[Transfer]:
+        """Cancelled transfers whose acknowledgement has not come within ``timeout_s``."""
+        now = time.monotonic()
+        return [t for t in self.transfers.values()
+                if t.cancelled and now - (t.cancelled_at or now) > timeout_s]

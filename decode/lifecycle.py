@@ -135,16 +135,6 @@ class RequestLifecycle:
         else:
             self.start(req, done.first_token_id, done.num_bytes)
 
-    def drop_prefill_peer(self, peer: str) -> None:
-        """``peer`` (a prefill worker) went away: its transfers fail; a CANCELLING request
-        is released at once (no ack will ever come)."""
-        for t in self.kv.drop_peer(peer):
-            req = self.requests.get(t.request_id)
-            if req is not None and req.status is RequestStatus.CANCELLING:
-                self.release(req)
-            elif req is not None:
-                self.finish(req, FinishReason.ERROR, f"prefill worker {peer} went away")
-
     # -- running ---------------------------------------------------------------------------
 
     def start(self, req: Request, first_token_id: int, num_kv_bytes: int) -> None:

@@ -47,6 +47,7 @@ class Request:
     num_reserved_blocks: int = 0
     transfer_id: int | None = None
     prefill_peer: str | None = None
+    prefill_retries: int = 0  # transfers re-issued on another prefill worker
     output_token_ids: list[int] = field(default_factory=list)  # committed output
     num_streamed: int = 0  # output tokens already sent to the gateway
     tail: TailBuffer = field(default_factory=TailBuffer)

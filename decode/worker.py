@@ -39,6 +39,10 @@ from protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
 
+#: How many times a request's KV transfer is re-issued on another prefill worker when its
+#: prefill worker goes away (then the request fails with a clear error).
+MAX_PREFILL_RETRIES = 1
+
 
 class VerifierWorker(MailboxWorker):
     """Plain-class verifier; ``prefill_peers`` / ``drafter_peers`` come from the roster."""
@@ -65,6 +69,12 @@ class VerifierWorker(MailboxWorker):
         # incarnation start past its time_ns() stamp, so a restart (a later stamp, by at least
         # the restart time in ns) never reuses an id a prefill worker may still send frames for.
         self._next_transfer_id = config.incarnation + 1
+        #: transfer id -> why its prefill peer can send no more frames for it (gone, restarted,
+        #: unreachable); ended after the next ingest, so frames already received are handled
+        self._orphans: dict[int, str] = {}
+        #: prefill peers a send failed to (refused our Hello, no channel) -> the error; not
+        #: given new transfers until the roster drops them or they restart
+        self.unreachable_prefill: dict[str, str] = {}
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -74,11 +84,73 @@ class VerifierWorker(MailboxWorker):
 
     def set_roster(self, prefill_peers: list[str], drafter_peers: list[str]) -> None:
         """Replace the known peers. Requests on a vanished drafter are re-opened on another
-        (or run without drafts); transfers from a vanished prefill worker fail."""
+        (or run without drafts); transfers from a vanished prefill worker end as
+        :meth:`prefill_gone` says."""
         self.prefill_peers = list(prefill_peers)
         self.lifecycle.set_drafters(drafter_peers)
         for peer in {t.prefill_peer for t in self.kv.transfers.values()} - set(prefill_peers):
-            self.lifecycle.drop_prefill_peer(peer)
+            self.prefill_gone(peer, f"prefill worker {peer} left the cluster")
+        for peer in set(self.unreachable_prefill) - set(prefill_peers):
+            del self.unreachable_prefill[peer]
+
+    def prefill_gone(self, peer: str, reason: str) -> None:
+        """``peer`` can send no more frames for the transfers it holds now (deregistered,
+        restarted as a new incarnation, unreachable). Once the frames already received are
+        handled (after the next ingest), each of them ends: a cancelled one frees its blocks
+        (no acknowledgement will come), a running one is re-issued once on another prefill
+        worker, or its request fails with ``reason``. Transfers started later are not
+        touched (they went to the peer's new incarnation)."""
+        for t in self.kv.transfers.values():
+            if t.prefill_peer == peer:
+                self._orphans.setdefault(t.transfer_id, reason)
+
+    def prefill_restarted(self, peer: str) -> None:
+        """``peer`` (a prefill worker) answered as a new incarnation: what it held is lost."""
+        self.unreachable_prefill.pop(peer, None)
+        self.prefill_gone(peer, f"prefill worker {peer} restarted")
+
+    def on_send_failed(self, peer: str, err: ConnectionError) -> None:
+        """A send to ``peer`` failed (it refused our Hello, or there is no channel to it): a
+        prefill worker gets no new transfer until the roster changes and its transfers end
+        as :meth:`prefill_gone` says."""
+        if peer in self.prefill_peers or any(t.prefill_peer == peer
+                                             for t in self.kv.transfers.values()):
+            self.unreachable_prefill[peer] = str(err)
+            self.prefill_gone(peer, f"cannot reach prefill worker {peer}: {err}")
+
+    def _end_orphans(self) -> None:
+        orphans, self._orphans = self._orphans, {}
+        for tid, reason in orphans.items():
+            t = self.kv.transfers.pop(tid, None)
+            if t is None:  # completed or acknowledged meanwhile
+                continue
+            self.kv.stats.num_orphaned += 1
+            req = self.requests.get(t.request_id)
+            if req is None or req.transfer_id != tid:
+                continue
+            if req.status is RequestStatus.CANCELLING:
+                self.lifecycle.release(req)
+            elif req.status is RequestStatus.PREFILLING and not self._retry_prefill(req, reason):
+                self.lifecycle.finish(req, FinishReason.ERROR, f"KV transfer failed: {reason}")
+
+    def _retry_prefill(self, req: Request, reason: str) -> bool:
+        """Re-issue ``req``'s transfer on another reachable prefill worker (at most
+        MAX_PREFILL_RETRIES times); False when there is none."""
+        others = [p for p in self._reachable_prefill() if p != req.prefill_peer]
+        if req.prefill_retries >= MAX_PREFILL_RETRIES or not others:
+            return False
+        req.prefill_retries += 1
+        req.prefill_peer = min(others, key=self._prefill_load)
+        log.warning("request %s: %s; KV transfer retried on %s", req.request_id, reason,
+                    req.prefill_peer)
+        self._start_transfer(req)
+        return True
+
+    def _reachable_prefill(self) -> list[str]:
+        return [p for p in self.prefill_peers if p not in self.unreachable_prefill]
+
+    def _prefill_load(self, peer: str) -> int:
+        return sum(t.prefill_peer == peer for t in self.kv.transfers.values())
 
     def resync_drafter(self, peer: str) -> None:
         """``peer`` restarted (new incarnation): re-open its requests with DraftSync."""
@@ -140,7 +212,7 @@ class VerifierWorker(MailboxWorker):
                     self.lifecycle.finish(req, FinishReason.ABORT, msg.reason,
                                           num_output_tokens=msg.num_output_tokens)
             elif isinstance(msg, PrefillCancelAck):
-                t = self.kv.on_cancel_ack(msg.transfer_id)
+                t = self.kv.on_cancel_ack(peer, msg.transfer_id)
                 req = self.lifecycle.get(t.request_id if t else None)
                 if req is not None and req.status is RequestStatus.CANCELLING:
                     self.lifecycle.release(req)
@@ -197,16 +269,20 @@ class VerifierWorker(MailboxWorker):
     # -- the loop --------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        load = lambda p: sum(t.prefill_peer == p for t in self.kv.transfers.values())  # noqa: E731
-        for req in self.scheduler.admit(self.requests.values(), self.prefill_peers, load):
-            req.transfer_id = self._next_transfer_id
-            self._next_transfer_id += 1
-            self.kv.start(req.request_id, req.transfer_id, req.prefill_peer, req.block_table,
-                          req.prompt_len)
-            self.send(req.prefill_peer, PrefillRequest(
-                request_id=req.request_id, transfer_id=req.transfer_id,
-                prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                block_table=req.block_table, draft_method=self.config.draft_method))
+        for req in self.scheduler.admit(self.requests.values(), self._reachable_prefill(),
+                                        self._prefill_load):
+            self._start_transfer(req)
+
+    def _start_transfer(self, req: Request) -> None:
+        """A new transfer (a fresh id) of ``req``'s prompt KV from ``req.prefill_peer``."""
+        req.transfer_id = self._next_transfer_id
+        self._next_transfer_id += 1
+        self.kv.start(req.request_id, req.transfer_id, req.prefill_peer, req.block_table,
+                      req.prompt_len)
+        self.send(req.prefill_peer, PrefillRequest(
+            request_id=req.request_id, transfer_id=req.transfer_id,
+            prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+            block_table=req.block_table, draft_method=self.config.draft_method))
 
     def _wait_for_tails(self, running: list[Request]) -> None:
         """Give tails in flight the scheduler's budget (a fraction of one step) to arrive."""
@@ -219,19 +295,27 @@ class VerifierWorker(MailboxWorker):
             self.handle(env)
 
     def _check_timeouts(self) -> None:
-        for t in self.kv.timed_out(self.config.prefill_timeout_s):
+        """A transfer not complete within ``prefill_timeout_s`` fails its request (and is
+        cancelled); a cancel not acknowledged within ``prefill_timeout_s`` ends as if its peer
+        were gone (frames that come later carry an id no transfer has: they are dropped)."""
+        timeout = self.config.prefill_timeout_s
+        for t in self.kv.timed_out(timeout):
             if (req := self.requests.get(t.request_id)) is not None:
                 self.lifecycle.finish(req, FinishReason.ERROR, "KV transfer timed out")
+        for t in self.kv.cancel_unacked(timeout):
+            self._orphans.setdefault(t.transfer_id, f"no cancel acknowledgement from "
+                                     f"{t.prefill_peer} within {timeout:g} s")
 
     def step(self, timeout_s: float = 0.0) -> int:
         """One iteration; waits up to ``timeout_s`` for input only when idle.
         Returns the number of requests in the verify forward. Phases go to ``self.profile``:
         ingest, admit, tail_wait, plan, forward, verify, commit (commit includes its sends)."""
         prof = self.profile
-        busy = bool(self.lifecycle.running() or self.scheduler.waiting)
+        busy = bool(self.lifecycle.running() or self.scheduler.waiting or self._orphans)
         self.ingest(0.0 if busy else timeout_s)
         t0 = time.monotonic()
         self._check_timeouts()
+        self._end_orphans()
         with prof.phase("admit"):
             self._admit()
         running = self.lifecycle.running()

@@ -27,9 +27,25 @@ class VerifierHost(RoleHost):
         # A drafter that restarted (new incarnation) gets DraftSync for its requests.
         if peer.role == Role.DRAFTER.value and is_new:
             self.worker.resync_drafter(peer.name)
+        elif peer.role == Role.PREFILL.value:
+            self._prefill_incarnation(peer.name, peer.incarnation)
+
+    def _prefill_incarnation(self, peer: str, incarnation: int | None) -> None:
+        """A prefill worker's incarnation as its HelloAck or the roster says: a new one
+        (restarted, maybe on a new port) can send no more frames for the transfers its
+        previous life held (the worker frees or re-issues them)."""
+        known = self.__dict__.setdefault("_prefill_incarnations", {})
+        if incarnation is None or incarnation < 0:
+            return
+        old = known.get(peer)
+        known[peer] = incarnation
+        if old is not None and old != incarnation:
+            self.worker.prefill_restarted(peer)
 
     def apply_roster(self, roster: list[dict]) -> None:
         prefill, drafters = peers_of(roster, Role.PREFILL), peers_of(roster, Role.DRAFTER)
+        for r in prefill:
+            self._prefill_incarnation(r["instance_id"], r.get("incarnation"))
         self.connect_only(prefill + drafters)
         self.worker.set_roster([r["instance_id"] for r in prefill],
                                [r["instance_id"] for r in drafters])
