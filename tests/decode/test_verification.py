@@ -4,6 +4,8 @@ model, so the rows each rule sees are known exactly)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -131,3 +133,71 @@ def test_verify_step_groups_requests_by_rule(monkeypatch):
     (batch,) = seen
     assert batch.draft_token_ids.tolist() == [7, 7, 7]
     assert torch.equal(batch.target_logits, runner.logits[1])
+
+
+def test_rejection_rule_processes_every_row_and_uses_full_draft_probs():
+    """Drafts sampled from the very distribution the target samples from always pass (full
+    draft_probs: u * q < p with q == p); one-hot drafts outside top-k never do (every verified
+    row, not only the bonus one, is processed with the request's top_k)."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB)
+    sp = SamplingParams(temperature=0.7, top_k=3)
+    drafts = logits[:3].topk(3).indices[:, 0]  # each row's most likely token
+    batch = RuleBatch(draft_token_ids=drafts, cu_num_draft_tokens=torch.tensor([3]),
+                      target_logits=logits, sampling=[sp],
+                      generator=torch.Generator().manual_seed(1))
+    from engine.sampling import processed_probs
+    target_probs = processed_probs(logits, [sp], [4])
+    full = dataclasses.replace(batch, draft_probs=target_probs[:3])
+    for _ in range(20):
+        out, accept_len = get_rule("rejection").verify(full)
+        assert accept_len.tolist() == [3] and out[0, :3].tolist() == drafts.tolist()
+        assert int(out[0, 3]) in logits[3].topk(3).indices.tolist()  # bonus inside top-k
+    outside = logits[0].topk(VOCAB).indices[-1:]  # the least likely token of row 0
+    low = RuleBatch(draft_token_ids=outside, cu_num_draft_tokens=torch.tensor([1]),
+                    target_logits=logits[:2], sampling=[sp])
+    for _ in range(20):
+        out, accept_len = get_rule("rejection").verify(low)
+        assert accept_len.tolist() == [0]
+        assert int(out[0, 0]) in logits[0].topk(3).indices.tolist()  # recovered inside top-k
+
+
+def test_coupled_rule_needs_positions():
+    batch = RuleBatch(draft_token_ids=torch.tensor([1]), cu_num_draft_tokens=torch.tensor([1]),
+                      target_logits=torch.randn(2, VOCAB),
+                      sampling=[SamplingParams(temperature=1.0, seed=3)])
+    with pytest.raises(ValueError, match="positions"):
+        get_rule("coupled").verify(batch)
+
+
+def test_verify_step_mixes_greedy_sampled_and_seeded_requests():
+    """One forward, three rules: greedy rows match the argmax, the seeded row is the coupled
+    rule at positions starting from the request's committed length, the sampled row comes from
+    the verifier's generator (the same generator seed gives the same tokens)."""
+    from kernels.coupled_sample import coupled_sample_ref
+    from engine.sampling import processed_probs
+
+    torch.manual_seed(0)
+    greedy_logits = one_hot_logits([4, 9, 3])
+    seeded_logits, sampled_logits = torch.randn(3, VOCAB), torch.randn(4, VOCAB)
+    seeded_sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, seed=123)
+    sampled_sp = SamplingParams(max_tokens=16, temperature=1.0)
+
+    def plan():
+        p = [planned("g", [4, 5]), planned("c", [2, 6]), planned("r", [1, 1, 1])]
+        p[1].request.sampling, p[2].request.sampling = seeded_sp, sampled_sp
+        p[1].request.output_token_ids = [8, 3, 3, 7]  # committed_len 4
+        return p
+
+    runs = []
+    for _ in range(2):
+        runner = ScriptedRunner([greedy_logits, seeded_logits, sampled_logits])
+        runs.append(VerifyStep(runner, seed=5).run(plan()))  # type: ignore[arg-type]
+    g, c, r = runs[0]
+    assert (g.token_ids, g.accept_len) == ([4, 9], 1)
+    want, want_len = coupled_sample_ref(
+        torch.tensor([2, 6]), torch.tensor([2]), processed_probs(seeded_logits, [seeded_sp], [3]),
+        torch.tensor([123]), torch.tensor([4]))
+    assert c.accept_len == int(want_len[0]) and c.token_ids == want[0, :c.accept_len + 1].tolist()
+    assert len(r.token_ids) == r.accept_len + 1 and r.num_draft_tokens == 3
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
