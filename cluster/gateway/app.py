@@ -108,6 +108,7 @@ class _Gateway:
             max_tokens=max_tokens, temperature=float(temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=max(0, body.top_k or 0), seed=body.seed,
+            min_p=0.0 if body.min_p is None else float(body.min_p),
             stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                sampling=sampling, num_speculative_tokens=body.num_speculative_tokens)

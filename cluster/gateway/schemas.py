@@ -1,20 +1,104 @@
 """Request bodies of the OpenAI-compatible endpoints and OpenAI-style errors.
 
-Unknown fields are ignored (clients send many optional OpenAI fields); fields we cannot honour
-(``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``) are refused with HTTP 400 rather than
-silently dropped.
+Every OpenAI and vLLM request field is in exactly one of three groups (a test iterates the
+OpenAI client's own field lists):
+
+- honoured: declared below, typed strictly (no ``"7"`` or ``true`` for a number) and
+  range-checked, so nothing reaches the wire that it cannot encode (integers within 64 bits;
+  a value out of range is HTTP 400 naming the field): ``model``, ``prompt`` / ``messages``,
+  ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
+  ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``stream``,
+  ``stream_options``, ``n`` (1 only), ``num_speculative_tokens``, ``request_id``;
+- without effect on the output, accepted and ignored: :data:`NO_OUTPUT_EFFECT` (``user``,
+  ``metadata``, ``store``, ...);
+- changing the output and not honoured: :data:`COMMON_REFUSED` plus the endpoint's own
+  table, refused with HTTP 400 naming the field unless the value is absent, null or the
+  neutral one listed (``frequency_penalty: 0`` passes, ``0.5`` does not).
+
+Other unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 #: longest client-supplied request id (body ``request_id`` or header ``X-Request-Id``)
 MAX_REQUEST_ID_LEN = 256
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+#: a count that must fit the wire (msgpack's int64) and be >= 1 / >= 0
+PositiveInt64 = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
+NonNegInt64 = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+#: a finite JSON number (StrictFloat takes integers too, never strings or booleans)
+Number = StrictFloat
+
+#: fields without effect on the output tokens: accepted and ignored
+NO_OUTPUT_EFFECT = frozenset({
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "safety_identifier", "parallel_tool_calls", "priority",
+    "cache_salt", "kv_transfer_params",
+})
+
+#: fields that change the output and are not honoured -> the values that change nothing
+#: (absent and null always pass); anything else is HTTP 400 naming the field
+COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
+    # OpenAI
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "top_logprobs": (), "best_of": (1,),
+    "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "prediction": (), "audio": (),
+    "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
+    "web_search_options": (), "moderation": (),
+    # vLLM extensions
+    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,),
+    "length_penalty": (1,), "early_stopping": (False,), "bad_words": ([],),
+    "allowed_token_ids": (), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "structured_outputs": (),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "mm_processor_kwargs": (), "vllm_xargs": (),
+}
+#: /v1/completions only (prompts are tokenized with the tokenizer's special tokens)
+COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
+    **COMMON_REFUSED, "logprobs": (), "add_special_tokens": (True,),
+    "max_completion_tokens": (),
+}
+#: /v1/chat/completions only (the chat template with the generation prompt, DESIGN.md §2.1)
+CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
+    **COMMON_REFUSED, "logprobs": (False,), "add_special_tokens": (False,),
+    "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
+}
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """``value == neutral`` with JSON types kept apart (``false`` is not ``0``)."""
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    if isinstance(neutral, (int, float)):
+        return isinstance(value, (int, float)) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def refuse_unhonoured(fields: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
+    """HTTP 400 naming the first field of ``table`` whose value would change the output.
+
+    Raises:
+        GatewayError: 400 with ``param`` = the field.
+    """
+    for name, value in fields.items():
+        neutrals = table.get(name)
+        if neutrals is None or value is None or any(_same(value, n) for n in neutrals):
+            continue
+        allowed = " or ".join(repr(n) for n in neutrals)
+        raise bad_request(f"{name} is not supported by this server"
+                          + (f" (only {allowed})" if allowed else ""), param=name)
 
 
 class GatewayError(Exception):
@@ -48,28 +132,30 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _CommonRequest(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions (module docstring: the groups)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # extra fields are kept (model_extra) so that check_supported can refuse unhonoured ones
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = COMMON_REFUSED
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM extension; 0 / -1 = off
-    seed: int | None = None
+    max_tokens: PositiveInt64 | None = None
+    temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT64_MAX)  # vLLM; 0 / -1 = off
+    min_p: Number | None = Field(default=None, ge=0.0, le=1.0)  # vLLM extension
+    seed: StrictInt | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension
-    num_speculative_tokens: int | None = Field(default=None, ge=0)  # specmesh: this request's kappa
-    stream: bool = False
+    stop_token_ids: list[NonNegInt64] | None = None  # vLLM extension
+    ignore_eos: StrictBool = False  # vLLM extension
+    num_speculative_tokens: NonNegInt64 | None = None  # specmesh: this request's kappa
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    user: str | None = None
+    n: StrictInt = Field(default=1, ge=INT64_MIN, le=INT64_MAX)
     # vLLM extension: the client's request id (or header X-Request-Id); the response id is
     # ``cmpl-<id>`` / ``chatcmpl-<id>``; one already in flight is refused with HTTP 409
     request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_LEN)
@@ -84,47 +170,32 @@ class _CommonRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        """Refuse options this gateway does not implement (HTTP 400)."""
+        """Refuse options this gateway does not implement (HTTP 400 naming the field):
+        ``n != 1`` and every field of the endpoint's refused table with a value that would
+        change the output."""
         if self.n != 1:
             raise bad_request("only n=1 is supported", param="n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
+        refuse_unhonoured(self.model_extra or {}, self.refused)
 
 
 class CompletionRequest(_CommonRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_REFUSED
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
-        if self.logprobs is not None:
-            raise bad_request("logprobs are not supported", param="logprobs")
-        if self.best_of not in (None, 1):
-            raise bad_request("only best_of=1 is supported", param="best_of")
-        if self.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
+    prompt: str | list[int] | list[str] | list[list[int]]
 
 
 class ChatCompletionRequest(_CommonRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_REFUSED
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs")
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: PositiveInt64 | None = None
 
     def output_limit(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
