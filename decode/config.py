@@ -29,7 +29,9 @@ class VerifierConfig:
     admission; one more is refused (HTTP 429 at the gateway). ``tail_wait_fraction`` bounds how
     long a step may wait for a draft tail in flight, as a fraction of the measured step time.
     ``prefill_timeout_s``: a KV transfer not complete by then is cancelled and the request
-    fails. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
+    fails. ``drafter_silence_s``: a drafter that owes a tail (a DraftSync or VerifyCommit it
+    has not answered) for longer is treated as gone for the tail wait: no step waits for its
+    requests until it is heard from again. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
     accept length (never changes the output, only the cost). ``draft_method`` is told to the
     prefill worker so that it ships the right seed state. ``incarnation`` is this process's
     (a ``time.time_ns()`` stamp, as in Hello): transfer ids are ``incarnation + 1, + 2, ...``,
@@ -49,6 +51,7 @@ class VerifierConfig:
     max_model_len: int = 2048
     tail_wait_fraction: float = 0.25
     prefill_timeout_s: float = 120.0
+    drafter_silence_s: float = 1.0
     draft_method: str = "ngram"
     eos_token_ids: tuple[int, ...] = ()
     adaptive_drafts: bool = True

@@ -45,6 +45,7 @@ class RequestLifecycle:
         self.send = send
         self.requests: dict[str, Request] = {}
         self.drafter_peers: list[str] = []
+        self.lost_drafters: set[str] = set()  # sends to them failed: no new requests there
 
     def get(self, request_id: str | None) -> Request | None:
         return self.requests.get(request_id) if request_id is not None else None
@@ -57,23 +58,29 @@ class RequestLifecycle:
     def open_draft(self, req: Request) -> None:
         """Assign ``req`` a drafter (least loaded) and open it there with DraftSync; without
         one (speculation off, quarantined, none known) the request runs as plain decode."""
-        req.drafter = self.scheduler.pick_drafter(req, self.requests.values(), self.drafter_peers)
+        usable = [p for p in self.drafter_peers if p not in self.lost_drafters]
+        req.drafter = self.scheduler.pick_drafter(req, self.requests.values(), usable)
         if req.drafter is not None:
             self.sync_draft(req)
 
     def sync_draft(self, req: Request) -> None:
         """(Re-)open ``req`` on its drafter: the committed prefix is the truth it aligns to."""
         req.tail.reset(req.committed_len)
-        self.send(req.drafter, DraftSync(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            committed_token_ids=list(req.output_token_ids), sampling=req.sampling))
-        req.tail_in_flight = True
+        if self.send(req.drafter, DraftSync(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                committed_token_ids=list(req.output_token_ids), sampling=req.sampling)):
+            req.tail_in_flight = True  # (a failed send put the request on plain decode)
 
     def set_drafters(self, drafter_peers: list[str]) -> None:
         """Replace the known drafters; a running request whose drafter vanished is re-opened
         on another (or runs without drafts)."""
         self.drafter_peers = list(drafter_peers)
+        self.lost_drafters &= set(drafter_peers)
         for req in list(self.requests.values()):
+            if req.lost_drafter is not None and req.lost_drafter not in drafter_peers:
+                req.lost_drafter = None
+                if req.status is RequestStatus.RUNNING and req.drafter is None:
+                    self.open_draft(req)
             if req.drafter is not None and req.drafter not in drafter_peers:
                 req.drafter = None
                 req.tail.reset(req.committed_len)
@@ -110,6 +117,34 @@ class RequestLifecycle:
             raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
         self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before
         req.tail_in_flight = False
+
+    def drop_draft(self, req: Request) -> None:
+        """``req`` runs without its drafter from now on (the drafter closed it): no tail is
+        owed, none is waited for."""
+        req.drafter = None
+        req.tail_in_flight = False
+        req.tail.reset(req.committed_len)
+
+    def lose_drafter(self, peer: str) -> None:
+        """A send to drafter ``peer`` failed (not draining, unreachable): its requests run as
+        plain decode and are re-synced with DraftSync when it is back
+        (:meth:`restore_drafter`); new requests go elsewhere."""
+        self.lost_drafters.add(peer)
+        for req in self.requests.values():
+            if req.drafter == peer:
+                self.drop_draft(req)
+                req.lost_drafter = peer
+
+    def restore_drafter(self, peer: str) -> None:
+        """Drafter ``peer`` is heard from again (or restarted): re-open its lost requests."""
+        self.lost_drafters.discard(peer)
+        for req in self.requests.values():
+            if req.lost_drafter == peer:
+                req.lost_drafter = None
+                if req.status is RequestStatus.RUNNING and req.drafter is None \
+                        and req.spec_enabled:
+                    req.drafter = peer
+                    self.sync_draft(req)
 
     def quarantine(self, req: Request) -> None:
         """Drop ``req``'s drafter state after a bad message from it; it continues without
@@ -168,10 +203,10 @@ class RequestLifecycle:
             return
         req.tail.on_commit(req.output_token_ids)
         if req.drafter is not None and committed and notify_drafter:
-            self.send(req.drafter, VerifyCommit(
-                request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
-                committed_token_ids=committed))
-            req.tail_in_flight = True
+            if self.send(req.drafter, VerifyCommit(
+                    request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
+                    committed_token_ids=committed)):
+                req.tail_in_flight = True  # (a failed send put the request on plain decode)
         self.stream(req)
 
     def stream(self, req: Request, finished: bool = False) -> None:

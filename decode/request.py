@@ -52,6 +52,7 @@ class Request:
     num_streamed: int = 0  # output tokens already sent to the gateway
     tail: TailBuffer = field(default_factory=TailBuffer)
     drafter: str | None = None
+    lost_drafter: str | None = None  # a drafter we could not reach: re-synced when it is back
     spec_enabled: bool = True  # False once quarantined
     tail_in_flight: bool = False  # the drafter got news since its last segment
     finish_reason: FinishReason | None = None

@@ -25,6 +25,9 @@ class VerifierStats(SpecStats):
     num_protocol_errors: int = 0
     num_ignored_messages: int = 0
     num_rejected_queue_full: int = 0
+    num_tail_waits: int = 0  # steps that waited for a tail in flight
+    num_drafter_closes: int = 0  # requests a drafter closed (full): plain decode from then
+    num_drafters_lost: int = 0  # sends to a drafter that failed (not draining, unreachable)
     kv_transfer_bytes: int = 0
     ttft_seconds_total: float = 0.0
     num_ttft: int = 0

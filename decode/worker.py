@@ -25,7 +25,9 @@ from protocol.enums import FinishReason
 from protocol.errors import ProtocolError
 from protocol.messages import (
     Abort,
+    DraftClose,
     DraftNeedSync,
+    DraftSync,
     DraftTailStream,
     GenerateRequest,
     KVFrame,
@@ -33,6 +35,7 @@ from protocol.messages import (
     PrefillDone,
     PrefillRequest,
     TokenStream,
+    VerifyCommit,
 )
 from protocol.step_profile import StepProfile
 from protocol.transport import Envelope, Mailbox, MailboxWorker
@@ -72,6 +75,9 @@ class VerifierWorker(MailboxWorker):
         #: transfer id -> why its prefill peer can send no more frames for it (gone, restarted,
         #: unreachable); ended after the next ingest, so frames already received are handled
         self._orphans: dict[int, str] = {}
+        #: drafter -> monotonic time since when it owes an answer (a DraftSync / VerifyCommit
+        #: sent, nothing heard since)
+        self._drafter_owes: dict[str, float] = {}
         #: prefill peers a send failed to (refused our Hello, no channel) -> the error; not
         #: given new transfers until the roster drops them or they restart
         self.unreachable_prefill: dict[str, str] = {}
@@ -117,6 +123,12 @@ class VerifierWorker(MailboxWorker):
                                              for t in self.kv.transfers.values()):
             self.unreachable_prefill[peer] = str(err)
             self.prefill_gone(peer, f"cannot reach prefill worker {peer}: {err}")
+        elif peer in self.lifecycle.drafter_peers or any(r.drafter == peer
+                                                         for r in self.requests.values()):
+            # drafter-bound messages are dropped, never the loop: plain decode, re-sync later
+            self.stats.num_drafters_lost += 1
+            self._drafter_owes.pop(peer, None)
+            self.lifecycle.lose_drafter(peer)
 
     def _end_orphans(self) -> None:
         orphans, self._orphans = self._orphans, {}
@@ -153,10 +165,33 @@ class VerifierWorker(MailboxWorker):
         return sum(t.prefill_peer == peer for t in self.kv.transfers.values())
 
     def resync_drafter(self, peer: str) -> None:
-        """``peer`` restarted (new incarnation): re-open its requests with DraftSync."""
-        for req in self.requests.values():
+        """``peer`` restarted (new incarnation): re-open its requests with DraftSync (those
+        that lost it to a failed send too)."""
+        self._drafter_owes.pop(peer, None)
+        for req in list(self.requests.values()):
             if req.drafter == peer and req.status is RequestStatus.RUNNING:
                 self.lifecycle.sync_draft(req)
+        self.lifecycle.restore_drafter(peer)
+
+    def send(self, peer: str | None, msg: object) -> bool:
+        """Send (never blocks: a peer that is not draining fails the send, see
+        :meth:`on_send_failed`); a DraftSync or VerifyCommit that left makes its drafter owe
+        an answer (see :meth:`silent_drafters`)."""
+        ok = super().send(peer, msg)
+        if ok and isinstance(msg, (DraftSync, VerifyCommit)):
+            self._drafter_owes.setdefault(peer, time.monotonic())
+        return ok
+
+    def silent_drafters(self) -> set[str]:
+        """Drafters that owe an answer for longer than ``drafter_silence_s``: treated as
+        gone for the tail wait until they are heard from."""
+        bound = time.monotonic() - self.config.drafter_silence_s
+        return {p for p, since in self._drafter_owes.items() if since < bound}
+
+    def _heard_from_drafter(self, peer: str) -> None:
+        self._drafter_owes.pop(peer, None)
+        if peer in self.lifecycle.lost_drafters:  # draining again: re-sync its requests
+            self.lifecycle.restore_drafter(peer)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -191,11 +226,15 @@ class VerifierWorker(MailboxWorker):
         - PrefillCancelAck (prefill): a CANCELLING request's blocks are freed.
         - DraftTailStream (drafter): merged into the request's tail buffer.
         - DraftNeedSync (drafter): the request is re-opened with DraftSync.
+        - DraftClose (drafter: it dropped the request, e.g. full): the request runs as plain
+          decode; no tail is waited for.
         - ProtocolError (any peer): counted; the named request fails (during transfer) or is
           quarantined (bad drafter message).
         Anything else is counted as ignored.
         """
         msg, peer = env.msg, env.peer
+        if isinstance(msg, (DraftTailStream, DraftNeedSync, DraftClose)):
+            self._heard_from_drafter(peer)
         try:
             if isinstance(msg, ProtocolError):
                 self._on_protocol_error(msg)
@@ -220,6 +259,15 @@ class VerifierWorker(MailboxWorker):
                 req = self.requests.get(msg.request_id)
                 if req is not None and req.drafter == peer and req.status is RequestStatus.RUNNING:
                     self.lifecycle.sync_draft(req)
+            elif isinstance(msg, DraftClose):
+                req = self.requests.get(msg.request_id)
+                if req is not None and req.drafter == peer:
+                    log.info("drafter %s closed %s (%s): plain decode", peer, msg.request_id,
+                             msg.reason)
+                    self.stats.num_drafter_closes += 1
+                    self.lifecycle.drop_draft(req)
+                else:
+                    self.stats.num_ignored_messages += 1
             else:
                 self.stats.num_ignored_messages += 1
         except ProtocolError as err:
@@ -287,6 +335,10 @@ class VerifierWorker(MailboxWorker):
     def _wait_for_tails(self, running: list[Request]) -> None:
         """Give tails in flight the scheduler's budget (a fraction of one step) to arrive."""
         deadline = time.monotonic() + self.scheduler.tail_wait_budget_s()
+        silent = self.silent_drafters()
+        running = [r for r in running if r.drafter not in silent]
+        if self.scheduler.awaiting_tail(running) and deadline > time.monotonic():
+            self.stats.num_tail_waits += 1
         while self.scheduler.awaiting_tail(running):
             left = deadline - time.monotonic()
             env = self.mailbox.recv(left) if left > 0 else None

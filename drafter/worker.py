@@ -16,6 +16,9 @@ from drafter.config import DrafterConfig
 from drafter.proposer import Proposer, get_proposer
 from protocol.errors import ProtocolError
 from protocol.messages import DraftClose, DraftNeedSync, DraftSync, DraftTailStream, VerifyCommit
+
+#: DraftClose.reason a drafter sends when it has no room for a request
+DRAFTER_FULL = "drafter full"
 from protocol.step_profile import StepProfile
 from protocol.transport import Envelope, Mailbox, MailboxWorker
 
@@ -51,6 +54,7 @@ class DrafterStats:
     num_need_sync: int = 0
     num_protocol_errors: int = 0
     num_dropped_messages: int = 0  # for unknown / closed requests
+    num_refused_full: int = 0  # DraftSyncs answered DraftClose("drafter full")
 
 
 class DrafterWorker(MailboxWorker):
@@ -66,6 +70,8 @@ class DrafterWorker(MailboxWorker):
         self.mailbox = mailbox
         self.proposer = proposer or get_proposer(config.method)(**config.method_kwargs)
         self.requests: dict[str, DraftState] = {}
+        #: (verifier, request id) told DraftNeedSync and not synced since: asked only once
+        self._asked_sync: set[tuple[str, str]] = set()
         self.stats = DrafterStats()
         self.profile = StepProfile()
 
@@ -75,19 +81,24 @@ class DrafterWorker(MailboxWorker):
         """DraftSync: (re-)open the request on the verifier's committed prefix. VerifyCommit:
         advance it, keeping the path when the commit agrees and truncating it to the longest
         common prefix otherwise; a commit it cannot place answers DraftNeedSync. DraftClose:
-        drop the request. ProtocolError: counted; a named request is dropped (the verifier
-        re-syncs). Anything else, or a message for an unknown request, is counted as dropped."""
+        drop the request. ProtocolError: counted; a named request is dropped and the verifier
+        told with DraftNeedSync. A request's state is never dropped without telling its
+        verifier: a DraftSync it has no room for answers DraftClose(reason "drafter full"), a
+        commit for a request it does not know answers DraftNeedSync (once until the next
+        DraftSync). Anything else is counted as dropped."""
         msg = env.msg
         if isinstance(msg, ProtocolError):
             self.stats.num_protocol_errors += 1
-            if msg.request_id in self.requests:  # quarantine: the verifier will re-sync
-                self._drop(msg.request_id)
+            st = self.requests.get(msg.request_id) if msg.request_id is not None else None
+            if st is not None and st.verifier == env.peer:  # the verifier re-syncs it
+                self._need_sync(st, f"protocol error: {msg}")
             return
         if isinstance(msg, DraftSync):
             self._on_sync(env.peer, msg)
         elif isinstance(msg, VerifyCommit):
             self._on_commit(env.peer, msg)
         elif isinstance(msg, DraftClose):
+            self._asked_sync.discard((env.peer, msg.request_id))
             if msg.request_id in self.requests:
                 self._drop(msg.request_id)
             else:
@@ -98,10 +109,13 @@ class DrafterWorker(MailboxWorker):
 
     def _on_sync(self, peer: str, msg: DraftSync) -> None:
         self.stats.num_syncs += 1
+        self._asked_sync.discard((peer, msg.request_id))
         if msg.request_id in self.requests:
             self.proposer.close(msg.request_id)
         elif len(self.requests) >= self.config.max_requests:
-            log.warning("drafter full; ignoring DraftSync for %s", msg.request_id)
+            log.warning("drafter full; closing %s", msg.request_id)
+            self.stats.num_refused_full += 1
+            self.send(peer, DraftClose(request_id=msg.request_id, reason=DRAFTER_FULL))
             return
         st = DraftState(msg.request_id, peer, list(msg.prompt_token_ids),
                         list(msg.committed_token_ids))
@@ -110,8 +124,14 @@ class DrafterWorker(MailboxWorker):
 
     def _on_commit(self, peer: str, msg: VerifyCommit) -> None:
         st = self.requests.get(msg.request_id)
-        if st is None:
+        if st is None:  # dropped here (or never opened): the verifier must not wait for it
             self.stats.num_dropped_messages += 1
+            if (peer, msg.request_id) not in self._asked_sync:
+                self._asked_sync.add((peer, msg.request_id))
+                self.stats.num_need_sync += 1
+                self.send(peer, DraftNeedSync(request_id=msg.request_id,
+                                              reason="commit for a request the drafter "
+                                                     "does not hold"))
             return
         self.stats.num_commits += 1
         toks = list(msg.committed_token_ids)
@@ -146,6 +166,7 @@ class DrafterWorker(MailboxWorker):
     def _need_sync(self, st: DraftState, reason: str) -> None:
         self.stats.num_need_sync += 1
         self._drop(st.request_id)
+        self._asked_sync.add((st.verifier, st.request_id))
         self.send(st.verifier, DraftNeedSync(request_id=st.request_id, reason=reason))
 
     def _drop(self, request_id: str) -> None:

@@ -38,13 +38,17 @@ HIGH_WATER_MARK = 100_000  # messages; KV streams are bursty
 
 class ZmqMailbox(Mailbox):
     """Mailbox over ZMQ TCP. ``on_hello(peer_info, is_new)`` is called (in the recv thread) when
-    a peer completes a handshake; ``is_new`` is False for a repeat of a known incarnation."""
+    a peer completes a handshake; ``is_new`` is False for a repeat of a known incarnation.
+    ``hwm``: messages queued per peer before ``send`` fails with PeerUnavailable (a send
+    never blocks)."""
 
     def __init__(self, name: str, role: str, *, host: str = "127.0.0.1", port: int = 0,
                  model: ModelIdentity | None = None, draft_method: str = "",
                  incarnation: int | None = None,
-                 on_hello: Callable[[PeerInfo, bool], None] | None = None) -> None:
+                 on_hello: Callable[[PeerInfo, bool], None] | None = None,
+                 hwm: int = HIGH_WATER_MARK) -> None:
         self.name = name
+        self.hwm = hwm
         self.role = role
         self.model = model
         self.draft_method = draft_method
@@ -77,8 +81,8 @@ class ZmqMailbox(Mailbox):
         s = self.ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        s.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
-        s.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        s.setsockopt(zmq.SNDHWM, self.hwm)
+        s.setsockopt(zmq.RCVHWM, self.hwm)
         return s
 
     def hello(self) -> Hello:
@@ -158,13 +162,17 @@ class ZmqMailbox(Mailbox):
         if peer in self.refused:
             raise PeerUnavailable(f"{peer} refused our Hello: {self.refused[peer]}")
         s = self.dealers.get(peer)
-        try:
+        try:  # never blocks: a peer that is not draining (high-water mark) fails the send
             if s is not None:
-                s.send_multipart(frames, copy=False)
+                s.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             elif peer in self.accepted:
-                self.router.send_multipart([peer.encode()] + list(frames), copy=False)
+                self.router.send_multipart([peer.encode()] + list(frames), flags=zmq.NOBLOCK,
+                                           copy=False)
             else:
                 raise PeerUnavailable(f"no channel to {peer!r}")
+        except zmq.Again as err:
+            raise PeerUnavailable(f"{peer!r} is not draining its messages (send queue at the "
+                                  f"high-water mark of {self.hwm})") from err
         except zmq.ZMQError as err:
             raise PeerUnavailable(f"cannot send to {peer!r}: {err}") from err
 
@@ -226,7 +234,10 @@ class ZmqMailbox(Mailbox):
             info.num_connects += 1
             if info.num_connects > 1:  # a reconnect: the peer may be new, say Hello again
                 info.acked = False
-                self.dealers[peer].send_multipart(encode(self.hello()))
+                try:
+                    self.dealers[peer].send_multipart(encode(self.hello()), flags=zmq.NOBLOCK)
+                except zmq.ZMQError as err:  # not draining: the next reconnect says it again
+                    log.warning("%s: Hello to %s not sent: %s", self.name, peer, err)
         else:
             peer = next((p for p, s in self.dealers.items() if s is sock), None)
             if peer is None:
@@ -262,7 +273,7 @@ class ZmqMailbox(Mailbox):
             ack = HelloAck(accepted=not why, role=self.role, instance_id=self.name,
                            incarnation=self.incarnation, error=why)
             try:
-                self.router.send_multipart([peer.encode()] + encode(ack))
+                self.router.send_multipart([peer.encode()] + encode(ack), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             if why:
