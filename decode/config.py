@@ -29,9 +29,10 @@ class VerifierConfig:
     admission; one more is refused (HTTP 429 at the gateway). ``tail_wait_fraction`` bounds how
     long a step may wait for a draft tail in flight, as a fraction of the measured step time.
     ``prefill_timeout_s``: a KV transfer not complete by then is cancelled and the request
-    fails. ``drafter_silence_s``: a drafter that owes a tail (a DraftSync or VerifyCommit it
-    has not answered) for longer is treated as gone for the tail wait: no step waits for its
-    requests until it is heard from again. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
+    fails; a cancel not acknowledged by then frees the blocks. ``drafter_silence_s``: a
+    drafter that owes a tail (a DraftSync or VerifyCommit it has not answered) for longer is
+    treated as gone for the tail wait: no step waits for its requests until it is heard from
+    again. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
     accept length (never changes the output, only the cost). ``draft_method`` is told to the
     prefill worker so that it ships the right seed state. ``incarnation`` is this process's
     (a ``time.time_ns()`` stamp, as in Hello): transfer ids are ``incarnation + 1, + 2, ...``,
