@@ -3,8 +3,8 @@
 For each PrefillRequest it allocates blocks in its own KV cache, runs the prompt (in chunks of
 ``chunk_size`` tokens when long), samples output position 0 with the request's sampling mode
 (engine/sampling.py: greedy, seeded = the coupled rule at position 0, or random), streams the
-prompt's KV to the verifier as KVFrames stamped (request id, transfer id, layer range, chunk index) and finishes
-with PrefillDone carrying the frame count and byte total. KV frames and PrefillDone go on the
+prompt's KV to the verifier as KVFrames stamped (request id, transfer id, layer range, chunk
+index) and finishes with PrefillDone carrying the frame count and byte total. KV frames and PrefillDone go on the
 same ordered channel. A PrefillCancel is acknowledged once no frame of that transfer can follow.
 """
 

@@ -172,7 +172,8 @@ class SamplingParams:
     def invalid_reason(self) -> str:
         """Why these parameters can never be sampled ("" when they can): a temperature that is
         negative or not finite, ``top_p`` outside ``(0, 1]``, ``min_p`` outside ``[0, 1]``, a
-        ``top_k`` beyond int64, a seed outside ``[-2**63, 2**64)``. Pure Python (the scheduler and prefill call it)."""
+        ``top_k`` beyond int64, a seed outside ``[-2**63, 2**64)``. Pure Python (the scheduler
+        and the prefill worker call it)."""
         t = self.temperature
         if not (t >= 0 and t != float("inf")):  # also refuses NaN
             return f"temperature must be finite and >= 0, got {t!r}"
