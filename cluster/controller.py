@@ -18,6 +18,7 @@ class Controller:
         self.roster: dict[str, dict] = {}  # instance_id -> info (role, endpoint, incarnation...)
         self.handles: dict[str, object] = {}
         self.version = 0
+        self.epoch = time.time_ns()  # a restarted controller counts versions anew
 
     def register(self, info: dict, handle: object = None) -> int:
         """Add or replace ``info['instance_id']``; returns the roster version."""
@@ -47,7 +48,7 @@ class Controller:
         roster = self.get_roster()
         for iid, handle in list(self.handles.items()):
             try:
-                _call(handle, "update_roster", roster)
+                _call(handle, "update_roster", roster, (self.epoch, self.version))
             except Exception as err:  # a dead role is removed when it re-registers or dies
                 log.warning("roster push to %s failed: %s", iid, err)
 

@@ -37,6 +37,8 @@ class RoleHost:
         self.incarnation = time.time_ns()
         self.num_calls = 0  # Ray method calls served: must not grow with generated tokens
         self._error = ""
+        self._roster_version: tuple[int, int] | None = None
+        self._roster_lock = threading.Lock()
         self.set_threads()
         identity = self.model_identity()
         self.mailbox = ZmqMailbox(instance_id, self.role.value, host=cfg.host, model=identity,
@@ -98,10 +100,25 @@ class RoleHost:
         self.num_calls += 1
         return self.describe()
 
-    def update_roster(self, roster: list[dict]) -> None:
-        """Hand the new roster to the loop thread."""
+    def update_roster(self, roster: list[dict],
+                      version: tuple[int, int] | None = None) -> None:
+        """Hand the new roster to the loop thread. Ray runs the calls of this threaded actor
+        concurrently and in any order: a roster older than the newest one applied from the same
+        controller (``version`` = (controller epoch, roster version)) is dropped, else a late
+        push would undo a newer one (seen: a gateway left with a roster without its verifier)."""
         self.num_calls += 1
-        self.mailbox.call_soon(lambda: self.apply_roster(roster))
+
+        def apply() -> None:
+            with self._roster_lock:
+                last = self._roster_version
+                if version is not None and last is not None and version[0] == last[0] \
+                        and version[1] <= last[1]:
+                    return
+                if version is not None:
+                    self._roster_version = version
+                self.apply_roster(roster)
+
+        self.mailbox.call_soon(apply)
 
     def connect_only(self, peers: list[dict]) -> None:
         """Keep dealer connections to exactly ``peers`` (loop thread only)."""
