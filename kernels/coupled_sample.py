@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 from triton.runtime import JITFunction
 
-from kernels.greedy_verify import _num_drafts, greedy_verify_ref, greedy_verify_triton
+from kernels.greedy_verify import greedy_verify_ref, greedy_verify_triton
+from kernels.ragged import num_drafts as _num_drafts
 from kernels.greedy_verify import _validate as _validate_greedy
 
 

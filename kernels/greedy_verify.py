@@ -26,8 +26,10 @@ import triton.language as tl
 from triton.runtime import JITFunction
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
+from kernels.ragged import CU_DTYPES, resolve_max_num_draft_tokens
+from kernels.ragged import num_drafts as _num_drafts
 
-_CU_DTYPES = (torch.int32, torch.int64)
+_CU_DTYPES = CU_DTYPES
 
 
 def _validate(
@@ -67,37 +69,8 @@ def _validate(
     if target_token_ids.numel() != num_draft_total + batch:
         raise ValueError(f"target_token_ids has {target_token_ids.numel()} tokens, expected "
                          f"num_draft_total + batch = {num_draft_total} + {batch}")
-    if max_num_draft_tokens is not None and (
-            isinstance(max_num_draft_tokens, bool) or not isinstance(max_num_draft_tokens, int)
-            or max_num_draft_tokens < 0):
-        raise ValueError(f"max_num_draft_tokens must be an int >= 0, got {max_num_draft_tokens!r}")
-    if batch == 0:
-        if num_draft_total:
-            raise ValueError("drafts given for an empty batch")
-        return max_num_draft_tokens or 0
-    if cu_num_draft_tokens.is_cuda:
-        if max_num_draft_tokens is None:
-            max_num_draft_tokens = int(_num_drafts(cu_num_draft_tokens).max())
-        return max_num_draft_tokens
-    cu = cu_num_draft_tokens.tolist()
-    counts = [cu[0]] + [b - a for a, b in zip(cu, cu[1:])]
-    if min(counts) < 0:
-        raise ValueError(f"cu_num_draft_tokens must be a non-decreasing cumsum >= 0, got {cu}")
-    if cu[-1] != num_draft_total:
-        raise ValueError(f"cu_num_draft_tokens ends at {cu[-1]}, draft_token_ids has "
-                         f"{num_draft_total} tokens")
-    if max_num_draft_tokens is None:
-        return max(counts)
-    if max(counts) > max_num_draft_tokens:
-        raise ValueError(f"a request has {max(counts)} drafts > max_num_draft_tokens="
-                         f"{max_num_draft_tokens}")
-    return max_num_draft_tokens
-
-
-def _num_drafts(cu_num_draft_tokens: torch.Tensor) -> torch.Tensor:
-    """Per-request draft counts ``[batch]`` (int64) from the inclusive cumsum."""
-    cu = cu_num_draft_tokens.to(torch.int64)
-    return torch.diff(cu, prepend=cu.new_zeros(1))
+    return resolve_max_num_draft_tokens(cu_num_draft_tokens, num_draft_total,
+                                        max_num_draft_tokens)[0]
 
 
 def greedy_verify_ref(

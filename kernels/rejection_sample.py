@@ -44,9 +44,10 @@ import triton.language as tl
 from triton.runtime import JITFunction
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
-from kernels.greedy_verify import _num_drafts
+from kernels.ragged import CU_DTYPES, resolve_max_num_draft_tokens
+from kernels.ragged import num_drafts as _num_drafts
 
-_CU_DTYPES = (torch.int32, torch.int64)
+_CU_DTYPES = CU_DTYPES
 _PROB_DTYPES = (torch.float32, torch.float64)
 _UNIFORM_DTYPES = (torch.float32, torch.float64)
 
@@ -119,36 +120,16 @@ def _validate(
     if tuple(exponential_noise.shape) != (batch, vocab):
         raise ValueError(f"exponential_noise must be [{batch}, {vocab}], "
                          f"got {tuple(exponential_noise.shape)}")
-    if max_num_draft_tokens is not None and (
-            isinstance(max_num_draft_tokens, bool) or not isinstance(max_num_draft_tokens, int)
-            or max_num_draft_tokens < 0):
-        raise ValueError(f"max_num_draft_tokens must be an int >= 0, got {max_num_draft_tokens!r}")
-    if batch == 0:
-        if num_draft_total:
-            raise ValueError("drafts given for an empty batch")
-        return max_num_draft_tokens or 0
-    if cu_num_draft_tokens.is_cuda:
-        if max_num_draft_tokens is None:
-            max_num_draft_tokens = int(_num_drafts(cu_num_draft_tokens).max())
+    max_num_draft_tokens, counts = resolve_max_num_draft_tokens(
+        cu_num_draft_tokens, num_draft_total, max_num_draft_tokens)
+    if counts is None:  # CUDA: content checks need the values on the host
         return max_num_draft_tokens
-    cu = cu_num_draft_tokens.tolist()
-    counts = [cu[0]] + [b - a for a, b in zip(cu, cu[1:])]
-    if min(counts) < 0:
-        raise ValueError(f"cu_num_draft_tokens must be a non-decreasing cumsum >= 0, got {cu}")
-    if cu[-1] != num_draft_total:
-        raise ValueError(f"cu_num_draft_tokens ends at {cu[-1]}, draft_token_ids has "
-                         f"{num_draft_total} tokens")
     if num_draft_total and not bool(((draft_token_ids >= 0) & (draft_token_ids < vocab)).all()):
         raise ValueError(f"draft_token_ids must be in [0, {vocab})")
     if not bool(((uniform_samples >= 0) & (uniform_samples < 1)).all()):
         raise ValueError("uniform_samples must be in [0, 1)")
     if not bool(((exponential_noise > 0) & torch.isfinite(exponential_noise)).all()):
         raise ValueError("exponential_noise must be finite and > 0")
-    if max_num_draft_tokens is None:
-        return max(counts)
-    if max(counts) > max_num_draft_tokens:
-        raise ValueError(f"a request has {max(counts)} drafts > max_num_draft_tokens="
-                         f"{max_num_draft_tokens}")
     return max_num_draft_tokens
 
 
