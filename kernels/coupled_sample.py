@@ -40,7 +40,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
+
+from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 from kernels.greedy_verify import greedy_verify_ref, greedy_verify_triton
 from kernels.ragged import num_drafts as _num_drafts
@@ -293,22 +294,17 @@ def _log_consts(device: torch.device) -> torch.Tensor:
 
 
 def _interpret_mode() -> bool:
-    """Whether ``TRITON_INTERPRET`` is on now (triton reads the environment on each access)."""
-    return bool(triton.knobs.runtime.interpret)
+    """See :func:`kernels.triton_mode.interpret_mode`."""
+    return interpret_mode()
 
 
 def _kernel_is_interpreted() -> bool:
-    """Whether ``@triton.jit`` made an interpreted kernel (``TRITON_INTERPRET=1`` must be in the
-    environment before triton is imported)."""
-    return not isinstance(_gumbel_sample_kernel, JITFunction)
+    """Whether this module's kernel was decorated interpreted (see :mod:`kernels.triton_mode`)."""
+    return is_interpreted(_gumbel_sample_kernel)
 
 
 def _check_kernel_device(t: torch.Tensor) -> None:
-    if not t.is_cuda and not _kernel_is_interpreted():
-        if _interpret_mode():
-            raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set it in "
-                               "the environment before the process imports triton")
-        raise ValueError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+    check_runnable(t.is_cuda, _gumbel_sample_kernel)
 
 
 def coupled_exponential_noise_triton(seeds: torch.Tensor, positions: torch.Tensor,

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
+from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 from kernels.ragged import CU_DTYPES, resolve_max_num_draft_tokens
 from kernels.ragged import num_drafts as _num_drafts
 
@@ -156,15 +156,13 @@ def _greedy_verify_kernel(
 
 
 def _interpret_mode() -> bool:
-    """Whether ``TRITON_INTERPRET`` is on now (triton reads the environment on each access)."""
-    return bool(triton.knobs.runtime.interpret)
+    """See :func:`kernels.triton_mode.interpret_mode`."""
+    return interpret_mode()
 
 
 def _kernel_is_interpreted() -> bool:
-    """Whether ``@triton.jit`` made an interpreted kernel. Triton decides once, when a function
-    is decorated (ours and triton.language's own, e.g. ``tl.min``): ``TRITON_INTERPRET=1`` must
-    be in the environment before triton is imported."""
-    return not isinstance(_greedy_verify_kernel, JITFunction)
+    """Whether this module's kernel was decorated interpreted (see :mod:`kernels.triton_mode`)."""
+    return is_interpreted(_greedy_verify_kernel)
 
 
 def greedy_verify_triton(
@@ -183,11 +181,7 @@ def greedy_verify_triton(
     """
     max_num_draft_tokens = _validate(draft_token_ids, cu_num_draft_tokens, target_token_ids,
                                      max_num_draft_tokens)
-    if not draft_token_ids.is_cuda and not _kernel_is_interpreted():
-        if _interpret_mode():
-            raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set it in "
-                               "the environment before the process imports triton")
-        raise ValueError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+    check_runnable(draft_token_ids.is_cuda, _greedy_verify_kernel)
     batch = cu_num_draft_tokens.numel()
     width = max_num_draft_tokens + 1
     device = draft_token_ids.device

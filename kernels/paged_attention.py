@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
+
+from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -346,14 +347,13 @@ def _paged_attention_kernel(
 
 
 def _interpret_mode() -> bool:
-    """Whether ``TRITON_INTERPRET`` is on now (triton reads the environment on each access)."""
-    return bool(triton.knobs.runtime.interpret)
+    """See :func:`kernels.triton_mode.interpret_mode`."""
+    return interpret_mode()
 
 
 def _kernel_is_interpreted() -> bool:
-    """Whether ``@triton.jit`` made an interpreted kernel: ``TRITON_INTERPRET=1`` must be in the
-    environment before triton is imported (triton decides when it decorates a function)."""
-    return not isinstance(_paged_attention_kernel, JITFunction)
+    """Whether this module's kernel was decorated interpreted (see :mod:`kernels.triton_mode`)."""
+    return is_interpreted(_paged_attention_kernel)
 
 
 def paged_attention_triton(
@@ -399,12 +399,8 @@ def paged_attention_triton(
     if any(x.device != q.device for x in plan_tensors):
         raise ValueError(f"the plan's tensors must be on {q.device}, got "
                          f"{sorted({str(x.device) for x in plan_tensors})}")
+    check_runnable(q.is_cuda, _paged_attention_kernel)
     if not q.is_cuda:
-        if not _kernel_is_interpreted():
-            if _interpret_mode():
-                raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set "
-                                   "it in the environment before the process imports triton")
-            raise ValueError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
         if plan.block_tables.numel() and not (
                 0 <= int(plan.block_tables.min()) and int(plan.block_tables.max()) < num_blocks):
             raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
