@@ -12,12 +12,14 @@ class Proposer(ABC):
     answers ``propose`` for a context and keeps whatever private per-request state it needs
     (a model drafter's KV, a suffix tree), rolled back with ``rollback``.
 
-    ``name`` is the registry key. Methods draft chains from tokens only; the declarations of
-    seed state (EAGLE's target hidden states), tree drafts and draft probabilities arrive with
-    the model-drafter and sampled-verification issues, with the methods that use them.
+    ``name`` is the registry key. ``seed_state`` declares the seed state the method needs
+    from the target (DESIGN.md §3): ``""`` none (the seed is rebuilt from tokens);
+    ``"hidden"`` the target's final hidden states (final-norm output, the input of its LM
+    head), which reach the proposer through :meth:`observe_seed_state`.
     """
 
     name: ClassVar[str]
+    seed_state: ClassVar[str] = ""
 
     @abstractmethod
     def open(self, request_id: str, context_token_ids: list[int]) -> None:
@@ -36,6 +38,17 @@ class Proposer(ABC):
     def close(self, request_id: str) -> None:
         """Drop every trace of the request."""
 
+    def observe_seed_state(self, request_id: str, start_position: int, hidden) -> None:  # noqa: ANN001
+        """Target hidden states ``hidden`` (torch.Tensor [n, hidden_size]) at absolute context
+        positions ``[start_position, start_position + n)``; row i is the state from which the
+        target predicted the token at ``start_position + i + 1``. Called after :meth:`open`
+        (DraftSync: the states the verifier holds, ending at position ``len(context) - 2``)
+        and after each VerifyCommit (``accept_len + 1`` rows, ending at the same place).
+        Only for methods whose ``seed_state`` is not empty; the default ignores them."""
+
+
+#: the kinds of seed state a proposer may declare
+SEED_STATES = ("", "hidden")
 
 _REGISTRY: dict[str, type[Proposer]] = {}
 _INTERFACE = ("open", "propose", "rollback", "close")
@@ -59,6 +72,9 @@ def register_proposer(cls: type[Proposer]) -> type[Proposer]:
         got = inspect.signature(getattr(cls, meth)).parameters
         if len(got) != want and not any(p.kind == p.VAR_POSITIONAL for p in got.values()):
             raise TypeError(f"{cls.__name__}.{meth} takes {len(got)} parameters, expected {want}")
+    if cls.seed_state not in SEED_STATES:
+        raise TypeError(f"proposer {cls.__name__} declares unknown seed_state "
+                        f"{cls.seed_state!r}; known: {SEED_STATES}")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"proposer {cls.__name__} has no string `name`")
