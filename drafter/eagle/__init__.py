@@ -1,0 +1,1 @@
+"""EAGLE-style feature-head drafting: the head, its checkpoints, and self-distillation training."""

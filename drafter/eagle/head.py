@@ -1,0 +1,302 @@
+"""EAGLE-style feature head: drafts the target's next tokens from its hidden states.
+
+Li et al., EAGLE (arXiv 2401.15077): the input at entry position ``s`` is the target's final
+hidden state ``f_s`` (final-norm output, the input of the LM head) fused with the embedding of
+the token at ``s + 1``; a fusion layer (2d -> d) and ``num_layers`` decoder layers of the
+target's shape predict ``f_{s+1}``, and the target's LM head turns that into the distribution
+of the token at ``s + 2``. Embedding and LM head are the target's, frozen; the head keeps only
+the rows of a draft vocabulary (EAGLE-3, arXiv 2503.01840, drafts over a reduced vocabulary):
+the LM head is the expensive part of a 1-layer head at a 49k vocabulary.
+
+Two entry points share the weights: :meth:`EagleHead.forward_passes` runs ``depth`` unrolled
+passes over whole sequences for training and evaluation (EAGLE-3's "training-time test": pass
+k sees the features pass k-1 predicted, as drafting does), and :meth:`EagleHead.extend` runs
+entries for one request against its own :class:`HeadKV` (drafting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    """Shape of a head. ``hidden_size``, heads and ``vocab_size`` follow the target;
+    ``draft_vocab_size`` rows of the target's LM head are kept (0: the whole vocabulary).
+    ``target`` names the model the head was trained for (see drafter/eagle/checkpoint.py)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int = 0
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    target: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EagleHeadConfig:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def for_target(cls, target_config, draft_vocab_size: int = 0, num_layers: int = 1,
+                   target: dict | None = None) -> EagleHeadConfig:  # noqa: ANN001
+        """A head of the target's layer shape (``target_config``: engine.config.ModelConfig)."""
+        c = target_config
+        return cls(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                   head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+                   vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
+                   num_layers=num_layers, rms_norm_eps=c.rms_norm_eps,
+                   rope_theta=c.rope_theta, target=dict(target or {}))
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class _Layer(nn.Module):
+    """Pre-norm decoder layer (GQA self-attention + SiLU MLP) of the target's shape."""
+
+    def __init__(self, c: EagleHeadConfig) -> None:
+        super().__init__()
+        d, hd = c.hidden_size, c.head_dim
+        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, c.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * hd, d, bias=False)
+        self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+        self.input_layernorm = _RMSNorm(d, c.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(d, c.rms_norm_eps)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # noqa: ANN201
+        """x [..., T, d] -> q [..., nh, T, hd], k/v [..., nkv, T, hd] (RoPE applied)."""
+        h = self.input_layernorm(x)
+        shape = h.shape[:-1]
+        q = self.q_proj(h).view(*shape, self.nh, self.hd).transpose(-2, -3)
+        k = self.k_proj(h).view(*shape, self.nkv, self.hd).transpose(-2, -3)
+        v = self.v_proj(h).view(*shape, self.nkv, self.hd).transpose(-2, -3)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + output projection of ``attn`` [..., nh, T, hd], then the MLP block."""
+        a = attn.transpose(-2, -3).flatten(-2)
+        x = x + self.o_proj(a)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+@dataclass
+class HeadKV:
+    """One request's head KV: per layer keys/values [nkv, n, hd] at entry positions
+    ``[start, start + n)`` (``start``: the first entry's absolute position)."""
+
+    start: int = 0
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys else int(self.keys[0].shape[1])
+
+    @property
+    def end(self) -> int:
+        """Absolute position after the last entry."""
+        return self.start + self.length
+
+    def truncate(self, end: int) -> None:
+        """Keep entries at positions ``< end``."""
+        keep = max(end - self.start, 0)
+        if keep < self.length:
+            self.keys = [k[:, :keep] for k in self.keys]
+            self.values = [v[:, :keep] for v in self.values]
+
+
+class EagleHead(nn.Module):
+    """Trainable parameters: ``fc`` (2d -> d), ``layers``, ``norm``. Frozen buffers set by
+    :meth:`set_target_weights`: ``embed`` [vocab, d] and ``lm_head`` [draft_vocab, d] with
+    ``draft_to_target`` [draft_vocab] (target token id of each draft-vocabulary row)."""
+
+    def __init__(self, config: EagleHeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.layers = nn.ModuleList([_Layer(config) for _ in range(config.num_layers)])
+        self.norm = _RMSNorm(d, config.rms_norm_eps)
+        n_draft = config.draft_vocab_size or config.vocab_size
+        self.register_buffer("embed", torch.zeros(config.vocab_size, d), persistent=False)
+        self.register_buffer("lm_head", torch.zeros(n_draft, d), persistent=False)
+        self.register_buffer("draft_to_target", torch.arange(n_draft), persistent=False)
+        inv = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float()
+                                          / config.head_dim)
+        self._inv_freq = inv
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def set_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor,
+                           draft_to_target: torch.Tensor | None = None) -> None:
+        """Install the target's embedding [vocab, d] and LM head [vocab, d]; keep the LM-head
+        rows of ``draft_to_target`` (LongTensor [draft_vocab], default: all rows).
+
+        Raises:
+            ValueError: shapes that do not fit the config.
+        """
+        c = self.config
+        if tuple(embed.shape) != (c.vocab_size, c.hidden_size) or lm_head.shape != embed.shape:
+            raise ValueError(f"target embedding {tuple(embed.shape)} / LM head "
+                             f"{tuple(lm_head.shape)} do not fit a head for vocab {c.vocab_size},"
+                             f" hidden {c.hidden_size}")
+        n_draft = c.draft_vocab_size or c.vocab_size
+        ids = torch.arange(c.vocab_size) if draft_to_target is None else draft_to_target.long()
+        if ids.shape != (n_draft,) or int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
+            raise ValueError(f"draft vocabulary of {tuple(ids.shape)} ids does not fit "
+                             f"draft_vocab_size {n_draft} / vocab {c.vocab_size}")
+        dtype = self.fc.weight.dtype
+        self.embed = embed.detach().to(dtype).clone()
+        self.lm_head = lm_head.detach()[ids].to(dtype).clone()
+        self.draft_to_target = ids.clone()
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):  # noqa: ANN202
+        freqs = positions.float()[..., None] * self._inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., draft_vocab] of predicted features [..., d]."""
+        return features @ self.lm_head.T
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary indices."""
+        return self.draft_to_target[draft_ids]
+
+    # -- training / evaluation -------------------------------------------------------------
+
+    def forward_passes(self, features: torch.Tensor, next_tokens: torch.Tensor,
+                       positions: torch.Tensor, depth: int = 1) -> list[torch.Tensor]:
+        """``depth`` unrolled passes over a batch of sequences (EAGLE-3's training-time test).
+
+        Args:
+            features: [B, S, d] the target's hidden states f_s at entries s = 0..S-1.
+            next_tokens: LongTensor [B, S], the token at s + 1 of each entry.
+            positions: LongTensor [B, S] absolute positions (RoPE).
+            depth: passes. Pass 1 reads the true features; pass k reads at entry s the feature
+                pass k-1 predicted at entry s-1, and attends to pass-1 entries ``<= s-k+1`` and
+                to pass-m entry ``s-k+m`` (m = 2..k), exactly what drafting a chain of k tokens
+                from true features up to ``s-k+1`` sees.
+
+        Returns:
+            ``depth`` tensors [B, S, d] of predicted features; pass k's row s predicts the
+            feature at s + 1, whose LM-head argmax is the k-th draft of a chain started from
+            true features up to entry s - k + 1. Row s < k - 1 of pass k has no such chain.
+        """
+        B, S, _ = features.shape
+        dtype = features.dtype
+        cos, sin = self._cos_sin(positions, dtype)  # [B, S, hd]
+        cos, sin = cos[:, None], sin[:, None]
+        emb = self.embed[next_tokens]
+        idx = torch.arange(S, device=features.device)
+        outs: list[torch.Tensor] = []
+        passes_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [pass][layer] (k, v)
+        prev = features
+        for k in range(1, depth + 1):
+            if k == 1:
+                feat = features
+            else:  # entry s reads pass k-1's prediction made at s-1 (row 0: none -> zeros)
+                feat = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)
+            x = self.fc(torch.cat([emb, feat], dim=-1))
+            # mask over keys [pass 1 | pass 2 | ... | pass k], each S long; every row sees at
+            # least its own pass-k key, so no row is fully masked
+            masks = [idx[None, :] <= (idx[:, None] - k + 1)]
+            for m in range(2, k + 1):
+                masks.append(idx[None, :] == (idx[:, None] - k + m))
+            mask = torch.cat(masks, dim=1)  # [S, k*S]
+            new_kv = []
+            for li, layer in enumerate(self.layers):
+                q, kk, vv = layer.qkv(x, cos, sin)
+                new_kv.append((kk, vv))
+                keys = torch.cat([p[li][0] for p in passes_kv] + [kk], dim=2)
+                vals = torch.cat([p[li][1] for p in passes_kv] + [vv], dim=2)
+                attn = F.scaled_dot_product_attention(
+                    q, keys, vals, attn_mask=mask, enable_gqa=layer.nh != layer.nkv)
+                x = layer.finish(x, attn)
+            passes_kv.append(new_kv)
+            prev = self.norm(x)
+            outs.append(prev)
+        return outs
+
+    # -- drafting --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def extend(self, kv: HeadKV, features: torch.Tensor, next_tokens: torch.Tensor,
+               start: int) -> torch.Tensor:
+        """Append entries at positions ``[start, start + n)`` to one request's ``kv``.
+
+        Args:
+            kv: the request's head KV; must end at ``start`` (an empty one starts there).
+            features: [n, d] feature of each entry (true, or predicted by the previous entry).
+            next_tokens: LongTensor [n], the token after each entry's position.
+
+        Returns:
+            predicted features [n, d]; row i predicts the target's feature at ``start + i + 1``.
+
+        Raises:
+            ValueError: ``kv`` does not end at ``start``.
+        """
+        if kv.length == 0:
+            kv.start = start
+            kv.keys, kv.values = [], []
+        elif kv.end != start:
+            raise ValueError(f"head KV ends at {kv.end}, entries start at {start}")
+        n = features.shape[0]
+        dtype = self.fc.weight.dtype
+        pos = torch.arange(start, start + n, device=features.device)
+        cos, sin = self._cos_sin(pos, dtype)
+        x = self.fc(torch.cat([self.embed[next_tokens], features.to(dtype)], dim=-1))
+        past = kv.length
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, cos, sin)
+            if li < len(kv.keys):
+                k = torch.cat([kv.keys[li], k], dim=1)
+                v = torch.cat([kv.values[li], v], dim=1)
+                kv.keys[li], kv.values[li] = k, v
+            else:
+                kv.keys.append(k)
+                kv.values.append(v)
+            total = past + n
+            mask = (torch.arange(total, device=x.device)[None, :]
+                    <= (past + torch.arange(n, device=x.device))[:, None])
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  enable_gqa=layer.nh != layer.nkv)
+            x = layer.finish(x, attn)
+        return self.norm(x)
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
