@@ -121,6 +121,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from cluster.train_drafter import train_drafter
+
+    train_drafter(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_options(b)
     add_bench_options(b)
     b.set_defaults(func=cmd_bench)
+
+    from cluster.train_drafter import add_train_drafter_options
+
+    t = sub.add_parser("train-drafter", help="self-distil a draft head for a target on this "
+                                             "machine (EAGLE)")
+    add_train_drafter_options(t)
+    t.set_defaults(func=cmd_train_drafter)
     return parser
 
 

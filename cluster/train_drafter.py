@@ -1,0 +1,167 @@
+"""``specmesh train-drafter``: self-distil an EAGLE head for a target on this machine.
+
+Steps: load the target through engine/; split the instruction prompts by prompt into train
+and held-out; generate the target's greedy outputs with their hidden states in continuous
+batches (drafter/eagle/data.py; cached in ``--data`` so training can be re-run); pick the draft
+vocabulary; train (drafter/eagle/train.py, progress bar with loss and tokens/s); evaluate
+acceptance per draft position on the held-out prompts and on every ``--eval-prompts`` file;
+write the checkpoint (safetensors + config.json naming the target, the command, the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+DEFAULT_TRAIN_PROMPTS = PROMPTS_DIR / "drafter_train.jsonl"
+
+
+def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=["eagle"], default="eagle",
+                   help="eagle: a feature head over the target's hidden states")
+    p.add_argument("--model", default=None, help="target: smollm2 (default), a .gguf or a HF dir")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
+                   help="dtype the target generates the data in")
+    p.add_argument("--prompts", default=str(DEFAULT_TRAIN_PROMPTS),
+                   help="JSONL of instruction prompts (default: the bundled training set)")
+    p.add_argument("--heldout-fraction", type=float, default=0.1)
+    p.add_argument("--eval-prompts", action="append", default=[],
+                   help="extra held-out JSONL prompt sets to evaluate on (repeatable)")
+    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--gen-batch-size", type=int, default=64)
+    p.add_argument("--data", default=None,
+                   help="cache file of generated samples (reused when it matches)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: the whole vocabulary")
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--depth", type=int, default=3, help="unrolled passes (training-time test)")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-depth", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+
+
+def _load_prompts(path: str, limit: int | None = None) -> list[dict]:
+    from cluster.bench_prompts import load_prompts_file
+
+    prompts = load_prompts_file(path)
+    return prompts[:limit] if limit else prompts
+
+
+def _data_key(args, model_name: str, names: list[str]) -> str:  # noqa: ANN001
+    h = hashlib.sha256(json.dumps([model_name, args.dtype, args.max_new_tokens, names]).encode())
+    return h.hexdigest()[:16]
+
+
+def _generate(lm, prompts: list[dict], args, label: str):  # noqa: ANN001, ANN202
+    from tqdm import tqdm
+
+    from drafter.eagle.data import chat_token_ids, generate_samples
+
+    ids = chat_token_ids(lm.tokenizer, prompts)
+    bar = tqdm(desc=f"generate {label}", unit="tok")
+    t0 = time.perf_counter()
+    samples = generate_samples(lm.model, lm.config, ids, [p["name"] for p in prompts],
+                               max_new_tokens=args.max_new_tokens,
+                               batch_size=args.gen_batch_size, progress=bar.update)
+    bar.close()
+    n = sum(s.num_output_tokens for s in samples)
+    print(f"{label}: {len(samples)} prompts, {n} output tokens in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return samples
+
+
+def _samples(lm, sets: dict[str, list[dict]], args) -> dict:  # noqa: ANN001
+    """Generated samples of every prompt set, from the ``--data`` cache when it matches."""
+    key = _data_key(args, lm.name, [p["name"] for ps in sets.values() for p in ps])
+    cache = Path(args.data) if args.data else None
+    if cache and cache.is_file():
+        blob = torch.load(cache, weights_only=False)
+        if blob.get("key") == key:
+            print(f"using generated samples from {cache}", flush=True)
+            return blob["samples"]
+    out = {label: _generate(lm, ps, args, label) for label, ps in sets.items()}
+    if cache:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": key, "samples": out}, cache)
+    return out
+
+
+def train_drafter(args: argparse.Namespace) -> dict:
+    """Run the whole pipeline; returns the evaluation (also written to the checkpoint)."""
+    from drafter.eagle.checkpoint import save_head, target_identity
+    from drafter.eagle.data import split_by_prompt
+    from drafter.eagle.head import EagleHead, EagleHeadConfig
+    from drafter.eagle.train import acceptance, acceptance_report, draft_vocabulary, train, windows
+    from engine.loader import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    lm = load_model(args.model, args.dtype)
+    prompts = _load_prompts(args.prompts, args.max_prompts)
+    train_p, held_p = split_by_prompt(prompts, args.heldout_fraction, args.seed)
+    sets = {"train": train_p, "heldout": held_p}
+    for path in args.eval_prompts:
+        extra = _load_prompts(path)
+        clash = {p["name"] for p in extra} & {p["name"] for p in train_p}
+        if clash:
+            raise SystemExit(f"--eval-prompts {path} shares prompts with the training set: "
+                             f"{sorted(clash)[:3]}")
+        sets[Path(path).stem] = extra
+    overlap = {p["name"] for p in train_p} & {p["name"] for p in held_p}
+    assert not overlap, overlap  # split_by_prompt puts each name on one side
+    t_gen = time.perf_counter()
+    samples = _samples(lm, {k: v for k, v in sets.items() if v}, args)
+    gen_s = time.perf_counter() - t_gen
+
+    embed = lm.model.model.embed_tokens.weight.detach()
+    lm_head = lm.model.lm_head.weight.detach()
+    target = target_identity(lm.name, lm.config, embed)
+    n_draft = args.draft_vocab_size if args.draft_vocab_size < lm.config.vocab_size else 0
+    cfg = EagleHeadConfig.for_target(lm.config, draft_vocab_size=n_draft,
+                                     num_layers=args.num_layers, target=target)
+    torch.manual_seed(args.seed)
+    head = EagleHead(cfg)
+    ids = (draft_vocabulary(samples["train"], n_draft, tuple(lm.config.eos_token_ids))
+           if n_draft else None)
+    head.set_target_weights(embed.float(), lm_head.float(), ids)
+    to_draft = torch.full((lm.config.vocab_size,), -1, dtype=torch.long)
+    to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel())
+    train_w = windows(samples["train"], to_draft)
+    print(f"head: {head.num_trainable_parameters() / 1e6:.2f} M parameters, draft vocabulary "
+          f"{head.lm_head.shape[0]}, {sum(len(w.labels) for w in train_w)} training entries",
+          flush=True)
+    summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                    depth=args.depth, seed=args.seed)
+    evaluation = {}
+    for label, ss in samples.items():
+        if label == "train" or not ss:
+            continue
+        acc = acceptance(head, windows(ss, to_draft), args.eval_depth)
+        evaluation[label] = {"prompts": len(ss), "acceptance_per_position": acc,
+                             "mean_accepted_per_chain": sum(acc)}
+        print(f"{label} ({len(ss)} prompts): {acceptance_report(acc)}", flush=True)
+    total_s = time.perf_counter() - t_start
+    training = {"command": "specmesh train-drafter " + " ".join(shlex.quote(a) for a in
+                                                                sys.argv[2:]),
+                "train_prompts": len(train_p), "heldout_prompts": len(held_p),
+                "heldout_names": [p["name"] for p in held_p],
+                "train_output_tokens": sum(s.num_output_tokens for s in samples["train"]),
+                "generate_seconds": round(gen_s, 1), "total_seconds": round(total_s, 1),
+                "threads": torch.get_num_threads(), **summary, "evaluation": evaluation,
+                "args": {k: v for k, v in vars(args).items() if k != "func"}}
+    out = save_head(head, args.out, training)
+    print(f"wrote {out} in {total_s / 60:.1f} min total", flush=True)
+    return evaluation

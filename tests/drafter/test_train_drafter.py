@@ -1,0 +1,87 @@
+"""`specmesh train-drafter --method eagle` on the tiny model: a few steps end to end."""
+
+import json
+
+import pytest
+import torch
+
+from cluster.cli import build_parser
+from cluster.train_drafter import train_drafter
+from drafter.eagle.checkpoint import (HeadMismatch, load_head, read_head_config,
+                                      target_embeddings, target_identity)
+from engine.loader import load_model
+
+TOPICS = ["rivers", "python lists", "the moon", "tea", "prime numbers", "bicycles", "sorting",
+          "volcanoes", "poetry", "binary search", "clouds", "chess"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train-drafter")
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"name": f"p{i}", "prompt": f"Tell me about {t}."})
+                               + "\n" for i, t in enumerate(TOPICS)))
+    extra = tmp / "extra.jsonl"
+    extra.write_text(json.dumps({"name": "x0", "prompt": "Write a haiku about rain."}) + "\n")
+    out = tmp / "head"
+    args = build_parser().parse_args([
+        "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
+        "--eval-prompts", str(extra), "--heldout-fraction", "0.3", "--max-new-tokens", "12",
+        "--gen-batch-size", "5", "--draft-vocab-size", "256", "--epochs", "3",
+        "--batch-size", "4", "--depth", "2", "--eval-depth", "3", "--out", str(out),
+        "--data", str(tmp / "data.pt")])
+    evaluation = train_drafter(args)
+    return out, evaluation, args
+
+
+def test_checkpoint_names_its_target_and_splits_by_prompt(trained, tiny_model_dir):
+    out, evaluation, _ = trained
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["config"]["target"]["vocab_size"] == 49152
+    training = meta["training"]
+    held = set(training["heldout_names"])
+    assert held and len(held) < len(TOPICS)
+    assert training["train_prompts"] + training["heldout_prompts"] == len(TOPICS)
+    assert set(evaluation) == {"heldout", "extra"}
+    for ev in evaluation.values():
+        acc = ev["acceptance_per_position"]
+        assert len(acc) == 3 and all(0 <= a <= 1 for a in acc)
+        assert acc == sorted(acc, reverse=True)  # a chain only gets shorter
+    assert read_head_config(out).draft_vocab_size == 256
+
+
+def test_head_loads_for_its_target_and_is_refused_for_another(trained, tiny_model_dir):
+    out, _, _ = trained
+    lm = load_model(tiny_model_dir)
+    embed, lm_head = target_embeddings(tiny_model_dir)
+    torch.testing.assert_close(embed, lm.model.model.embed_tokens.weight)
+    head = load_head(out, embed, lm_head, target_identity(lm.name, lm.config, embed))
+    assert head.lm_head.shape == (256, lm.config.hidden_size)
+    other = embed + 0.5
+    with pytest.raises(HeadMismatch, match="other embedding weights"):
+        load_head(out, other, other, target_identity("other", lm.config, other))
+    wrong = dict(target_identity(lm.name, lm.config, embed), hidden_size=32, name="small")
+    with pytest.raises(HeadMismatch, match="hidden_size"):
+        load_head(out, embed, lm_head, wrong)
+
+
+def test_generated_samples_are_the_targets_greedy_outputs(trained, tiny_model_dir):
+    """The cached data: greedy tokens and hidden states equal a plain forward's."""
+    _, _, args = trained
+    from engine.block_manager import BlockManager
+    from engine.kv_cache import KVCache
+    from engine.runner import ModelRunner
+
+    blob = torch.load(args.data, weights_only=False)
+    sample = blob["samples"]["train"][0]
+    lm = load_model(tiny_model_dir)
+    cache = KVCache(lm.config, 16, 16, lm.model.dtype)
+    runner = ModelRunner(lm.model, lm.config, cache)
+    table = BlockManager(16, 16).allocate(8)
+    logits, hidden = runner.forward(
+        [__import__("engine.runner", fromlist=["SeqChunk"]).SeqChunk(sample.token_ids, 0, table)],
+        logits="all", return_hidden=True)
+    p = sample.prompt_len
+    assert logits[0][p - 1:-1].argmax(-1).tolist() == sample.token_ids[p:]
+    torch.testing.assert_close(hidden[0][p - 1:-1].to(sample.features.dtype), sample.features,
+                               atol=2e-2, rtol=2e-2)
