@@ -1,0 +1,189 @@
+"""EAGLE drafting: chains from a feature head over the target's hidden states.
+
+Li et al., EAGLE (arXiv 2401.15077). Seed state ``"hidden"``: the prefill worker ships the
+target's hidden state at the last prompt position, each VerifyCommit the states at the
+positions whose next token it committed (DESIGN.md §3). Per request the proposer keeps the
+true states it was sent and the head's own KV (drafter/eagle/head.py ``HeadKV``): entries at
+positions with a true state are computed from it, entries past the last true state from the
+head's own predicted state (the chain). When true states arrive for positions the chain had
+predicted, those entries are dropped and recomputed (one batched head forward); a rollback
+drops the entries whose tokens the commit rejected. Drafts are argmax chains over the head's
+draft vocabulary (greedy drafts, valid proposals for every verification rule that treats
+drafts as one-hot).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafter.eagle.head import EagleHead, HeadKV
+from drafter.proposer import Proposer, register_proposer
+
+log = logging.getLogger(__name__)
+
+#: where shipped heads live: <dir>/<target name, lower case>/
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
+
+
+def shipped_head(target_name: str) -> Path | None:
+    """The head shipped for the target called ``target_name``, or None."""
+    p = SHIPPED_HEADS / target_name.lower()
+    return p if (p / "config.json").is_file() else None
+
+
+@dataclass
+class _HeadState:
+    feats_start: int = -1  # position of the first true state held
+    feats: list[torch.Tensor] = field(default_factory=list)  # true states, [d] each
+    kv: HeadKV = field(default_factory=HeadKV)
+    entry_tokens: list[int] = field(default_factory=list)  # token each entry read
+    outs: list[torch.Tensor] = field(default_factory=list)  # predicted state out of each entry
+
+    @property
+    def last_g(self) -> torch.Tensor | None:
+        return self.outs[-1] if self.outs else None
+
+    @property
+    def feats_end(self) -> int:
+        return self.feats_start + len(self.feats)
+
+
+@register_proposer
+class EagleProposer(Proposer):
+    """Kwargs: ``head`` (checkpoint dir; default: the head shipped for the target), ``model``
+    (the target: "smollm2", a .gguf or a HF dir, of which only the embedding and LM head are
+    read), ``dtype`` of the head ("float32"), or ``head_module`` (a loaded
+    :class:`EagleHead`, tests).
+
+    Raises:
+        drafter.eagle.checkpoint.HeadMismatch: the head was trained for another target.
+        FileNotFoundError: no head given and none shipped for the target.
+    """
+
+    name = "eagle"
+    seed_state = "hidden"
+
+    def __init__(self, head: str | None = None, model: str | None = None,
+                 dtype: str = "float32", head_module: EagleHead | None = None) -> None:
+        self.head = head_module if head_module is not None else load_eagle_head(head, model, dtype)
+        self.states: dict[str, _HeadState] = {}
+        self.num_recomputed_entries = 0
+
+    # -- interface -------------------------------------------------------------------------
+
+    def open(self, request_id: str, context_token_ids: list[int]) -> None:
+        self.states[request_id] = _HeadState()
+
+    def observe_seed_state(self, request_id: str, start_position: int, hidden) -> None:  # noqa: ANN001
+        st = self.states.get(request_id)
+        if st is None:
+            return
+        rows = [r for r in hidden.detach().to(self.head.fc.weight.dtype)]
+        if st.feats_start < 0 or not st.feats_start <= start_position <= st.feats_end:
+            # the first states, or a gap: restart the request's head state from these
+            self.states[request_id] = st = _HeadState(feats_start=start_position)
+        old_end = st.feats_end
+        keep = start_position - st.feats_start
+        st.feats[keep:] = rows
+        if st.kv.end > old_end:  # entries computed from predicted states: recompute them
+            self.num_recomputed_entries += st.kv.end - old_end
+            self._truncate(st, old_end)
+
+    def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
+        st = self.states.get(request_id)
+        ctx = context_token_ids
+        L = len(ctx)
+        if st is None or st.feats_start < 0 or num_tokens <= 0 or L - 2 < st.feats_start:
+            return []
+        # entries whose token is no longer the context's are gone
+        s0 = st.kv.start if st.kv.length else st.feats_start
+        agree = 0
+        for i, t in enumerate(st.entry_tokens):
+            if s0 + i + 1 >= L or ctx[s0 + i + 1] != t:
+                break
+            agree += 1
+        if agree < len(st.entry_tokens):
+            self._truncate(st, s0 + agree)
+        head = self.head
+        with torch.inference_mode():
+            # catch up: true states in one batch, then the chain over known tokens
+            s = st.kv.end if st.kv.length else st.feats_start
+            true_hi = min(st.feats_end, L - 1)
+            if s < true_hi:
+                feats = torch.stack(st.feats[s - st.feats_start:true_hi - st.feats_start])
+                self._extend(st, feats, ctx[s + 1:true_hi + 1], s)
+                s = true_hi
+            while s <= L - 2:
+                if st.last_g is None:
+                    return []
+                self._extend(st, st.last_g[None], [ctx[s + 1]], s)
+                s += 1
+            drafts: list[int] = []
+            for _ in range(num_tokens):
+                tok = int(head.target_ids(head.logits(st.last_g).argmax()))
+                drafts.append(tok)
+                if len(drafts) == num_tokens:
+                    break
+                self._extend(st, st.last_g[None], [tok], s)
+                s += 1
+        return drafts
+
+    def rollback(self, request_id: str, num_context_tokens: int) -> None:
+        st = self.states.get(request_id)
+        if st is not None:  # entry s read the token at s + 1
+            self._truncate(st, num_context_tokens - 1)
+
+    def close(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _extend(self, st: _HeadState, feats: torch.Tensor, tokens: list[int], start: int) -> None:
+        g = self.head.extend(st.kv, feats, torch.tensor(tokens, dtype=torch.long), start)
+        st.entry_tokens.extend(tokens)
+        st.outs.extend(g)
+
+    def _truncate(self, st: _HeadState, end: int) -> None:
+        if st.kv.length == 0 or end >= st.kv.end:
+            return
+        st.kv.truncate(end)
+        keep = st.kv.length
+        del st.entry_tokens[keep:]
+        del st.outs[keep:]
+
+
+def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32") -> EagleHead:
+    """The head at ``head`` (or the one shipped for ``model``) with only the target's embedding
+    and LM head loaded from its weights.
+
+    Raises:
+        FileNotFoundError: no head given and none shipped for the target; missing weights.
+        drafter.eagle.checkpoint.HeadMismatch: the head was trained for another target.
+    """
+    from transformers import AutoConfig
+
+    from drafter.eagle.checkpoint import load_head, target_embeddings, target_identity
+    from engine.config import ModelConfig
+    from engine.dtypes import model_dtype
+    from engine.loader import model_files, model_identity
+
+    files = model_files(model)
+    name = model_identity(model, "float32", 16)["name"]
+    if head is None:
+        found = shipped_head(name)
+        if found is None:
+            raise FileNotFoundError(f"no EAGLE head shipped for {name!r}: train one with "
+                                    f"`specmesh train-drafter --method eagle` and pass "
+                                    f"--drafter eagle:PATH")
+        head = str(found)
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(files))
+    embed, lm_head = target_embeddings(files)
+    loaded = load_head(head, embed, lm_head, target_identity(name, config, embed),
+                       dtype=model_dtype(dtype))
+    log.info("EAGLE head %s for %s: %.2f M parameters", head, name,
+             loaded.num_trainable_parameters() / 1e6)
+    return loaded

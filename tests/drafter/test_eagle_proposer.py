@@ -1,0 +1,97 @@
+"""EagleProposer: incremental drafting (commits, recomputes, rollbacks) equals drafting from
+scratch on the same true states and context."""
+
+import torch
+
+from drafter.eagle.head import EagleHead, EagleHeadConfig
+from drafter.proposer import get_proposer
+from drafter.proposers.eagle import EagleProposer
+
+V, D = 40, 32
+
+
+def _head(seed=0):
+    torch.manual_seed(seed)
+    cfg = EagleHeadConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=8,
+                          intermediate_size=48, vocab_size=V, draft_vocab_size=30)
+    head = EagleHead(cfg).double()
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    emb = torch.randn(V, D, dtype=torch.float64)
+    head.set_target_weights(emb, emb.clone(), torch.randperm(V)[:30])
+    return head.eval()
+
+
+def _fresh(head, feats, start, ctx, n):
+    p = EagleProposer(head_module=head)
+    p.open("r", ctx)
+    p.observe_seed_state("r", start, feats)
+    return p.propose("r", ctx, n)
+
+
+def test_registered_with_hidden_seed_state():
+    assert get_proposer("eagle") is EagleProposer
+    assert EagleProposer.seed_state == "hidden"
+
+
+def test_no_seed_state_no_drafts():
+    p = EagleProposer(head_module=_head())
+    p.open("r", [1, 2, 3])
+    assert p.propose("r", [1, 2, 3], 4) == []
+
+
+def test_incremental_drafting_equals_drafting_from_scratch():
+    head = _head(1)
+    torch.manual_seed(5)
+    prompt = [3, 7, 1, 9, 4]
+    truth = torch.randn(30, D, dtype=torch.float64)  # f_s for s = 4 ..
+    p0 = len(prompt) - 1
+    prop = EagleProposer(head_module=head)
+    ctx = prompt + [11]  # first token
+    prop.open("r", ctx)
+    prop.observe_seed_state("r", p0, truth[:1])
+    d = prop.propose("r", ctx, 4)
+    assert d == _fresh(head, truth[:1], p0, ctx, 4)
+    # the worker drafts on: the path grows, proposals continue the chain
+    d2 = prop.propose("r", ctx + d, 3)
+    assert (d + d2)[:7] == _fresh(head, truth[:1], p0, ctx, 7)
+    # commit: 2 drafts accepted + a bonus token that differs from the 3rd draft -> rollback
+    bonus = (d[2] + 1) % V
+    committed = ctx + d[:2] + [bonus]
+    prop.rollback("r", len(ctx) + 2)
+    prop.observe_seed_state("r", len(ctx) - 1, truth[1:4])
+    got = prop.propose("r", committed, 4)
+    assert got == _fresh(head, truth[:4], p0, committed, 4)
+    # a commit that agrees with the path: no rollback, true states replace predicted ones
+    path = got
+    committed2 = committed + path[:1]
+    prop.observe_seed_state("r", len(committed) - 1, truth[4:5])
+    assert prop.num_recomputed_entries > 0
+    got2 = prop.propose("r", committed2 + path[1:], 2)
+    want = _fresh(head, truth[:5], p0, committed2 + path[1:], 2)
+    assert got2 == want
+
+
+def test_context_change_without_rollback_is_still_exact():
+    head = _head(2)
+    truth = torch.randn(10, D, dtype=torch.float64)
+    prop = EagleProposer(head_module=head)
+    ctx = [1, 2, 3, 4]
+    prop.open("r", ctx)
+    prop.observe_seed_state("r", 2, truth[:1])
+    d = prop.propose("r", ctx, 5)
+    other = ctx + [(d[0] + 3) % V, 6]
+    assert prop.propose("r", other, 3) == _fresh(head, truth[:1], 2, other, 3)
+
+
+def test_a_gap_in_the_states_restarts_from_the_new_ones():
+    head = _head(3)
+    truth = torch.randn(12, D, dtype=torch.float64)
+    prop = EagleProposer(head_module=head)
+    ctx = list(range(1, 12))
+    prop.open("r", ctx)
+    prop.observe_seed_state("r", 2, truth[:1])
+    prop.observe_seed_state("r", 7, truth[5:9])  # positions 3..6 never arrived
+    assert prop.propose("r", ctx, 3) == _fresh(head, truth[5:9], 7, ctx, 3)
+    prop.close("r")
+    assert prop.propose("r", ctx, 3) == []
