@@ -1,12 +1,50 @@
 """Host of the drafter role: a DrafterWorker with the configured draft method.
 
 The n-gram drafter needs no weights: its model identity comes from the model's config files.
+The ``draft_model`` method loads its draft model from ``method_kwargs["model"]`` and checks its
+vocabulary against the target's tokenizer at startup (:func:`build_proposer`).
 """
 
 from __future__ import annotations
 
+from cluster.config import ClusterConfig
 from cluster.hosts.base import RoleHost
 from protocol.enums import Role
+
+
+def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, ANN201
+    """The proposer of ``cfg.drafter`` when its method needs more than its ``method_kwargs``,
+    else None (the worker builds it from the registry).
+
+    ``draft_model``: ``method_kwargs`` holds ``model`` (the draft model's path) and optionally
+    ``dtype`` / ``device`` (default: the cluster's) and further
+    :class:`~drafter.proposers.draft_model.DraftModelProposer` arguments; the target is
+    ``cfg.model``, whose tokenizer and vocabulary size (``target_identity``, a ModelIdentity,
+    read from its config files when None) the draft model must match.
+
+    Raises:
+        ValueError: no ``model`` in ``method_kwargs``, or the vocabularies differ.
+        FileNotFoundError: a model cannot be found.
+    """
+    if cfg.drafter.method != "draft_model":
+        return None
+    from drafter.proposers.draft_model import build_draft_model_proposer
+    from engine.devices import resolve_device
+    from engine.loader import load_tokenizer, model_identity, model_name
+    from protocol.messages import ModelIdentity
+
+    kwargs = dict(cfg.drafter.method_kwargs)
+    path = kwargs.pop("model", None)
+    if not path:
+        raise ValueError("draft method 'draft_model' needs the draft model's path: "
+                         "method_kwargs={'model': PATH}")
+    if target_identity is None:
+        target_identity = ModelIdentity(**model_identity(cfg.model, cfg.dtype, cfg.block_size))
+    dtype = kwargs.pop("dtype", cfg.dtype)
+    device = resolve_device(kwargs.pop("device", cfg.device))
+    return build_draft_model_proposer(path, target_identity, load_tokenizer(cfg.model), dtype,
+                                      target_name=model_name(cfg.model), device=device,
+                                      **kwargs)
 
 
 class DrafterHost(RoleHost):
@@ -18,4 +56,5 @@ class DrafterHost(RoleHost):
         import drafter.proposers  # noqa: F401  (registers the built-in methods)
         from drafter.worker import DrafterWorker
 
-        return DrafterWorker(self.cfg.drafter, self.mailbox)
+        proposer = build_proposer(self.cfg, self.model_identity())
+        return DrafterWorker(self.cfg.drafter, self.mailbox, proposer)

@@ -1,0 +1,278 @@
+"""Standalone draft model: a small causal LM of the target's family and vocabulary drafts by
+running ahead of the target (Leviathan et al., "Fast Inference from Transformers via
+Speculative Decoding", arXiv 2211.17192; vLLM's ``draft_model`` method).
+
+Any Llama-family model :mod:`engine` runs (``engine.model.LlamaForCausalLM``) serves as the
+draft model, with its own paged KV cache (``engine.kv_cache.KVCache`` + a
+``engine.block_manager.BlockManager``) holding one block table per request. The KV of a
+request holds a prefix of its context; ``propose`` catches up on the rest in one chunked
+forward, then drafts autoregressively. Token ids, not calls, decide what the KV holds:
+whatever context ``propose`` is given is compared with the tokens in the KV and recomputed
+from their longest common prefix, so correctness never depends on ``rollback`` being called
+(``rollback`` only frees KV early).
+
+Drafts are greedy (argmax of the draft model's logits) for every request, sampled ones
+included: a greedy draft is a valid proposal for every verification rule that treats drafts
+as one-hot (greedy prefix match, rejection sampling with one-hot draft probabilities, the
+coupled rule), it just accepts less often at high temperature. Sampled drafting with draft
+probabilities is for later.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from drafter.proposer import Proposer, register_proposer
+from drafter.tokenizer_match import check_same_vocabulary
+from engine.block_manager import BlockManager
+from engine.kv_cache import KVCache, num_blocks_for_memory
+from engine.model import LlamaForCausalLM
+from engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+#: default KV memory of the draft model, MiB (SmolLM2-135M fp32: ~5,800 tokens)
+DEFAULT_KV_CACHE_MB = 256
+
+
+@dataclass
+class _Seq:
+    """Draft-model state of one request: ``tokens`` are the context tokens whose K/V lie in
+    the cache at positions ``0 .. len(tokens)-1``, in ``block_table`` (which may hold more)."""
+
+    tokens: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DraftModelStats:
+    num_forwards: int = 0
+    num_tokens_computed: int = 0  # tokens fed to the draft model (catch-up + drafting)
+    num_tokens_drafted: int = 0
+    num_recomputes: int = 0  # proposes whose context diverged from the KV's tokens
+    num_out_of_blocks: int = 0  # proposes answered [] for want of KV blocks
+    num_out_of_vocab: int = 0  # proposes answered [] for a context id past the draft vocab
+
+
+@register_proposer
+class DraftModelProposer(Proposer):
+    """Drafts with a standalone draft model (module docstring).
+
+    Args:
+        model: the draft model: a Hugging Face dir, a ``.gguf`` file or ``"smollm2"``, loaded
+            with :func:`engine.loader.load_model` in ``dtype`` on ``device``; ignored when
+            ``loaded`` is given.
+        dtype: ``"float32"`` (default), ``"bfloat16"``, ``"float64"`` (tests).
+        device: torch device of the draft model and its KV.
+        num_blocks, block_size: the KV pool, blocks of ``block_size`` tokens; ``num_blocks``
+            None: as many as ``kv_cache_mb`` MiB hold.
+        max_model_len: longest context + drafts, tokens (default and cap: the draft model's
+            ``max_position_embeddings``).
+        prefill_chunk_size: most tokens of one catch-up forward.
+        target_vocab_size: embedding rows of the target: drafts are argmax over ids below it
+            (and below the draft model's rows), so no draft is an id the verifier refuses.
+        target_tokenizer, target_name: the target's tokenizer and name for the vocabulary
+            check (:func:`drafter.tokenizer_match.check_same_vocabulary`).
+        draft_tokenizer: the draft model's tokenizer (default: the one loaded with it).
+        loaded: an already loaded draft model: an ``engine.loader.LoadedModel`` or a
+            ``LlamaForCausalLM`` (tests; it may be the target's own module: the weights are
+            only read).
+
+    Raises:
+        ValueError: the tokenizers differ (see ``check_same_vocabulary``); without a target
+            tokenizer, a ``target_vocab_size`` different from the draft model's embedding
+            rows (the maps cannot be compared); a KV pool of no block; bad sizes.
+        FileNotFoundError: ``model`` cannot be found.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model: str | None = "smollm2", dtype: str = "float32",
+                 device: Any = "cpu", *, num_blocks: int | None = None, block_size: int = 16,
+                 kv_cache_mb: int = DEFAULT_KV_CACHE_MB, max_model_len: int | None = None,
+                 prefill_chunk_size: int = 512, target_vocab_size: int | None = None,
+                 target_tokenizer: Any = None, target_name: str = "target",
+                 draft_tokenizer: Any = None, loaded: Any = None) -> None:
+        if loaded is None:
+            from engine.loader import load_model
+
+            loaded = load_model(model, dtype=dtype, device=device)
+        if isinstance(loaded, LlamaForCausalLM):
+            net, draft_name = loaded, "draft"
+        else:  # LoadedModel
+            net, draft_name = loaded.model, loaded.name
+            draft_tokenizer = draft_tokenizer if draft_tokenizer is not None else loaded.tokenizer
+        config = net.config
+        if target_tokenizer is not None:
+            check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name, draft_name)
+        elif target_vocab_size is not None and target_vocab_size != config.vocab_size:
+            raise ValueError(
+                f"draft model {draft_name!r} has {config.vocab_size} embedding rows, target "
+                f"{target_name!r} {target_vocab_size}, and no target tokenizer was given to "
+                "check that the two map tokens to the same ids")
+        if block_size < 1 or prefill_chunk_size < 1:
+            raise ValueError(f"need block_size >= 1 and prefill_chunk_size >= 1, got "
+                             f"{block_size}, {prefill_chunk_size}")
+        if num_blocks is None:
+            num_blocks = num_blocks_for_memory(config, block_size, net.dtype,
+                                               int(kv_cache_mb) << 20)
+        if num_blocks < 1:
+            raise ValueError(f"the draft model's KV pool holds no block of {block_size} tokens "
+                             f"(num_blocks={num_blocks}, kv_cache_mb={kv_cache_mb})")
+        self.model = net
+        self.config = config
+        self.draft_name = draft_name
+        self.kv_cache = KVCache(config, num_blocks, block_size, net.dtype, net.device)
+        self.runner = ModelRunner(net, config, self.kv_cache)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_size = block_size
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_model_len = min(max_model_len or config.max_position_embeddings,
+                                 config.max_position_embeddings)
+        #: drafts are ids below this (the draft's rows, capped by the target's)
+        self.draft_vocab_limit = min(config.vocab_size, target_vocab_size or config.vocab_size)
+        self.stats = DraftModelStats()
+        self._seqs: dict[str, _Seq] = {}
+        self._warned: set[str] = set()
+
+    # -- interface -------------------------------------------------------------------------
+
+    def open(self, request_id: str, context_token_ids: list[int]) -> None:
+        """(Re-)start a request with no KV; the first :meth:`propose` prefills its context."""
+        self.close(request_id)
+        self._seqs[request_id] = _Seq()
+
+    def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
+        """Greedy drafts continuing ``context_token_ids``.
+
+        The KV is recomputed from the longest common prefix of the context and the tokens it
+        holds (one chunked forward over the rest), then ``num_tokens`` tokens are drafted by
+        argmax, one forward each. Afterwards the KV holds the context and every draft but the
+        last (a later call whose context is this one plus the drafts feeds one token).
+
+        Returns:
+            ``num_tokens`` ids or fewer: fewer where ``max_model_len`` or the free KV blocks
+            leave no room for more, none (``[]``, logged once) where the context itself does
+            not fit or holds an id beyond the draft model's vocabulary. An unknown
+            ``request_id`` is opened.
+        """
+        if num_tokens <= 0 or not context_token_ids:
+            return []
+        ctx = list(context_token_ids)
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            seq = self._seqs[request_id] = _Seq()
+        if min(ctx) < 0 or max(ctx) >= self.config.vocab_size:
+            self.stats.num_out_of_vocab += 1
+            self._warn_once("vocab", "context of %s holds a token id outside the draft model's "
+                            "vocabulary [0, %d): no drafts", request_id, self.config.vocab_size)
+            return []
+        n_ctx = len(ctx)
+        # Keep the common prefix, and at least the last context token to recompute: its
+        # logits give the first draft.
+        lcp = 0
+        limit = min(len(seq.tokens), n_ctx - 1)
+        while lcp < limit and seq.tokens[lcp] == ctx[lcp]:
+            lcp += 1
+        if lcp < min(len(seq.tokens), n_ctx) and seq.tokens[lcp] != ctx[lcp]:
+            self.stats.num_recomputes += 1  # the context left the path the KV holds
+        self._truncate(seq, lcp)
+        # Positions the KV must cover: the context and every draft but the last.
+        n = min(num_tokens, self.max_model_len - n_ctx + 1)
+        room = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size
+        n = min(n, room - n_ctx + 1)
+        if n < 1:
+            if n_ctx <= self.max_model_len:
+                self.stats.num_out_of_blocks += 1
+                self._warn_once("blocks", "draft model KV full (%d blocks of %d tokens): no "
+                                "drafts for %s (%d context tokens)", self.block_manager.num_blocks,
+                                self.block_size, request_id, n_ctx)
+                self._truncate(seq, 0)  # let the requests that fit have its blocks
+            return []
+        need = self.block_manager.blocks_for(n_ctx + n - 1) - len(seq.block_table)
+        if need > 0:
+            seq.block_table += self.block_manager.allocate(need)
+        new = ctx[lcp:]
+        logits = self.runner.prefill(new, seq.block_table, chunk_size=self.prefill_chunk_size,
+                                     start_pos=lcp)
+        self._count(len(new), -(-len(new) // self.prefill_chunk_size))
+        seq.tokens[lcp:] = new
+        drafts = [self._argmax(logits)]
+        while len(drafts) < n:
+            t = drafts[-1]
+            logits = self.runner.prefill([t], seq.block_table, start_pos=len(seq.tokens))
+            self._count(1, 1)
+            seq.tokens.append(t)
+            drafts.append(self._argmax(logits))
+        self.stats.num_tokens_drafted += len(drafts)
+        return drafts
+
+    def rollback(self, request_id: str, num_context_tokens: int) -> None:
+        """Keep the KV of the first ``num_context_tokens`` context tokens only; free the blocks
+        past them."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._truncate(seq, max(0, min(num_context_tokens, len(seq.tokens))))
+
+    def close(self, request_id: str) -> None:
+        """Free the request's KV blocks and forget it (unknown ids are ignored)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and seq.block_table:
+            self.block_manager.free(seq.block_table)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Context tokens whose K/V the draft model holds for ``request_id`` (0 if unknown)."""
+        seq = self._seqs.get(request_id)
+        return len(seq.tokens) if seq is not None else 0
+
+    def _truncate(self, seq: _Seq, num_tokens: int) -> None:
+        del seq.tokens[num_tokens:]
+        keep = self.block_manager.blocks_for(num_tokens)
+        if len(seq.block_table) > keep:
+            self.block_manager.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def _argmax(self, logits: torch.Tensor) -> int:
+        """logits [1, vocab] -> the id of the largest among the first ``draft_vocab_limit``."""
+        return int(logits[0, :self.draft_vocab_limit].argmax())
+
+    def _count(self, tokens: int, forwards: int) -> None:
+        self.stats.num_tokens_computed += tokens
+        self.stats.num_forwards += forwards
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key in self._warned:
+            log.debug(msg, *args)
+        else:
+            self._warned.add(key)
+            log.warning(msg + " (logged once)", *args)
+
+
+def build_draft_model_proposer(path: str | None, target_model_config: Any,
+                               target_tokenizer: Any, dtype: str = "float32", *,
+                               target_name: str = "target", device: Any = "cpu",
+                               **kwargs: Any) -> DraftModelProposer:
+    """A :class:`DraftModelProposer` drafting with the model at ``path`` (Hugging Face dir,
+    ``.gguf`` or ``"smollm2"``) for a target described by ``target_model_config`` (anything
+    with ``vocab_size``, its embedding rows: an ``engine.config.ModelConfig`` or a
+    ``protocol.messages.ModelIdentity``) and ``target_tokenizer``; ``kwargs`` are further
+    constructor arguments (``num_blocks``, ``block_size``, ``kv_cache_mb``, ...).
+
+    Raises:
+        ValueError: the vocabularies differ (the message names both models and the first
+            differing token), an unsupported dtype or architecture.
+        FileNotFoundError: ``path`` cannot be found.
+    """
+    from engine.loader import load_model
+
+    loaded = load_model(path, dtype=dtype, device=device)
+    return DraftModelProposer(dtype=dtype, device=device, loaded=loaded,
+                              target_vocab_size=int(target_model_config.vocab_size),
+                              target_tokenizer=target_tokenizer, target_name=target_name,
+                              **kwargs)
