@@ -201,7 +201,7 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
             n = int((labels != IGNORE).sum())
             entries += n
             step += 1
-            loss_val = float(loss)
+            loss_val = float(loss.detach())
             rate = entries / (time.perf_counter() - t0)
             bar.set_postfix(loss=f"{loss_val:.3f}", ce1=f"{ces[0]:.3f}", tok_s=f"{rate:.0f}")
             bar.update(1)
