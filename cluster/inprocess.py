@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from decode.config import VerifierConfig
 from decode.worker import VerifierWorker
-from drafter.proposer import Proposer
+from drafter.proposer import Proposer, seed_state_kinds, seed_state_of
 from drafter.config import DrafterConfig
 from drafter.worker import DrafterWorker
 from engine.block_manager import BlockManager
@@ -53,7 +53,9 @@ class InProcessCluster:
     """Prefill, verifier and drafter workers over one shared model, each with its own KV cache.
 
     ``proposer`` replaces the drafter's registered method (tests plug oracle / garbage
-    drafters in); ``num_speculative_tokens=0`` is plain decode through the same verifier;
+    drafters in); the seed state prefill and verifier ship is the one ``proposer`` declares,
+    else the registered ``draft_method``'s; ``num_speculative_tokens=0`` is plain decode
+    through the same verifier;
     ``verifier_options`` are further ``VerifierConfig`` fields (e.g. ``max_queue_len``).
     """
 
@@ -72,14 +74,18 @@ class InProcessCluster:
 
         p_runner, p_bm = runner()
         v_runner, v_bm = runner()
-        self.prefill = PrefillWorker(PrefillConfig(chunk_size=prefill_chunk_size),
-                                     self.hub.mailbox("prefill-0"), p_runner, p_bm)
+        seed = proposer.seed_state if proposer is not None else seed_state_of(draft_method)
+        self.prefill = PrefillWorker(
+            PrefillConfig(chunk_size=prefill_chunk_size,
+                          seed_states={**seed_state_kinds(), draft_method: seed}),
+            self.hub.mailbox("prefill-0"), p_runner, p_bm)
         max_len = max_model_len or min(config.max_position_embeddings, num_kv_blocks * block_size)
         self.verifier = VerifierWorker(
             VerifierConfig(num_speculative_tokens=num_speculative_tokens,
                            eos_token_ids=tuple(eos_token_ids),
                            max_model_len=max_len, tail_wait_fraction=0.0,
-                           draft_method=draft_method, max_num_seqs=max_num_seqs,
+                           draft_method=draft_method, seed_state=seed,
+                           max_num_seqs=max_num_seqs,
                            **verifier_options),
             self.hub.mailbox(VERIFIER), v_runner, v_bm,
             prefill_peers=["prefill-0"], drafter_peers=["drafter-0"])

@@ -15,6 +15,11 @@ STEP_TIME_EMA_WEIGHT = 0.2
 #: Default for ``max_num_batched_tokens``: large enough that a full batch of ``max_num_seqs``
 #: requests with kappa drafts each always fits (the budget only bites when set lower).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+#: Seed states the verifier can ship to a drafter ("" none; "hidden" target hidden states).
+SEED_STATES = ("", "hidden")
+#: Hidden-state rows the verifier keeps per request for a re-sync (DraftSync after DraftNeedSync
+#: or a drafter change): the latest ones, ending at the last committed token's predecessor.
+MAX_SEED_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,10 @@ class VerifierConfig:
     treated as gone for the tail wait: no step waits for its requests until it is heard from
     again. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
     accept length (never changes the output, only the cost). ``draft_method`` is told to the
-    prefill worker so that it ships the right seed state. ``incarnation`` is this process's
+    prefill worker so that it ships the right seed state. ``seed_state``: the seed state that
+    method needs (``""`` none, ``"hidden"`` the target's final hidden states, which the verify
+    forward then returns and DraftSync / VerifyCommit carry; the cluster fills it from the
+    drafter's registry, decode/ may not import drafter/). ``incarnation`` is this process's
     (a ``time.time_ns()`` stamp, as in Hello): transfer ids are ``incarnation + 1, + 2, ...``,
     so a restarted verifier's ids never collide with its previous life's (DESIGN.md §3).
 
@@ -54,6 +62,7 @@ class VerifierConfig:
     prefill_timeout_s: float = 120.0
     drafter_silence_s: float = 1.0
     draft_method: str = "ngram"
+    seed_state: str = ""
     eos_token_ids: tuple[int, ...] = ()
     adaptive_drafts: bool = True
 
@@ -67,5 +76,7 @@ class VerifierConfig:
         if self.max_num_batched_tokens < 1 + self.max_num_speculative_tokens:
             raise ValueError(f"max_num_batched_tokens must be >= {1 + self.max_num_speculative_tokens}"
                              " (one request with its full kappa)")
+        if self.seed_state not in SEED_STATES:
+            raise ValueError(f"seed_state must be one of {SEED_STATES}, got {self.seed_state!r}")
         if self.tail_wait_fraction < 0:
             raise ValueError("tail_wait_fraction must be >= 0")

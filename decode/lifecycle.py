@@ -16,11 +16,13 @@ from collections.abc import Callable
 from decode.kv_receiver import KVReceiver, Transfer
 from decode.request import Request, RequestStatus
 from decode.scheduler import Scheduler
+from decode.seed_state import SeedWindow, commit_buffer, sync_buffer, window_from_prefill
 from decode.stats import VerifierStats
 from decode.verify_step import VerifyOutput
 from protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
 from protocol.errors import ProtocolError
 from protocol.messages import (
+    Buffer,
     DraftClose,
     DraftSync,
     DraftTailStream,
@@ -33,10 +35,19 @@ Send = Callable[[str | None, object], object]
 
 
 class RequestLifecycle:
-    """Live requests by id, and the transitions of DESIGN.md §2 steps 2-6."""
+    """Live requests by id, and the transitions of DESIGN.md §2 steps 2-6.
+
+    ``seed_state`` (VerifierConfig.seed_state): "hidden" keeps each request's latest target
+    hidden states (decode/seed_state.py; the prefill's ``[1, hidden_size]`` row of ``dtype``,
+    then the verify steps') and ships them with DraftSync and VerifyCommit; "" ships none.
+    """
 
     def __init__(self, scheduler: Scheduler, kv: KVReceiver, stats: VerifierStats,
-                 vocab_size: int, eos_token_ids: frozenset[int], send: Send) -> None:
+                 vocab_size: int, eos_token_ids: frozenset[int], send: Send,
+                 seed_state: str = "", hidden_size: int = 0, dtype: object = None) -> None:
+        self.seed_state = seed_state
+        self.hidden_size = hidden_size
+        self.dtype = dtype
         self.scheduler = scheduler
         self.kv = kv
         self.stats = stats
@@ -66,9 +77,11 @@ class RequestLifecycle:
     def sync_draft(self, req: Request) -> None:
         """(Re-)open ``req`` on its drafter: the committed prefix is the truth it aligns to."""
         req.tail.reset(req.committed_len)
+        seed = sync_buffer(req.seed_window, req.prompt_len + req.committed_len)
         if self.send(req.drafter, DraftSync(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                committed_token_ids=list(req.output_token_ids), sampling=req.sampling)):
+                committed_token_ids=list(req.output_token_ids), sampling=req.sampling,
+                seed_state=seed)):
             req.tail_in_flight = True  # (a failed send put the request on plain decode)
 
     def set_drafters(self, drafter_peers: list[str]) -> None:
@@ -168,14 +181,23 @@ class RequestLifecycle:
         elif not 0 <= done.first_token_id < self.vocab_size:
             self.finish(req, FinishReason.ERROR, "prefill returned an invalid first token")
         else:
-            self.start(req, done.first_token_id, done.num_bytes)
+            self.start(req, done.first_token_id, done.num_bytes, done.seed_state)
 
     # -- running ---------------------------------------------------------------------------
 
-    def start(self, req: Request, first_token_id: int, num_kv_bytes: int) -> None:
+    def wants_hidden(self, req: Request) -> bool:
+        """Whether ``req``'s verify rows should come with hidden states: its draft method needs
+        them and it may have (or get again) a drafter."""
+        return bool(self.seed_state) and req.spec_enabled and req.num_speculative_tokens > 0
+
+    def start(self, req: Request, first_token_id: int, num_kv_bytes: int,
+              seed_state: Buffer | None = None) -> None:
         """The KV transfer of ``req`` completed: commit the prefill's first token, open the
-        request on a drafter and stream the token."""
+        request on a drafter (with the prefill's ``seed_state``) and stream the token."""
         self.stats.kv_transfer_bytes += num_kv_bytes
+        if self.wants_hidden(req):
+            req.seed_window = window_from_prefill(seed_state, req.prompt_len,
+                                                  self.hidden_size, self.dtype)
         req.status = RequestStatus.RUNNING
         req.first_token_time = time.monotonic()
         self.stats.observe_ttft(req.first_token_time - req.arrival_time)
@@ -193,10 +215,18 @@ class RequestLifecycle:
         if out.num_draft_tokens:
             self.scheduler.observe_accept(req, out.accept_len)
             req.observe_spec(start, len(committed), out.num_draft_tokens, out.accept_len)
-        self._after_commit(req, committed)
+        rows = None
+        if out.hidden is not None and req.finish_reason is None and self.wants_hidden(req):
+            # chunk row 0 sits at the last committed token (position L - 1): one row per
+            # committed token, positions L - 1 .. L - 1 + accept_len
+            rows = out.hidden[:len(committed)]
+            if req.seed_window is None:
+                req.seed_window = SeedWindow()
+            req.seed_window.append(req.prompt_len + start - 1, rows)
+        self._after_commit(req, committed, seed_rows=rows)
 
     def _after_commit(self, req: Request, committed: list[int],
-                      notify_drafter: bool = True) -> None:
+                      notify_drafter: bool = True, seed_rows=None) -> None:  # noqa: ANN001
         self.stats.num_generated_tokens += len(committed)
         if req.finish_reason is not None:
             self.finish(req, req.finish_reason)
@@ -205,7 +235,7 @@ class RequestLifecycle:
         if req.drafter is not None and committed and notify_drafter:
             if self.send(req.drafter, VerifyCommit(
                     request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
-                    committed_token_ids=committed)):
+                    committed_token_ids=committed, seed_state=commit_buffer(seed_rows))):
                 req.tail_in_flight = True  # (a failed send put the request on plain decode)
         self.stream(req)
 

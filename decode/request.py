@@ -55,6 +55,7 @@ class Request:
     lost_drafter: str | None = None  # a drafter we could not reach: re-synced when it is back
     spec_enabled: bool = True  # False once quarantined
     tail_in_flight: bool = False  # the drafter got news since its last segment
+    seed_window: object | None = None  # decode.seed_state.SeedWindow (draft seed state)
     finish_reason: FinishReason | None = None
     error: str = ""
     spec: SpecStats = field(default_factory=SpecStats)

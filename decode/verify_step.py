@@ -5,7 +5,7 @@ of every planned request, then each request's logits through its verification ru
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,11 +18,15 @@ from protocol.step_profile import StepProfile
 @dataclass(frozen=True, slots=True)
 class VerifyOutput:
     """What one request gets out of a verify step: ``token_ids`` are ``accept_len`` accepted
-    drafts plus one bonus or recovered token (not yet cut at EOS / max_tokens)."""
+    drafts plus one bonus or recovered token (not yet cut at EOS / max_tokens). ``hidden``
+    (only when the step was asked for them): the target hidden states of the chunk's rows
+    ``0 .. accept_len`` on the CPU, [accept_len + 1, hidden_size], row i the state that
+    predicted ``token_ids[i]`` (decode/seed_state.py)."""
 
     token_ids: list[int]
     accept_len: int
     num_draft_tokens: int
+    hidden: torch.Tensor | None = None
 
 
 class VerifyStep:
@@ -53,8 +57,9 @@ class VerifyStep:
             self._generators[device] = gen
         return gen
 
-    def run(self, plan: list[PlannedRequest]) -> list[VerifyOutput]:
-        """Verify every planned request; returns one output per request, in plan order.
+    def run(self, plan: list[PlannedRequest], return_hidden: bool = False) -> list[VerifyOutput]:
+        """Verify every planned request; returns one output per request, in plan order, with
+        its hidden-state rows when ``return_hidden`` (a draft method that needs them).
 
         Each request's block table must already cover ``kv_len + 1 + len(drafts)`` positions
         (the scheduler allocates them).
@@ -72,11 +77,21 @@ class VerifyStep:
         # the cost ratio the bench compares with a (kappa+1)-token vs 1-token forward
         kind = "forward_with_drafts" if any(p.draft_token_ids for p in plan) else "forward_plain"
         t0 = time.perf_counter()
-        logits = self.runner.forward(chunks, logits="all")  # per request [k_b + 1, vocab]
+        hidden = None
+        if return_hidden:
+            logits, hidden = self.runner.forward(chunks, logits="all", return_hidden=True)
+        else:
+            logits = self.runner.forward(chunks, logits="all")  # per request [k_b + 1, vocab]
         self.profile.observe("forward", time.perf_counter() - t0)
         self.profile.observe(kind, time.perf_counter() - t0)
         with self.profile.phase("verify"):
-            return self._verify(plan, logits)
+            outputs = self._verify(plan, logits)
+        if hidden is None:
+            return outputs
+        with self.profile.phase("seed_state"):
+            if hidden[0].device.type != "cpu":  # one copy to the host for the whole batch
+                hidden = list(torch.cat(hidden).cpu().split([h.shape[0] for h in hidden]))
+            return [replace(o, hidden=h[: o.accept_len + 1]) for o, h in zip(outputs, hidden)]
 
     def _verify(self, plan: list[PlannedRequest], logits: list[torch.Tensor]) -> list[VerifyOutput]:
         groups: dict[str, list[int]] = {}

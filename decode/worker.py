@@ -65,7 +65,10 @@ class VerifierWorker(MailboxWorker):
         self.verify_step = VerifyStep(runner, self.profile)
         self.stats = VerifierStats(max_num_speculative_tokens=config.max_num_speculative_tokens)
         self.lifecycle = RequestLifecycle(self.scheduler, self.kv, self.stats, self.vocab_size,
-                                          frozenset(config.eos_token_ids), self.send)
+                                          frozenset(config.eos_token_ids), self.send,
+                                          seed_state=config.seed_state,
+                                          hidden_size=runner.config.hidden_size,
+                                          dtype=runner.model.dtype)
         self.prefill_peers: list[str] = list(prefill_peers or [])
         self.lifecycle.drafter_peers = list(drafter_peers or [])
         # Transfers are keyed by (this verifier, its incarnation, a counter): the ids of one
@@ -381,7 +384,8 @@ class VerifierWorker(MailboxWorker):
             plan = self.scheduler.plan(running)
             # before the commit: a request that finishes in this step was still eligible
             eligible = sum(self.scheduler.num_drafts(p.request) > 0 for p in plan)
-        outputs = self.verify_step.run(plan)
+        hidden = any(self.lifecycle.wants_hidden(p.request) for p in plan)
+        outputs = self.verify_step.run(plan, return_hidden=hidden)
         with prof.phase("commit"):
             for p, out in zip(plan, outputs):
                 self.lifecycle.apply(p.request, out)

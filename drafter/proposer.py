@@ -15,11 +15,15 @@ class Proposer(ABC):
     ``name`` is the registry key. ``seed_state`` declares the seed state the method needs
     from the target (DESIGN.md §3): ``""`` none (the seed is rebuilt from tokens);
     ``"hidden"`` the target's final hidden states (final-norm output, the input of its LM
-    head), which reach the proposer through :meth:`observe_seed_state`.
+    head), which reach the proposer through :meth:`observe_seed_state`. ``seed_hidden_size``
+    (class or instance attribute): the width of the hidden rows it expects (an EAGLE head's
+    input size); the drafter worker refuses rows of another width as a protocol error for the
+    request. None: not checked.
     """
 
     name: ClassVar[str]
     seed_state: ClassVar[str] = ""
+    seed_hidden_size: int | None = None
 
     @abstractmethod
     def open(self, request_id: str, context_token_ids: list[int]) -> None:
@@ -44,7 +48,8 @@ class Proposer(ABC):
         target predicted the token at ``start_position + i + 1``. Called after :meth:`open`
         (DraftSync: the states the verifier holds, ending at position ``len(context) - 2``)
         and after each VerifyCommit (``accept_len + 1`` rows, ending at the same place).
-        Only for methods whose ``seed_state`` is not empty; the default ignores them."""
+        Only for methods whose ``seed_state`` is not empty; the default ignores them. May
+        raise ValueError for states it cannot use: the drafter then asks for a DraftSync."""
 
 
 #: the kinds of seed state a proposer may declare
@@ -94,3 +99,16 @@ def get_proposer(name: str) -> type[Proposer]:
 
 def registered_methods() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def seed_state_of(method: str) -> str:
+    """The seed state the registered ``method`` needs (see :attr:`Proposer.seed_state`);
+    ``""`` for an unknown method."""
+    cls = _REGISTRY.get(method)
+    return cls.seed_state if cls is not None else ""
+
+
+def seed_state_kinds() -> dict[str, str]:
+    """Method -> seed state, for every registered method that needs one: what the cluster tells
+    the prefill worker (``PrefillConfig.seed_states``), which may not import drafter/."""
+    return {name: cls.seed_state for name, cls in sorted(_REGISTRY.items()) if cls.seed_state}

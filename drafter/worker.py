@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from drafter.config import DrafterConfig
 from drafter.proposer import Proposer, get_proposer
+from drafter.seed_state import hidden_rows
 from protocol.errors import ProtocolError
 from protocol.messages import DraftClose, DraftNeedSync, DraftSync, DraftTailStream, VerifyCommit
 
@@ -85,7 +86,13 @@ class DrafterWorker(MailboxWorker):
         told with DraftNeedSync. A request's state is never dropped without telling its
         verifier: a DraftSync it has no room for answers DraftClose(reason "drafter full"), a
         commit for a request it does not know answers DraftNeedSync (once until the next
-        DraftSync). Anything else is counted as dropped."""
+        DraftSync). Anything else is counted as dropped.
+
+        Seed states (a proposer whose ``seed_state`` is "hidden"): a DraftSync's rows (at
+        least one) end at position ``len(context) - 2``, a VerifyCommit's (one per committed
+        token) start at ``prompt_len + pre_commit_len - 1``; the proposer observes them after
+        ``open`` / after the commit is applied (rollback included). Rows that do not fit (count,
+        width, dtype) are a protocol error for the request: DraftNeedSync."""
         msg = env.msg
         if isinstance(msg, ProtocolError):
             self.stats.num_protocol_errors += 1
@@ -121,6 +128,16 @@ class DrafterWorker(MailboxWorker):
                         list(msg.committed_token_ids))
         self.requests[msg.request_id] = st
         self.proposer.open(msg.request_id, st.context)
+        if self._wants_seed(msg.seed_state):  # rows end at position len(context) - 2
+            try:
+                hidden = hidden_rows(msg.seed_state, self.proposer.seed_hidden_size)
+                start = len(st.context) - 1 - hidden.shape[0]
+                if start < 0:
+                    raise ValueError(f"seed state has {hidden.shape[0]} rows for a context "
+                                     f"of {len(st.context)} tokens")
+                self.proposer.observe_seed_state(st.request_id, start, hidden)
+            except ValueError as err:
+                self._need_sync(st, f"bad seed state: {err}")
 
     def _on_commit(self, peer: str, msg: VerifyCommit) -> None:
         st = self.requests.get(msg.request_id)
@@ -136,6 +153,14 @@ class DrafterWorker(MailboxWorker):
         self.stats.num_commits += 1
         toks = list(msg.committed_token_ids)
         pre = msg.pre_commit_len
+        hidden = None
+        if self._wants_seed(msg.seed_state):  # one row per committed token
+            try:
+                hidden = hidden_rows(msg.seed_state, self.proposer.seed_hidden_size,
+                                     num_rows=len(toks))
+            except ValueError as err:
+                self._need_sync(st, f"bad seed state: {err}")
+                return
         n_committed = len(st.committed)
         if pre < n_committed:  # replayed overlap: must agree with what we hold
             overlap = st.committed[pre:pre + len(toks)]
@@ -162,6 +187,17 @@ class DrafterWorker(MailboxWorker):
         st.exhausted = False
         st.news = True
         st.commit_received_at = time.perf_counter()
+        if hidden is not None and toks:  # the rows of the tokens new to us, after any rollback
+            new = hidden[hidden.shape[0] - len(toks):]
+            start = len(st.prompt_token_ids) + pre - 1
+            try:
+                self.proposer.observe_seed_state(st.request_id, start, new)
+            except ValueError as err:
+                self._need_sync(st, f"bad seed state: {err}")
+
+    def _wants_seed(self, buf) -> bool:  # noqa: ANN001
+        """A seed state came and the proposer uses it (others are never even decoded)."""
+        return buf is not None and bool(self.proposer.seed_state)
 
     def _need_sync(self, st: DraftState, reason: str) -> None:
         self.stats.num_need_sync += 1

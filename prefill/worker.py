@@ -4,8 +4,10 @@ For each PrefillRequest it allocates blocks in its own KV cache, runs the prompt
 ``chunk_size`` tokens when long), samples output position 0 with the request's sampling mode
 (engine/sampling.py: greedy, seeded = the coupled rule at position 0, or random), streams the
 prompt's KV to the verifier as KVFrames stamped (request id, transfer id, layer range, chunk
-index) and finishes with PrefillDone carrying the frame count and byte total. KV frames and PrefillDone go on the
-same ordered channel. A PrefillCancel is acknowledged once no frame of that transfer can follow.
+index) and finishes with PrefillDone carrying the frame count and byte total, and the seed
+state of the request's draft method (``PrefillConfig.seed_states``; "hidden": the target's
+final hidden state at the last prompt position). KV frames and PrefillDone go on the same
+ordered channel. A PrefillCancel is acknowledged once no frame of that transfer can follow.
 """
 
 from __future__ import annotations
@@ -146,11 +148,17 @@ class PrefillWorker(MailboxWorker):
 
     def _run_one(self, peer: str, req: PrefillRequest) -> None:
         n = len(req.prompt_token_ids)
+        want_hidden = self.config.seed_states.get(req.draft_method, "") == "hidden"
+        seed_state = None
         block_table = self.block_manager.allocate(self.block_manager.blocks_for(n))
         try:
             with self.profile.phase("forward"):
-                logits = self.runner.prefill(req.prompt_token_ids, block_table,
-                                             chunk_size=self.config.chunk_size)
+                out = self.runner.prefill(req.prompt_token_ids, block_table,
+                                          chunk_size=self.config.chunk_size,
+                                          return_hidden=want_hidden)
+                logits = out[0] if want_hidden else out
+                if want_hidden:  # EAGLE family: f_{p-1}, the state that predicted position 0
+                    seed_state = tensor_to_buffer(out[1][-1:].clone())
                 last = logits.reshape(-1, logits.shape[-1])[-1:]
                 # output position 0, by the request's mode (engine/sampling.py): greedy argmax,
                 # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
@@ -163,7 +171,7 @@ class PrefillWorker(MailboxWorker):
         self.stats.num_prompt_tokens += n
         self.send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
                                      first_token_id=first, num_frames=num_frames,
-                                     num_bytes=num_bytes))
+                                     num_bytes=num_bytes, seed_state=seed_state))
 
     def _send_kv(self, peer: str, req: PrefillRequest, block_table: list[int],
                  n: int) -> tuple[int, int]:

@@ -15,10 +15,14 @@ class PrefillHost(RoleHost):
     role = Role.PREFILL
 
     def build_worker(self):
+        import drafter.proposers  # noqa: F401  (registers the built-in methods)
+        from drafter.proposer import seed_state_kinds
         from prefill.worker import PrefillWorker
 
         _, runner, bm = loaded_runner(self.cfg)
-        config = replace(self.cfg.prefill, instance_id=self.instance_id)
+        # which seed state PrefillDone carries per draft method (prefill/ cannot ask drafter/)
+        seeds = {**seed_state_kinds(), **self.cfg.prefill.seed_states}
+        config = replace(self.cfg.prefill, instance_id=self.instance_id, seed_states=seeds)
         return PrefillWorker(config, self.mailbox, runner, bm)
 
     def on_hello(self, peer: PeerInfo, is_new: bool) -> None:

@@ -14,13 +14,18 @@ class VerifierHost(RoleHost):
     role = Role.VERIFIER
 
     def build_worker(self):
+        import drafter.proposers  # noqa: F401  (registers the built-in methods)
         from decode.worker import VerifierWorker
+        from drafter.proposer import seed_state_of
 
         loaded, runner, bm = loaded_runner(self.cfg)
-        max_len = min(self.cfg.verifier.max_model_len, loaded.config.max_position_embeddings)
-        config = replace(self.cfg.verifier, instance_id=self.instance_id,
+        v = self.cfg.verifier
+        max_len = min(v.max_model_len, loaded.config.max_position_embeddings)
+        # the seed state its draft method needs (decode/ cannot ask drafter/)
+        config = replace(v, instance_id=self.instance_id,
                          incarnation=self.incarnation, max_model_len=max_len,
-                         eos_token_ids=tuple(loaded.config.eos_token_ids))
+                         eos_token_ids=tuple(loaded.config.eos_token_ids),
+                         seed_state=v.seed_state or seed_state_of(v.draft_method))
         return VerifierWorker(config, self.mailbox, runner, bm)
 
     def on_hello(self, peer: PeerInfo, is_new: bool) -> None:
