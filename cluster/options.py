@@ -36,7 +36,10 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output of a request, tokens")
     p.add_argument("--max-num-seqs", type=int, default=32,
                    help="requests the verifier runs (or prefills) at once")
-    p.add_argument("--draft-method", default="ngram", help="drafter method (registry name)")
+    p.add_argument("--drafter", default="auto",
+                   help="draft method: auto (the shipped EAGLE head when the target has one, "
+                        "else ngram), ngram, eagle, eagle:PATH (a head from specmesh "
+                        "train-drafter), draft-model:PATH (a model with the target's tokenizer)")
 
 
 def add_bench_options(p: argparse.ArgumentParser) -> None:
@@ -88,13 +91,16 @@ def cluster_config(args: argparse.Namespace, **overrides):
         ValueError: an invalid combination (from the configs' own checks).
     """
     from cluster.config import ClusterConfig, default_threads
+    from cluster.drafter_option import parse_drafter
     from engine.devices import resolve_dtype
+
+    method, method_kwargs = parse_drafter(args.drafter, args.model)
 
     kw = dict(model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
               kv_cache_mb=args.kv_cache_mb,
               num_speculative_tokens=args.num_speculative_tokens,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              draft_method=args.draft_method)
+              draft_method=method, drafter_method_kwargs=method_kwargs)
     if getattr(args, "port", None) is not None:
         kw["port"] = args.port
     if getattr(args, "host", None):

@@ -16,6 +16,11 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
     """The proposer of ``cfg.drafter`` when its method needs more than its ``method_kwargs``,
     else None (the worker builds it from the registry).
 
+    ``eagle``: ``method_kwargs`` may hold ``head`` (a checkpoint dir; default: the head shipped
+    for the target) and ``dtype`` of the head (float32); only the target's embedding and LM
+    head are read from ``cfg.model``'s weights, and a head trained for another target is
+    refused (:class:`~drafter.eagle.checkpoint.HeadMismatch`).
+
     ``draft_model``: ``method_kwargs`` holds ``model`` (the draft model's path) and optionally
     ``dtype`` / ``device`` (default: the cluster's) and further
     :class:`~drafter.proposers.draft_model.DraftModelProposer` arguments; the target is
@@ -26,6 +31,12 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
         ValueError: no ``model`` in ``method_kwargs``, or the vocabularies differ.
         FileNotFoundError: a model cannot be found.
     """
+    if cfg.drafter.method == "eagle":
+        from drafter.proposers.eagle import EagleProposer
+
+        kwargs = dict(cfg.drafter.method_kwargs)
+        return EagleProposer(head=kwargs.get("head"), model=kwargs.get("model", cfg.model),
+                             dtype=kwargs.get("dtype", "float32"))
     if cfg.drafter.method != "draft_model":
         return None
     from drafter.proposers.draft_model import build_draft_model_proposer
