@@ -65,9 +65,9 @@ def test_run_ahead_on_a_rejected_token_is_never_verified_and_output_is_exact(tin
     verified: list[list[int]] = []
     run = c.verifier.verify_step.run
 
-    def recording_run(plan):
+    def recording_run(plan, **kw):
         verified.extend(p.draft_token_ids for p in plan)
-        return run(plan)
+        return run(plan, **kw)
 
     c.verifier.verify_step.run = recording_run
     sp = SamplingParams(max_tokens=24)
