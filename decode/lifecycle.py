@@ -241,11 +241,12 @@ class RequestLifecycle:
 
     def stream(self, req: Request, finished: bool = False) -> None:
         """Send the gateway the output committed since the last TokenStream."""
-        delta = req.output_token_ids[req.num_streamed:]
+        offset = req.num_streamed  # the gateway fails the request on a gap or an overlap
+        delta = req.output_token_ids[offset:]
         req.num_streamed = req.committed_len
         reason = req.finish_reason if finished else None
         self.send(req.gateway, TokenStream(
-            request_id=req.request_id, token_ids=delta, finished=finished,
+            request_id=req.request_id, token_ids=delta, offset=offset, finished=finished,
             finish_reason=None if reason is None else FinishReason(reason).value,
             num_prompt_tokens=req.prompt_len, num_draft_tokens=req.spec.num_draft_tokens,
             num_accepted_tokens=req.spec.num_accepted_tokens,

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import Annotated, ClassVar
 
 # 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges;
-# 4: SamplingParams.min_p (sampled and seeded requests)
-PROTOCOL_VERSION = 4
+# 4: SamplingParams.min_p (sampled and seeded requests); 5: TokenStream.offset
+PROTOCOL_VERSION = 5
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -263,10 +263,15 @@ class TokenStream:
 
     ``finish_reason`` is ``"stop"`` (EOS / stop token), ``"length"`` (max_tokens), ``"abort"`` or
     ``"error"`` (then ``error`` says why) once ``finished`` is true.
+
+    ``offset``: the output position of the first token of ``token_ids`` (the number of output
+    tokens the verifier streamed before this delta), so the gateway sees a lost or repeated
+    delta (a gap or an overlap) and fails the request rather than return text with a hole.
     """
 
     request_id: str
     token_ids: list[TokenId]
+    offset: NonNegInt = 0
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: NonNegInt = 0
@@ -278,7 +283,8 @@ class TokenStream:
 
     @classmethod
     def example(cls) -> TokenStream:
-        return cls(request_id="req-1", token_ids=[9, 10], finished=True, finish_reason="length",
+        return cls(request_id="req-1", token_ids=[9, 10], offset=3, finished=True,
+                   finish_reason="length",
                    num_prompt_tokens=4, num_draft_tokens=6, num_accepted_tokens=3,
                    num_verify_steps=2)
 

@@ -7,6 +7,13 @@ Threading: one reader thread blocks on ``mailbox.recv(timeout)`` and hands each 
 the asyncio queue of its request with ``loop.call_soon_threadsafe``. Sends (GenerateRequest,
 Abort) come from the event loop or any thread and are serialized by a lock, because a ZMQ
 socket must not be used by two threads at once.
+
+Every wait has a bound and an outcome (DESIGN.md §8): a request whose verifier restarted (a
+new incarnation in its HelloAck or the roster), left the roster, or lost its connection and did
+not come back within ``verifier_lost_grace_s`` fails with an error naming the verifier; a
+request that gets no TokenStream for ``stream_timeout_s`` (a verifier alive but silent) fails
+too; either way its pending entry is gone. A TokenStream whose ``offset`` is not the number of
+tokens already delivered (a lost or repeated delta) fails the request (DESIGN.md §3).
 """
 
 from __future__ import annotations
@@ -34,6 +41,16 @@ ABANDONED_REASON = "client disconnected"
 #: verifier restarting) before it fails, seconds; and how often it looks again.
 VERIFIER_WAIT_S = 30.0
 VERIFIER_POLL_S = 0.05
+#: Default stream idle timeout, seconds: a request that gets no TokenStream for this long (its
+#: verifier alive but silent: a hung loop, a lost final delta) fails. A request queued on a
+#: busy verifier or prefilling a long prompt is silent too, so this is well above the KV
+#: transfer bound (60 s).
+STREAM_IDLE_TIMEOUT_S = 120.0
+#: How long a verifier whose connection dropped may take to come back as the same incarnation
+#: (a network blip; ZMQ reconnects within a fraction of a second) before the requests it held
+#: fail, seconds. With the transport's heartbeat timeout this bounds the wait on a verifier
+#: that died (process or node) well under 10 s.
+VERIFIER_LOST_GRACE_S = 2.0
 
 
 class DuplicateRequestId(ValueError):
@@ -69,6 +86,7 @@ class _Pending:
     verifier: str = ""
     last: TokenStream | None = None  # latest real stats, for a local terminal message
     closed: bool = field(default=False)
+    num_tokens: int = 0  # output tokens delivered: the offset the next TokenStream must carry
 
 
 class MailboxBackend:
@@ -80,26 +98,37 @@ class MailboxBackend:
         recv_timeout_s: how long the reader thread blocks per ``recv`` call; a TokenStream ends
             the wait at once and close() wakes it, so this only sets how often an idle gateway
             wakes up for nothing.
-        stream_timeout_s: fail a request when no TokenStream arrived for this long (None: never).
+        stream_timeout_s: stream idle timeout: fail a request when no TokenStream arrived for
+            this long after it was sent (None: never).
         verifier_wait_s: how long a new request waits while ``pick_verifier`` raises (no
             verifier connected yet) before it fails with an error.
+        verifier_lost_grace_s: how long a verifier whose connection dropped
+            (:meth:`verifier_disconnected`) may take to come back before its requests fail.
     """
 
     def __init__(self, mailbox: Mailbox, pick_verifier: Callable[[], str],
-                 recv_timeout_s: float = 1.0, stream_timeout_s: float | None = None,
-                 verifier_wait_s: float = VERIFIER_WAIT_S) -> None:
+                 recv_timeout_s: float = 1.0,
+                 stream_timeout_s: float | None = STREAM_IDLE_TIMEOUT_S,
+                 verifier_wait_s: float = VERIFIER_WAIT_S,
+                 verifier_lost_grace_s: float = VERIFIER_LOST_GRACE_S) -> None:
         self.mailbox = mailbox
         self.pick_verifier = pick_verifier
         self.recv_timeout_s = recv_timeout_s
         self.stream_timeout_s = stream_timeout_s
         self.verifier_wait_s = verifier_wait_s
+        self.verifier_lost_grace_s = verifier_lost_grace_s
         self._pending: dict[str, _Pending] = {}
+        self._incarnations: dict[str, int] = {}  # verifier -> newest incarnation seen
+        self._lost: dict[str, float] = {}  # verifier -> when its connection dropped
+        self._gone: set[str] = set()  # lost past the grace period, not back yet
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self.num_protocol_errors = 0
         self.num_dropped_streams = 0  # TokenStreams for unknown / finished requests
         self.num_aborts_sent = 0
+        self.num_stream_gaps = 0  # requests failed on a TokenStream gap or overlap
+        self.num_verifier_losses = 0  # requests failed because their verifier died / restarted
         self._thread = threading.Thread(target=self._reader, name="gateway-backend-reader",
                                         daemon=True)
         self._thread.start()
@@ -143,9 +172,10 @@ class MailboxBackend:
     def _reader(self) -> None:
         while not self._stop.is_set():
             try:
-                env = self.mailbox.recv(self.recv_timeout_s)
+                env = self.mailbox.recv(self._recv_timeout())
                 if env is not None:
                     self._handle(env.peer, env.msg)
+                self._check_lost()
             except Exception:  # noqa: BLE001 - the reader must survive anything
                 log.exception("gateway backend reader: unexpected error")
                 self._stop.wait(self.recv_timeout_s)
@@ -156,12 +186,17 @@ class MailboxBackend:
             log.warning("protocol error from %s (request %s): %s", peer, msg.request_id, msg)
             if msg.request_id is not None and msg.request_id in self._pending:
                 # A lost delta would corrupt the text: fail that request only.
-                self.abort(msg.request_id, "protocol error")
+                self._send_abort(msg.request_id, "protocol error")
                 self._fail(msg.request_id, FinishReason.ERROR,
                            f"protocol error from {peer}: {msg}")
             return
         if isinstance(msg, TokenStream):
             pending = self._pending.get(msg.request_id)
+            if pending is not None and not pending.closed:
+                if msg.offset != pending.num_tokens:
+                    self._stream_gap(peer, pending, msg)
+                    return
+                pending.num_tokens += len(msg.token_ids)
             if pending is not None and not msg.finished:
                 pending.last = msg
             if not self._deliver(msg.request_id, msg, final=msg.finished):
@@ -169,6 +204,111 @@ class MailboxBackend:
                 log.debug("dropped TokenStream for unknown request %s", msg.request_id)
             return
         log.debug("gateway ignores %s from %s", type(msg).__name__, peer)
+
+    def _stream_gap(self, peer: str, pending: _Pending, msg: TokenStream) -> None:
+        """``msg`` does not start where the delivered output ends: a delta was lost (gap) or
+        repeated (overlap). Nothing of it reaches the client; the request fails and the
+        verifier is told to drop it."""
+        have, rid = pending.num_tokens, msg.request_id
+        if msg.offset > have:
+            what = (f"a gap: output tokens {have}..{msg.offset - 1} never arrived (a lost "
+                    "TokenStream)")
+        else:
+            what = (f"an overlap: output tokens {msg.offset}..{have - 1} arrived twice")
+        self.num_stream_gaps += 1
+        error = (f"the token stream of request {rid} from {peer} has {what}; the request is "
+                 "failed rather than return output with a hole")
+        log.warning("%s", error)
+        self._send_abort(rid, "token stream gap")
+        self._fail(rid, FinishReason.ERROR, error)
+
+    # ------------------------------------------------------------------ verifier liveness
+
+    def verifier_hello(self, peer: str, incarnation: int | None) -> None:
+        """``peer`` (a verifier) acknowledged our Hello, or the roster lists it, as
+        ``incarnation``. A newer incarnation than the one known is a restarted process: the
+        requests its previous life held fail at once. Thread-safe."""
+        if incarnation is None or incarnation < 0:
+            return
+        with self._lock:
+            old = self._incarnations.get(peer)
+            if old is not None and incarnation < old:
+                return  # a late, stale report
+            self._incarnations[peer] = incarnation
+            self._lost.pop(peer, None)
+            self._gone.discard(peer)
+            if old is not None and incarnation == old:
+                return  # the same process is back: nothing was lost
+        if old is not None:
+            self._fail_verifier(peer, f"verifier {peer} restarted (incarnation {old} -> "
+                                      f"{incarnation}); the requests its previous life held "
+                                      "are lost")
+
+    def verifier_disconnected(self, peer: str) -> None:
+        """The connection to ``peer`` dropped (closed, reset, or its heartbeat timed out). Its
+        requests fail unless it comes back as the same incarnation within
+        ``verifier_lost_grace_s``. Thread-safe."""
+        with self._lock:
+            self._lost.setdefault(peer, time.monotonic())
+            self._gone.discard(peer)
+
+    def set_verifiers(self, verifiers: dict[str, int | None]) -> None:
+        """The roster's verifiers (instance id -> incarnation): requests held by a verifier
+        that left the roster fail at once, and so do those of a verifier whose roster entry is
+        a newer incarnation. Thread-safe."""
+        with self._lock:
+            gone = {p.verifier for p in self._pending.values()
+                    if p.verifier and p.verifier not in verifiers}
+            for peer in list(self._lost):
+                if peer not in verifiers:
+                    del self._lost[peer]
+            self._gone &= set(verifiers)
+        for peer in sorted(gone):
+            self._fail_verifier(peer, f"verifier {peer} left the roster (it died or was "
+                                      "removed); the requests it held are lost")
+        for peer, incarnation in verifiers.items():
+            self.verifier_hello(peer, incarnation)
+
+    def _recv_timeout(self) -> float:
+        """The reader's next wait: ``recv_timeout_s``, or less when a lost verifier's grace
+        period ends sooner."""
+        with self._lock:
+            if not self._lost:
+                return self.recv_timeout_s
+            first = min(self._lost.values())
+        left = first + self.verifier_lost_grace_s - time.monotonic()
+        return min(self.recv_timeout_s, max(left, 0.0) + 0.01)
+
+    def _check_lost(self) -> None:
+        """Fail the requests of every verifier lost for longer than the grace period."""
+        if not self._lost:
+            return
+        now = time.monotonic()
+        with self._lock:
+            expired = [p for p, t in self._lost.items()
+                       if now - t >= self.verifier_lost_grace_s]
+            for peer in expired:
+                del self._lost[peer]
+                self._gone.add(peer)
+        for peer in expired:
+            self._fail_verifier(peer, self._gone_error(peer))
+
+    def _gone_error(self, peer: str) -> str:
+        return (f"lost the connection to verifier {peer} and it did not come back within "
+                f"{self.verifier_lost_grace_s:g} s (it died, or its node did); the request's "
+                "output is lost")
+
+    def _fail_verifier(self, peer: str, error: str) -> None:
+        """End every request held by ``peer`` with ``error`` (no Abort: the process that held
+        them is gone)."""
+        with self._lock:
+            rids = [rid for rid, p in self._pending.items()
+                    if p.verifier == peer and not p.closed]
+        if rids:
+            log.warning("%s (%d requests)", error, len(rids))
+        for rid in rids:
+            self.num_verifier_losses += 1
+            self._fail(rid, FinishReason.ERROR, error)
 
     def _fail(self, request_id: str, reason: str, error: str = "") -> None:
         pending = self._pending.get(request_id)
@@ -211,6 +351,8 @@ class MailboxBackend:
                 if not pending.closed:  # not aborted while it waited
                     pending.verifier = verifier
                     self._send(verifier, req)
+                if verifier in self._gone:  # no one there to answer
+                    self._fail(rid, FinishReason.ERROR, self._gone_error(verifier))
             except Exception as err:  # noqa: BLE001 - no verifier / peer unavailable
                 log.warning("cannot send request %s: %s", rid, err)
                 with self._lock:
@@ -224,9 +366,13 @@ class MailboxBackend:
                 else:
                     try:
                         msg = await asyncio.wait_for(pending.queue.get(), self.stream_timeout_s)
-                    except asyncio.TimeoutError:
-                        self.abort(rid, "timeout")
-                        msg = finished_stream(rid, FinishReason.ERROR, "verifier timed out")
+                    except asyncio.TimeoutError:  # alive but silent: bounded too
+                        self._send_abort(rid, "stream idle timeout")
+                        self._fail(rid, FinishReason.ERROR,
+                                   f"no output from verifier {pending.verifier} for "
+                                   f"{self.stream_timeout_s:g} s (stream idle timeout); the "
+                                   "request was aborted")
+                        continue  # the error (or a finish that just arrived) is queued
                 finished = msg.finished
                 yield msg
                 if finished:
@@ -260,10 +406,17 @@ class MailboxBackend:
 
         Idempotent; unknown or finished requests are ignored. Thread-safe.
         """
+        if self._send_abort(request_id, reason, num_output_tokens):
+            self._fail(request_id, FinishReason.ABORT, reason)
+
+    def _send_abort(self, request_id: str, reason: str,
+                    num_output_tokens: int | None = None) -> bool:
+        """Send Abort to the verifier of a request in flight (best effort); False when the
+        request is unknown or finished."""
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is None or pending.closed:
-                return
+                return False
             verifier = pending.verifier
         if verifier:
             try:
@@ -272,7 +425,7 @@ class MailboxBackend:
                 self.num_aborts_sent += 1
             except Exception as err:  # noqa: BLE001 - the verifier may be gone already
                 log.warning("abort of %s not delivered to %s: %s", request_id, verifier, err)
-        self._fail(request_id, FinishReason.ABORT, reason)
+        return True
 
     def close(self) -> None:
         """Stop the reader thread and end every in-flight stream with an error."""

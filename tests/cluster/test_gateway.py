@@ -93,6 +93,7 @@ class FakeVerifier:
 
     def _step(self, rid: str, st: dict) -> None:
         delta = st["deltas"][st["sent"]]
+        st["offset"] = sum(len(d) for d in st["deltas"][:st["sent"]])
         st["sent"] += 1
         st["steps"] += 1
         st["drafts"] += 3
@@ -100,7 +101,7 @@ class FakeVerifier:
         last = st["sent"] == len(st["deltas"])
         error = "fake verifier failure" if last and st["reason"] == "error" else ""
         self.mb.send(st["peer"], TokenStream(
-            request_id=rid, token_ids=delta, finished=last,
+            request_id=rid, token_ids=delta, offset=st["offset"], finished=last,
             finish_reason=st["reason"] if last else None, num_prompt_tokens=st["n_prompt"],
             num_draft_tokens=st["drafts"], num_accepted_tokens=st["accepted"],
             num_verify_steps=st["steps"], error=error))
