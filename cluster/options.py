@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from decode.config import VERIFY_RULES
 from engine.dtypes import MODEL_DTYPES
 
 #: dtypes a user may pick on the command line (float16 is not supported on CPU here).
@@ -40,6 +41,10 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="draft method: auto (the shipped EAGLE head when the target has one, "
                         "else ngram), ngram, eagle, eagle:PATH (a head from specmesh "
                         "train-drafter), draft-model:PATH (a model with the target's tokenizer)")
+    p.add_argument("--verify-rule", default="auto", choices=VERIFY_RULES,
+                   help="verification of sampled requests without a seed: auto (standard "
+                        "rejection sampling) or block (block verification, arXiv 2403.10444); "
+                        "temperature 0 stays greedy and seeded requests coupled")
 
 
 def add_bench_options(p: argparse.ArgumentParser) -> None:
@@ -100,7 +105,8 @@ def cluster_config(args: argparse.Namespace, **overrides):
               kv_cache_mb=args.kv_cache_mb,
               num_speculative_tokens=args.num_speculative_tokens,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              draft_method=method, drafter_method_kwargs=method_kwargs)
+              draft_method=method, drafter_method_kwargs=method_kwargs,
+              verify_rule=getattr(args, "verify_rule", "auto"))
     if getattr(args, "port", None) is not None:
         kw["port"] = args.port
     if getattr(args, "host", None):

@@ -20,6 +20,10 @@ SEED_STATES = ("", "hidden")
 #: Hidden-state rows the verifier keeps per request for a re-sync (DraftSync after DraftNeedSync
 #: or a drafter change): the latest ones, ending at the last committed token's predecessor.
 MAX_SEED_ROWS = 64
+#: Verification rules a deployment may pick for unseeded sampled requests (``verify_rule``):
+#: "auto" standard rejection sampling, "block" block verification (arXiv 2403.10444). Greedy
+#: and seeded requests keep their rules (greedy, coupled) either way.
+VERIFY_RULES = ("auto", "block")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class VerifierConfig:
     drafter's registry, decode/ may not import drafter/). ``incarnation`` is this process's
     (a ``time.time_ns()`` stamp, as in Hello): transfer ids are ``incarnation + 1, + 2, ...``,
     so a restarted verifier's ids never collide with its previous life's (DESIGN.md §3).
+    ``verify_rule`` (:data:`VERIFY_RULES`): the rule of unseeded sampled requests, ``"auto"``
+    (rejection sampling) or ``"block"`` (block verification); temperature 0 stays greedy and a
+    seeded request coupled (decode/verification.py).
 
     Raises:
         ValueError: a setting out of range.
@@ -65,6 +72,7 @@ class VerifierConfig:
     seed_state: str = ""
     eos_token_ids: tuple[int, ...] = ()
     adaptive_drafts: bool = True
+    verify_rule: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
@@ -78,5 +86,8 @@ class VerifierConfig:
                              " (one request with its full kappa)")
         if self.seed_state not in SEED_STATES:
             raise ValueError(f"seed_state must be one of {SEED_STATES}, got {self.seed_state!r}")
+        if self.verify_rule not in VERIFY_RULES:
+            raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, "
+                             f"got {self.verify_rule!r}")
         if self.tail_wait_fraction < 0:
             raise ValueError("tail_wait_fraction must be >= 0")

@@ -11,8 +11,10 @@ when all passed or the recovered token after a rejection, then ``PLACEHOLDER_TOK
 padding) and ``accept_len`` [batch] (int64; excludes the bonus / recovered token).
 
 A rule is chosen per request from its sampling parameters (:func:`rule_name_for`; the mode of
-engine/sampling.py): ``greedy`` (temperature 0), ``coupled`` (sampled with a seed) and
-``rejection`` (sampled, no seed). The verify step groups a batch by rule, so greedy, sampled and
+engine/sampling.py) and the deployment's ``verify_rule`` (VerifierConfig): ``greedy``
+(temperature 0), ``coupled`` (sampled with a seed) and, for sampled requests without a seed,
+``rejection`` (``verify_rule="auto"``) or ``block`` (``verify_rule="block"``: block
+verification, Sun et al. arXiv 2403.10444). The verify step groups a batch by rule, so greedy, sampled and
 seeded requests mix in one forward. Rules register by name (:func:`register_rule`), like the
 drafter's proposers.
 
@@ -30,8 +32,10 @@ from typing import ClassVar
 
 import torch
 
+from decode.config import VERIFY_RULES
 from engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
 from kernels import coupled_sample, greedy_verify, rejection_sample, rejection_sample_noise
+from kernels.block_verify import block_verify, block_verify_noise
 from protocol.messages import SamplingParams
 
 
@@ -123,6 +127,29 @@ class RejectionRule(VerificationRule):
                                 target_probs, uniform, noise)
 
 
+class BlockRule(VerificationRule):
+    """Block verification (Sun et al., arXiv 2403.10444, Algorithm 2) for unseeded sampled
+    requests when the deployment asks for it (``verify_rule="block"``): the drafts are judged
+    jointly through residual weights ``p_i`` along the block, ``accept_len`` is the last
+    position whose test passes, the extra token comes from ``normalize(max(p_tau *
+    target_probs - draft_probs, 0))`` (the bonus row after the last draft). Exact like
+    rejection sampling and never accepts fewer drafts in expectation (more with full
+    ``draft_probs``; as many with one-hot drafts). Runs ``kernels.block_verify`` with noise
+    from the batch's generator."""
+
+    name = "block"
+
+    def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        target_probs = batch.target_probs()
+        uniform, noise = block_verify_noise(batch.cu_num_draft_tokens, target_probs.shape[1],
+                                            dtype=target_probs.dtype, generator=batch.generator)
+        draft_probs = batch.draft_probs
+        if draft_probs is not None:
+            draft_probs = draft_probs.to(target_probs.dtype)
+        return block_verify(batch.draft_token_ids, batch.cu_num_draft_tokens, draft_probs,
+                            target_probs, uniform, noise)
+
+
 class CoupledRule(VerificationRule):
     """Coupled verification for seeded requests (DESIGN.md §5): the target token at output
     position ``i`` is the Gumbel-max sample of the processed row with noise keyed by (seed,
@@ -171,23 +198,40 @@ def get_rule(name: str) -> VerificationRule:
         raise KeyError(f"unknown verification rule {name!r}; known: {sorted(_RULES)}") from None
 
 
-def rule_name_for(sampling: SamplingParams) -> str:
-    """The rule a request with ``sampling`` is verified with: ``greedy`` at temperature 0 (below
-    1e-5), ``coupled`` for a sampled request with a seed, else ``rejection``.
+def check_verify_rule(verify_rule: str) -> str:
+    """``verify_rule`` if it is one of :data:`decode.config.VERIFY_RULES`.
 
     Raises:
-        ValueError: parameters no rule can verify (SamplingParams.invalid_reason; the verifier
-            refuses such requests at admission, so this is never reached mid-request).
+        ValueError: any other value, naming the known ones.
     """
+    if verify_rule not in VERIFY_RULES:
+        raise ValueError(f"unknown verify_rule {verify_rule!r}; use one of {VERIFY_RULES}")
+    return verify_rule
+
+
+def rule_name_for(sampling: SamplingParams, verify_rule: str = "auto") -> str:
+    """The rule a request with ``sampling`` is verified with: ``greedy`` at temperature 0 (below
+    1e-5), ``coupled`` for a sampled request with a seed, else ``rejection`` (``verify_rule``
+    ``"auto"``) or ``block`` (``verify_rule="block"``).
+
+    Raises:
+        ValueError: an unknown ``verify_rule``; parameters no rule can verify
+            (SamplingParams.invalid_reason; the verifier refuses such requests at admission,
+            so this is never reached mid-request).
+    """
+    check_verify_rule(verify_rule)
     why = sampling.invalid_reason()
     if why:
         raise ValueError(why)
     mode = sampling_mode(sampling)
     if mode == GREEDY:
         return GreedyRule.name
-    return CoupledRule.name if mode == COUPLED else RejectionRule.name
+    if mode == COUPLED:
+        return CoupledRule.name
+    return BlockRule.name if verify_rule == "block" else RejectionRule.name
 
 
 register_rule(GreedyRule())
 register_rule(RejectionRule())
 register_rule(CoupledRule())
+register_rule(BlockRule())

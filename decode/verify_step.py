@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from decode.scheduler import PlannedRequest
-from decode.verification import RuleBatch, get_rule, rule_name_for
+from decode.verification import RuleBatch, check_verify_rule, get_rule, rule_name_for
 from engine.runner import ModelRunner, SeqChunk
 from protocol.step_profile import StepProfile
 
@@ -35,13 +35,19 @@ class VerifyStep:
     ``seed`` seeds the verifier's own ``torch.Generator`` (on the logits' device), the
     randomness of unseeded sampled requests (the rejection rule); None draws a fresh one.
     Seeded requests never touch it (their noise is keyed by (seed, position)).
+    ``verify_rule`` (VerifierConfig.verify_rule): the rule of unseeded sampled requests,
+    ``"auto"`` (rejection) or ``"block"`` (block verification).
+
+    Raises:
+        ValueError: an unknown ``verify_rule``.
     """
 
     def __init__(self, runner: ModelRunner, profile: StepProfile | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, verify_rule: str = "auto") -> None:
         self.runner = runner
         self.profile = profile or StepProfile()
         self._seed = seed
+        self.verify_rule = check_verify_rule(verify_rule)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
@@ -96,7 +102,7 @@ class VerifyStep:
     def _verify(self, plan: list[PlannedRequest], logits: list[torch.Tensor]) -> list[VerifyOutput]:
         groups: dict[str, list[int]] = {}
         for i, p in enumerate(plan):
-            groups.setdefault(rule_name_for(p.request.sampling), []).append(i)
+            groups.setdefault(self._rule_name(p.request.sampling), []).append(i)
         outputs: list[VerifyOutput | None] = [None] * len(plan)
         for name, idx in groups.items():
             batch = self._rule_batch([plan[i] for i in idx], [logits[i] for i in idx])
@@ -104,6 +110,11 @@ class VerifyStep:
             for i, row, a in zip(idx, out.tolist(), accept_len.tolist()):
                 outputs[i] = VerifyOutput(row[: a + 1], a, len(plan[i].draft_token_ids))
         return outputs  # type: ignore[return-value]
+
+    def _rule_name(self, sampling) -> str:
+        if self.verify_rule == "auto":  # the one-argument form (tests patch rule_name_for)
+            return rule_name_for(sampling)
+        return rule_name_for(sampling, self.verify_rule)
 
     def _rule_batch(self, plan: list[PlannedRequest], logits: list[torch.Tensor]) -> RuleBatch:
         drafts = [t for p in plan for t in p.draft_token_ids]
