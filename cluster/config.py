@@ -20,6 +20,8 @@ from prefill.config import PrefillConfig
 from protocol.enums import Role
 
 ROLES = tuple(r.value for r in Role)
+#: Ray namespace of a cluster's named actors (controller, roles) unless its config names another.
+DEFAULT_NAMESPACE = "specmesh"
 
 
 def default_threads(num_cores: int | None = None) -> dict[str, int]:
@@ -44,6 +46,9 @@ class ClusterConfig:
     HTTP); ``port``: the gateway's HTTP port (0 = any free one). ``threads``: torch threads per
     role. ``device``: where prefill and verifier put model and KV (``auto``: the role's GPU
     when Ray gave it one, else CPU; ``cpu``; ``cuda[:N]``). A drafter ``window`` of 0 means "two verify steps of drafts" (2 x kappa).
+    ``namespace``: the Ray namespace of the cluster's named actors (controller
+    ``specmesh-controller``, roles ``specmesh-<instance id>``); clusters sharing one Ray
+    session need distinct ones (``specmesh bench --drafters`` runs one per method).
 
     Raises:
         ValueError: an unsupported dtype, an empty KV layout, or a drafter whose method is not
@@ -58,6 +63,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     threads: dict[str, int] = field(default_factory=default_threads)
+    namespace: str = DEFAULT_NAMESPACE
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(max_num_seqs=32))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(window=0,

@@ -68,24 +68,31 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="plot tokens/s vs concurrency and acceptance per draft position")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--drafters", default=None, metavar="LIST",
+                   help="comma list of draft methods to compare, each a --drafter form (e.g. "
+                        "ngram,eagle): served and in-process kappa=K systems per method, each "
+                        "method on its own cluster (default: just --drafter)")
 
 
 def bench_options(args: argparse.Namespace):
     """The :class:`cluster.bench.BenchOptions` the bench options in ``args`` describe.
 
     Raises:
-        SystemExit: a malformed ``--concurrency`` or a ``--repeats`` below 1.
+        SystemExit: a malformed ``--concurrency`` or ``--drafters``, or a ``--repeats``
+            below 1.
     """
     from cluster.bench import BenchOptions
+    from cluster.bench_drafters import parse_drafters
     from cluster.bench_prompts import parse_concurrency
 
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    drafters = parse_drafters(args.drafters, args.model) if args.drafters else None
     return BenchOptions(concurrency=parse_concurrency(args.concurrency), repeats=args.repeats,
                         max_tokens=args.max_tokens, num_prompts=args.num_prompts,
                         prompts_file=args.prompts, profile=args.profile, json_path=args.json,
                         markdown_path=args.markdown, plot_path=args.plot,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, drafters=drafters)
 
 
 def cluster_config(args: argparse.Namespace, **overrides):

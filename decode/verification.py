@@ -34,8 +34,14 @@ import torch
 
 from decode.config import VERIFY_RULES
 from engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
-from kernels import coupled_sample, greedy_verify, rejection_sample, rejection_sample_noise
-from kernels.block_verify import block_verify, block_verify_noise
+from kernels import (
+    block_verify,
+    block_verify_noise,
+    coupled_sample,
+    greedy_verify,
+    rejection_sample,
+    rejection_sample_noise,
+)
 from protocol.messages import SamplingParams
 
 

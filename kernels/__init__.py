@@ -7,6 +7,12 @@ Imports only torch, triton and the standard library.
 
 from __future__ import annotations
 
+from kernels.block_verify import (
+    block_verify,
+    block_verify_noise,
+    block_verify_ref,
+    block_verify_triton,
+)
 from kernels.constants import PLACEHOLDER_TOKEN_ID
 from kernels.coupled_sample import (
     coupled_sample,
@@ -25,7 +31,8 @@ from kernels.rejection_sample import (
     rejection_sample_triton,
 )
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "coupled_sample", "coupled_sample_ref", "coupled_sample_triton",
+__all__ = ["PLACEHOLDER_TOKEN_ID", "block_verify", "block_verify_noise", "block_verify_ref",
+           "block_verify_triton", "coupled_sample", "coupled_sample_ref", "coupled_sample_triton",
            "greedy_verify", "greedy_verify_ref", "greedy_verify_triton", "gumbel_sample",
            "gumbel_sample_ref", "gumbel_sample_triton", "process_logits", "process_logits_ref",
            "rejection_sample", "rejection_sample_noise", "rejection_sample_ref",
