@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import ray
 
-from cluster.config import ClusterConfig
+from cluster.config import DEFAULT_NAMESPACE, ClusterConfig
 from cluster.controller import Controller
 from cluster.hosts import HOSTS
 from protocol.enums import Role
 
 CONTROLLER_NAME = "specmesh-controller"
-NAMESPACE = "specmesh"
+NAMESPACE = DEFAULT_NAMESPACE
 #: Ray restarts a crashed role this many times before giving up.
 MAX_RESTARTS = 3
 #: Concurrent Ray method calls per role actor (controller calls and metrics; never per token).
@@ -23,7 +23,7 @@ ROLE_RESOURCE_UNIT = 0.001
 
 
 def _register(host) -> None:
-    controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=host.cfg.namespace)
     me = ray.get_runtime_context().current_actor
     controller.register.remote(host.describe(), me)
 
@@ -54,4 +54,4 @@ def role_options(role: Role, cfg: ClusterConfig, num_gpus: float = 0) -> dict:
            "TOKENIZERS_PARALLELISM": "false"}
     return {"num_cpus": 0, "num_gpus": num_gpus, "resources": {role.value: ROLE_RESOURCE_UNIT},
             "max_restarts": MAX_RESTARTS, "max_concurrency": MAX_CONCURRENCY,
-            "runtime_env": {"env_vars": env}, "namespace": NAMESPACE}
+            "runtime_env": {"env_vars": env}, "namespace": cfg.namespace}

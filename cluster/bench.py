@@ -1,23 +1,38 @@
 """``specmesh bench``: at each concurrency level C, the prompts through specmesh served (C
-concurrent clients through the gateway; kappa = K and kappa = 0 on the same cluster), through
-the in-process specmesh workers (no Ray, no HTTP; kappa = K and 0, C requests in flight),
-through Hugging Face batched ``generate`` (batch size C) and, at C = 1, HF with prompt lookup.
-Repeats, levels and systems are interleaved in one run (machines are noisy; ratios must come
-from one run). Prints a table per level and optionally writes JSON, markdown and a plot.
+concurrent clients through the gateway; kappa = K per draft method, each method on its own
+cluster, and kappa = 0 once), through the in-process specmesh workers (no Ray, no HTTP;
+kappa = K per method and 0, C requests in flight), through Hugging Face batched ``generate``
+(batch size C) and, at C = 1, HF with prompt lookup. Repeats, levels and systems are
+interleaved in one run (machines are noisy; ratios must come from one run). Prints a table per
+level and optionally writes JSON, markdown and a plot.
 
-Modules: bench_prompts (inputs), bench_served / bench_inprocess / bench_hf (the systems),
-bench_stats (counter and profile deltas), bench_report (summary, markdown, plot).
+The draft methods are ``--drafters`` (``ngram,eagle``; default: the cluster's ``--drafter``).
+Their served clusters are all started before the runs and run side by side in one Ray
+session, each in its own Ray namespace (:func:`cluster.bench_drafters.namespace_for`).
+
+Modules: bench_prompts (inputs), bench_drafters (the methods), bench_served / bench_inprocess /
+bench_hf (the systems), bench_stats (counter and profile deltas), bench_report (summary,
+markdown, plot).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cluster.bench_drafters import BenchDrafter, cluster_drafter, namespace_for, with_drafter
 from cluster.bench_hf import generation_eos_ids, load_hf_model, run_hf
 from cluster.bench_prompts import level_requests, load_prompts_file
-from cluster.bench_report import System, markdown, summarize, systems_for, write_plot
+from cluster.bench_report import (
+    System,
+    markdown,
+    mismatch_lines,
+    summarize,
+    systems_for,
+    write_plot,
+)
 from cluster.config import ClusterConfig
 from cluster.runs import RunResult, load_prompts, openai_client, run_openai
 
@@ -29,7 +44,8 @@ class BenchOptions:
     """What one bench run does. ``concurrency``: the levels (clients / batch size);
     ``max_tokens``: completion tokens per request; ``num_prompts``: the first N prompts (of
     ``prompts_file`` when given, else the bundled ones); ``profile``: print the verifier step
-    profiles and measure the forward-cost ratio; ``*_path``: outputs (None: not written)."""
+    profiles and measure the forward-cost ratio; ``*_path``: outputs (None: not written);
+    ``drafters``: the draft methods compared (None: the cluster's own ``--drafter``)."""
 
     concurrency: list[int] = field(default_factory=lambda: [1])
     repeats: int = 3
@@ -41,6 +57,7 @@ class BenchOptions:
     markdown_path: str | None = None
     plot_path: str | None = None
     progress: bool = True
+    drafters: list[BenchDrafter] | None = None
 
 
 def bench_prompts(opts: BenchOptions) -> list[dict]:
@@ -50,23 +67,56 @@ def bench_prompts(opts: BenchOptions) -> list[dict]:
     return prompts[:opts.num_prompts] if opts.num_prompts else prompts
 
 
-def _schedule(levels: list[int], kappa: int, repeats: int) -> list[tuple[int, int, System]]:
-    """(repeat, level, system) in run order: each repeat runs every level and system, the
-    order of levels and of systems rotated per repeat."""
+def _schedule(levels: list[int], kappa: int, repeats: int,
+              methods: Sequence[str] = ("ngram",)) -> list[tuple[int, int, System]]:
+    """(repeat, level, system) in run order: each repeat runs every level and system (each
+    method's kappa > 0 systems among them), the order of levels and of systems rotated per
+    repeat."""
     out = []
     for r in range(repeats):
         lv = levels[r % len(levels):] + levels[:r % len(levels)]
         for level in lv:
-            systems = systems_for(kappa, level)
+            systems = systems_for(kappa, level, methods)
             k = r % len(systems)
             out += [(r, level, s) for s in systems[k:] + systems[:k]]
     return out
 
 
+def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
+                  ) -> tuple[dict, list]:
+    """One running cluster per method, all started now, side by side in one Ray session
+    (each in its own namespace): (label -> handle, the handles started here). A given
+    ``handle`` serves the method it runs, if listed."""
+    from cluster.launcher import start_cluster
+
+    given = cluster_drafter(handle.cfg) if handle is not None else None
+    handles: dict = {}
+    started: list = []
+    try:
+        for i, d in enumerate(drafters):
+            if given is not None and (given.method, given.method_kwargs) == (
+                    d.method, d.method_kwargs):
+                handles[d.label] = handle
+                continue
+            print(f"[bench] starting the served cluster of {d.label} "
+                  f"(namespace {namespace_for(d, i)})", file=sys.stderr, flush=True)
+            h = start_cluster(with_drafter(cfg, d, namespace_for(d, i)))
+            handles[d.label] = h
+            started.append(h)
+    except BaseException:
+        for h in started:
+            h.stop()
+        raise
+    return handles, started
+
+
 def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
-    """Run the bench on ``cfg`` (starting a cluster unless ``handle``, a running
-    :class:`cluster.launcher.ClusterHandle`, is given; a given one is left running with its
-    kappa restored). Returns the summary (:func:`cluster.bench_report.summarize`)."""
+    """Run the bench on ``cfg`` for the methods of ``opts.drafters`` (default: ``cfg``'s),
+    starting a served cluster per method (``handle``, a running
+    :class:`cluster.launcher.ClusterHandle`, serves its own method when listed, and is left
+    running with its kappa restored). Returns the summary
+    (:func:`cluster.bench_report.summarize`); ``summary["mismatches"]`` lists every system
+    whose output differed from kappa = 0."""
     import torch
     from tqdm import tqdm
 
@@ -78,14 +128,18 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
 
     prompts = bench_prompts(opts)
     kappa = cfg.verifier.num_speculative_tokens
+    drafters = list(opts.drafters or [cluster_drafter(cfg)])
+    labels = [d.label for d in drafters]
     model = model_name(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
-    torch.set_num_threads(cfg.threads.get("verifier", 2))  # HF and in-process run here
+    bench_threads = cfg.threads.get("verifier", 2)
+    torch.set_num_threads(bench_threads)  # HF and in-process run here
     hf_model = load_hf_model(cfg.model, cfg.dtype)
     eos = generation_eos_ids(hf_model)
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device))
     prompt_ids = [chat_prompt_ids(tokenizer, p["messages"]) for p in prompts]
-    inproc = InProcessSystems(loaded, max(len(p) for p in prompt_ids), opts.max_tokens)
+    inproc = InProcessSystems(loaded, max(len(p) for p in prompt_ids), opts.max_tokens,
+                              methods={d.label: with_drafter(cfg, d) for d in drafters})
     forward_cost = None
     if opts.profile and kappa > 0:
         from cluster.forward_cost import forward_cost_ratio
@@ -93,29 +147,32 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
         ctx = min(200, loaded.config.max_position_embeddings - kappa - 1)
         forward_cost = forward_cost_ratio(loaded.model, loaded.config, kappa,
                                           context_len=ctx).as_dict()
-    own = handle is None
-    if own:
-        from cluster.launcher import start_cluster
-
-        handle = start_cluster(cfg)
+    handles, started = _start_served(cfg, drafters, handle)
+    served_note = (f"one cluster per draft method ({', '.join(labels)}), all started before "
+                   f"the runs and running side by side in one Ray session, each in its own "
+                   f"Ray namespace; served k=0 runs on the {labels[0]} cluster")
     runs: dict[int, dict[str, list[RunResult]]] = {c: {} for c in opts.concurrency}
     try:
-        client = openai_client(handle.url)
-        run_openai(client, model, prompts[:1], 4, "warmup")
-        inproc.run(prompt_ids[:1], kappa, 1, "warmup")
+        clients = {label: openai_client(h.url) for label, h in handles.items()}
+        for label in labels:
+            handles[label].set_num_speculative_tokens(kappa)
+            run_openai(clients[label], model, prompts[:1], 4, "warmup")
+            inproc.run(prompt_ids[:1], kappa, 1, "warmup", label)
+        inproc.run(prompt_ids[:1], 0, 1, "warmup")
         run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
-        schedule = _schedule(opts.concurrency, kappa, opts.repeats)
+        schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels)
         bar = tqdm(schedule, desc="bench", unit="run", disable=not opts.progress,
                    file=sys.stderr)
         for r, level, system in bar:
             bar.set_postfix_str(f"C={level} {system.name}")
             reqs = level_requests(prompts, level)
             if system.kind == "served":
-                res = run_served(handle, client, model, reqs, opts.max_tokens, system.kappa,
-                                 level, system.name)
+                label = system.method or labels[0]  # kappa = 0: the first method's cluster
+                res = run_served(handles[label], clients[label], model, reqs, opts.max_tokens,
+                                 system.kappa, level, system.name)
             elif system.kind == "inprocess":
                 ids = level_requests(prompt_ids, level)
-                res = inproc.run(ids, system.kappa, level, system.name)
+                res = inproc.run(ids, system.kappa, level, system.name, system.method)
             else:
                 res = run_hf(hf_model, tokenizer, reqs, opts.max_tokens, system.name, eos,
                              batch_size=1 if system.kappa else level,
@@ -126,14 +183,18 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                        f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
         bar.close()
     finally:
-        handle.set_num_speculative_tokens(kappa)
-        if own:
-            handle.stop()
+        for h in handles.values():
+            h.set_num_speculative_tokens(kappa)
+        for h in started:
+            h.stop()
     config = {"model": model, "dtype": cfg.dtype, "kappa": kappa, "max_tokens": opts.max_tokens,
               "num_prompts": len(prompts), "prompt_names": [p["name"] for p in prompts],
               "repeats": opts.repeats, "concurrency": opts.concurrency, "threads": cfg.threads,
-              "draft_method": cfg.verifier.draft_method, "profile": opts.profile}
-    summary = summarize(config, runs, {c: systems_for(kappa, c) for c in opts.concurrency},
+              "bench_threads": bench_threads, "drafters": [d.as_dict() for d in drafters],
+              "draft_method": drafters[0].method, "served_clusters": served_note,
+              "profile": opts.profile}
+    summary = summarize(config, runs,
+                        {c: systems_for(kappa, c, labels) for c in opts.concurrency},
                         forward_cost)
     write_outputs(summary, opts)
     return summary
@@ -144,6 +205,8 @@ def write_outputs(summary: dict, opts: BenchOptions) -> None:
     markdown and plot files the options name."""
     text = markdown(summary if opts.profile else _without_profiles(summary))
     print("\n" + text, flush=True)
+    for line in mismatch_lines(summary):
+        print(f"[bench] {line}", file=sys.stderr, flush=True)
     if opts.json_path:
         with open(opts.json_path, "w") as f:
             json.dump(summary, f, indent=2)

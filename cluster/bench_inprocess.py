@@ -1,7 +1,7 @@
 """The in-process specmesh systems of ``specmesh bench``: prefill, verifier and drafter workers
 in the bench's own process (:class:`cluster.inprocess.InProcessCluster`, no Ray, no HTTP), at
-kappa = K and kappa = 0, with as many requests in flight as the concurrency level, so served /
-in-process ratios come from the same run. Imports no Ray."""
+kappa = K per draft method and kappa = 0, with as many requests in flight as the concurrency
+level, so served / in-process ratios come from the same run. Imports no Ray."""
 
 from __future__ import annotations
 
@@ -24,21 +24,43 @@ def kv_blocks_needed(max_prompt_len: int, max_tokens: int, kappa: int, concurren
 
 class InProcessSystems:
     """In-process clusters over one loaded model (``engine.loader.load_model``), one per
-    (kappa, concurrency), built on first use; ``max_num_seqs`` = concurrency, so the verifier
-    runs at most that many requests at once and the rest queue, like C concurrent clients."""
+    (draft method, kappa, concurrency), built on first use; ``max_num_seqs`` = concurrency, so
+    the verifier runs at most that many requests at once and the rest queue, like C concurrent
+    clients. ``methods``: label -> the ClusterConfig running that method (its proposer is
+    built as the drafter role builds it, :func:`cluster.hosts.drafter.build_proposer`; None
+    for a registry method such as n-gram); no methods: n-gram only."""
 
     def __init__(self, loaded, max_prompt_len: int, max_tokens: int,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, methods: dict | None = None) -> None:
         self.loaded, self.max_prompt_len, self.max_tokens = loaded, max_prompt_len, max_tokens
         self.block_size = block_size
-        self._clusters: dict[tuple[int, int], object] = {}
+        self.methods = dict(methods or {})
+        self._clusters: dict[tuple[str | None, int, int], object] = {}
 
-    def cluster(self, kappa: int, concurrency: int):
-        """The in-process cluster for ``kappa`` drafts per step and ``concurrency`` requests."""
-        key = (kappa, concurrency)
+    def _method(self, method: str | None) -> tuple[str, object]:
+        """(registry method, proposer or None) of the method labelled ``method``.
+
+        Raises:
+            KeyError: a label the systems were not given.
+        """
+        if method is None:
+            return "ngram", None
+        if method not in self.methods:
+            raise KeyError(f"in-process systems have no draft method {method!r} "
+                           f"(have {sorted(self.methods)})")
+        from cluster.hosts.drafter import build_proposer
+
+        cfg = self.methods[method]
+        return cfg.drafter.method, build_proposer(cfg)
+
+    def cluster(self, kappa: int, concurrency: int, method: str | None = None):
+        """The in-process cluster for ``kappa`` drafts per step, ``concurrency`` requests and
+        the draft method labelled ``method`` (ignored at kappa 0: plain decode)."""
+        key = (method if kappa > 0 else None, kappa, concurrency)
         if key not in self._clusters:
             from cluster.inprocess import InProcessCluster
 
+            draft_method, proposer = self._method(key[0])
             cfg = self.loaded.config
             blocks = kv_blocks_needed(self.max_prompt_len, self.max_tokens, kappa, concurrency,
                                       self.block_size)
@@ -47,21 +69,23 @@ class InProcessSystems:
                 eos_token_ids=cfg.eos_token_ids, num_kv_blocks=blocks,
                 block_size=self.block_size, max_num_seqs=concurrency,
                 max_model_len=min(cfg.max_position_embeddings,
-                                  self.max_prompt_len + self.max_tokens + kappa + 1))
+                                  self.max_prompt_len + self.max_tokens + kappa + 1),
+                draft_method=draft_method, proposer=proposer)
         return self._clusters[key]
 
     def run(self, prompt_ids: list[list[int]], kappa: int, concurrency: int,
-            system: str) -> RunResult:
-        """All ``prompt_ids`` through the (kappa, concurrency) cluster, greedy; ``seconds`` is
-        the wall time until the last finished. Spec stats from the completions, per-position
-        accepts and the verifier's step profile from its counters over this pass.
+            system: str, method: str | None = None) -> RunResult:
+        """All ``prompt_ids`` through the (method, kappa, concurrency) cluster, greedy;
+        ``seconds`` is the wall time until the last finished. Spec stats from the completions,
+        per-position accepts and the verifier's step profile from its counters over this
+        pass.
 
         Raises:
             RuntimeError: a request did not finish successfully.
         """
         from protocol.messages import SamplingParams
 
-        c = self.cluster(kappa, concurrency)
+        c = self.cluster(kappa, concurrency, method)
         before = self._snapshot(c)
         t0 = time.perf_counter()
         outs = c.generate(prompt_ids, SamplingParams(max_tokens=self.max_tokens))

@@ -5,6 +5,7 @@ identity, step profiles), the markdown tables and the plot. Pure functions over
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.bench_stats import (
@@ -25,22 +26,32 @@ HF_BASELINE = "hf generate"
 class System:
     """One benchmarked system: ``kind`` is ``served`` (through the gateway), ``inprocess``
     (the workers in the bench process) or ``hf``; ``kappa`` its drafts per step (0 = none);
-    ``plain`` the name of its kappa = 0 counterpart (None if it has none)."""
+    ``plain`` the name of its kappa = 0 counterpart (None if it has none); ``method`` the
+    label of its draft method (``--drafters``; None for kappa = 0 and HF)."""
 
     name: str
     kind: str
     kappa: int = 0
     plain: str | None = None
+    method: str | None = None
 
 
-def systems_for(kappa: int, concurrency: int) -> list[System]:
-    """The systems of one concurrency level: specmesh served and in-process at kappa and 0,
-    HF batched greedy, and at concurrency 1 HF with prompt lookup (HF does not batch it)."""
-    out = [System(f"specmesh k={kappa}", "served", kappa, "specmesh k=0"),
-           System("specmesh k=0", "served", 0),
-           System(f"in-process k={kappa}", "inprocess", kappa, "in-process k=0"),
-           System("in-process k=0", "inprocess", 0),
-           System(HF_BASELINE, "hf")]
+SERVED_PLAIN = "served k=0"
+INPROCESS_PLAIN = "in-process k=0"
+
+
+def systems_for(kappa: int, concurrency: int, methods: Sequence[str] = ("ngram",),
+                ) -> list[System]:
+    """The systems of one concurrency level: specmesh served at kappa per draft method (its
+    label in the name, e.g. ``served k=4 eagle``) and at kappa = 0 once, the same in-process,
+    HF batched greedy, and at concurrency 1 HF with prompt lookup (HF does not batch it).
+    With kappa = 0 there are no per-method systems."""
+    methods = list(methods) if kappa > 0 else []
+    out = [System(f"served k={kappa} {m}", "served", kappa, SERVED_PLAIN, m) for m in methods]
+    out.append(System(SERVED_PLAIN, "served", 0))
+    out += [System(f"in-process k={kappa} {m}", "inprocess", kappa, INPROCESS_PLAIN, m)
+            for m in methods]
+    out += [System(INPROCESS_PLAIN, "inprocess", 0), System(HF_BASELINE, "hf")]
     if concurrency == 1:
         out.append(System(f"hf prompt lookup k={max(kappa, 1)}", "hf", max(kappa, 1)))
     return out
@@ -57,11 +68,21 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def draft_step_share(profile: dict | None) -> float | None:
+    """Share of the verify steps with drafts: request-steps whose request had drafts to
+    verify / all request-steps of the pass (from the verifier's step counters; None without
+    steps)."""
+    c = (profile or {}).get("counters", {})
+    return c.get("num_request_steps_with_drafts", 0) / c["num_request_steps"] \
+        if c.get("num_request_steps") else None
+
+
 def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str, list[RunResult]],
                      ) -> dict:
     """One system at one level: median and all tokens/s (completion tokens / wall seconds),
-    spec stats summed over repeats, acceptance per draft position, output identity of the
-    first repeat vs HF and vs its kappa = 0 counterpart, and its step profile."""
+    spec stats summed over repeats, acceptance per draft position, the share of verify steps
+    with drafts, output identity of the first repeat vs HF and vs its kappa = 0 counterpart
+    (``exact``: every output identical to it), and its step profile."""
     spec = SpecStats()
     per_pos: list[int] = []
     profile: dict | None = None
@@ -75,16 +96,19 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
     hf = level_runs.get(HF_BASELINE)
     plain = level_runs.get(system.plain) if system.plain else None
     tps = [r.tokens_per_s for r in runs]
-    out = {"kind": system.kind, "kappa": system.kappa,
+    identical_k0 = same_outputs(first, plain[0]) if plain else None
+    out = {"kind": system.kind, "kappa": system.kappa, "method": system.method,
            "median_tokens_per_s": _median(tps), "all_tokens_per_s": tps,
            "num_tokens": [r.num_tokens for r in runs], "seconds": [r.seconds for r in runs],
            "spec_stats": spec.as_dict(), "acceptance_rate": spec.acceptance_rate,
            "mean_accept_len": spec.mean_accept_len,
            "accepted_per_pos": per_pos,
            "acceptance_per_position": acceptance_per_position(per_pos, spec.num_verify_steps),
+           "verify_steps_with_drafts_share": draft_step_share(profile),
            "identical_to_hf": (same_outputs(first, hf[0])
                                if hf and system.name != HF_BASELINE else None),
-           "identical_to_k0": same_outputs(first, plain[0]) if plain else None,
+           "identical_to_k0": identical_k0,
+           "exact": all(identical_k0) if identical_k0 is not None else None,
            "texts": first.texts, "token_ids": first.token_ids}
     if profile is not None:
         out["profile"] = profile_summary(profile)
@@ -94,34 +118,40 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
 
 def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[System]) -> dict:
     """Every system of one concurrency level plus the ratios that matter: each to HF, spec to
-    plain, served to in-process."""
+    plain, served to in-process (same kappa and method); ``mismatches``: the speculative
+    systems whose output differs from their kappa = 0 counterpart's (request indices)."""
     out = {name: summarize_system(s, runs[s.name], runs)
            for s in systems if (name := s.name) in runs}
     hf = out.get(HF_BASELINE, {}).get("median_tokens_per_s")
     for s in out.values():
         s["ratio_to_hf"] = s["median_tokens_per_s"] / hf if hf else None
     ratios = {}
-    by_kind = {(s.kind, s.kappa): s.name for s in systems if s.name in out}
+    by_kind = {(s.kind, s.kappa, s.method): s.name for s in systems if s.name in out}
     for s in systems:
         if s.name not in out:
             continue
         if s.plain and s.plain in out and out[s.plain]["median_tokens_per_s"]:
             ratios[f"{s.name} / {s.plain}"] = (out[s.name]["median_tokens_per_s"]
                                                / out[s.plain]["median_tokens_per_s"])
-        twin = by_kind.get(("inprocess", s.kappa)) if s.kind == "served" else None
+        twin = by_kind.get(("inprocess", s.kappa, s.method)) if s.kind == "served" else None
         if twin and out[twin]["median_tokens_per_s"]:
             ratios[f"{s.name} / {twin}"] = (out[s.name]["median_tokens_per_s"]
                                             / out[twin]["median_tokens_per_s"])
+    plain_of = {s.name: s.plain for s in systems}
+    mismatches = [{"concurrency": level, "system": name, "plain": plain_of[name],
+                   "requests": [i for i, same in enumerate(s["identical_to_k0"]) if not same]}
+                  for name, s in out.items() if s["exact"] is False]
     return {"concurrency": level, "num_requests": len(next(iter(runs.values()))[0].texts)
-            if runs else 0, "systems": out, "ratios": ratios}
+            if runs else 0, "systems": out, "ratios": ratios, "mismatches": mismatches}
 
 
 def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
               systems: dict[int, list[System]], forward_cost: dict | None = None) -> dict:
-    """The whole bench: ``config`` (model, dtype, kappa, max_tokens, num_prompts, repeats,
-    threads, ...), per level :func:`summarize_level`, the measured forward cost
-    (:meth:`cluster.forward_cost.ForwardCost.as_dict`) and, for every profiled kappa > 0
-    system, its step-cost check against that ratio."""
+    """The whole bench: ``config`` (model, dtype, kappa, drafters, max_tokens, num_prompts,
+    repeats, threads, ...), per level :func:`summarize_level`, the measured forward cost
+    (:meth:`cluster.forward_cost.ForwardCost.as_dict`), for every profiled kappa > 0 system
+    its step-cost check against that ratio, and ``mismatches``: every level's speculative
+    systems whose output differs from kappa = 0 (empty when every method is exact)."""
     levels = {}
     for level, level_runs in runs.items():
         lv = summarize_level(level, level_runs, systems[level])
@@ -133,7 +163,17 @@ def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
                                                  forward_cost["ratio"] if forward_cost else None,
                                                  plain)
         levels[str(level)] = lv
-    return {"config": config, "forward_cost": forward_cost, "levels": levels}
+    mismatches = [m for lv in levels.values() for m in lv["mismatches"]]
+    return {"config": config, "forward_cost": forward_cost, "levels": levels,
+            "mismatches": mismatches}
+
+
+def mismatch_lines(summary: dict) -> list[str]:
+    """One loud line per speculative system whose output differs from its kappa = 0
+    counterpart's (empty when every method is exact)."""
+    return [f"OUTPUT MISMATCH at concurrency {m['concurrency']}: {m['system']} differs from "
+            f"{m['plain']} on request(s) {', '.join(str(i) for i in m['requests'])}"
+            for m in summary.get("mismatches", [])]
 
 
 def _frac(flags: list[bool] | None) -> str:
@@ -148,25 +188,59 @@ def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f} ms"
 
 
+def thread_plan_text(cfg: dict) -> str:
+    """The thread plan of a run's config: torch threads per served role and of the bench
+    process (in-process systems and HF)."""
+    roles = ", ".join(f"{r} {n}" for r, n in (cfg.get("threads") or {}).items())
+    text = f"served roles: {roles}" if roles else "served roles: n/a"
+    if cfg.get("bench_threads") is not None:
+        text += f"; bench process (in-process, HF): {cfg['bench_threads']}"
+    return text
+
+
+def _per_pos(acc: list[float]) -> str:
+    return " / ".join(f"{a:.2f}" for a in acc)
+
+
+def _identical_k0(s: dict) -> str:
+    text = _frac(s["identical_to_k0"])
+    return f"**{text} MISMATCH**" if s.get("exact") is False else text
+
+
 def markdown(summary: dict) -> str:
-    """A table per concurrency level: system, tokens/s (median), ratio to HF, acceptance rate,
-    mean accept length, identical outputs (vs HF; kappa=K vs kappa=0), then the level's
-    ratios; the step profiles and the step-cost check when the summary has them."""
+    """A header (model, dtype, kappa, draft methods, thread plan, how the served clusters ran,
+    and a loud line per output mismatch), then a table per concurrency level: system, tokens/s
+    (median), ratio to HF, acceptance rate, mean accept length, acceptance per draft
+    position, share of verify steps with drafts, identical outputs (vs HF; kappa=K vs
+    kappa=0), then the level's ratios; the step profiles and the step-cost check when the
+    summary has them."""
     cfg = summary["config"]
-    lines = [f"# specmesh bench: {cfg['model']} ({cfg['dtype']}), kappa={cfg['kappa']}, "
-             f"max_tokens={cfg['max_tokens']}, {cfg['num_prompts']} prompts, "
-             f"{cfg['repeats']} repeat(s), threads {cfg['threads']}", ""]
+    drafters = ", ".join(d["label"] for d in cfg.get("drafters", [])) or cfg.get(
+        "draft_method", "")
+    lines = [f"# specmesh bench: {cfg['model']} ({cfg['dtype']}), kappa={cfg['kappa']}"
+             + (f", drafters {drafters}" if drafters else "")
+             + f", max_tokens={cfg['max_tokens']}, {cfg['num_prompts']} prompts, "
+             f"{cfg['repeats']} repeat(s)", "", f"- thread plan: {thread_plan_text(cfg)}"]
+    if cfg.get("served_clusters"):
+        lines.append(f"- served clusters: {cfg['served_clusters']}")
+    lines.append("")
+    loud = mismatch_lines(summary)
+    if loud:
+        lines += [f"**{m}**" for m in loud] + [""]
     for level in summary["levels"].values():
         lines += [f"## concurrency {level['concurrency']} ({level['num_requests']} requests)",
                   "", "| system | tokens/s | x HF | acceptance | mean accept len | "
-                  "identical to HF | identical k=K vs k=0 |", "|---|---|---|---|---|---|---|"]
+                  "acceptance per position | steps with drafts | identical to HF | "
+                  "identical k=K vs k=0 |", "|---" * 9 + "|"]
         for name, s in level["systems"].items():
             spec = s["kappa"] > 0 and s["kind"] != "hf"  # HF reports no spec stats
             lines.append(
                 f"| {name} | {s['median_tokens_per_s']:.2f} | {_num(s['ratio_to_hf'])} | "
                 f"{_num(s['acceptance_rate']) if spec else ''} | "
                 f"{_num(s['mean_accept_len']) if spec else ''} | "
-                f"{_frac(s['identical_to_hf'])} | {_frac(s['identical_to_k0'])} |")
+                f"{_per_pos(s.get('acceptance_per_position') or []) if spec else ''} | "
+                f"{_num(s.get('verify_steps_with_drafts_share'), '.0%') if spec else ''} | "
+                f"{_frac(s['identical_to_hf'])} | {_identical_k0(s)} |")
         lines.append("")
         lines += [f"- {k}: {v:.2f}x" for k, v in level["ratios"].items()]
         lines.append("")

@@ -28,13 +28,17 @@ from cluster.options import (  # noqa: E402
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from cluster.drafter_option import parse_drafter
     from cluster.inprocess import InProcessCluster
     from engine.loader import load_model
     from protocol.messages import SamplingParams
 
+    method, method_kwargs = parse_drafter(args.drafter, args.model)  # fails before loading
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    from cluster.config import ClusterConfig
+    from cluster.hosts.drafter import build_proposer
     from engine.devices import resolve_device, resolve_dtype
 
     args.dtype = resolve_dtype(args.dtype, args.device)
@@ -47,9 +51,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from cluster.gateway.tokens import chat_prompt_ids
 
         prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
+    # the proposer the drafter role would build for this method (None: the registry's)
+    proposer = build_proposer(ClusterConfig.create(
+        model=args.model, dtype=args.dtype, device=args.device,
+        num_speculative_tokens=args.num_speculative_tokens, draft_method=method,
+        drafter_method_kwargs=method_kwargs))
     cluster = InProcessCluster(loaded.model, loaded.config,
                                num_speculative_tokens=args.num_speculative_tokens,
-                               eos_token_ids=loaded.config.eos_token_ids)
+                               eos_token_ids=loaded.config.eos_token_ids,
+                               draft_method=method, proposer=proposer)
     t1 = time.perf_counter()
     (out,) = cluster.generate([prompt_ids], SamplingParams(max_tokens=args.max_tokens))
     dt = time.perf_counter() - t1
@@ -57,7 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     n = len(out.token_ids)
     print(f"\n[specmesh] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), finish_reason="
           f"{out.finish_reason}, model load {load_s:.1f} s, dtype {args.dtype}, "
-          f"num_speculative_tokens {args.num_speculative_tokens}", file=sys.stderr)
+          f"num_speculative_tokens {args.num_speculative_tokens}, drafter {method}"
+          + (f" {method_kwargs}" if method_kwargs else ""), file=sys.stderr)
     s = out.spec
     print(f"[specmesh] spec stats: drafted {s.num_draft_tokens}, accepted "
           f"{s.num_accepted_tokens}, verify steps with drafts {s.num_verify_steps}, "
@@ -117,8 +128,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
     from cluster.bench import bench
 
-    bench(cluster_config(args, port=0), opts)
-    return 0
+    summary = bench(cluster_config(args, port=0), opts)
+    return 1 if summary.get("mismatches") else 0  # a method whose output is not exact
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -136,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
+    g.add_argument("--drafter", default="auto",
+                   help="draft method, as for serve: auto, ngram, eagle, eagle:PATH, "
+                        "draft-model:PATH")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="embedded local Ray: prefill, verifier, drafter, gateway")
@@ -161,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=96)
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="specmesh served / in-process (k>0, k=0) vs HF generate per "
-                                     "concurrency level, interleaved repeats")
+    b = sub.add_parser("bench", help="specmesh served / in-process (k>0 per draft method, k=0) "
+                                     "vs HF generate per concurrency level, interleaved "
+                                     "repeats")
     add_cluster_options(b)
     add_bench_options(b)
     b.set_defaults(func=cmd_bench)

@@ -38,10 +38,10 @@ def init_local_ray(num_cpus: int | None = None) -> None:
              configure_logging=True, logging_level=logging.WARNING)
 
 
-def get_controller(lifetime: str | None = None):
-    """The named controller, created if missing (``lifetime="detached"``: outlives this
-    driver, as ``specmesh launch`` needs)."""
-    return ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE,
+def get_controller(lifetime: str | None = None, namespace: str = NAMESPACE):
+    """The named controller of ``namespace``, created if missing (``lifetime="detached"``:
+    outlives this driver, as ``specmesh launch`` needs)."""
+    return ControllerActor.options(name=CONTROLLER_NAME, namespace=namespace,
                                    get_if_exists=True, num_cpus=0, lifetime=lifetime).remote()
 
 
@@ -102,6 +102,8 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
                   num_drafters: int = 1, timeout_s: float = 600.0) -> ClusterHandle:
     """Start controller, prefill, verifier, drafter and gateway actors and wait until the
     gateway can route a request (every verifier connected to a prefill worker and a drafter).
+    The actors are named in ``cfg.namespace``: clusters with distinct namespaces run side by
+    side in one Ray session (ports are picked free; rosters are per controller).
 
     Raises:
         TimeoutError: the roles did not connect within ``timeout_s``.
@@ -111,7 +113,7 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
     # Dequantize a GGUF once here, not concurrently in every role process on first start.
     model_files(cfg.model, cfg.dtype)
     init_local_ray()
-    controller = get_controller()
+    controller = get_controller(namespace=cfg.namespace)
     handle = ClusterHandle(cfg, controller)
     plan = ([(Role.PREFILL, f"prefill-{i}") for i in range(num_prefill)]
             + [(Role.DRAFTER, f"drafter-{i}") for i in range(num_drafters)]

@@ -1,5 +1,6 @@
 """``specmesh bench`` end to end on the tiny random model: served (Ray, gateway, HTTP) and
-in-process specmesh at kappa = 3 and 0, HF batched generate and prompt lookup, concurrency
+in-process specmesh at kappa = 3 per draft method (n-gram and an untrained EAGLE head, a served
+cluster each, side by side) and kappa = 0, HF batched generate and prompt lookup, concurrency
 1 and 2, one repeat; the JSON, markdown and PNG it writes, and a prompts file with a bad line."""
 
 import json
@@ -18,6 +19,9 @@ PROMPTS = [
 
 
 def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path, capsys):
+    from helpers.eagle_heads import save_random_head
+
+    head = save_random_head(tiny_model_dir, tmp_path / "tiny-head")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
     out_json, out_md, out_png = (tmp_path / n for n in ("b.json", "b.md", "b.png"))
@@ -25,12 +29,20 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
                "--max-model-len", "1024", "--num-speculative-tokens", "3",
                "--concurrency", "1,2", "--repeats", "1", "--max-tokens", "6",
                "--prompts", str(prompts), "--profile", "--json", str(out_json),
-               "--markdown", str(out_md), "--plot", str(out_png)])
-    assert rc == 0
+               "--markdown", str(out_md), "--plot", str(out_png),
+               "--drafters", f"ngram,eagle:{head}"])
+    assert rc == 0  # every method's output identical to kappa = 0's
     summary = json.loads(out_json.read_text())
-    assert summary["config"]["concurrency"] == [1, 2]
-    assert summary["config"]["prompt_names"] == ["sea", "prompt-2"]
-    want = {"specmesh k=3", "specmesh k=0", "in-process k=3", "in-process k=0", "hf generate"}
+    assert summary["mismatches"] == []
+    cfg = summary["config"]
+    assert cfg["concurrency"] == [1, 2]
+    assert cfg["prompt_names"] == ["sea", "prompt-2"]
+    assert [d["label"] for d in cfg["drafters"]] == ["ngram", "eagle:tiny-head"]
+    assert set(cfg["threads"]) == {"verifier", "prefill", "drafter", "gateway"}
+    assert "side by side" in cfg["served_clusters"]
+    spec = {f"{kind} k=3 {m}" for kind in ("served", "in-process")
+            for m in ("ngram", "eagle:tiny-head")}
+    want = spec | {"served k=0", "in-process k=0", "hf generate"}
     assert set(summary["levels"]["1"]["systems"]) == want | {"hf prompt lookup k=3"}
     assert set(summary["levels"]["2"]["systems"]) == want
     for level in summary["levels"].values():
@@ -40,18 +52,29 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
             assert len(s["all_tokens_per_s"]) == 1
             if name != "hf generate":
                 assert len(s["identical_to_hf"]) == 2
-        # greedy: speculation never changes the output
-        assert all(level["systems"]["in-process k=3"]["identical_to_k0"])
-        assert all(level["systems"]["specmesh k=3"]["identical_to_k0"])
-        assert "profile" in level["systems"]["specmesh k=3"]
-        assert "forward" in level["systems"]["in-process k=3"]["profile"]["phases"]
+        # greedy: speculation never changes the output, whatever the method
+        for name in spec:
+            s = level["systems"][name]
+            assert s["exact"] is True and all(s["identical_to_k0"]), name
+            assert len(s["accepted_per_pos"]) == 3, name
+            assert s["verify_steps_with_drafts_share"] is not None, name
+        # the untrained head drafts at every step it has a seed state for
+        for kind in ("served", "in-process"):
+            s = level["systems"][f"{kind} k=3 eagle:tiny-head"]
+            assert s["spec_stats"]["num_draft_tokens"] > 0
+            assert len(s["acceptance_per_position"]) == 3
+        assert "profile" in level["systems"]["served k=3 ngram"]
+        assert "forward" in level["systems"]["in-process k=3 eagle:tiny-head"]["profile"][
+            "phases"]
     assert summary["forward_cost"]["ratio"] > 0
     md = out_md.read_text()
     assert "## concurrency 1" in md and "## concurrency 2" in md
     assert "| system | tokens/s | x HF | acceptance | mean accept len |" in md
     assert "| in-process k=0 |" in md and "verifier step profile" in md
+    assert "- thread plan: served roles: verifier" in md
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| specmesh k=3 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| served k=3 ngram |" in out and "| served k=3 eagle:tiny-head |" in out
 
 
 def test_bench_bad_prompts_line_fails_before_starting(tmp_path):

@@ -112,13 +112,13 @@ def _run(name, tps, texts, ids=None, spec=(0, 0, 0), per_pos=(), profile=None, c
 def _fake_runs(level: int) -> dict:
     prof = _profile([5.0], [4.0, 4.0], 3, 1)
     runs = {
-        "specmesh k=2": [_run("specmesh k=2", 30, ["a", "b"], spec=(4, 2, 2), per_pos=[2, 0, 0],
-                              profile=prof),
-                         _run("specmesh k=2", 34, ["a", "b"], spec=(4, 2, 2), per_pos=[1, 1],
-                              profile=prof)],
-        "specmesh k=0": [_run("specmesh k=0", 20, ["a", "b"], profile=prof)],
-        "in-process k=2": [_run("in-process k=2", 40, ["a", "x"], ids=[[1], [3]],
-                                spec=(4, 1, 2), per_pos=[1, 0], profile=prof)],
+        "served k=2 ngram": [_run("served k=2 ngram", 30, ["a", "b"], spec=(4, 2, 2),
+                                  per_pos=[2, 0, 0], profile=prof),
+                             _run("served k=2 ngram", 34, ["a", "b"], spec=(4, 2, 2),
+                                  per_pos=[1, 1], profile=prof)],
+        "served k=0": [_run("served k=0", 20, ["a", "b"], profile=prof)],
+        "in-process k=2 ngram": [_run("in-process k=2 ngram", 40, ["a", "x"], ids=[[1], [3]],
+                                      spec=(4, 1, 2), per_pos=[1, 0], profile=prof)],
         "in-process k=0": [_run("in-process k=0", 25, ["a", "b"], ids=[[1], [2]])],
         HF_BASELINE: [_run(HF_BASELINE, 10, ["a", "b"], ids=[[1], [2]])],
     }
@@ -140,7 +140,7 @@ def test_summarize_medians_ratios_identity():
     s = _summary()
     assert set(s["levels"]) == {"1", "2"}
     lv = s["levels"]["1"]
-    spec = lv["systems"]["specmesh k=2"]
+    spec = lv["systems"]["served k=2 ngram"]
     assert spec["median_tokens_per_s"] == pytest.approx(32.0)
     assert spec["ratio_to_hf"] == pytest.approx(3.2)
     assert spec["acceptance_rate"] == pytest.approx(0.5)  # summed over both repeats
@@ -148,25 +148,31 @@ def test_summarize_medians_ratios_identity():
     assert spec["accepted_per_pos"] == [3, 1]
     assert spec["acceptance_per_position"] == [0.75, 0.25]
     assert spec["identical_to_hf"] == [True, True] and spec["identical_to_k0"] == [True, True]
-    inproc = lv["systems"]["in-process k=2"]
+    inproc = lv["systems"]["in-process k=2 ngram"]
     assert inproc["identical_to_hf"] == [True, False]  # token ids compared
     assert inproc["identical_to_k0"] == [True, False]
     assert lv["systems"][HF_BASELINE]["identical_to_hf"] is None
-    assert lv["ratios"]["specmesh k=2 / specmesh k=0"] == pytest.approx(1.6)
-    assert lv["ratios"]["specmesh k=2 / in-process k=2"] == pytest.approx(0.8)
+    assert lv["ratios"]["served k=2 ngram / served k=0"] == pytest.approx(1.6)
+    assert lv["ratios"]["served k=2 ngram / in-process k=2 ngram"] == pytest.approx(0.8)
     assert spec["step_cost"]["bound_ms"] == pytest.approx(1.1 * 1.25 * 4.0)
     assert spec["step_cost"]["without_drafts_from"] == "kappa=0 run"
-    assert lv["systems"]["in-process k=2"]["step_cost"]["without_drafts_from"] == "own plain steps"
+    assert (lv["systems"]["in-process k=2 ngram"]["step_cost"]["without_drafts_from"]
+            == "own plain steps")
     assert "hf prompt lookup k=2" not in s["levels"]["2"]["systems"]
 
 
 def test_markdown_tables_and_profile():
     text = markdown(_summary())
     assert "## concurrency 1 (2 requests)" in text and "## concurrency 2 (2 requests)" in text
-    assert "| system | tokens/s | x HF | acceptance | mean accept len | identical to HF |" in text
-    assert "| specmesh k=2 | 32.00 | 3.20 | 0.50 | 1.00 | 2/2 | 2/2 |" in text
-    assert "| in-process k=2 | 40.00 | 4.00 | 0.25 | 0.50 | 1/2 | 1/2 |" in text
-    assert "| hf generate | 10.00 | 1.00 |  |  |  |  |" in text
+    assert ("| system | tokens/s | x HF | acceptance | mean accept len | acceptance per position "
+            "| steps with drafts | identical to HF |") in text
+    assert "- thread plan: served roles: verifier 2" in text
+    assert "| served k=2 ngram | 32.00 | 3.20 | 0.50 | 1.00 | 0.75 / 0.25 |  | 2/2 | 2/2 |" in text
+    assert ("| in-process k=2 ngram | 40.00 | 4.00 | 0.25 | 0.50 | 0.50 / 0.00 |  | 1/2 | "
+            "**1/2 MISMATCH** |") in text
+    assert ("**OUTPUT MISMATCH at concurrency 1: in-process k=2 ngram differs from "
+            "in-process k=0 on request(s) 1**") in text
+    assert "| hf generate | 10.00 | 1.00 |  |  |  |  |  |  |" in text
     assert "### verifier step profile, concurrency 1" in text
     assert "| forward_with_drafts |" in text and "| steps with a usable tail |" in text
     assert "bound 1.1 x ratio 1.25" in text

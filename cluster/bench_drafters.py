@@ -1,0 +1,92 @@
+"""``specmesh bench --drafters``: the draft methods one bench run compares, each a
+``--drafter`` form (``ngram``, ``eagle``, ``eagle:PATH``, ``draft-model:PATH``, ``auto``), and
+the cluster configuration of each (the bench's config with that method, in its own Ray
+namespace, so the methods' served clusters run side by side in one Ray session). No torch, no
+Ray."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import PurePath
+
+from cluster.config import DEFAULT_NAMESPACE, ClusterConfig
+from cluster.drafter_option import parse_drafter
+
+#: user-facing name of each registry method (as ``--drafter`` spells it)
+_KIND = {"draft_model": "draft-model"}
+
+
+@dataclass(frozen=True)
+class BenchDrafter:
+    """One compared method: ``label`` (in system names, e.g. ``served k=4 eagle``), ``spec``
+    (as typed), ``method`` (registry name) and its ``method_kwargs``."""
+
+    label: str
+    spec: str
+    method: str
+    method_kwargs: dict = field(default_factory=dict, hash=False)
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "spec": self.spec, "method": self.method,
+                "method_kwargs": dict(self.method_kwargs)}
+
+
+def _label(method: str, kwargs: dict) -> str:
+    kind = _KIND.get(method, method)
+    path = kwargs.get("head") or kwargs.get("model")
+    return f"{kind}:{PurePath(path).name or path}" if path else kind
+
+
+def parse_drafters(text: str, model: str | None = None) -> list[BenchDrafter]:
+    """``"ngram,eagle"`` -> one :class:`BenchDrafter` per form, in order (``auto`` resolved for
+    target ``model``). Two forms that name the same method and arguments are refused; two
+    different heads whose directory names agree are labelled by their forms as typed.
+
+    Raises:
+        SystemExit: an empty list, an unknown form (naming it and the forms accepted), or a
+            method listed twice.
+    """
+    out: list[BenchDrafter] = []
+    for part in (text or "").split(","):
+        spec = part.strip()
+        if not spec:
+            continue
+        try:
+            method, kwargs = parse_drafter(spec, model)
+        except SystemExit as e:
+            raise SystemExit(f"--drafters: {e}") from None
+        for d in out:
+            if (d.method, d.method_kwargs) == (method, kwargs):
+                raise SystemExit(f"--drafters: {spec!r} is the same method as {d.spec!r} "
+                                 f"({d.label}); list each method once")
+        label = _label(method, kwargs)
+        if any(d.label == label for d in out):
+            label = spec
+        out.append(BenchDrafter(label, spec, method, kwargs))
+    if not out:
+        raise SystemExit("--drafters: no draft method given (e.g. ngram,eagle)")
+    return out
+
+
+def cluster_drafter(cfg: ClusterConfig) -> BenchDrafter:
+    """The method ``cfg`` already runs (the bench's default: the cluster's ``--drafter``)."""
+    kwargs = dict(cfg.drafter.method_kwargs)
+    return BenchDrafter(_label(cfg.drafter.method, kwargs), cfg.drafter.method,
+                        cfg.drafter.method, kwargs)
+
+
+def namespace_for(d: BenchDrafter, index: int) -> str:
+    """A Ray namespace of its own for the served cluster of the ``index``-th method."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", d.label).strip("-") or "method"
+    return f"{DEFAULT_NAMESPACE}-bench-{index}-{slug}"
+
+
+def with_drafter(cfg: ClusterConfig, d: BenchDrafter, namespace: str | None = None,
+                 ) -> ClusterConfig:
+    """``cfg`` running method ``d`` on verifier and drafter (and in ``namespace`` when
+    given); everything else as it is."""
+    out = replace(cfg, verifier=replace(cfg.verifier, draft_method=d.method),
+                  drafter=replace(cfg.drafter, method=d.method,
+                                  method_kwargs=dict(d.method_kwargs)))
+    return replace(out, namespace=namespace) if namespace else out

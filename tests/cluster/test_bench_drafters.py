@@ -1,0 +1,216 @@
+"""``specmesh bench --drafters`` and ``specmesh generate --drafter``: the methods' forms and
+labels, the schedule and report with a row per method (per-position acceptance, share of
+steps with drafts, exactness vs kappa = 0, flagged loudly when not), the per-method cluster
+configs (own Ray namespace), the in-process systems per method and ``generate`` on the tiny
+model (n-gram and a random EAGLE head: the output is the plain-decode output)."""
+
+import pytest
+
+from cluster.bench import _schedule
+from cluster.bench_drafters import (
+    cluster_drafter,
+    namespace_for,
+    parse_drafters,
+    with_drafter,
+)
+from cluster.bench_report import HF_BASELINE, markdown, summarize, systems_for
+from cluster.cli import main
+from cluster.config import ClusterConfig
+from cluster.runs import RunResult
+from protocol.spec_stats import SpecStats
+from protocol.step_profile import StepProfile
+
+
+# -- the --drafters forms ----------------------------------------------------------------------
+
+
+def test_drafters_forms_and_labels(tiny_model_dir):
+    ds = parse_drafters("ngram, eagle:/x/tiny-head ,draft-model:/m/draft", tiny_model_dir)
+    assert [d.label for d in ds] == ["ngram", "eagle:tiny-head", "draft-model:draft"]
+    assert [(d.method, d.method_kwargs) for d in ds] == [
+        ("ngram", {}), ("eagle", {"head": "/x/tiny-head"}), ("draft_model", {"model": "/m/draft"})]
+    assert [d.label for d in parse_drafters("auto", tiny_model_dir)] == ["ngram"]  # no head
+    # two heads in directories of one name: labelled as typed
+    assert [d.label for d in parse_drafters("eagle:/a/h,eagle:/b/h")] == ["eagle:h", "eagle:/b/h"]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("ngram,medusa", r"--drafters: --drafter 'medusa': expected auto \| ngram \| eagle"),
+    ("ngram,draft-model", r"--drafters: .*draft model's path"),
+    (" , ", r"--drafters: no draft method given"),
+    ("ngram,ngram", r"--drafters: 'ngram' is the same method as 'ngram'"),
+])
+def test_drafters_refuses_unknown_or_repeated_forms(text, match):
+    with pytest.raises(SystemExit, match=match):
+        parse_drafters(text)
+
+
+def test_bench_refuses_an_unknown_drafter_before_starting_anything():
+    with pytest.raises(SystemExit, match=r"--drafters: --drafter 'medusa'"):
+        main(["bench", "--drafters", "ngram,medusa"])
+
+
+def test_each_method_gets_its_own_config_and_namespace():
+    import cluster.actors as actors
+    from protocol.enums import Role
+
+    cfg = ClusterConfig.create(num_speculative_tokens=3)
+    ngram, eagle = parse_drafters("ngram,eagle:/h")
+    assert cluster_drafter(cfg) == ngram
+    namespaces = {namespace_for(d, i) for i, d in enumerate((ngram, eagle))}
+    assert len(namespaces) == 2 and cfg.namespace not in namespaces
+    e = with_drafter(cfg, eagle, namespace_for(eagle, 1))
+    assert e.verifier.draft_method == e.drafter.method == "eagle"
+    assert e.drafter.method_kwargs == {"head": "/h"}
+    assert e.verifier.num_speculative_tokens == 3 and e.drafter.window == cfg.drafter.window
+    assert e.namespace == namespace_for(eagle, 1) != cfg.namespace
+    assert actors.role_options(Role.VERIFIER, e)["namespace"] == e.namespace
+    assert actors.role_options(Role.VERIFIER, cfg)["namespace"] == actors.NAMESPACE
+
+
+# -- schedule and report -----------------------------------------------------------------------
+
+
+def test_schedule_runs_every_methods_systems_at_every_level():
+    methods = ["ngram", "eagle"]
+    sched = _schedule([1, 2], kappa=3, repeats=2, methods=methods)
+    for r in (0, 1):
+        for level in (1, 2):
+            names = [s.name for rr, lv, s in sched if (rr, lv) == (r, level)]
+            want = {"served k=3 ngram", "served k=3 eagle", "served k=0",
+                    "in-process k=3 ngram", "in-process k=3 eagle", "in-process k=0",
+                    HF_BASELINE} | ({"hf prompt lookup k=3"} if level == 1 else set())
+            assert sorted(names) == sorted(want)  # each once: served k=0 once, not per method
+    systems = {s.name: s for s in systems_for(3, 1, methods)}
+    assert systems["served k=3 eagle"].method == "eagle"
+    assert systems["served k=3 eagle"].plain == "served k=0"
+    assert systems["in-process k=3 ngram"].plain == "in-process k=0"
+    assert systems["served k=0"].method is None
+    assert [s.name for s in systems_for(0, 2, methods)] == ["served k=0", "in-process k=0",
+                                                          HF_BASELINE]
+
+
+def _prof(steps: int, with_drafts: int) -> dict:
+    p = StepProfile()
+    p.observe("forward_with_drafts", 0.005)
+    p.count("num_request_steps", steps)
+    p.count("num_request_steps_with_drafts", with_drafts)
+    return p.as_dict()
+
+
+def _run(name, texts, ids=None, spec=(0, 0, 0), per_pos=(), profile=None, tps=10):
+    return RunResult(name, seconds=1.0, num_tokens=tps, spec=SpecStats(*spec), texts=texts,
+                     token_ids=ids, accepted_per_pos=list(per_pos), profile=profile)
+
+
+def _two_method_summary() -> dict:
+    ids = [[1, 2], [3, 4]]
+    runs = {
+        "served k=3 ngram": [_run("served k=3 ngram", ["a", "b"], spec=(6, 3, 2),
+                                  per_pos=[2, 1, 0, 0], profile=_prof(8, 2), tps=30)],
+        "served k=3 eagle": [_run("served k=3 eagle", ["a", "b"], spec=(12, 9, 4),
+                                  per_pos=[4, 3, 2, 0], profile=_prof(8, 4), tps=40)],
+        "served k=0": [_run("served k=0", ["a", "b"], tps=20)],
+        "in-process k=3 ngram": [_run("in-process k=3 ngram", ["a", "b"], ids, (3, 1, 1),
+                                      [1, 0, 0], _prof(4, 1), tps=35)],
+        "in-process k=3 eagle": [_run("in-process k=3 eagle", ["a", "z"], [[1, 2], [3, 5]],
+                                      (6, 4, 2), [2, 1, 1], _prof(4, 2), tps=50)],
+        "in-process k=0": [_run("in-process k=0", ["a", "b"], ids, tps=25)],
+        HF_BASELINE: [_run(HF_BASELINE, ["a", "b"], ids, tps=10)],
+    }
+    config = {"model": "tiny", "dtype": "float32", "kappa": 3, "max_tokens": 8,
+              "num_prompts": 2, "repeats": 1,
+              "threads": {"verifier": 2, "prefill": 2, "drafter": 1, "gateway": 1},
+              "bench_threads": 2, "served_clusters": "one cluster per draft method",
+              "drafters": [{"label": "ngram"}, {"label": "eagle"}]}
+    return summarize(config, {2: runs}, {2: systems_for(3, 2, ["ngram", "eagle"])})
+
+
+def test_report_has_a_row_per_method_with_per_position_acceptance():
+    s = _two_method_summary()
+    lv = s["levels"]["2"]["systems"]
+    ng, ea = lv["served k=3 ngram"], lv["served k=3 eagle"]
+    assert ng["method"] == "ngram" and ea["method"] == "eagle"
+    assert ng["acceptance_per_position"] == [1.0, 0.5, 0.0]  # cut to kappa; / steps w/ drafts
+    assert ea["acceptance_per_position"] == [1.0, 0.75, 0.5]
+    assert ea["mean_accept_len"] == pytest.approx(9 / 4)
+    assert ng["verify_steps_with_drafts_share"] == pytest.approx(0.25)
+    assert ea["verify_steps_with_drafts_share"] == pytest.approx(0.5)
+    assert lv["served k=0"]["verify_steps_with_drafts_share"] is None
+    assert ng["exact"] is True and ea["exact"] is True  # texts vs served k=0
+    assert lv["in-process k=3 ngram"]["exact"] is True
+    ratios = s["levels"]["2"]["ratios"]
+    assert ratios["served k=3 eagle / in-process k=3 eagle"] == pytest.approx(0.8)
+    assert ratios["served k=3 eagle / served k=0"] == pytest.approx(2.0)
+
+
+def test_a_method_whose_output_differs_from_kappa0_is_flagged_loudly():
+    s = _two_method_summary()
+    bad = s["levels"]["2"]["systems"]["in-process k=3 eagle"]
+    assert bad["exact"] is False and bad["identical_to_k0"] == [True, False]
+    assert s["mismatches"] == [{"concurrency": 2, "system": "in-process k=3 eagle",
+                                "plain": "in-process k=0", "requests": [1]}]
+    text = markdown(s)
+    assert ("**OUTPUT MISMATCH at concurrency 2: in-process k=3 eagle differs from "
+            "in-process k=0 on request(s) 1**") in text
+    assert "| in-process k=3 eagle | 50.00 | 5.00 | 0.67 | 2.00 | 1.00 / 0.50 / 0.50 | 50% |" \
+        in text
+    assert "**1/2 MISMATCH** |" in text
+    assert "| served k=3 eagle | 40.00 | 4.00 | 0.75 | 2.25 | 1.00 / 0.75 / 0.50 | 50% | " \
+        "2/2 | 2/2 |" in text
+    assert "drafters ngram, eagle" in text.splitlines()[0]
+    assert ("- thread plan: served roles: verifier 2, prefill 2, drafter 1, gateway 1; "
+            "bench process (in-process, HF): 2") in text
+    assert "- served clusters: one cluster per draft method" in text
+
+
+# -- in-process per method, generate --drafter (tiny model) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def random_head(tiny_model_dir, tmp_path_factory):
+    """An untrained EAGLE head for the tiny model (its drafts are mostly wrong: the output
+    must still be the plain-decode output)."""
+    from helpers.eagle_heads import save_random_head
+
+    return save_random_head(tiny_model_dir, tmp_path_factory.mktemp("heads") / "tiny-head")
+
+
+def test_inprocess_systems_per_method_are_exact(tiny_model_dir, random_head):
+    from cluster.bench_inprocess import InProcessSystems
+    from engine.loader import load_model
+
+    cfg = ClusterConfig.create(model=tiny_model_dir, dtype="float32", num_speculative_tokens=3)
+    drafters = parse_drafters(f"ngram,eagle:{random_head}", tiny_model_dir)
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    systems = InProcessSystems(loaded, 16, 12,
+                               methods={d.label: with_drafter(cfg, d) for d in drafters})
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11]]
+    plain = systems.run(prompts, 0, 2, "in-process k=0")
+    for d in drafters:
+        res = systems.run(prompts, 3, 2, f"in-process k=3 {d.label}", d.label)
+        assert res.token_ids == plain.token_ids, d.label
+        assert res.spec.num_draft_tokens > 0 and len(res.accepted_per_pos) >= 3, d.label
+        assert systems.cluster(3, 2, d.label).drafter.proposer.name == d.method
+    with pytest.raises(KeyError, match="no draft method 'medusa'"):
+        systems.cluster(3, 1, "medusa")
+
+
+def _generate(tiny_model_dir, capsys, *extra):
+    rc = main(["generate", "--model", tiny_model_dir, "--dtype", "float32", "--threads", "1",
+               "--prompt", "List three colours, then list them again.", "--max-tokens", "12",
+               "--num-speculative-tokens", "3", *extra])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return out.out, out.err
+
+
+def test_generate_with_a_drafter(tiny_model_dir, random_head, capsys):
+    text, err = _generate(tiny_model_dir, capsys, "--drafter", "ngram")
+    assert "drafter ngram" in err and "spec stats" in err
+    plain, _ = _generate(tiny_model_dir, capsys, "--num-speculative-tokens", "0")
+    eagle, err = _generate(tiny_model_dir, capsys, "--drafter", f"eagle:{random_head}")
+    assert "drafter eagle" in err
+    assert text == plain == eagle
+    with pytest.raises(SystemExit, match="--drafter 'medusa'"):
+        main(["generate", "--model", tiny_model_dir, "--prompt", "x", "--drafter", "medusa"])
