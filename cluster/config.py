@@ -62,6 +62,9 @@ class ClusterConfig:
     kv_cache_mb: int = 512
     host: str = "127.0.0.1"
     port: int = 8000
+    #: the gateway's stream idle timeout, seconds: a request that gets no TokenStream for this
+    #: long (its verifier alive but silent) fails with an error (None: never)
+    stream_idle_timeout_s: float | None = 120.0
     threads: dict[str, int] = field(default_factory=default_threads)
     namespace: str = DEFAULT_NAMESPACE
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(max_num_seqs=32))
@@ -75,6 +78,8 @@ class ClusterConfig:
         check_device(self.device)
         if self.block_size < 1 or self.kv_cache_mb < 1:
             raise ValueError("block_size and kv_cache_mb must be >= 1")
+        if self.stream_idle_timeout_s is not None and not self.stream_idle_timeout_s > 0:
+            raise ValueError("stream_idle_timeout_s must be > 0 (None: no timeout)")
         if self.drafter.method != self.verifier.draft_method:
             raise ValueError(f"drafter method {self.drafter.method!r} != the verifier's "
                              f"draft_method {self.verifier.draft_method!r}")

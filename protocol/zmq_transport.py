@@ -8,6 +8,11 @@ messages from that peer (anything before Hello is a ProtocolError). Replies trav
 same connection, so e.g. KV frames and PrefillDone share one ordered channel. After a DEALER
 reconnects (peer restarted), Hello is sent again.
 
+A DEALER heartbeats its peer (ZMTP PING every ``heartbeat_ivl_ms``; no traffic for
+``heartbeat_timeout_ms`` drops the connection), so a peer whose process or node died without
+closing its socket is seen as gone too. When a DEALER's connection drops, the peer is no longer
+``ready`` until its next HelloAck, and ``on_disconnect(peer)`` is called (in the recv thread).
+
 A socket belongs to the thread that calls ``recv``; ``send`` from any other thread is queued and
 handed to that thread through a pipe the poller watches, so sockets are never shared.
 """
@@ -24,6 +29,8 @@ from collections.abc import Callable
 
 import zmq
 
+from zmq.utils.monitor import recv_monitor_message
+
 from protocol.codec import encode
 from protocol.errors import ProtocolError
 from protocol.handshake import PeerInfo, hello_refusal, identity_mismatch  # noqa: F401
@@ -34,21 +41,31 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 512 * 1024 * 1024  # a KV frame is at most a few MB; refuse anything absurd
 HIGH_WATER_MARK = 100_000  # messages; KV streams are bursty
+#: DEALER heartbeat: a PING this often, and the connection dropped after this long without any
+#: traffic from the peer (its ZMQ I/O thread answers even while its Python loop is busy).
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 4000
 
 
 class ZmqMailbox(Mailbox):
     """Mailbox over ZMQ TCP. ``on_hello(peer_info, is_new)`` is called (in the recv thread) when
     a peer completes a handshake; ``is_new`` is False for a repeat of a known incarnation.
-    ``hwm``: messages queued per peer before ``send`` fails with PeerUnavailable (a send
-    never blocks)."""
+    ``on_disconnect(peer)`` is called (in the recv thread) when the connection to a peer we
+    dialled drops. ``hwm``: messages queued per peer before ``send`` fails with PeerUnavailable
+    (a send never blocks)."""
 
     def __init__(self, name: str, role: str, *, host: str = "127.0.0.1", port: int = 0,
                  model: ModelIdentity | None = None, draft_method: str = "",
                  incarnation: int | None = None,
                  on_hello: Callable[[PeerInfo, bool], None] | None = None,
-                 hwm: int = HIGH_WATER_MARK) -> None:
+                 hwm: int = HIGH_WATER_MARK,
+                 on_disconnect: Callable[[str], None] | None = None,
+                 heartbeat_ivl_ms: int = HEARTBEAT_IVL_MS,
+                 heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> None:
         self.name = name
         self.hwm = hwm
+        self.on_disconnect = on_disconnect
+        self.heartbeat_ivl_ms, self.heartbeat_timeout_ms = heartbeat_ivl_ms, heartbeat_timeout_ms
         self.role = role
         self.model = model
         self.draft_method = draft_method
@@ -102,7 +119,11 @@ class ZmqMailbox(Mailbox):
         s = self._socket(zmq.DEALER)
         s.setsockopt_string(zmq.IDENTITY, self.name)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
-        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED)
+        if self.heartbeat_ivl_ms > 0:
+            s.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ivl_ms)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
+            s.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_timeout_ms)
+        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         s.connect(endpoint)
         self.dealers[peer] = s
         self.dealer_peers[peer] = PeerInfo(peer, "", -1, endpoint)
@@ -225,11 +246,16 @@ class ZmqMailbox(Mailbox):
         elif sock in self._monitors:
             peer = self._monitors[sock]
             try:
-                sock.recv_multipart(zmq.NOBLOCK)
+                event = recv_monitor_message(sock, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return
             info = self.dealer_peers.get(peer)
             if info is None:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                info.acked = False  # not ready until the peer acknowledges Hello again
+                if self.on_disconnect:
+                    self.on_disconnect(peer)
                 return
             info.num_connects += 1
             if info.num_connects > 1:  # a reconnect: the peer may be new, say Hello again

@@ -37,7 +37,10 @@ class GatewayHost(RoleHost):
     def build_worker(self):
         from cluster.gateway import MailboxBackend
 
-        self.backend = MailboxBackend(self.mailbox, self._pick_verifier)
+        self.backend = MailboxBackend(self.mailbox, self._pick_verifier,
+                                      stream_timeout_s=self.cfg.stream_idle_timeout_s)
+        # a verifier whose connection drops fails its requests unless it is soon back
+        self.mailbox.on_disconnect = self.backend.verifier_disconnected
         return None
 
     def start(self) -> None:
@@ -68,6 +71,11 @@ class GatewayHost(RoleHost):
         load = self.backend.in_flight_by_verifier()
         return min(ready, key=lambda v: load.get(v, 0))
 
+    def on_hello(self, peer, is_new: bool) -> None:
+        # a verifier's new incarnation (restarted) fails the requests its old one held
+        if peer.role == Role.VERIFIER.value:
+            self.backend.verifier_hello(peer.name, peer.incarnation)
+
     def describe(self) -> dict:
         return {"instance_id": self.instance_id, "role": self.role.value,
                 "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
@@ -79,6 +87,8 @@ class GatewayHost(RoleHost):
         for r in verifiers:
             self.mailbox.connect(r["instance_id"], r["endpoint"])
         self.verifiers = [r["instance_id"] for r in verifiers]
+        # requests of a verifier that left the roster or restarted fail at once
+        self.backend.set_verifiers({r["instance_id"]: r.get("incarnation") for r in verifiers})
         self.prefills = [r["instance_id"] for r in peers_of(roster, Role.PREFILL)]
 
     def stats(self) -> dict:
