@@ -90,17 +90,19 @@ def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
     from cluster.launcher import start_cluster
 
     given = cluster_drafter(handle.cfg) if handle is not None else None
+    reuse = [given is not None and (given.method, given.method_kwargs) == (
+        d.method, d.method_kwargs) for d in drafters]
     handles: dict = {}
     started: list = []
     try:
         for i, d in enumerate(drafters):
-            if given is not None and (given.method, given.method_kwargs) == (
-                    d.method, d.method_kwargs):
+            if reuse[i]:
                 handles[d.label] = handle
                 continue
             print(f"[bench] starting the served cluster of {d.label} "
                   f"(namespace {namespace_for(d, i)})", file=sys.stderr, flush=True)
-            h = start_cluster(with_drafter(cfg, d, namespace_for(d, i)))
+            h = start_cluster(with_drafter(cfg, d, namespace_for(d, i)),
+                              num_clusters=len(drafters))  # they share the node's GPUs
             handles[d.label] = h
             started.append(h)
     except BaseException:

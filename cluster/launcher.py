@@ -99,11 +99,14 @@ def model_role_gpus(cfg: ClusterConfig, num_gpus: float, num_model_roles: int) -
 
 
 def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int = 1,
-                  num_drafters: int = 1, timeout_s: float = 600.0) -> ClusterHandle:
+                  num_drafters: int = 1, timeout_s: float = 600.0,
+                  num_clusters: int = 1) -> ClusterHandle:
     """Start controller, prefill, verifier, drafter and gateway actors and wait until the
     gateway can route a request (every verifier connected to a prefill worker and a drafter).
     The actors are named in ``cfg.namespace``: clusters with distinct namespaces run side by
-    side in one Ray session (ports are picked free; rosters are per controller).
+    side in one Ray session (ports are picked free; rosters are per controller);
+    ``num_clusters``: how many such clusters share this node's GPUs (each model role gets an
+    equal share of the GPUs of all of them).
 
     Raises:
         TimeoutError: the roles did not connect within ``timeout_s``.
@@ -119,7 +122,8 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
             + [(Role.DRAFTER, f"drafter-{i}") for i in range(num_drafters)]
             + [(Role.VERIFIER, f"verifier-{i}") for i in range(num_verifiers)]
             + [(Role.GATEWAY, "gateway-0")])
-    gpus = model_role_gpus(cfg, ray.cluster_resources().get("GPU", 0), num_prefill + num_verifiers)
+    gpus = model_role_gpus(cfg, ray.cluster_resources().get("GPU", 0),
+                           (num_prefill + num_verifiers) * max(num_clusters, 1))
     for role, iid in plan:
         handle.actors[iid] = start_role(role, iid, cfg,
                                         gpus if role in (Role.PREFILL, Role.VERIFIER) else 0)
