@@ -149,6 +149,11 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
         ctx = min(200, loaded.config.max_position_embeddings - kappa - 1)
         forward_cost = forward_cost_ratio(loaded.model, loaded.config, kappa,
                                           context_len=ctx).as_dict()
+    # in-process warm-up first: each method's proposer is built here, so a missing head or
+    # draft model fails before any cluster starts
+    for label in labels:
+        inproc.run(prompt_ids[:1], kappa, 1, "warmup", label)
+    inproc.run(prompt_ids[:1], 0, 1, "warmup")
     handles, started = _start_served(cfg, drafters, handle)
     served_note = (f"one cluster per draft method ({', '.join(labels)}), all started before "
                    f"the runs and running side by side in one Ray session, each in its own "
@@ -159,8 +164,6 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
         for label in labels:
             handles[label].set_num_speculative_tokens(kappa)
             run_openai(clients[label], model, prompts[:1], 4, "warmup")
-            inproc.run(prompt_ids[:1], kappa, 1, "warmup", label)
-        inproc.run(prompt_ids[:1], 0, 1, "warmup")
         run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
         schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels)
         bar = tqdm(schedule, desc="bench", unit="run", disable=not opts.progress,
