@@ -163,9 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--instance-id", default=None)
     la.add_argument("--num-gpus", type=float, default=0)
     la.add_argument("--port", type=int, default=8000)
-    la.add_argument("--host", default="127.0.0.1",
-                    help="address the role binds (ZMQ; HTTP for the gateway): the IP of the node "
-                         "its resource pins it to")
+    la.add_argument("--host", default="auto",
+                    help="address the role binds and advertises (ZMQ, metrics; HTTP for the "
+                         "gateway): auto (default) = the IP of the node Ray runs it on, resolved "
+                         "again wherever Ray restarts it; 0.0.0.0 = every interface, advertising "
+                         "the node IP; an explicit IP pins the role to the machine that has it")
     add_cluster_options(la)
     la.set_defaults(func=cmd_launch)
 

@@ -42,8 +42,12 @@ class ClusterConfig:
 
     ``verifier`` / ``prefill`` / ``drafter``: the workers' configs (their ``instance_id`` is
     set per role instance). ``kv_cache_mb``: KV memory per role (verifier and prefill each),
-    MiB. ``block_size``: tokens per KV block. ``host``: the address roles bind (ZMQ, metrics,
-    HTTP); ``port``: the gateway's HTTP port (0 = any free one). ``threads``: torch threads per
+    MiB. ``block_size``: tokens per KV block. ``host``: the address roles bind and advertise
+    (ZMQ, metrics, HTTP), resolved by each role where it runs (``cluster.loopback.role_address``):
+    ``auto`` is the IP of the node Ray placed it on, so again the right one after Ray restarts it
+    elsewhere (127.0.0.1 on the embedded loopback Ray); ``0.0.0.0`` listens on every interface
+    and advertises the node IP; another address is used as given. ``port``: the gateway's HTTP
+    port (0 = any free one). ``threads``: torch threads per
     role. ``device``: where prefill and verifier put model and KV (``auto``: the role's GPU
     when Ray gave it one, else CPU; ``cpu``; ``cuda[:N]``). A drafter ``window`` of 0 means "two verify steps of drafts" (2 x kappa).
     ``namespace``: the Ray namespace of the cluster's named actors (controller
@@ -60,7 +64,7 @@ class ClusterConfig:
     device: str = "auto"
     block_size: int = 16
     kv_cache_mb: int = 512
-    host: str = "127.0.0.1"
+    host: str = "auto"
     port: int = 8000
     #: the gateway's stream idle timeout, seconds: a request that gets no TokenStream for this
     #: long (its verifier alive but silent) fails with an error (None: never)

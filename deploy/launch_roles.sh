@@ -14,8 +14,11 @@
 #   INSTANCE         suffix of the instance ids, <role>-<INSTANCE> (default: 0)
 #   GATEWAY_PORT     HTTP port of the gateway (default: 8000; 0 = any free port)
 #   PREFILL_HOST, DRAFTER_HOST, VERIFIER_HOST, GATEWAY_HOST
-#                    address each role binds (ZMQ, and HTTP for the gateway): the private IP of
-#                    the node its resource pins it to (default: 127.0.0.1, single machine only)
+#                    address each role binds and advertises (ZMQ, and HTTP for the gateway):
+#                    auto (default for prefill, drafter, verifier) = the IP of the node Ray runs
+#                    it on, resolved again wherever Ray restarts it; 0.0.0.0 = every interface,
+#                    advertising the node IP; the gateway defaults to 127.0.0.1 (HTTP reachable
+#                    through an SSH tunnel only; auto or 0.0.0.0 exposes it to the network)
 #   PREFILL_GPUS, VERIFIER_GPUS, DRAFTER_GPUS
 #                    GPUs each role actor reserves (default: 0)
 # Any arguments are passed to every `specmesh launch`, e.g.
@@ -30,7 +33,8 @@ read -r -a specmesh <<< "${SPECMESH:-specmesh}"
 for role in prefill drafter verifier gateway; do
     host_var="$(printf '%s' "$role" | tr '[:lower:]' '[:upper:]')_HOST"
     gpus_var="$(printf '%s' "$role" | tr '[:lower:]' '[:upper:]')_GPUS"
-    host="${!host_var:-127.0.0.1}"
+    if [ "$role" = gateway ]; then default_host=127.0.0.1; else default_host=auto; fi
+    host="${!host_var:-$default_host}"
     gpus="${!gpus_var:-0}"
     echo "[launch_roles] $role-$instance on $host (gpus: $gpus)" >&2
     "${specmesh[@]}" launch "$role" --address "$address" --instance-id "$role-$instance" \

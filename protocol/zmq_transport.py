@@ -52,7 +52,8 @@ class ZmqMailbox(Mailbox):
     a peer completes a handshake; ``is_new`` is False for a repeat of a known incarnation.
     ``on_disconnect(peer)`` is called (in the recv thread) when the connection to a peer we
     dialled drops. ``hwm``: messages queued per peer before ``send`` fails with PeerUnavailable
-    (a send never blocks)."""
+    (a send never blocks). ``advertise_host``: the address peers are told to dial (``endpoint``)
+    when it is not the bound ``host`` (a wildcard bind); None: the bound one."""
 
     def __init__(self, name: str, role: str, *, host: str = "127.0.0.1", port: int = 0,
                  model: ModelIdentity | None = None, draft_method: str = "",
@@ -61,7 +62,8 @@ class ZmqMailbox(Mailbox):
                  hwm: int = HIGH_WATER_MARK,
                  on_disconnect: Callable[[str], None] | None = None,
                  heartbeat_ivl_ms: int = HEARTBEAT_IVL_MS,
-                 heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> None:
+                 heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+                 advertise_host: str | None = None) -> None:
         self.name = name
         self.hwm = hwm
         self.on_disconnect = on_disconnect
@@ -79,6 +81,10 @@ class ZmqMailbox(Mailbox):
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.router.bind(f"tcp://{host}:{port}")
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise_host:
+            port = self.endpoint.rsplit(":", 1)[1]
+            addr = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
+            self.endpoint = f"tcp://{addr}:{port}"
         self.accepted: dict[str, PeerInfo] = {}  # peers that said Hello to our ROUTER
         self.dealers: dict[str, zmq.Socket] = {}  # peers we connected to
         self.dealer_peers: dict[str, PeerInfo] = {}  # from their HelloAck

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.loopback import role_address
 from protocol.enums import Role
 from protocol.messages import ModelIdentity
 from protocol.transport import IDLE_TIMEOUT_S
@@ -41,7 +42,10 @@ class RoleHost:
         self._roster_lock = threading.Lock()
         self.set_threads()
         identity = self.model_identity()
-        self.mailbox = ZmqMailbox(instance_id, self.role.value, host=cfg.host, model=identity,
+        # resolved here, where the role runs (Ray may restart it on another node)
+        self.bind_host, self.advertise_host = role_address(cfg.host)
+        self.mailbox = ZmqMailbox(instance_id, self.role.value, host=self.bind_host,
+                                  advertise_host=self.advertise_host, model=identity,
                                   draft_method=cfg.verifier.draft_method,
                                   incarnation=self.incarnation, on_hello=self.on_hello)
         self.worker = self.build_worker()
@@ -69,7 +73,7 @@ class RoleHost:
         """Serve metrics and start the worker's loop thread."""
         from cluster.metrics import serve_role_metrics
 
-        self.metrics_port = serve_role_metrics(self, self.cfg.host)
+        self.metrics_port = serve_role_metrics(self, self.bind_host)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{self.instance_id}-loop",
                                         daemon=True)
@@ -94,7 +98,7 @@ class RoleHost:
         return {"instance_id": self.instance_id, "role": self.role.value,
                 "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
                 "pid": os.getpid(),
-                "metrics_url": f"http://{self.cfg.host}:{self.metrics_port}/metrics"}
+                "metrics_url": f"http://{self.advertise_host}:{self.metrics_port}/metrics"}
 
     def info(self) -> dict:
         self.num_calls += 1

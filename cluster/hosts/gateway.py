@@ -49,7 +49,7 @@ class GatewayHost(RoleHost):
         self.app = create_app(self.backend, self.tokenizer, self.model_name,
                               self.cfg.max_model_len, default_temperature=0.0,
                               vocab_size=self.vocab_size, readiness=self.not_ready_reason)
-        self.server, self._server_thread, self.port = serve_gateway(self.app, self.cfg.host,
+        self.server, self._server_thread, self.port = serve_gateway(self.app, self.bind_host,
                                                                     self._port)
 
     def not_ready_reason(self) -> str:
@@ -80,7 +80,7 @@ class GatewayHost(RoleHost):
         return {"instance_id": self.instance_id, "role": self.role.value,
                 "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
                 "pid": os.getpid(), "port": self.port,
-                "url": f"http://{self.cfg.host}:{self.port}"}
+                "url": f"http://{self.advertise_host}:{self.port}"}
 
     def apply_roster(self, roster: list[dict]) -> None:
         verifiers = peers_of(roster, Role.VERIFIER)

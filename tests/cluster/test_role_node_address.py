@@ -1,0 +1,114 @@
+"""Issue 9 scenario 11: a role binds and advertises the IP of the node it runs on, resolved
+where it runs (Ray's node IP inside the actor), not the host it was launched with: after Ray
+restarts it on another node its roster entry (ZMQ endpoint, metrics URL) names the new node.
+Two "nodes" on one machine: 127.0.0.1 and 127.0.0.2 (all of 127/8 is loopback on Linux)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import types
+
+from cluster.cli import build_parser
+from cluster.config import ClusterConfig
+from cluster.hosts.base import RoleHost
+from cluster.loopback import node_ip_address, role_address
+from protocol.enums import Role
+from protocol.messages import ModelIdentity
+from protocol.step_profile import StepProfile
+from protocol.zmq_transport import ZmqMailbox
+
+
+class FakeRay(types.ModuleType):
+    """Stands for ``ray`` inside a role actor on node ``ip``."""
+
+    def __init__(self, ip: str) -> None:
+        super().__init__("ray")
+        self.ip = ip
+        self.util = types.SimpleNamespace(get_node_ip_address=lambda: self.ip)
+
+    def is_initialized(self) -> bool:
+        return True
+
+
+class _IdleWorker:
+    """Serves its mailbox (answers Hello) and nothing else."""
+
+    def __init__(self, mailbox) -> None:
+        self.mailbox = mailbox
+        self.stats = types.SimpleNamespace()
+        self.profile = StepProfile()
+
+    def run(self, stop: threading.Event, idle_timeout_s: float, on_error=None) -> None:
+        while not stop.is_set():
+            self.mailbox.recv(0.05)
+
+
+class TinyRoleHost(RoleHost):
+    """A role with no model: only identity, mailbox, metrics endpoint and an idle loop."""
+
+    role = Role.DRAFTER
+
+    def set_threads(self) -> None:
+        pass
+
+    def model_identity(self) -> ModelIdentity:
+        return ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=1,
+                             num_kv_heads=1, head_dim=4, block_size=16)
+
+    def build_worker(self):
+        return _IdleWorker(self.mailbox)
+
+
+def _dial(endpoint: str) -> None:
+    """Handshake with the role at ``endpoint``: it is really bound there."""
+    mb = ZmqMailbox("probe", "verifier", host="127.0.0.1")
+    try:
+        mb.connect("drafter-0", endpoint)
+        deadline = time.monotonic() + 5
+        while not mb.ready("drafter-0"):
+            assert time.monotonic() < deadline, f"nothing answers at {endpoint}"
+            mb.recv(0.02)
+    finally:
+        mb.close()
+
+
+def test_a_role_restarted_on_another_node_advertises_that_node(monkeypatch):
+    cfg = build_parser().parse_args(["launch", "drafter"])
+    assert cfg.host == "auto"  # `specmesh launch` no longer fixes the address at launch
+    cfg = ClusterConfig(host=cfg.host)
+    for node_ip in ("127.0.0.1", "127.0.0.2"):  # first start, then a restart elsewhere
+        monkeypatch.setitem(sys.modules, "ray", FakeRay(node_ip))
+        host = TinyRoleHost("drafter-0", cfg)
+        try:
+            entry = host.describe()
+            assert entry["endpoint"].startswith(f"tcp://{node_ip}:"), entry
+            assert entry["metrics_url"].startswith(f"http://{node_ip}:"), entry
+            _dial(entry["endpoint"])
+        finally:
+            host.stop()
+
+
+def test_node_ip_resolution(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", FakeRay("127.0.0.2"))
+    assert node_ip_address() == "127.0.0.2"
+    assert role_address("auto") == ("127.0.0.2", "127.0.0.2")
+    assert role_address("") == ("127.0.0.2", "127.0.0.2")
+    assert role_address("0.0.0.0") == ("0.0.0.0", "127.0.0.2")  # every interface
+    assert role_address("127.0.0.3") == ("127.0.0.3", "127.0.0.3")  # as given
+    monkeypatch.delitem(sys.modules, "ray")
+    assert node_ip_address() == "127.0.0.1"  # tests: the loopback setting (conftest)
+    assert ClusterConfig().host == "auto"
+
+
+def test_a_wildcard_bind_advertises_the_node_ip(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", FakeRay("127.0.0.1"))
+    host = TinyRoleHost("drafter-0", ClusterConfig(host="0.0.0.0"))
+    try:
+        entry = host.describe()
+        assert entry["endpoint"].startswith("tcp://127.0.0.1:") and "0.0.0.0" not in str(entry)
+        _dial(entry["endpoint"])
+    finally:
+        host.stop()
+
