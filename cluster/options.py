@@ -45,6 +45,9 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="verification of sampled requests without a seed: auto (standard "
                         "rejection sampling) or block (block verification, arXiv 2403.10444); "
                         "temperature 0 stays greedy and seeded requests coupled")
+    p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="the gateway fails a request that gets no output from its verifier for "
+                        "this long (a verifier alive but silent; 0: never)")
 
 
 def add_bench_options(p: argparse.ArgumentParser) -> None:
@@ -118,6 +121,8 @@ def cluster_config(args: argparse.Namespace, **overrides):
         kw["port"] = args.port
     if getattr(args, "host", None):
         kw["host"] = args.host
+    if getattr(args, "stream_idle_timeout", None) is not None:
+        kw["stream_idle_timeout_s"] = args.stream_idle_timeout or None
     if args.threads:
         kw["threads"] = default_threads(args.threads)
     kw.update(overrides)

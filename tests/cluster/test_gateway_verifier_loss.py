@@ -221,3 +221,20 @@ def test_a_live_but_silent_verifier_is_bounded_by_the_stream_idle_timeout(gatewa
     finally:
         host.backend.stream_timeout_s = STREAM_IDLE_TIMEOUT_S
         fake.kill()
+
+
+def test_stream_idle_timeout_is_a_cluster_option():
+    import argparse
+
+    from cluster.options import add_cluster_options, cluster_config
+
+    p = argparse.ArgumentParser()
+    add_cluster_options(p)
+    base = ["--device", "cpu", "--drafter", "ngram"]
+    assert cluster_config(p.parse_args(base)).stream_idle_timeout_s == STREAM_IDLE_TIMEOUT_S
+    cfg = cluster_config(p.parse_args(base + ["--stream-idle-timeout", "30"]))
+    assert cfg.stream_idle_timeout_s == 30
+    assert cluster_config(p.parse_args(base + ["--stream-idle-timeout", "0"])) \
+        .stream_idle_timeout_s is None
+    with pytest.raises(ValueError):
+        ClusterConfig(stream_idle_timeout_s=-1)
