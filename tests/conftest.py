@@ -51,3 +51,32 @@ def ray_session():
     init_local_ray()
     yield
     ray.shutdown()
+
+
+TINY_HEAD_TOPICS = ["rivers", "python", "the moon", "tea", "primes", "bikes", "sorting",
+                    "volcanoes", "poetry", "search", "clouds", "chess", "maps", "bread",
+                    "music", "stars"]
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle_head(tiny_model_dir, tmp_path_factory):
+    """An EAGLE head for the tiny model, trained by ``specmesh train-drafter`` for a few
+    seconds on prompts "Tell me about <topic>." Returns (checkpoint dir, the prompts' chat
+    messages)."""
+    import json
+
+    from cluster.cli import build_parser
+    from cluster.train_drafter import train_drafter
+
+    tmp = tmp_path_factory.mktemp("tiny-eagle")
+    prompts = [{"name": f"t{i}", "messages": [{"role": "user", "content": f"Tell me about {t}."}]}
+               for i, t in enumerate(TINY_HEAD_TOPICS)]
+    path = tmp / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    args = build_parser().parse_args([
+        "train-drafter", "--model", tiny_model_dir, "--prompts", str(path),
+        "--heldout-fraction", "0", "--max-new-tokens", "32", "--gen-batch-size", "16",
+        "--draft-vocab-size", "512", "--epochs", "10", "--batch-size", "4", "--depth", "3",
+        "--lr", "3e-3", "--out", str(tmp / "head")])
+    train_drafter(args)
+    return str(tmp / "head"), [p["messages"] for p in prompts]

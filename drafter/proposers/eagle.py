@@ -70,6 +70,7 @@ class EagleProposer(Proposer):
     def __init__(self, head: str | None = None, model: str | None = None,
                  dtype: str = "float32", head_module: EagleHead | None = None) -> None:
         self.head = head_module if head_module is not None else load_eagle_head(head, model, dtype)
+        self.seed_hidden_size = self.head.config.hidden_size  # the drafter checks row widths
         self.states: dict[str, _HeadState] = {}
         self.num_recomputed_entries = 0
 

@@ -1,0 +1,63 @@
+"""EAGLE drafting through the in-process workers (real messages: seed state from prefill,
+DraftSync and every VerifyCommit): float64 greedy output equals plain decoding, drafts are
+accepted, and a head trained for another target is refused."""
+
+import pytest
+import torch
+
+from cluster.inprocess import InProcessCluster
+from drafter.eagle.checkpoint import HeadMismatch, load_head, target_embeddings, target_identity
+from drafter.eagle.data import chat_token_ids
+from drafter.proposers.eagle import EagleProposer, load_eagle_head
+from engine.loader import load_model
+from protocol.messages import SamplingParams
+
+
+def test_float64_greedy_output_equals_plain_decode_with_drafts_accepted(tiny_model_dir,
+                                                                       tiny_eagle_head):
+    head_dir, messages = tiny_eagle_head
+    lm = load_model(tiny_model_dir, "float64")
+    embed, lm_head = target_embeddings(tiny_model_dir)
+    head = load_head(head_dir, embed, lm_head, target_identity(lm.name, lm.config, embed),
+                     dtype=torch.float64)
+    prompts = chat_token_ids(lm.tokenizer, [{"messages": m} for m in messages[:6]])
+    sp = SamplingParams(max_tokens=24)
+    eos = lm.config.eos_token_ids
+    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
+                             eos_token_ids=eos).generate(prompts, sp)
+    spec = InProcessCluster(lm.model, lm.config, num_speculative_tokens=3, eos_token_ids=eos,
+                            draft_method="eagle",
+                            proposer=EagleProposer(head_module=head)).generate(prompts, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.spec.num_draft_tokens for o in spec) > 0
+    assert sum(o.spec.num_accepted_tokens for o in spec) > 0
+
+
+def test_the_proposer_loads_only_embedding_and_lm_head_of_its_target(tiny_model_dir,
+                                                                    tiny_eagle_head):
+    head_dir, _ = tiny_eagle_head
+    head = load_eagle_head(head_dir, tiny_model_dir)
+    lm = load_model(tiny_model_dir)
+    torch.testing.assert_close(head.embed, lm.model.model.embed_tokens.weight)
+    rows = lm.model.lm_head.weight[head.draft_to_target]
+    torch.testing.assert_close(head.lm_head, rows)
+
+
+def test_a_head_for_another_target_is_refused(tiny_model_dir, tiny_eagle_head, tmp_path):
+    head_dir, _ = tiny_eagle_head
+    from engine.loader import load_tokenizer
+    from helpers.models import tiny_llama
+
+    tok = load_tokenizer(None)
+    other, _, _ = tiny_llama(seed=11, dtype=torch.float32, vocab_size=len(tok), hidden_size=64,
+                             num_layers=2, num_heads=4, num_kv_heads=2, init_std=0.1,
+                             eos_token_id=2, bos_token_id=1, max_position_embeddings=2048)
+    other.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(HeadMismatch, match="other embedding weights"):
+        load_eagle_head(head_dir, str(tmp_path))
+
+
+def test_no_head_shipped_for_a_target_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(FileNotFoundError, match="train-drafter"):
+        load_eagle_head(None, tiny_model_dir)
