@@ -1,11 +1,17 @@
-"""``specmesh train-drafter``: self-distil an EAGLE head for a target on this machine.
+"""``specmesh train-drafter``: self-distil a drafter for a target on this machine.
 
 Steps: load the target through engine/; split the instruction prompts by prompt into train
 and held-out; generate the target's greedy outputs with their hidden states in continuous
-batches (drafter/eagle/data.py; cached in ``--data`` so training can be re-run); pick the draft
-vocabulary; train (drafter/eagle/train.py, progress bar with loss and tokens/s); evaluate
-acceptance per draft position on the held-out prompts and on every ``--eval-prompts`` file;
-write the checkpoint (safetensors + config.json naming the target, the command, the numbers).
+batches (drafter/eagle/data.py; cached in ``--data`` so training can be re-run, by either
+method); then per ``--method``:
+
+- ``eagle``: pick the draft vocabulary; train an EAGLE head (drafter/eagle/train.py, progress
+  bar with loss and tokens/s); evaluate acceptance per draft position on the held-out prompts
+  and on every ``--eval-prompts`` file; write the checkpoint (safetensors + config.json naming
+  the target, the command, the numbers).
+- ``draft-model``: a small Llama with the target's shape and vocabulary
+  (cluster/train_draft_model.py, drafter/draft_model_training.py), written as a Hugging Face
+  dir for ``--drafter draft-model:PATH``.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ DEFAULT_TRAIN_PROMPTS = PROMPTS_DIR / "drafter_train.jsonl"
 
 
 def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=["eagle"], default="eagle",
-                   help="eagle: a feature head over the target's hidden states")
+    p.add_argument("--method", choices=["eagle", "draft-model"], default="eagle",
+                   help="eagle: a feature head over the target's hidden states; draft-model: "
+                        "a small Llama with the target's vocabulary (--drafter draft-model:OUT)")
     p.add_argument("--model", default=None, help="target: smollm2 (default), a .gguf or a HF dir")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="dtype the target generates the data in")
@@ -40,12 +47,25 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch-size", type=int, default=64)
     p.add_argument("--data", default=None,
                    help="cache file of generated samples (reused when it matches)")
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: the whole vocabulary")
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--depth", type=int, default=3, help="unrolled passes (training-time test)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="eagle: 0 = the whole vocabulary")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="layers of the head (eagle, default 1) or the draft model (default 2)")
+    p.add_argument("--depth", type=int, default=3,
+                   help="eagle: unrolled passes (training-time test)")
+    p.add_argument("--init-layers", choices=["target", "random"], default="target",
+                   help="draft-model: start the layers from the target's, evenly spaced from "
+                        "the first to the last (default), or random")
+    p.add_argument("--kl-weight", type=float, default=0.5,
+                   help="draft-model: loss = (1-w) CE(target greedy token) + w KL(target||draft)")
+    p.add_argument("--train-embeddings", action="store_true",
+                   help="draft-model: also train the embedding and LM head (default: the "
+                        "target's, frozen)")
     p.add_argument("--epochs", type=float, default=4.0)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="windows (eagle) or whole samples (draft-model) per step")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: eagle 1e-3, draft-model 3e-4)")
     p.add_argument("--eval-depth", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -98,12 +118,10 @@ def _samples(lm, sets: dict[str, list[dict]], args) -> dict:  # noqa: ANN001
     return out
 
 
-def train_drafter(args: argparse.Namespace) -> dict:
-    """Run the whole pipeline; returns the evaluation (also written to the checkpoint)."""
-    from drafter.eagle.checkpoint import save_head, target_identity
+def prepare(args: argparse.Namespace) -> dict:
+    """Load the target, split the prompts and generate (or read) the samples: what both
+    methods train and evaluate on."""
     from drafter.eagle.data import split_by_prompt
-    from drafter.eagle.head import EagleHead, EagleHeadConfig
-    from drafter.eagle.train import acceptance, acceptance_report, draft_vocabulary, train, windows
     from engine.loader import load_model
 
     if args.threads:
@@ -124,14 +142,46 @@ def train_drafter(args: argparse.Namespace) -> dict:
     assert not overlap, overlap  # split_by_prompt puts each name on one side
     t_gen = time.perf_counter()
     samples = _samples(lm, {k: v for k, v in sets.items() if v}, args)
-    gen_s = time.perf_counter() - t_gen
+    return {"lm": lm, "train_p": train_p, "held_p": held_p, "samples": samples,
+            "generate_seconds": time.perf_counter() - t_gen, "t_start": t_start}
 
+
+def training_record(prep: dict, args: argparse.Namespace, summary: dict,
+                    evaluation: dict) -> dict:
+    """What a checkpoint records of how it was made: command, split, data, timings, numbers."""
+    return {"command": "specmesh train-drafter " + " ".join(shlex.quote(a) for a in
+                                                            sys.argv[2:]),
+            "train_prompts": len(prep["train_p"]), "heldout_prompts": len(prep["held_p"]),
+            "heldout_names": [p["name"] for p in prep["held_p"]],
+            "train_output_tokens": sum(s.num_output_tokens for s in prep["samples"]["train"]),
+            "generate_seconds": round(prep["generate_seconds"], 1),
+            "total_seconds": round(time.perf_counter() - prep["t_start"], 1),
+            "threads": torch.get_num_threads(), **summary, "evaluation": evaluation,
+            "args": {k: v for k, v in vars(args).items() if k != "func"}}
+
+
+def train_drafter(args: argparse.Namespace) -> dict:
+    """Run the whole pipeline; returns the evaluation (also written to the checkpoint)."""
+    prep = prepare(args)
+    if args.method == "draft-model":
+        from cluster.train_draft_model import train_draft_model
+
+        return train_draft_model(prep, args)
+    return _train_eagle(prep, args)
+
+
+def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
+    from drafter.eagle.checkpoint import save_head, target_identity
+    from drafter.eagle.head import EagleHead, EagleHeadConfig
+    from drafter.eagle.train import acceptance, acceptance_report, draft_vocabulary, train, windows
+
+    lm, samples = prep["lm"], prep["samples"]
     embed = lm.model.model.embed_tokens.weight.detach()
     lm_head = lm.model.lm_head.weight.detach()
     target = target_identity(lm.name, lm.config, embed)
     n_draft = args.draft_vocab_size if args.draft_vocab_size < lm.config.vocab_size else 0
     cfg = EagleHeadConfig.for_target(lm.config, draft_vocab_size=n_draft,
-                                     num_layers=args.num_layers, target=target)
+                                     num_layers=args.num_layers or 1, target=target)
     torch.manual_seed(args.seed)
     head = EagleHead(cfg)
     ids = (draft_vocabulary(samples["train"], n_draft, tuple(lm.config.eos_token_ids))
@@ -143,8 +193,8 @@ def train_drafter(args: argparse.Namespace) -> dict:
     print(f"head: {head.num_trainable_parameters() / 1e6:.2f} M parameters, draft vocabulary "
           f"{head.lm_head.shape[0]}, {sum(len(w.labels) for w in train_w)} training entries",
           flush=True)
-    summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                    depth=args.depth, seed=args.seed)
+    summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size,
+                    lr=args.lr or 1e-3, depth=args.depth, seed=args.seed)
     evaluation = {}
     for label, ss in samples.items():
         if label == "train" or not ss:
@@ -153,15 +203,7 @@ def train_drafter(args: argparse.Namespace) -> dict:
         evaluation[label] = {"prompts": len(ss), "acceptance_per_position": acc,
                              "mean_accepted_per_chain": sum(acc)}
         print(f"{label} ({len(ss)} prompts): {acceptance_report(acc)}", flush=True)
-    total_s = time.perf_counter() - t_start
-    training = {"command": "specmesh train-drafter " + " ".join(shlex.quote(a) for a in
-                                                                sys.argv[2:]),
-                "train_prompts": len(train_p), "heldout_prompts": len(held_p),
-                "heldout_names": [p["name"] for p in held_p],
-                "train_output_tokens": sum(s.num_output_tokens for s in samples["train"]),
-                "generate_seconds": round(gen_s, 1), "total_seconds": round(total_s, 1),
-                "threads": torch.get_num_threads(), **summary, "evaluation": evaluation,
-                "args": {k: v for k, v in vars(args).items() if k != "func"}}
+    training = training_record(prep, args, summary, evaluation)
     out = save_head(head, args.out, training)
-    print(f"wrote {out} in {total_s / 60:.1f} min total", flush=True)
+    print(f"wrote {out} in {training['total_seconds'] / 60:.1f} min total", flush=True)
     return evaluation
