@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cluster.train_drafter import add_train_drafter_options
 
-    t = sub.add_parser("train-drafter", help="self-distil a draft head for a target on this "
-                                             "machine (EAGLE)")
+    t = sub.add_parser("train-drafter", help="self-distil a drafter for a target on this "
+                                             "machine (EAGLE head or draft model)")
     add_train_drafter_options(t)
     t.set_defaults(func=cmd_train_drafter)
     return parser
