@@ -20,8 +20,9 @@ target's unless ``train_embeddings``.
 
 Acceptance at draft position k (:func:`acceptance`) is the share of output positions at which
 the draft model, drafting greedily from the true prefix, proposes k tokens that all equal the
-target's next k tokens (a chain running past the end of the sample counts as a miss, as for
-the EAGLE head's numbers, so the two are comparable).
+target's next k tokens. As for the EAGLE head's numbers (so the two are comparable), chains
+start at the second output token (the first comes from prefill, never from a draft) and a
+chain running past the end of the sample counts as a miss.
 """
 
 from __future__ import annotations
@@ -219,14 +220,14 @@ def train(draft: Any, samples: list[Sample], target_lm_head: torch.Tensor, *, ep
 def acceptance(model: torch.nn.Module, config: ModelConfig, samples: list[Sample], depth: int,
                batch_size: int = 16, block_size: int = 16) -> list[float]:
     """Acceptance per draft position 1..``depth`` of the draft ``model`` (engine's
-    LlamaForCausalLM, ``config`` its ModelConfig) over every output position of ``samples``:
-    at output position j it drafts greedily from the true prefix ``token_ids[:j]`` (as
-    DraftModelProposer does), and position k counts a hit when drafts 1..k equal
-    ``token_ids[j:j + k]``. Samples run side by side in the engine's paged KV; a chain stops
-    being extended at its first miss."""
+    LlamaForCausalLM, ``config`` its ModelConfig) over the output positions of ``samples``
+    but the first (prefill's token): at output position j it drafts greedily from the true
+    prefix ``token_ids[:j]`` (as DraftModelProposer does), and position k counts a hit when
+    drafts 1..k equal ``token_ids[j:j + k]``. Samples run side by side in the engine's paged
+    KV; a chain stops being extended at its first miss."""
     hits = [0] * depth
     total = 0
-    samples = [s for s in samples if s.num_output_tokens > 0]
+    samples = [s for s in samples if s.num_output_tokens > 1]
     for lo in range(0, len(samples), batch_size):
         group = samples[lo:lo + batch_size]
         per_seq = -(-(max(len(s.token_ids) for s in group) + depth) // block_size)
@@ -234,15 +235,17 @@ def acceptance(model: torch.nn.Module, config: ModelConfig, samples: list[Sample
         blocks = BlockManager(cache.num_blocks, block_size)
         runner = ModelRunner(model, config, cache)
         tables = [blocks.allocate(per_seq) for _ in group]
-        nxt = [s.prompt_len for s in group]  # chain start: the output position drafted next
+        first = [s.prompt_len + 1 for s in group]
+        nxt = list(first)  # chain start: the output position drafted next
         while True:
             act = [i for i, s in enumerate(group) if nxt[i] < len(s.token_ids)]
             if not act:
                 break
             # the KV holds the true tokens before nxt - 1 (each step feeds one more; the first
-            # feeds the whole prompt); later slots hold stale drafts, past every kv_len
+            # feeds the prompt and prefill's token); later slots hold stale drafts, past every
+            # kv_len
             chunks = [SeqChunk(group[i].token_ids[:nxt[i]], 0, tables[i])
-                      if nxt[i] == group[i].prompt_len else
+                      if nxt[i] == first[i] else
                       SeqChunk([group[i].token_ids[nxt[i] - 1]], nxt[i] - 1, tables[i])
                       for i in act]
             logits = runner.forward(chunks, logits="last")

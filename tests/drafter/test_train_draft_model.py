@@ -96,8 +96,9 @@ def test_acceptance_is_per_position_and_falls_with_depth(trained_draft):
 
 
 def test_batched_acceptance_equals_the_proposers_own_drafts(trained_draft):
-    """acceptance() simulates DraftModelProposer: at every output position, greedy drafts from
-    the true prefix; here recomputed one position at a time with the proposer itself."""
+    """acceptance() simulates DraftModelProposer: at every output position after prefill's
+    token, greedy drafts from the true prefix; here recomputed one position at a time with the
+    proposer itself."""
     out, _, args = trained_draft
     draft = load_model(str(out), "float64")
     samples = torch.load(args.data, weights_only=False)["samples"]["heldout"]
@@ -105,7 +106,7 @@ def test_batched_acceptance_equals_the_proposers_own_drafts(trained_draft):
     proposer = DraftModelProposer(loaded=draft, num_blocks=64)
     hits, total = [0] * depth, 0
     for s in samples:
-        for j in range(s.prompt_len, len(s.token_ids)):
+        for j in range(s.prompt_len + 1, len(s.token_ids)):  # prefill gave the first
             d = proposer.propose(s.name, s.token_ids[:j], depth)
             ok = True
             for k in range(depth):
