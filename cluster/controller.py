@@ -1,55 +1,165 @@
-"""Controller: the roster of role instances, pushed into every registered role on change.
+"""Controller: the roster of role instances, pushed into every registered role on change, and
+the roles' health (DESIGN.md §8).
 
-Plain class; cluster/actors.py makes it the named Ray actor ``specmesh-controller``. Roles
-register themselves (and again after a restart, with a new incarnation); every change is pushed
-to all roles with their ``update_roster`` method. Never on the per-token path.
+Plain class; cluster/actors.py makes it the named Ray actor ``specmesh-controller`` (and runs
+:meth:`Controller.check_health` about once a second in a thread of it). Roles register
+themselves (and again after a restart, with a new incarnation, which replaces the old entry);
+every change is pushed to all roles with their ``update_roster`` method. Each role sends a
+heartbeat about once a second (:meth:`Controller.heartbeat`); a role that is dead (no
+heartbeat for 3 intervals) or hung (heartbeats, but its loop counter stands still for 3
+intervals) is deregistered and the new roster pushed to its peers (cluster/health.py). Never on
+the per-token path.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
+
+from cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS, HealthMonitor
 
 log = logging.getLogger(__name__)
 
 
 class Controller:
-    def __init__(self) -> None:
+    """Args: the heartbeat ``interval_s`` and ``max_missed`` beats (see
+    :class:`~cluster.health.HealthMonitor`), ``clock`` (monotonic seconds; a fake one in
+    tests). Thread-safe: the Ray edge checks health from its own thread."""
+
+    def __init__(self, interval_s: float = HEARTBEAT_INTERVAL_S,
+                 max_missed: int = MAX_MISSED_BEATS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.roster: dict[str, dict] = {}  # instance_id -> info (role, endpoint, incarnation...)
         self.handles: dict[str, object] = {}
         self.version = 0
         self.epoch = time.time_ns()  # a restarted controller counts versions anew
+        self.health = HealthMonitor(interval_s, max_missed, clock)
+        #: deregistered as unhealthy (instance id -> entry, handle, why): re-admitted when its
+        #: heartbeats show its loop turning again, replaced when it registers anew
+        self.removed: dict[str, dict] = {}
+        #: (instance id, incarnation) deregistered on purpose: not asked to register again
+        self.dismissed: set[tuple[str, int | None]] = set()
+        #: instance id -> the load its last heartbeat reported (verifier: KV room, queue)
+        self.loads: dict[str, dict] = {}
+        self.num_deregistered = 0  # roles removed as dead or hung
+        self._lock = threading.RLock()
 
     def register(self, info: dict, handle: object = None) -> int:
         """Add or replace ``info['instance_id']``; returns the roster version."""
         iid = info["instance_id"]
-        old = self.roster.get(iid)
-        if old is not None and old.get("incarnation") == info.get("incarnation"):
+        with self._lock:
+            old = self.roster.get(iid)
+            if old is not None and old.get("incarnation") == info.get("incarnation"):
+                return self.version
+            self.roster[iid] = dict(info, registered_at=time.time())
+            if handle is not None:
+                self.handles[iid] = handle
+            self.removed.pop(iid, None)
+            self.dismissed.discard((iid, info.get("incarnation")))
+            self.health.watch(iid, info.get("incarnation"))
+            self.version += 1
+            log.info("roster v%d: %s %s at %s", self.version, info["role"], iid,
+                     info["endpoint"])
+            self._push()
             return self.version
-        self.roster[iid] = dict(info, registered_at=time.time())
-        if handle is not None:
-            self.handles[iid] = handle
-        self.version += 1
-        log.info("roster v%d: %s %s at %s", self.version, info["role"], iid, info["endpoint"])
-        self._push()
-        return self.version
 
     def deregister(self, instance_id: str) -> int:
-        if self.roster.pop(instance_id, None) is not None:
-            self.handles.pop(instance_id, None)
-            self.version += 1
-            self._push()
-        return self.version
+        with self._lock:
+            entry = self.roster.get(instance_id)
+            if entry is not None:
+                self.dismissed.add((instance_id, entry.get("incarnation")))
+            self.removed.pop(instance_id, None)
+            self._remove(instance_id)
+            return self.version
+
+    def _remove(self, instance_id: str, forget: bool = True) -> bool:
+        if self.roster.pop(instance_id, None) is None:
+            return False
+        self.handles.pop(instance_id, None)
+        if forget:
+            self.health.forget(instance_id)
+        self.loads.pop(instance_id, None)
+        self.version += 1
+        self._push()
+        return True
 
     def get_roster(self) -> list[dict]:
-        return list(self.roster.values())
+        with self._lock:
+            return list(self.roster.values())
+
+    # -- health ----------------------------------------------------------------------------
+
+    def heartbeat(self, beat: dict) -> dict:
+        """One heartbeat of a role: ``instance_id``, ``incarnation``, ``progress`` (its loop
+        counter) and ``load`` (what routing needs). Returns ``register`` (True: the controller
+        does not know this role, e.g. it restarted: register again) and ``loads`` (instance id
+        -> load of every role in the roster)."""
+        iid, incarnation = beat["instance_id"], beat.get("incarnation")
+        progress = beat.get("progress", 0)
+        with self._lock:
+            entry = self.roster.get(iid)
+            if entry is not None and entry.get("incarnation") == incarnation:
+                self.health.beat(iid, incarnation, progress)
+                self.loads[iid] = dict(beat.get("load") or {})
+            elif (gone := self.removed.get(iid)) is not None \
+                    and gone["entry"].get("incarnation") == incarnation:
+                self.health.beat(iid, incarnation, progress)
+                if not self.health.status(iid):
+                    self._readmit(iid)
+                    self.loads[iid] = dict(beat.get("load") or {})
+            elif entry is None and (iid, incarnation) not in self.dismissed:
+                return {"register": True, "loads": self._loads()}
+            return {"register": False, "loads": self._loads()}
+
+    def _loads(self) -> dict[str, dict]:
+        return {iid: self.loads.get(iid, {}) for iid in self.roster}
+
+    def check_health(self) -> dict[str, str]:
+        """Deregister every role that is dead or hung now and push the new roster to its
+        peers; returns instance id -> why, for the roles removed."""
+        with self._lock:
+            out = {}
+            for iid, reason in self.health.check().items():
+                entry, handle = self.roster.get(iid), self.handles.get(iid)
+                if entry is None:
+                    continue  # removed already (watched for its recovery)
+                log.warning("deregistering %s %s (incarnation %s): %s", entry["role"], iid,
+                            entry.get("incarnation"), reason)
+                # still watched: the same incarnation may come back (a pause, not a death)
+                self._remove(iid, forget=False)
+                self.removed[iid] = {"entry": entry, "handle": handle, "reason": reason}
+                self.num_deregistered += 1
+                out[iid] = reason
+            return out
+
+    def _readmit(self, iid: str) -> None:
+        gone = self.removed.pop(iid)
+        log.warning("re-admitting %s: its loop makes progress again (removed: %s)", iid,
+                    gone["reason"])
+        self.roster[iid] = dict(gone["entry"], registered_at=time.time())
+        if gone["handle"] is not None:
+            self.handles[iid] = gone["handle"]
+        self.version += 1
+        self._push()
+
+    def health_report(self) -> dict:
+        """Per role in the roster: why it is unhealthy ("" when healthy) and heartbeats seen;
+        plus the roles removed as unhealthy and why."""
+        with self._lock:
+            roles = {iid: {"status": self.health.status(iid),
+                           "num_beats": h.num_beats if (h := self.health.roles.get(iid))
+                           else 0} for iid in self.roster}
+            return {"roles": roles, "removed": {i: g["reason"] for i, g in self.removed.items()},
+                    "num_deregistered": self.num_deregistered, "version": self.version}
 
     def _push(self) -> None:
-        roster = self.get_roster()
+        roster = list(self.roster.values())
         for iid, handle in list(self.handles.items()):
             try:
                 _call(handle, "update_roster", roster, (self.epoch, self.version))
-            except Exception as err:  # a dead role is removed when it re-registers or dies
+            except Exception as err:  # a dead role is removed by the health check
                 log.warning("roster push to %s failed: %s", iid, err)
 
 

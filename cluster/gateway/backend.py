@@ -129,6 +129,7 @@ class MailboxBackend:
         self.num_aborts_sent = 0
         self.num_stream_gaps = 0  # requests failed on a TokenStream gap or overlap
         self.num_verifier_losses = 0  # requests failed because their verifier died / restarted
+        self.num_reader_turns = 0  # the reader thread's loop turns (the gateway's heartbeat)
         self._thread = threading.Thread(target=self._reader, name="gateway-backend-reader",
                                         daemon=True)
         self._thread.start()
@@ -171,6 +172,7 @@ class MailboxBackend:
 
     def _reader(self) -> None:
         while not self._stop.is_set():
+            self.num_reader_turns += 1
             try:
                 env = self.mailbox.recv(self._recv_timeout())
                 if env is not None:

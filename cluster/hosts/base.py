@@ -3,6 +3,11 @@
 Public methods are what the controller calls (Ray method calls, never per token): ``info``,
 ``update_roster``, ``stats``, ``health``, ``stop``. Roster changes run inside the loop thread
 (``ZmqMailbox.call_soon``), so sockets are only ever touched by the thread that owns them.
+
+Health (DESIGN.md §8): the loop thread bumps ``loop_turns`` on every turn (an idle loop turns
+at least once a second); :meth:`RoleHost.start_heartbeat` sends :meth:`RoleHost.heartbeat`
+(that counter, the role's load) about once a second through a callable the Ray edge supplies,
+so the controller sees both that the actor is alive and that its loop makes progress.
 """
 
 from __future__ import annotations
@@ -11,13 +16,15 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.health import HEARTBEAT_INTERVAL_S
 from cluster.loopback import role_address
 from protocol.enums import Role
 from protocol.messages import ModelIdentity
-from protocol.transport import IDLE_TIMEOUT_S
+from protocol.transport import IDLE_TIMEOUT_S, run_loop
 from protocol.zmq_transport import PeerInfo, ZmqMailbox
 
 log = logging.getLogger(__name__)
@@ -40,6 +47,8 @@ class RoleHost:
         self._error = ""
         self._roster_version: tuple[int, int] | None = None
         self._roster_lock = threading.Lock()
+        self.loop_turns = 0  # bumped by the loop thread every turn: the heartbeat's progress
+        self._beating = threading.Event()  # set: heartbeats stop
         self.set_threads()
         identity = self.model_identity()
         # resolved here, where the role runs (Ray may restart it on another node)
@@ -86,7 +95,56 @@ class RoleHost:
         """Apply a roster change in the loop thread; this role dials nobody by default."""
 
     def _loop(self) -> None:
-        self.worker.run(self._stop, IDLE_TIMEOUT_S, on_error=self._on_error)
+        run_loop(self._turn, self._stop, IDLE_TIMEOUT_S, self.instance_id,
+                 on_error=self._on_error)
+
+    def _turn(self, timeout_s: float) -> None:
+        self.loop_turns += 1
+        self.worker.step(timeout_s)
+
+    # -- health ----------------------------------------------------------------------------
+
+    def progress(self) -> int:
+        """The loop counter the heartbeat carries: it must keep moving while the role can
+        serve (a role whose counter stands still is hung and leaves the roster)."""
+        return self.loop_turns
+
+    def load(self) -> dict:
+        """What routing needs to know of this role's load (sent with each heartbeat)."""
+        return {}
+
+    def heartbeat(self) -> dict:
+        """One heartbeat (not a Ray call: sent by the heartbeat thread)."""
+        return {"instance_id": self.instance_id, "incarnation": self.incarnation,
+                "progress": self.progress(), "load": self.load()}
+
+    def on_loads(self, loads: dict[str, dict]) -> None:
+        """The loads of every role in the roster, as the controller's heartbeat reply says;
+        unused by default."""
+
+    def start_heartbeat(self, send: Callable[[dict], dict | None],
+                        interval_s: float = HEARTBEAT_INTERVAL_S) -> threading.Thread:
+        """Call ``send(self.heartbeat())`` every ``interval_s`` until :meth:`stop`, in a
+        thread of its own; a reply (the controller's) goes to :meth:`on_loads`. A failing
+        send is logged and retried at the next beat."""
+
+        def beat() -> None:
+            failing = False
+            while not self._beating.wait(interval_s):
+                try:
+                    reply = send(self.heartbeat())
+                    if reply:
+                        self.on_loads(reply.get("loads") or {})
+                    failing = False
+                except Exception as err:  # noqa: BLE001 - the next beat tries again
+                    (log.debug if failing else log.warning)(
+                        "%s: heartbeat failed: %s", self.instance_id, err)
+                    failing = True
+
+        thread = threading.Thread(target=beat, name=f"{self.instance_id}-heartbeat",
+                                  daemon=True)
+        thread.start()
+        return thread
 
     def _on_error(self, err: BaseException) -> None:
         self._error = repr(err)  # reported by health(); the role keeps serving
@@ -148,9 +206,11 @@ class RoleHost:
 
     def health(self) -> dict:
         self.num_calls += 1
-        return {"alive": self._thread.is_alive(), "last_error": self._error}
+        return {"alive": self._thread.is_alive(), "last_error": self._error,
+                "loop_turns": self.loop_turns}
 
     def stop(self) -> None:
+        self._beating.set()  # silent from now on: the controller deregisters it
         self._stop.set()
         self.mailbox.wake()
         self._thread.join(timeout=STOP_JOIN_TIMEOUT_S)

@@ -19,6 +19,7 @@ class GatewayHost(RoleHost):
         self._port = cfg.port if port is None else port
         self.verifiers: list[str] = []
         self.prefills: list[str] = []
+        self.loads: dict[str, dict] = {}  # instance id -> load, from the controller's heartbeats
         super().__init__(instance_id, cfg)
 
     def model_identity(self) -> ModelIdentity:
@@ -68,8 +69,17 @@ class GatewayHost(RoleHost):
         ready = [v for v in self.verifiers if self.mailbox.ready(v)]
         if not ready:
             raise ConnectionError("no verifier is connected yet")
-        load = self.backend.in_flight_by_verifier()
-        return min(ready, key=lambda v: load.get(v, 0))
+        return least_loaded_verifier(ready, self.backend.in_flight_by_verifier(), self.loads)
+
+    def on_loads(self, loads: dict[str, dict]) -> None:
+        self.loads = loads
+
+    def progress(self) -> int:
+        """The backend reader's turns (it delivers every token), while the HTTP server runs;
+        a dead server thread freezes the counter, so the controller sees the gateway hung."""
+        if not self._server_thread.is_alive():
+            return -1
+        return self.backend.num_reader_turns
 
     def on_hello(self, peer, is_new: bool) -> None:
         # a verifier's new incarnation (restarted) fails the requests its old one held
@@ -106,6 +116,23 @@ class GatewayHost(RoleHost):
                 "reason": reason, "last_error": ""}
 
     def stop(self) -> None:
+        self._beating.set()
         self.server.stop()
         self.backend.close()
         self.mailbox.close()
+
+
+def least_loaded_verifier(ready: list[str], in_flight: dict[str, int],
+                          loads: dict[str, dict]) -> str:
+    """The verifier of ``ready`` to route a new request to (DESIGN.md §2): one with no queue of
+    waiting requests before one with a queue, then the fewest requests this gateway has in
+    flight on it (live), then the most free KV blocks, then the roster order. ``loads``: each
+    verifier's ``num_waiting`` / ``num_free_blocks`` as its last heartbeat reported (about a
+    second old; missing: unknown, treated as no queue and no room known)."""
+    def key(item: tuple[int, str]) -> tuple:
+        i, v = item
+        load = loads.get(v) or {}
+        return (load.get("num_waiting", 0) > 0, in_flight.get(v, 0),
+                -load.get("num_free_blocks", 0), i)
+
+    return min(enumerate(ready), key=key)[1]

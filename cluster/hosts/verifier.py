@@ -71,6 +71,10 @@ class VerifierHost(RoleHost):
 
         self.mailbox.call_soon(apply)
 
+    def load(self) -> dict:
+        """KV room and queue, for the gateway's choice of verifier (sent with heartbeats)."""
+        return self.worker.load
+
     def stats(self) -> dict:
         out = super().stats()
         out.update(self.worker.load)
