@@ -203,7 +203,7 @@ def test_least_loaded_verifier_prefers_no_queue_then_fewest_in_flight_then_kv_ro
 
 # -- the role host's threads against a real controller (short interval, real time) ----------
 
-INTERVAL_S = 0.05
+INTERVAL_S = 0.2
 
 
 class _Worker:
@@ -255,20 +255,20 @@ def test_role_host_heartbeats_show_progress_and_a_hung_loop_leaves_the_roster():
         host.start_heartbeat(c.heartbeat, INTERVAL_S)
     threading.Thread(target=checker, daemon=True).start()
     try:
-        time.sleep(INTERVAL_S * 10)
+        time.sleep(INTERVAL_S * 5)
         assert len(c.get_roster()) == 2 and c.num_deregistered == 0
         assert hosts["verifier-0"].heartbeat()["progress"] > 0
         assert hosts["verifier-0"].loads_seen  # the controller's reply reached the host
         hosts["verifier-0"].worker.hang.set()
-        took = _wait(lambda: len(c.get_roster()) == 1, 2.0)
-        assert took >= INTERVAL_S * 2.5
+        took = _wait(lambda: len(c.get_roster()) == 1, 5.0)
+        assert took >= INTERVAL_S  # not at once: after missed intervals
         assert "hung" in c.health_report()["removed"]["verifier-0"]
         assert watcher.last == ["prefill-0"]
         hosts["verifier-0"].worker.hang.clear()
         hosts["verifier-0"].worker.release.set()
-        _wait(lambda: len(c.get_roster()) == 2, 2.0)  # re-admitted
+        _wait(lambda: len(c.get_roster()) == 2, 5.0)  # re-admitted
         hosts["prefill-0"]._beating.set()  # stop() silences the heartbeats: dead
-        _wait(lambda: len(c.get_roster()) == 1, 2.0)
+        _wait(lambda: len(c.get_roster()) == 1, 5.0)
         assert "dead" in c.health_report()["removed"]["prefill-0"]
     finally:
         stop.set()
