@@ -66,6 +66,10 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="windows (eagle) or whole samples (draft-model) per step")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: eagle 1e-3, draft-model 3e-4)")
+    p.add_argument("--soft-weight", type=float, default=0.0,
+                   help="weight of the target-distribution (soft) cross-entropy vs the argmax")
+    p.add_argument("--reg-weight", type=float, default=0.5,
+                   help="weight of the smooth-L1 regression onto the target's next state")
     p.add_argument("--eval-depth", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")

@@ -99,17 +99,32 @@ def chain_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def loss_fn(head: EagleHead, feats, toks, labels, pos, valid_next, depth: int,  # noqa: ANN001
-            pass_decay: float = 0.8, reg_weight: float = 0.5):  # noqa: ANN201
-    """Total loss and per-pass cross-entropies of one batch (see the module docstring)."""
+            pass_decay: float = 0.8, reg_weight: float = 0.5,
+            soft_weight: float = 0.0):  # noqa: ANN201
+    """Total loss and per-pass cross-entropies of one batch (see the module docstring).
+    ``soft_weight`` mixes in the cross-entropy against the target's whole distribution over
+    the draft vocabulary, ``softmax(lm_head f_{s+1})`` (distillation; EAGLE trains on the
+    target's probabilities too): more signal per token than the argmax alone."""
     passes = head.forward_passes(feats[:, :-1], toks, pos, depth=depth)
     total = 0.0
     ces = []
+    target_p = None
+    if soft_weight:
+        with torch.no_grad():
+            target_p = torch.softmax(head.logits(feats[:, 1:]).float(), dim=-1)
     for k, g in enumerate(passes, 1):
         lab = chain_labels(labels, k)
-        ce = F.cross_entropy(head.logits(g).flatten(0, 1).float(), lab.flatten(),
-                             ignore_index=IGNORE)
+        logits = head.logits(g).float()
+        ce = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=IGNORE)
         ces.append(float(ce.detach()))
-        total = total + pass_decay ** (k - 1) * ce
+        term = ce
+        if target_p is not None:
+            rows = valid_next.clone()
+            rows[:, : k - 1] = False
+            soft = -(target_p * F.log_softmax(logits, dim=-1)).sum(-1)
+            soft = (soft * rows).sum() / rows.sum().clamp(min=1)
+            term = (1 - soft_weight) * ce + soft_weight * soft
+        total = total + pass_decay ** (k - 1) * term
     if reg_weight:
         m = valid_next[..., None]
         reg = F.smooth_l1_loss(passes[0] * m, feats[:, 1:] * m, reduction="sum")
@@ -157,7 +172,8 @@ def acceptance_report(acc: list[float]) -> str:
 
 def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_size: int,
           lr: float, depth: int, seed: int = 0, warmup_steps: int = 20,
-          pass_decay: float = 0.8, reg_weight: float = 0.5, log=None,  # noqa: ANN001
+          pass_decay: float = 0.8, reg_weight: float = 0.5, soft_weight: float = 0.0,
+          log=None,  # noqa: ANN001
           progress: bool = True) -> dict:
     """AdamW with linear warm-up and cosine decay over ``epochs`` (may be fractional) of
     ``train_windows``; returns a summary (steps, seconds, entries/s, last loss)."""
@@ -193,7 +209,8 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             loss, ces = loss_fn(head, feats, toks, labels, pos, valid, depth,
-                                pass_decay=pass_decay, reg_weight=reg_weight)
+                                pass_decay=pass_decay, reg_weight=reg_weight,
+                                soft_weight=soft_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

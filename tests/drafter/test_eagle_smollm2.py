@@ -1,0 +1,44 @@
+"""The EAGLE head shipped for SmolLM2-135M-Instruct (drafter/heads/): float32 greedy output
+through the in-process workers equals plain decoding on held-out chat and code prompts, with
+drafts accepted; `--drafter auto` picks it for SmolLM2."""
+
+import pytest
+
+from cluster.bench_prompts import load_prompts_file
+from cluster.drafter_option import parse_drafter
+from cluster.inprocess import InProcessCluster
+from cluster.train_drafter import PROMPTS_DIR
+from drafter.eagle.checkpoint import read_head_config
+from drafter.eagle.data import chat_token_ids
+from drafter.proposers.eagle import EagleProposer, shipped_head
+from engine.loader import SMOLLM2_NAME, load_model
+from protocol.messages import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_head_is_shipped_for_smollm2_and_auto_picks_it():
+    path = shipped_head(SMOLLM2_NAME)
+    assert path is not None
+    cfg = read_head_config(path)
+    assert cfg.target["name"] == SMOLLM2_NAME and cfg.hidden_size == 576
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20
+    assert parse_drafter("auto", None) == ("eagle", {})
+
+
+def test_shipped_head_greedy_equals_plain_decode_with_drafts_accepted():
+    lm = load_model(None, "float32")
+    chat = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_chat.jsonl"))[:2]
+    code = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_code.jsonl"))[:2]
+    prompts = chat_token_ids(lm.tokenizer, chat + code)
+    sp = SamplingParams(max_tokens=40)
+    eos = lm.config.eos_token_ids
+    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
+                             eos_token_ids=eos).generate(prompts, sp)
+    spec = InProcessCluster(lm.model, lm.config, num_speculative_tokens=4, eos_token_ids=eos,
+                            draft_method="eagle",
+                            proposer=EagleProposer(model=None)).generate(prompts, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    drafted = sum(o.spec.num_draft_tokens for o in spec)
+    accepted = sum(o.spec.num_accepted_tokens for o in spec)
+    assert drafted > 0 and accepted > 0.2 * drafted
