@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS, HealthMonitor
+from cluster.health import HEARTBEAT_INTERVAL_S, HUNG_AFTER_S, MAX_MISSED_BEATS, HealthMonitor
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +30,13 @@ class Controller:
 
     def __init__(self, interval_s: float = HEARTBEAT_INTERVAL_S,
                  max_missed: int = MAX_MISSED_BEATS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 hung_after_s: float | None = HUNG_AFTER_S) -> None:
         self.roster: dict[str, dict] = {}  # instance_id -> info (role, endpoint, incarnation...)
         self.handles: dict[str, object] = {}
         self.version = 0
         self.epoch = time.time_ns()  # a restarted controller counts versions anew
-        self.health = HealthMonitor(interval_s, max_missed, clock)
+        self.health = HealthMonitor(interval_s, max_missed, clock, hung_after_s)
         #: deregistered as unhealthy (instance id -> entry, handle, why): re-admitted when its
         #: heartbeats show its loop turning again, replaced when it registers anew
         self.removed: dict[str, dict] = {}

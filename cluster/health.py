@@ -25,9 +25,14 @@ from dataclasses import dataclass
 
 #: Seconds between two heartbeats of a role (and between two health checks).
 HEARTBEAT_INTERVAL_S = 1.0
-#: A role that misses this many heartbeats (or whose loop makes no progress for this many
-#: intervals) is deregistered.
-MAX_MISSED_BEATS = 3
+#: A role that misses this many heartbeats is deregistered as dead. (3 was too few here: on a
+#: loaded 2-core machine a live prefill's heartbeats over Ray were 3.4 s apart during a bench
+#: run, and deregistering a live role fails its requests.)
+MAX_MISSED_BEATS = 10
+#: A role whose loop counter stands still this long (s) while it still sends heartbeats is
+#: deregistered as hung. Generous: one step may legitimately take seconds on a CPU (a long
+#: prompt's prefill chunk, a batched verify forward on a loaded machine).
+HUNG_AFTER_S = 120.0
 
 
 @dataclass
@@ -46,17 +51,20 @@ class HealthMonitor:
 
     Args:
         interval_s: the heartbeat interval.
-        max_missed: heartbeats missed (or intervals without loop progress) before a role is
-            unhealthy.
+        max_missed: heartbeats missed before a role is dead.
         clock: monotonic seconds (a fake clock in tests).
+        hung_after_s: loop standstill (s) before a role that still beats is hung; None:
+            ``max_missed`` intervals, as for death.
     """
 
     def __init__(self, interval_s: float = HEARTBEAT_INTERVAL_S,
                  max_missed: int = MAX_MISSED_BEATS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 hung_after_s: float | None = None) -> None:
         if not interval_s > 0 or max_missed < 1:
             raise ValueError("interval_s must be > 0 and max_missed >= 1")
         self.interval_s, self.max_missed, self.clock = interval_s, max_missed, clock
+        self.hung_after_s = interval_s * max_missed if hung_after_s is None else hung_after_s
         self.roles: dict[str, RoleHealth] = {}
 
     @property
@@ -99,9 +107,9 @@ class HealthMonitor:
             return (f"no heartbeat for {silent:.1f} s ({int(silent / self.interval_s)} "
                     f"missed, limit {self.max_missed}): dead")
         still = now - h.progressed_at
-        if still >= self.bound_s:
+        if still >= self.hung_after_s:
             return (f"alive but its loop made no progress for {still:.1f} s "
-                    f"(limit {self.bound_s:g} s): hung")
+                    f"(limit {self.hung_after_s:g} s): hung")
         return ""
 
     def check(self) -> dict[str, str]:

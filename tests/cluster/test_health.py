@@ -50,7 +50,7 @@ def _info(iid: str, role: str, incarnation: int = 1) -> dict:
 @pytest.fixture
 def mesh():
     clock = Clock()
-    c = Controller(interval_s=1.0, max_missed=3, clock=clock)
+    c = Controller(interval_s=1.0, max_missed=3, clock=clock, hung_after_s=3.0)
     peers = {iid: Peer() for iid in ("prefill-0", "verifier-0", "drafter-0", "gateway-0")}
     for iid, peer in peers.items():
         c.register(_info(iid, iid.split("-")[0]), peer)
@@ -241,7 +241,7 @@ def _wait(cond, timeout: float) -> float:
 
 
 def test_role_host_heartbeats_show_progress_and_a_hung_loop_leaves_the_roster():
-    c = Controller(interval_s=INTERVAL_S, max_missed=3)
+    c = Controller(interval_s=INTERVAL_S, max_missed=3, hung_after_s=None)
     stop = threading.Event()
 
     def checker():
@@ -276,3 +276,23 @@ def test_role_host_heartbeats_show_progress_and_a_hung_loop_leaves_the_roster():
             host._beating.set()
             host.worker.release.set()
             host._stop.set()
+
+
+def test_defaults_tolerate_slow_heartbeats_and_long_steps():
+    """A loaded 2-core machine delayed a live prefill's heartbeats by 3.4 s, and one prefill
+    chunk or verify step may take seconds: neither may deregister a live role by default."""
+    from cluster.health import HUNG_AFTER_S, MAX_MISSED_BEATS
+
+    clock = Clock()
+    c = Controller(clock=clock)
+    m = c.health
+    assert m.bound_s >= 10 and m.hung_after_s == HUNG_AFTER_S >= 60
+    m.watch("p", 1)
+    clock.advance(5.0)  # heartbeats 5 s late
+    assert m.beat("p", 1, 1) and m.status("p") == ""
+    for _ in range(59):  # beating, but one step runs for a minute
+        clock.advance(1.0)
+        m.beat("p", 1, 1)
+    assert m.status("p") == ""
+    clock.advance(MAX_MISSED_BEATS * 1.0)
+    assert "dead" in m.status("p")
