@@ -1,14 +1,21 @@
 """Ray shells around the role hosts and the controller (the only place, with launcher.py and
 the CLI, that imports ray). Actors ask for ``num_cpus=0`` plus a role resource, so placement
 never starves on a 2-core machine; each registers itself with the named controller when it
-starts, so a restarted actor (new incarnation, new endpoint) rejoins the roster by itself."""
+starts, so a restarted actor (new incarnation, new endpoint) rejoins the roster by itself, and
+then sends the controller a heartbeat every second (the controller deregisters a role whose
+heartbeats stop or whose loop stands still: cluster/health.py)."""
 
 from __future__ import annotations
+
+import logging
+import threading
+import time
 
 import ray
 
 from cluster.config import DEFAULT_NAMESPACE, ClusterConfig
 from cluster.controller import Controller
+from cluster.health import HEARTBEAT_INTERVAL_S
 from cluster.hosts import HOSTS
 from protocol.enums import Role
 
@@ -20,6 +27,8 @@ MAX_RESTARTS = 3
 MAX_CONCURRENCY = 4
 #: A role resource request small enough that any number of roles fit a node offering it.
 ROLE_RESOURCE_UNIT = 0.001
+#: Heartbeats whose reply is still awaited, at most (older ones are forgotten).
+MAX_PENDING_BEATS = 8
 
 
 def _register(host) -> None:
@@ -28,9 +37,55 @@ def _register(host) -> None:
     controller.register.remote(host.describe(), me)
 
 
-@ray.remote
+def _heartbeats(host) -> None:
+    """Send ``host``'s heartbeats to the named controller, fire and forget (a slow controller
+    must not delay the next beat: replies are read as they come, the newest one used). The
+    controller is looked up again after a failure: it may have been restarted, and then its
+    reply asks the role to register again."""
+    state: dict = {"controller": None, "pending": []}
+
+    def send(beat: dict) -> dict | None:
+        if state["controller"] is None:
+            state["controller"] = ray.get_actor(CONTROLLER_NAME, namespace=host.cfg.namespace)
+            state["pending"] = []
+        pending = state["pending"]
+        done, waiting = ray.wait(pending, num_returns=len(pending), timeout=0) if pending \
+            else ([], [])
+        reply = None
+        try:
+            for ref in done:  # in the order sent: the newest reply last
+                reply = ray.get(ref)
+        except Exception:
+            state["controller"] = None
+            raise
+        waiting = [r for r in pending if r in waiting][-MAX_PENDING_BEATS:]
+        state["pending"] = [*waiting, state["controller"].heartbeat.remote(beat)]
+        if reply is not None and reply.get("register"):
+            _register(host)
+        return reply
+
+    host.start_heartbeat(send, HEARTBEAT_INTERVAL_S)
+
+
 class ControllerActor(Controller):
-    pass
+    """The controller with its health check running every heartbeat interval in a thread."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._checker = threading.Thread(target=self._check_loop, name="health-check",
+                                         daemon=True)
+        self._checker.start()
+
+    def _check_loop(self) -> None:
+        while True:
+            time.sleep(self.health.interval_s)
+            try:
+                self.check_health()
+            except Exception:  # noqa: BLE001 - the checker must survive anything
+                logging.getLogger(__name__).exception("health check failed")
+
+
+ControllerActor = ray.remote(ControllerActor)
 
 
 def _actor_class(host_cls: type) -> type:
@@ -39,6 +94,7 @@ def _actor_class(host_cls: type) -> type:
     def __init__(self, instance_id: str, cfg: ClusterConfig, *args) -> None:
         host_cls.__init__(self, instance_id, cfg, *args)
         _register(self)
+        _heartbeats(self)
 
     cls = type(f"{host_cls.__name__}Actor", (host_cls,), {"__init__": __init__})
     return ray.remote(cls)

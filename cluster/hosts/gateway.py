@@ -107,6 +107,7 @@ class GatewayHost(RoleHost):
                 "num_protocol_errors": self.backend.num_protocol_errors,
                 "num_ray_calls": self.num_calls,
                 "ready_verifiers": [v for v in self.verifiers if self.mailbox.ready(v)],
+                "verifier_loads": {v: self.loads.get(v, {}) for v in self.verifiers},
                 "profile": self.app.state.metrics.profile.as_dict()}
 
     def health(self) -> dict:

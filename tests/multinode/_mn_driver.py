@@ -1,0 +1,166 @@
+"""Ray driver for tests/multinode/test_m_to_n.py, run in its own process (the pytest process
+may already be a driver of the embedded Ray of the other tests, and a driver joins one cluster
+only).
+
+    python _mn_driver.py MODEL_DIR PROMPTS_JSON MAX_TOKENS TEMP_DIR
+
+A ``ray.cluster_utils.Cluster`` of 3 nodes on 127.0.0.1: the head offers ``gateway``, the two
+others ``prefill``, ``verifier`` and ``drafter`` plus a node resource of their own (``mn-0``,
+``mn-1``) that role ``<role>-<i>`` also asks a sliver of, so one of each lands on either node;
+2 prefill workers, 2 verifiers, 2 drafters and a gateway, each with the options ``specmesh
+serve`` gives it (cluster.actors.role_options). Then:
+
+1. every prompt of PROMPTS_JSON at once (one HTTP client thread each, greedy);
+2. ``ray.kill(drafter-1, no_restart=True)``: how long until the controller's roster lacks it
+   and both verifiers dropped their connection to it (the pushed roster applied);
+3. the first four prompts again, served by the drafter left.
+
+Prints one JSON object on the last stdout line: nodes, where each actor runs, each request's
+text / usage / spec_stats, every role's stats before and after, the controller's health report
+and the timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from cluster.loopback import use_loopback
+
+use_loopback()  # before `import ray`: every node of the cluster stays on 127.0.0.1
+
+import httpx  # noqa: E402
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from cluster.actors import ACTORS, CONTROLLER_NAME, ROLE_RESOURCE_UNIT, role_options  # noqa: E402
+from cluster.config import ClusterConfig  # noqa: E402
+from cluster.launcher import ClusterHandle, get_controller  # noqa: E402
+from protocol.enums import Role  # noqa: E402
+
+KILLED = "drafter-1"
+LEAVE_BOUND_S = 30.0
+
+
+def _complete(url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+    r.raise_for_status()
+    got = r.json()
+    return {"prompt": prompt, "text": got["choices"][0]["text"],
+            "completion_tokens": got["usage"]["completion_tokens"],
+            "spec_stats": got.get("spec_stats", {})}
+
+
+def start(cfg: ClusterConfig, timeout_s: float) -> ClusterHandle:
+    """Controller, then ``<role>-<i>`` for i in 0, 1 on node ``mn-<i>`` and the gateway;
+    returns once every verifier is connected to both prefill workers and both drafters and the
+    gateway to both verifiers (as cluster.launcher.start_cluster waits)."""
+    handle = ClusterHandle(cfg, get_controller(namespace=cfg.namespace))
+    plan = [(role, i) for role in (Role.PREFILL, Role.DRAFTER, Role.VERIFIER) for i in range(2)]
+    for role, i in [*plan, (Role.GATEWAY, 0)]:
+        iid = f"{role.value}-{i}"
+        opts = role_options(role, cfg)
+        if role is not Role.GATEWAY:
+            opts["resources"] = {**opts["resources"], f"mn-{i}": ROLE_RESOURCE_UNIT}
+        handle.actors[iid] = ACTORS[role].options(name=f"specmesh-{iid}", **opts).remote(iid, cfg)
+    infos = ray.get([a.info.remote() for a in handle.actors.values()], timeout=timeout_s)
+    handle.url = next(i["url"] for i in infos if i["role"] == Role.GATEWAY)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = handle.stats()
+        if all(len(st[f"verifier-{i}"]["ready_peers"]) >= 4 for i in range(2)) \
+                and len(st["gateway-0"]["ready_verifiers"]) == 2:
+            return handle
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cluster roles did not connect: {st}")
+        time.sleep(0.2)
+
+
+def _actor_nodes() -> dict[str, str]:
+    out = {}
+    for info in ray._private.state.actors().values():
+        if info.get("Name") and info.get("State") == "ALIVE":
+            out[info["Name"]] = info["Address"]["NodeID"]
+    return out
+
+
+def main() -> None:
+    model, prompts_path, max_tokens, temp_dir = sys.argv[1:5]
+    max_tokens = int(max_tokens)
+    prompts = json.loads(open(prompts_path).read())
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # atexit stops the nodes
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "temp_dir": temp_dir,
+            "object_store_memory": 80 * 1024 * 1024}
+    roles = {r: 1 for r in ("prefill", "verifier", "drafter")}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **node, "resources": {"gateway": 1}, "include_dashboard": False})
+    try:
+        workers = [cluster.add_node(**node, resources={**roles, f"mn-{i}": 1})
+                   for i in range(2)]
+        cluster.wait_for_nodes()
+        cluster.connect(namespace="specmesh")
+        timings["nodes_s"] = time.monotonic() - t0
+        cfg = ClusterConfig.create(model=model, dtype="float32", num_speculative_tokens=3,
+                                   kv_cache_mb=32, port=0, max_model_len=1024)
+        from engine.loader import model_files
+
+        model_files(cfg.model, cfg.dtype)
+        handle = start(cfg, timeout_s=150)
+        timings["roles_s"] = time.monotonic() - t0 - timings["nodes_s"]
+        nodes = [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"],
+                  "resources": n["Resources"]} for n in ray.nodes() if n["Alive"]]
+        placed = _actor_nodes()
+        before = handle.stats()
+
+        t1 = time.monotonic()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: _complete(handle.url, p, max_tokens), prompts))
+        timings["requests_s"] = time.monotonic() - t1
+        after = handle.stats()
+
+        # a role killed for good leaves the roster, and its peers get the roster without it
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=cfg.namespace)
+        t2 = time.monotonic()
+        ray.kill(handle.actors.pop(KILLED), no_restart=True)
+        left_at = peers_at = None
+        while time.monotonic() - t2 < LEAVE_BOUND_S:
+            roster = ray.get(controller.get_roster.remote(), timeout=30)
+            if left_at is None and KILLED not in {r["instance_id"] for r in roster}:
+                left_at = time.monotonic() - t2
+            if left_at is not None:
+                st = {i: ray.get(a.stats.remote(), timeout=30) for i, a in
+                      handle.actors.items() if i.startswith("verifier")}
+                if all(KILLED not in s["ready_peers"] for s in st.values()):
+                    peers_at = time.monotonic() - t2
+                    break
+            time.sleep(0.1)
+        health = ray.get(controller.health_report.remote(), timeout=30)
+        roster_after_kill = ray.get(controller.get_roster.remote(), timeout=30)
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda p: _complete(handle.url, p, max_tokens), prompts[:4]))
+        final = handle.stats()
+        timings["total_s"] = time.monotonic() - t0
+        out = {"nodes": nodes, "worker_node_ids": [w.node_id for w in workers],
+               "placed": placed, "results": results, "before": before, "after": after,
+               "left_roster_s": left_at, "peers_updated_s": peers_at, "health": health,
+               "roster_after_kill": [r["instance_id"] for r in roster_after_kill],
+               "again": again, "final": final, "timings": timings}
+        handle.stop()
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            cluster.shutdown()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.pop("RAY_ADDRESS", None)
+    main()
