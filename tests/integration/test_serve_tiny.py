@@ -204,7 +204,8 @@ def test_requests_survive_a_drafter_restart(cluster, reference):
     while time.monotonic() < deadline:  # re-registered, pushed, and the verifier reconnected
         roster = {r["instance_id"]: r for r in ray.get(cluster.controller.get_roster.remote())}
         st = cluster.stats()["verifier-0"]
-        if (roster["drafter-0"]["incarnation"] == new["incarnation"]
+        # (while Ray restarted it, the health check may have deregistered the old entry)
+        if (roster.get("drafter-0", {}).get("incarnation") == new["incarnation"]
                 and st["peer_incarnations"].get("drafter-0") == new["incarnation"]):
             break
         time.sleep(0.2)
