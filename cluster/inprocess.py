@@ -116,7 +116,11 @@ class InProcessCluster:
         while pending:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(pending)} requests unfinished after {timeout_s} s")
-            self.drafter.step()
+            # the drafter drafts all it has room for before the verifier steps (a model
+            # drafter streams one draft per call: step it until its window is full)
+            for _ in range(max(self.drafter.config.window, 1)):
+                if not self.drafter.step() and not self.drafter._has_work():
+                    break
             self.prefill.step()
             self.verifier.step()
             for env in self.client.drain():

@@ -23,6 +23,11 @@ class Proposer(ABC):
 
     name: ClassVar[str]
     seed_state: ClassVar[str] = ""
+    #: most drafts the worker asks for per request per call (0: as many as the window has
+    #: room for). Model drafters pay a forward per draft: asking for one at a time streams each
+    #: draft the moment it exists, so a verifier that cannot wait for a whole tail still gets
+    #: the first drafts (measured: served EAGLE tails of 4 arrived too late on 87% of steps).
+    max_drafts_per_call: ClassVar[int] = 0
     seed_hidden_size: int | None = None
 
     @abstractmethod

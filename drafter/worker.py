@@ -221,6 +221,8 @@ class DrafterWorker(MailboxWorker):
         sent = 0
         for st in list(self.requests.values()):
             room = min(self.config.window - len(st.path), self.config.max_segment)
+            if self.proposer.max_drafts_per_call:
+                room = min(room, self.proposer.max_drafts_per_call)
             if room > 0 and not st.exhausted:
                 with self.profile.phase("propose"):
                     new = self.proposer.propose(st.request_id, st.context, room)

@@ -65,6 +65,7 @@ class EagleProposer(Proposer):
     """
 
     name = "eagle"
+    max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     seed_state = "hidden"
 
     def __init__(self, head: str | None = None, model: str | None = None,
