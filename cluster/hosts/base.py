@@ -106,8 +106,10 @@ class RoleHost:
 
     def progress(self) -> int:
         """The loop counter the heartbeat carries: it must keep moving while the role can
-        serve (a role whose counter stands still is hung and leaves the roster)."""
-        return self.loop_turns
+        serve (a role whose counter stands still is hung and leaves the roster). Loop turns
+        plus the model layers run in this process (:func:`watch_model`), so one long forward
+        (a long prompt's prefill on a CPU) is progress, and a loop stuck elsewhere is not."""
+        return self.loop_turns + _layers_run[0]
 
     def load(self) -> dict:
         """What routing needs to know of this role's load (sent with each heartbeat)."""
@@ -217,6 +219,25 @@ class RoleHost:
         self.mailbox.close()
 
 
+#: model layers run in this process, counted by the hooks of :func:`watch_model`
+_layers_run = [0]
+
+
+def watch_model(model: Any) -> None:
+    """Count every forward of ``model``'s layers (the elements of its ModuleLists) as progress
+    of this process's role (:meth:`RoleHost.progress`): a pre-hook per layer, no per-module
+    cost elsewhere."""
+    import torch
+
+    def bump(*_: object) -> None:
+        _layers_run[0] += 1
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for layer in module:
+                layer.register_forward_pre_hook(bump)
+
+
 def peers_of(roster: list[dict], role: Role) -> list[dict]:
     """The roster entries of ``role``."""
     return [r for r in roster if r["role"] == role.value]
@@ -240,4 +261,5 @@ def loaded_runner(cfg: ClusterConfig):
     if n < 1:
         raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds no block of {cfg.block_size} tokens")
     cache = KVCache(loaded.config, n, cfg.block_size, loaded.model.dtype, loaded.model.device)
+    watch_model(loaded.model)  # a long forward is progress for the health check
     return loaded, ModelRunner(loaded.model, loaded.config, cache), BlockManager(n, cfg.block_size)

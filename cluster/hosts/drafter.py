@@ -8,7 +8,7 @@ vocabulary against the target's tokenizer at startup (:func:`build_proposer`).
 from __future__ import annotations
 
 from cluster.config import ClusterConfig
-from cluster.hosts.base import RoleHost
+from cluster.hosts.base import RoleHost, watch_model
 from protocol.enums import Role
 
 
@@ -68,4 +68,21 @@ class DrafterHost(RoleHost):
         from drafter.worker import DrafterWorker
 
         proposer = build_proposer(self.cfg, self.model_identity())
-        return DrafterWorker(self.cfg.drafter, self.mailbox, proposer)
+        worker = DrafterWorker(self.cfg.drafter, self.mailbox, proposer)
+        _watch_models(worker.proposer)
+        return worker
+
+
+def _watch_models(proposer) -> None:  # noqa: ANN001
+    """A model-based proposer's forwards count as the drafter's progress (health check): the
+    torch modules among its attributes, and those of its attributes' ``model``."""
+    import torch
+
+    for value in getattr(proposer, "__dict__", {}).values():
+        try:
+            inner = getattr(value, "model", None)
+        except Exception:  # noqa: BLE001 - a property that cannot answer: not a model
+            inner = None
+        for m in (value, inner):
+            if isinstance(m, torch.nn.Module):
+                watch_model(m)

@@ -13,7 +13,8 @@ import pytest
 
 from cluster.controller import Controller
 from cluster.health import HealthMonitor
-from cluster.hosts.base import RoleHost
+from cluster.hosts.base import RoleHost, watch_model
+from cluster.hosts.drafter import _watch_models
 from cluster.hosts.gateway import least_loaded_verifier
 
 
@@ -296,3 +297,29 @@ def test_defaults_tolerate_slow_heartbeats_and_long_steps():
     assert m.status("p") == ""
     clock.advance(MAX_MISSED_BEATS * 1.0)
     assert "dead" in m.status("p")
+
+
+def test_a_long_forward_counts_as_progress_a_stuck_loop_does_not():
+    """Model layers run by a watched model move the heartbeat's counter (a long prefill on a
+    CPU is not a hang); nothing else does."""
+    import torch
+
+    host = object.__new__(RoleHost)
+    host.loop_turns = 0
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)]))
+    watch_model(model)
+    before = host.progress()
+    for layer in model[0]:
+        layer(torch.zeros(1, 4))
+    assert host.progress() == before + 3
+    assert host.progress() == before + 3  # nothing ran: no progress
+
+    class Proposer:  # a model-based drafter's proposer: its model, or a runner holding one
+        def __init__(self):
+            self.runner = type("Runner", (), {"model": torch.nn.Sequential(
+                torch.nn.ModuleList([torch.nn.Linear(4, 4)]))})()
+
+    proposer = Proposer()
+    _watch_models(proposer)
+    proposer.runner.model[0][0](torch.zeros(1, 4))
+    assert host.progress() == before + 4
