@@ -323,3 +323,27 @@ def test_a_long_forward_counts_as_progress_a_stuck_loop_does_not():
     _watch_models(proposer)
     proposer.runner.model[0][0](torch.zeros(1, 4))
     assert host.progress() == before + 4
+
+
+def test_gateway_health_turns_503_when_the_only_prefill_worker_is_deregistered(mesh):
+    """The roster the health check pushes is what the gateway's /health reads: with its only
+    prefill worker gone, the reason names it; back when a prefill worker registers again."""
+    from types import SimpleNamespace
+
+    from cluster.hosts.gateway import GatewayHost
+
+    c, clock, peers = mesh
+    gw = object.__new__(GatewayHost)
+    gw.num_calls, gw.verifiers, gw.prefills = 0, [], []
+    gw._roster_version, gw._roster_lock = None, threading.Lock()
+    gw.mailbox = SimpleNamespace(call_soon=lambda fn: fn(), connect=lambda *a: None,
+                                 ready=lambda peer: True)
+    gw.backend = SimpleNamespace(set_verifiers=lambda verifiers: None)
+    c.register(_info("gateway-1", "gateway"), gw)
+    assert gw.not_ready_reason() == ""
+    progress = dict.fromkeys(peers, 0)
+    progress["gateway-1"] = 0
+    _tick(c, clock, progress, 3, skip={"prefill-0"})
+    assert gw.not_ready_reason() == "no prefill worker in the roster"
+    c.register(_info("prefill-0", "prefill", incarnation=2), peers["prefill-0"])
+    assert gw.not_ready_reason() == ""
