@@ -53,9 +53,9 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="layers of the head (eagle, default 1) or the draft model (default 2)")
     p.add_argument("--depth", type=int, default=3,
                    help="eagle: unrolled passes (training-time test)")
-    p.add_argument("--init-layers", choices=["target", "random"], default="target",
-                   help="draft-model: start the layers from the target's, evenly spaced from "
-                        "the first to the last (default), or random")
+    p.add_argument("--init-layers", choices=["first", "spread", "random"], default="first",
+                   help="draft-model: start the layers from the target's first ones (default), "
+                        "from its layers evenly spaced from the first to the last, or random")
     p.add_argument("--kl-weight", type=float, default=0.5,
                    help="draft-model: loss = (1-w) CE(target greedy token) + w KL(target||draft)")
     p.add_argument("--train-embeddings", action="store_true",

@@ -4,12 +4,17 @@ draft-model``), saved as a Hugging Face dir that ``--drafter draft-model:PATH`` 
 The draft is the target's architecture (a transformers ``LlamaForCausalLM``; a Qwen2 target
 gets a Qwen2 draft, so its attention biases fit) with the target's hidden size, heads,
 vocabulary, RoPE and tie setting and ``num_layers`` decoder layers. It starts from the
-target's embedding, LM head and final norm and, by default (``init_layers="target"``), from
-``num_layers`` of the target's layers evenly spaced from the first to the last (2 layers: the
-first and the last): the first layer is the one that reads the raw embeddings and the last the
-one whose output the final norm and LM head were trained on, so the draft starts as an
-"early exit" of the target rather than as noise between two fixed ends. ``"random"`` draws
-the layers afresh.
+target's embedding, LM head and final norm, and its layers (``init_layers``) from:
+
+- ``"first"`` (default): the target's first ``num_layers`` layers, i.e. the target truncated
+  (an early exit through the final norm and LM head). The layers see the residual stream they
+  were trained on; on SmolLM2-135M (30 layers) a 2-layer draft starts at cross-entropy 17 vs
+  65 for ``"spread"`` and 55 for random, and after the same 24 steps (32 prompts, lr 1e-3)
+  accepts 0.16 / 0.12 / 0.06 of first drafts on held-out prompts.
+- ``"spread"``: ``num_layers`` layers evenly spaced from the first to the last (the first
+  reads the raw embeddings, the last writes what the final norm and LM head were trained on),
+  but the last layers expect a residual stream that a jump from the first does not give them.
+- ``"random"``: freshly drawn layers.
 
 Training is teacher forcing on the samples of drafter/eagle/data.py (prompt + the target's
 greedy output): at every output position the loss is ``(1 - kl_weight)`` times the
@@ -48,14 +53,20 @@ META = "specmesh_draft.json"
 FORMAT = "specmesh-draft-model/1"
 
 
-def layer_sources(num_target_layers: int, num_layers: int) -> list[int]:
-    """Target layers a draft of ``num_layers`` layers starts from: evenly spaced, first and
-    last included (one layer: the first)."""
+INIT_LAYERS = ("first", "spread", "random")
+
+
+def layer_sources(num_target_layers: int, num_layers: int, how: str = "first") -> list[int]:
+    """Target layers a draft of ``num_layers`` layers starts from: the first ones
+    (``"first"``) or evenly spaced, first and last included (``"spread"``; one layer: the
+    first)."""
     if not 1 <= num_layers <= num_target_layers:
         raise ValueError(f"a draft model needs 1..{num_target_layers} layers (the target's "
                          f"count), got {num_layers}")
-    if num_layers == 1:
-        return [0]
+    if how == "first" or num_layers == 1:
+        return list(range(num_layers))
+    if how != "spread":
+        raise ValueError(f"layer sources are 'first' or 'spread', got {how!r}")
     step = (num_target_layers - 1) / (num_layers - 1)
     return [round(i * step) for i in range(num_layers)]
 
@@ -75,7 +86,7 @@ def draft_hf_config(target_hf_config: Any, num_layers: int) -> Any:
 
 
 def init_draft_model(target: torch.nn.Module, target_hf_config: Any, num_layers: int,
-                     init_layers: str = "target", seed: int = 0) -> tuple[Any, list[int] | None]:
+                     init_layers: str = "first", seed: int = 0) -> tuple[Any, list[int] | None]:
     """A float32 transformers model for ``target`` (engine.model.LlamaForCausalLM, whose
     parameter names are transformers'), initialised as the module docstring says.
 
@@ -84,14 +95,14 @@ def init_draft_model(target: torch.nn.Module, target_hf_config: Any, num_layers:
     """
     from transformers import AutoModelForCausalLM
 
-    if init_layers not in ("target", "random"):
-        raise ValueError(f"init_layers must be 'target' or 'random', got {init_layers!r}")
+    if init_layers not in INIT_LAYERS:
+        raise ValueError(f"init_layers must be one of {INIT_LAYERS}, got {init_layers!r}")
     cfg = draft_hf_config(target_hf_config, num_layers)
     torch.manual_seed(seed)
     draft = AutoModelForCausalLM.from_config(cfg).float()
     src = target.state_dict()
-    sources = (layer_sources(len(target.model.layers), num_layers)
-               if init_layers == "target" else None)
+    sources = (None if init_layers == "random" else
+               layer_sources(len(target.model.layers), num_layers, init_layers))
     with torch.no_grad():
         for name, p in draft.state_dict().items():
             if name.startswith("model.layers."):

@@ -118,11 +118,12 @@ def test_batched_acceptance_equals_the_proposers_own_drafts(trained_draft):
     assert acceptance(draft.model, draft.config, samples, depth, batch_size=2) == expected
 
 
-def test_layers_start_evenly_spaced_from_first_to_last():
-    assert layer_sources(30, 2) == [0, 29]
-    assert layer_sources(30, 3) == [0, 14, 29]  # round(14.5) is 14
-    assert layer_sources(4, 1) == [0]
-    assert layer_sources(4, 4) == [0, 1, 2, 3]
+def test_layers_start_from_the_targets_first_or_evenly_spaced_ones():
+    assert layer_sources(30, 2) == [0, 1]
+    assert layer_sources(30, 2, "spread") == [0, 29]
+    assert layer_sources(30, 3, "spread") == [0, 14, 29]  # round(14.5) is 14
+    assert layer_sources(4, 1, "spread") == [0]
+    assert layer_sources(4, 4, "spread") == [0, 1, 2, 3]
     with pytest.raises(ValueError):
         layer_sources(4, 5)
 
@@ -151,7 +152,7 @@ def test_a_tied_target_gives_a_tied_draft_that_loads_back(tmp_path):
     loader builds it back with the same logits as the trained transformers model."""
     hf, target, _ = tiny_llama(seed=5, dtype=torch.float32, vocab_size=96, num_layers=3,
                                tie_word_embeddings=True)
-    draft, sources = init_draft_model(target, hf.config, 2)
+    draft, sources = init_draft_model(target, hf.config, 2, "spread")
     assert sources == [0, 2] and draft.config.tie_word_embeddings
     assert draft.lm_head.weight is draft.model.embed_tokens.weight
     for j, i in enumerate(sources):
