@@ -6,9 +6,9 @@ Plain class; cluster/actors.py makes it the named Ray actor ``specmesh-controlle
 themselves (and again after a restart, with a new incarnation, which replaces the old entry);
 every change is pushed to all roles with their ``update_roster`` method. Each role sends a
 heartbeat about once a second (:meth:`Controller.heartbeat`); a role that is dead (no
-heartbeat for 3 intervals) or hung (heartbeats, but its loop counter stands still for 3
-intervals) is deregistered and the new roster pushed to its peers (cluster/health.py). Never on
-the per-token path.
+heartbeat for MAX_MISSED_BEATS intervals) or hung (heartbeats, but its loop counter stands
+still for HUNG_AFTER_S) is deregistered and the new roster pushed to its peers
+(cluster/health.py). Never on the per-token path.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class Controller:
         #: instance id -> the load its last heartbeat reported (verifier: KV room, queue)
         self.loads: dict[str, dict] = {}
         self.num_deregistered = 0  # roles removed as dead or hung
+        self.num_checks = 0  # check_health calls
+        self._last_check_at: float | None = None
         self._lock = threading.RLock()
 
     def register(self, info: dict, handle: object = None) -> int:
@@ -121,6 +123,8 @@ class Controller:
         """Deregister every role that is dead or hung now and push the new roster to its
         peers; returns instance id -> why, for the roles removed."""
         with self._lock:
+            self.num_checks += 1
+            self._last_check_at = self.health.clock()
             out = {}
             for iid, reason in self.health.check().items():
                 entry, handle = self.roster.get(iid), self.handles.get(iid)
@@ -152,8 +156,11 @@ class Controller:
             roles = {iid: {"status": self.health.status(iid),
                            "num_beats": h.num_beats if (h := self.health.roles.get(iid))
                            else 0} for iid in self.roster}
+            last = self._last_check_at
             return {"roles": roles, "removed": {i: g["reason"] for i, g in self.removed.items()},
-                    "num_deregistered": self.num_deregistered, "version": self.version}
+                    "num_deregistered": self.num_deregistered, "version": self.version,
+                    "num_checks": self.num_checks,
+                    "last_check_age_s": None if last is None else self.health.clock() - last}
 
     def _push(self) -> None:
         roster = list(self.roster.values())

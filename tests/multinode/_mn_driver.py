@@ -43,7 +43,7 @@ from cluster.launcher import ClusterHandle, get_controller  # noqa: E402
 from protocol.enums import Role  # noqa: E402
 
 KILLED = "drafter-1"
-LEAVE_BOUND_S = 30.0
+LEAVE_BOUND_S = 40.0
 
 
 def _complete(url: str, prompt: str, max_tokens: int) -> dict:
@@ -130,7 +130,13 @@ def main() -> None:
         t2 = time.monotonic()
         ray.kill(handle.actors.pop(KILLED), no_restart=True)
         left_at = peers_at = None
+        timeline = []  # (s after the kill, the killed role's health as the controller sees it)
         while time.monotonic() - t2 < LEAVE_BOUND_S:
+            report = ray.get(controller.health_report.remote(), timeout=30)
+            seen = (report["roles"].get(KILLED) or {"removed": report["removed"].get(KILLED)},
+                    report["num_checks"], report["last_check_age_s"])
+            if not timeline or timeline[-1][1:] != seen[1:] or timeline[-1][1] != seen[0]:
+                timeline.append((round(time.monotonic() - t2, 2), *seen))
             roster = ray.get(controller.get_roster.remote(), timeout=30)
             if left_at is None and KILLED not in {r["instance_id"] for r in roster}:
                 left_at = time.monotonic() - t2
@@ -149,7 +155,7 @@ def main() -> None:
         timings["total_s"] = time.monotonic() - t0
         out = {"nodes": nodes, "worker_node_ids": [w.node_id for w in workers],
                "placed": placed, "results": results, "before": before, "after": after,
-               "left_roster_s": left_at, "peers_updated_s": peers_at, "health": health,
+               "left_roster_s": left_at, "kill_timeline": timeline, "peers_updated_s": peers_at, "health": health,
                "roster_after_kill": [r["instance_id"] for r in roster_after_kill],
                "again": again, "final": final, "timings": timings}
         handle.stop()

@@ -3,7 +3,7 @@ workers, 2 verifiers, 2 drafters and a gateway; 16 concurrent greedy requests th
 gateway all equal plain greedy decode (kappa = 0, in process: completion token counts and
 text), both verifiers and both drafters did work, and drafts were accepted. Then a drafter is
 killed for good (``ray.kill``, no restart): the controller's health check deregisters it within
-a bound, both verifiers apply the roster without it, and requests stay exact on the drafter
+a bound (its missed heartbeats plus a few seconds), both verifiers apply the roster without it, and requests stay exact on the drafter
 left.
 
 The Ray driver is a subprocess (tests/multinode/_mn_driver.py): this pytest process may already
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS
+
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
 HERE = Path(__file__).resolve().parent
@@ -37,8 +39,9 @@ TOPICS = ["rivers", "python", "the moon", "tea", "primes", "bikes", "sorting", "
 PROMPTS = [f"Request {i}: tell me about {t}." for i, t in enumerate(TOPICS)]
 MAX_TOKENS = 32
 DRIVER_TIMEOUT_S = 240
-#: 3 missed heartbeats (1 s each), the next health check (1 s), the roster push: well inside
-LEAVE_BOUND_S = 10.0
+#: the missed heartbeats that make a role dead, the next health check, the roster push and
+#: slack for a loaded machine
+LEAVE_BOUND_S = (MAX_MISSED_BEATS + 5) * HEARTBEAT_INTERVAL_S
 
 
 def _die_with_parent() -> None:
@@ -168,7 +171,7 @@ def test_sixteen_concurrent_requests_are_exact_and_use_both_verifiers_and_drafte
 def test_a_killed_drafter_leaves_the_roster_and_requests_stay_exact(run):
     report, reference = run
     assert report["left_roster_s"] is not None and report["left_roster_s"] < LEAVE_BOUND_S, \
-        report["left_roster_s"]
+        (report["left_roster_s"], report["kill_timeline"])
     assert report["peers_updated_s"] is not None  # both verifiers dropped their connection
     assert "dead" in report["health"]["removed"]["drafter-1"]
     assert sorted(report["roster_after_kill"]) == [
