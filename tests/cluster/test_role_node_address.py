@@ -40,6 +40,10 @@ class _IdleWorker:
         self.stats = types.SimpleNamespace()
         self.profile = StepProfile()
 
+    def step(self, timeout_s: float = 0.0) -> int:
+        self.mailbox.recv(min(timeout_s, 0.05))
+        return 0
+
     def run(self, stop: threading.Event, idle_timeout_s: float, on_error=None) -> None:
         while not stop.is_set():
             self.mailbox.recv(0.05)
