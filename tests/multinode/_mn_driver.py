@@ -124,6 +124,14 @@ def main() -> None:
             results = list(pool.map(lambda p: _complete(handle.url, p, max_tokens), prompts))
         timings["requests_s"] = time.monotonic() - t1
         after = handle.stats()
+        # the gateway learns the verifiers' loads from heartbeat replies (about once a second;
+        # later on a loaded machine): wait for both before the snapshot the test reads
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not all(
+                "num_free_blocks" in load
+                for load in after.get("gateway-0", {}).get("verifier_loads", {}).values()):
+            time.sleep(0.5)
+            after = handle.stats()
 
         # a role killed for good leaves the roster, and its peers get the roster without it
         controller = ray.get_actor(CONTROLLER_NAME, namespace=cfg.namespace)
