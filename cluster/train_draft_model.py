@@ -14,7 +14,6 @@ import argparse
 import torch
 
 DEFAULT_NUM_LAYERS = 2
-DEFAULT_LR = 3e-4
 
 
 def train_draft_model(prep: dict, args: argparse.Namespace) -> dict:
@@ -36,7 +35,7 @@ def train_draft_model(prep: dict, args: argparse.Namespace) -> dict:
           f"{'target layers ' + str(sources) if sources else 'random layers'}; "
           f"{sum(s.num_output_tokens for s in samples['train'])} training tokens", flush=True)
     summary = train(draft, samples["train"], lm_head, epochs=args.epochs,
-                    batch_size=args.batch_size, lr=args.lr or DEFAULT_LR,
+                    batch_size=args.batch_size, lr=args.lr,
                     kl_weight=args.kl_weight, seed=args.seed,
                     train_embeddings=args.train_embeddings)
     evaluator = engine_model(draft)

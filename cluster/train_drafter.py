@@ -64,8 +64,7 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--batch-size", type=int, default=16,
                    help="windows (eagle) or whole samples (draft-model) per step")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default: eagle 1e-3, draft-model 3e-4)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--soft-weight", type=float, default=0.0,
                    help="weight of the target-distribution (soft) cross-entropy vs the argmax")
     p.add_argument("--reg-weight", type=float, default=0.5,
@@ -198,7 +197,7 @@ def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
           f"{head.lm_head.shape[0]}, {sum(len(w.labels) for w in train_w)} training entries",
           flush=True)
     summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size,
-                    lr=args.lr or 1e-3, depth=args.depth, seed=args.seed)
+                    lr=args.lr, depth=args.depth, seed=args.seed)
     evaluation = {}
     for label, ss in samples.items():
         if label == "train" or not ss:
