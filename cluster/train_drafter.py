@@ -197,7 +197,8 @@ def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
           f"{head.lm_head.shape[0]}, {sum(len(w.labels) for w in train_w)} training entries",
           flush=True)
     summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size,
-                    lr=args.lr, depth=args.depth, seed=args.seed)
+                    lr=args.lr, depth=args.depth, seed=args.seed,
+                    soft_weight=args.soft_weight, reg_weight=args.reg_weight)
     evaluation = {}
     for label, ss in samples.items():
         if label == "train" or not ss:
