@@ -107,8 +107,21 @@ def test_node_ip_resolution(monkeypatch):
 
 
 def test_a_wildcard_bind_advertises_the_node_ip(monkeypatch):
+    """The role asks for every interface; the socket really binds loopback only (tests never
+    listen beyond 127.0.0.1), and what is advertised is the node IP, never 0.0.0.0."""
+    import zmq
+
+    asked = []
+    real_bind = zmq.Socket.bind
+
+    def loopback_bind(sock, addr):
+        asked.append(addr)
+        return real_bind(sock, addr.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:"))
+
+    monkeypatch.setattr(zmq.Socket, "bind", loopback_bind)
     monkeypatch.setitem(sys.modules, "ray", FakeRay("127.0.0.1"))
     host = TinyRoleHost("drafter-0", ClusterConfig(host="0.0.0.0"))
+    assert any(a.startswith("tcp://0.0.0.0:") for a in asked)
     try:
         entry = host.describe()
         assert entry["endpoint"].startswith("tcp://127.0.0.1:") and "0.0.0.0" not in str(entry)
