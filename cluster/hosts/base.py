@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 STOP_JOIN_TIMEOUT_S = 10
 
 
-class RoleHost:
+class RoleHost(ABC):
     """Hosts one worker of ``role`` as ``instance_id``. Subclasses set ``role`` and implement
     :meth:`build_worker` (and, for roles that dial peers, :meth:`apply_roster`)."""
 
@@ -75,8 +76,9 @@ class RoleHost:
         return ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
                                               self.cfg.block_size))
 
+    @abstractmethod
     def build_worker(self) -> Any:
-        raise NotImplementedError
+        """The plain worker this host drives (its ``step`` runs in the loop thread)."""
 
     def start(self) -> None:
         """Serve metrics and start the worker's loop thread."""
