@@ -25,14 +25,8 @@ from dataclasses import dataclass, field
 from cluster.bench_drafters import BenchDrafter, cluster_drafter, namespace_for, with_drafter
 from cluster.bench_hf import generation_eos_ids, load_hf_model, run_hf
 from cluster.bench_prompts import level_requests, load_prompts_file
-from cluster.bench_report import (
-    System,
-    markdown,
-    mismatch_lines,
-    summarize,
-    systems_for,
-    write_plot,
-)
+from cluster.bench_render import markdown, write_plot
+from cluster.bench_report import System, mismatch_lines, summarize, systems_for
 from cluster.config import ClusterConfig
 from cluster.runs import RunResult, load_prompts, openai_client, run_openai
 

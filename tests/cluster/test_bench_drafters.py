@@ -13,7 +13,8 @@ from cluster.bench_drafters import (
     parse_drafters,
     with_drafter,
 )
-from cluster.bench_report import HF_BASELINE, markdown, summarize, systems_for
+from cluster.bench_render import markdown
+from cluster.bench_report import HF_BASELINE, summarize, systems_for
 from cluster.cli import main
 from cluster.config import ClusterConfig
 from cluster.runs import RunResult

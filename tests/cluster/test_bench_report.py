@@ -5,14 +5,8 @@ import pytest
 
 from cluster.bench import _schedule
 from cluster.bench_hf import cut_at_eos, left_pad
-from cluster.bench_report import (
-    HF_BASELINE,
-    markdown,
-    same_outputs,
-    summarize,
-    systems_for,
-    write_plot,
-)
+from cluster.bench_render import markdown, write_plot
+from cluster.bench_report import HF_BASELINE, same_outputs, summarize, systems_for
 from cluster.bench_stats import (
     acceptance_per_position,
     bucket_quantile,

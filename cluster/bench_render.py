@@ -1,0 +1,166 @@
+"""How ``specmesh bench`` shows a summary (cluster/bench_report.py): markdown tables with the
+thread plan, step profiles and forward-cost check, and a PNG plot (matplotlib, Agg). Pure
+functions over the summary dict."""
+
+from __future__ import annotations
+
+from cluster.bench_report import mismatch_lines
+
+
+def _frac(flags: list[bool] | None) -> str:
+    return "" if flags is None else f"{sum(flags)}/{len(flags)}"
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} ms"
+
+
+def thread_plan_text(cfg: dict) -> str:
+    """The thread plan of a run's config: torch threads per served role and of the bench
+    process (in-process systems and HF)."""
+    roles = ", ".join(f"{r} {n}" for r, n in (cfg.get("threads") or {}).items())
+    text = f"served roles: {roles}" if roles else "served roles: n/a"
+    if cfg.get("bench_threads") is not None:
+        text += f"; bench process (in-process, HF): {cfg['bench_threads']}"
+    return text
+
+
+def _per_pos(acc: list[float]) -> str:
+    return " / ".join(f"{a:.2f}" for a in acc)
+
+
+def _identical_k0(s: dict) -> str:
+    text = _frac(s["identical_to_k0"])
+    return f"**{text} MISMATCH**" if s.get("exact") is False else text
+
+
+def markdown(summary: dict) -> str:
+    """A header (model, dtype, kappa, draft methods, thread plan, how the served clusters ran,
+    and a loud line per output mismatch), then a table per concurrency level: system, tokens/s
+    (median), ratio to HF, acceptance rate, mean accept length, acceptance per draft
+    position, share of verify steps with drafts, identical outputs (vs HF; kappa=K vs
+    kappa=0), then the level's ratios; the step profiles and the step-cost check when the
+    summary has them."""
+    cfg = summary["config"]
+    drafters = ", ".join(d["label"] for d in cfg.get("drafters", [])) or cfg.get(
+        "draft_method", "")
+    lines = [f"# specmesh bench: {cfg['model']} ({cfg['dtype']}), kappa={cfg['kappa']}"
+             + (f", drafters {drafters}" if drafters else "")
+             + f", max_tokens={cfg['max_tokens']}, {cfg['num_prompts']} prompts, "
+             f"{cfg['repeats']} repeat(s)", "", f"- thread plan: {thread_plan_text(cfg)}"]
+    if cfg.get("served_clusters"):
+        lines.append(f"- served clusters: {cfg['served_clusters']}")
+    lines.append("")
+    loud = mismatch_lines(summary)
+    if loud:
+        lines += [f"**{m}**" for m in loud] + [""]
+    for level in summary["levels"].values():
+        lines += [f"## concurrency {level['concurrency']} ({level['num_requests']} requests)",
+                  "", "| system | tokens/s | x HF | acceptance | mean accept len | "
+                  "acceptance per position | steps with drafts | identical to HF | "
+                  "identical k=K vs k=0 |", "|---" * 9 + "|"]
+        for name, s in level["systems"].items():
+            spec = s["kappa"] > 0 and s["kind"] != "hf"  # HF reports no spec stats
+            lines.append(
+                f"| {name} | {s['median_tokens_per_s']:.2f} | {_num(s['ratio_to_hf'])} | "
+                f"{_num(s['acceptance_rate']) if spec else ''} | "
+                f"{_num(s['mean_accept_len']) if spec else ''} | "
+                f"{_per_pos(s.get('acceptance_per_position') or []) if spec else ''} | "
+                f"{_num(s.get('verify_steps_with_drafts_share'), '.0%') if spec else ''} | "
+                f"{_frac(s['identical_to_hf'])} | {_identical_k0(s)} |")
+        lines.append("")
+        lines += [f"- {k}: {v:.2f}x" for k, v in level["ratios"].items()]
+        lines.append("")
+        lines += profile_markdown(level)
+    if summary.get("forward_cost"):
+        fc = summary["forward_cost"]
+        lines += [f"forward cost ({fc['num_tokens']}-token / 1-token forward after "
+                  f"{fc['context_len']} tokens): {fc['multi_ms']:.2f} / {fc['single_ms']:.2f} ms "
+                  f"= {fc['ratio']:.2f}x", ""]
+    return "\n".join(lines)
+
+
+def profile_markdown(level: dict) -> list[str]:
+    """The verifier step profile of the level's kappa > 0 systems that have one: a row per
+    phase (p50 / mean ms), the share of verify steps with a usable tail, and the check of
+    the mean verify forward with drafts against 1.1 x forward-cost ratio x without drafts."""
+    profiled = {n: s for n, s in level["systems"].items() if s.get("profile")}
+    if not profiled:
+        return []
+    names = list(profiled)
+    phases: list[str] = []
+    for s in profiled.values():
+        phases += [p for p in s["profile"]["phases"] if p not in phases]
+    lines = [f"### verifier step profile, concurrency {level['concurrency']} (p50 / mean ms)",
+             "", "| phase | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for p in phases:
+        cells = []
+        for n in names:
+            ph = profiled[n]["profile"]["phases"].get(p)
+            cells.append(f"{ph['p50_ms']:.2f} / {ph['mean_ms']:.2f} (n={ph['count']})"
+                         if ph else "")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lines.append("| steps with a usable tail | " + " | ".join(
+        _num(profiled[n]["profile"]["steps_with_tail_share"], ".0%") for n in names) + " |")
+    lines.append("| request-steps with a usable tail | " + " | ".join(
+        _num(profiled[n]["profile"]["request_steps_with_tail_share"], ".0%")
+        for n in names) + " |")
+    lines.append("")
+    for n in names:
+        c = profiled[n].get("step_cost")
+        if not c:
+            continue
+        ok = {True: "within", False: "OVER", None: "n/a"}[c["within_bound"]]
+        lines.append(f"- {n}: mean verify forward with drafts {_ms(c['with_drafts_mean_ms'])}, "
+                     f"without {_ms(c['without_drafts_mean_ms'])} ({c['without_drafts_from']}); "
+                     f"bound {c['tolerance']} x "
+                     f"ratio {_num(c['forward_cost_ratio']) or 'n/a'} x without = "
+                     f"{_ms(c['bound_ms'])} ({ok})")
+    lines.append("")
+    return lines
+
+
+def write_plot(summary: dict, path: str) -> None:
+    """A PNG at ``path``: tokens/s vs concurrency per system (left) and acceptance rate per
+    draft position of every kappa > 0 specmesh system per level (right). Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    levels = list(summary["levels"].values())
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names: list[str] = []
+    for lv in levels:
+        names += [n for n in lv["systems"] if n not in names]
+    for n in names:
+        pts = [(lv["concurrency"], lv["systems"][n]["median_tokens_per_s"])
+               for lv in levels if n in lv["systems"]]
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks([lv["concurrency"] for lv in levels], [str(lv["concurrency"]) for lv in levels])
+    ax1.set_xlabel("concurrency (clients / batch size)")
+    ax1.set_ylabel("tokens/s (median)")
+    ax1.set_title("throughput")
+    ax1.legend(fontsize=7)
+    for lv in levels:
+        for n, s in lv["systems"].items():
+            acc = s.get("acceptance_per_position") or []
+            if s["kind"] != "hf" and s["kappa"] > 0 and acc:
+                ax2.plot(range(1, len(acc) + 1), acc, marker="o",
+                         label=f"{n}, C={lv['concurrency']}")
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("accepted / verify steps with drafts")
+    ax2.set_ylim(0, 1.05)
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.set_title("acceptance per draft position")
+    if ax2.lines:
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
