@@ -12,10 +12,16 @@ disagrees with the path ends it at the disagreement, a segment drafted fresh fro
 committed prefix (``start_pos == base_committed_len``) starts a new one. A segment whose path
 reaches outside that stretch was drafted on a prefix the verifier rejected (stale) or never saw
 (a gap), and is dropped whole, even when its ``start_pos`` equals the committed length.
+
+Each buffered token keeps the probability row it was drafted from (DraftTailStream.draft_probs,
+any row object; None for a one-hot draft): rows are cut, replaced and committed with their
+tokens. A duplicate token keeps its row (it was drafted on the same prefix), or takes the new
+one when it had none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -36,6 +42,7 @@ class TailBuffer:
     def __init__(self, committed_len: int = 0) -> None:
         self.start = committed_len
         self.tokens: list[int] = []
+        self.probs: list[object | None] = []  # one draft-probability row per token (or None)
         self.stats = TailStats()
         self.origin = committed_len  # the drafter's path is known and consistent on
         self.path_end = committed_len  # [origin, path_end)
@@ -54,13 +61,15 @@ class TailBuffer:
         re-open): only a segment drafted fresh from a committed prefix is usable next."""
         self.start = committed_len
         self.tokens.clear()
+        self.probs.clear()
         self.origin = self.path_end = committed_len
         self._rejected = False
 
     def add(self, start_pos: int, draft_token_ids: list[int], committed: list[int], *,
-            base_committed_len: int) -> int:
+            base_committed_len: int, draft_probs: Sequence[object] | None = None) -> int:
         """Merge a DraftTailStream segment; ``committed`` is the full committed output and
-        ``base_committed_len`` the drafter's committed length when it drafted the segment.
+        ``base_committed_len`` the drafter's committed length when it drafted the segment;
+        ``draft_probs``: one row per token (e.g. a ``[n, vocab_size]`` tensor) or None.
 
         Returns the number of new tokens appended. A segment whose path before ``start_pos``
         the verifier rejected (or never saw) is stale (or a gap) and dropped whole; one that
@@ -69,9 +78,13 @@ class TailBuffer:
         disagrees replaces the buffer from the first difference (the drafter changed its path).
 
         Raises:
-            ValueError: a negative position, or ``start_pos < base_committed_len`` (decoding
-                refuses both: only a local caller can pass them).
+            ValueError: a negative position, ``start_pos < base_committed_len`` (decoding
+                refuses both: only a local caller can pass them), or ``draft_probs`` whose
+                row count is not the token count.
         """
+        rows = [None] * len(draft_token_ids) if draft_probs is None else list(draft_probs)
+        if len(rows) != len(draft_token_ids):
+            raise ValueError(f"{len(rows)} draft_probs rows for {len(draft_token_ids)} tokens")
         if start_pos < 0 or base_committed_len < 0 or start_pos < base_committed_len:
             raise ValueError(f"bad segment positions: start_pos {start_pos}, "
                              f"base_committed_len {base_committed_len}")
@@ -98,7 +111,7 @@ class TailBuffer:
                 self._cut_path(pos)
                 return 0
             self.stats.num_duplicate_tokens += 1
-            toks = toks[1:]
+            toks, rows = toks[1:], rows[1:]
             pos += 1
         self.path_end = max(self.path_end, pos)
         if not toks:
@@ -112,11 +125,15 @@ class TailBuffer:
             if toks[0] != self.tokens[i]:
                 self.stats.num_replaced_tokens += len(self.tokens) - i
                 del self.tokens[i:]
+                del self.probs[i:]
                 break
             self.stats.num_duplicate_tokens += 1
-            toks = toks[1:]
+            if self.probs[i] is None:
+                self.probs[i] = rows[0]
+            toks, rows = toks[1:], rows[1:]
             i += 1
         self.tokens.extend(toks)
+        self.probs.extend(rows)
         self.path_end = max(self.end, committed_len)
         return len(toks)
 
@@ -137,10 +154,16 @@ class TailBuffer:
                 self._cut_path(self.start + i)
                 self.start = new_len
                 self.tokens.clear()
+                self.probs.clear()
                 return
         del self.tokens[: max(new_len - self.start, 0)]
+        del self.probs[: max(new_len - self.start, 0)]
         self.start = new_len
 
     def usable(self, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` drafts for the next verify step (positions from committed_len)."""
         return self.tokens[: max(max_tokens, 0)]
+
+    def usable_probs(self, max_tokens: int) -> list[object | None]:
+        """The draft-probability rows of :meth:`usable`'s tokens (None: a one-hot draft)."""
+        return self.probs[: max(max_tokens, 0)]
