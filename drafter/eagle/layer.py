@@ -1,0 +1,66 @@
+"""The EAGLE head's decoder layer: a pre-norm Llama layer (GQA self-attention with RoPE, SiLU
+MLP) of the target's shape, split into ``qkv`` and ``finish`` so the head can attend over its
+own KV (drafter/eagle/head.py) or over whole training sequences."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from drafter.eagle.head import EagleHeadConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer (GQA self-attention + SiLU MLP) of the target's shape."""
+
+    def __init__(self, c: EagleHeadConfig) -> None:
+        super().__init__()
+        d, hd = c.hidden_size, c.head_dim
+        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, c.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * hd, d, bias=False)
+        self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+        self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # noqa: ANN201
+        """x [..., T, d] -> q [..., nh, T, hd], k/v [..., nkv, T, hd] (RoPE applied)."""
+        h = self.input_layernorm(x)
+        shape = h.shape[:-1]
+        q = self.q_proj(h).view(*shape, self.nh, self.hd).transpose(-2, -3)
+        k = self.k_proj(h).view(*shape, self.nkv, self.hd).transpose(-2, -3)
+        v = self.v_proj(h).view(*shape, self.nkv, self.hd).transpose(-2, -3)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + output projection of ``attn`` [..., nh, T, hd], then the MLP block."""
+        a = attn.transpose(-2, -3).flatten(-2)
+        x = x + self.o_proj(a)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
