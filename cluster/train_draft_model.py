@@ -19,8 +19,8 @@ DEFAULT_NUM_LAYERS = 2
 def train_draft_model(prep: dict, args: argparse.Namespace) -> dict:
     """Train, evaluate and save; returns the evaluation (also in specmesh_draft.json)."""
     from cluster.train_drafter import training_record
-    from drafter.draft_model_training import (acceptance, engine_model, init_draft_model,
-                                              save_draft_model, train)
+    from drafter.draft_model_files import engine_model, save_draft_model
+    from drafter.draft_model_training import acceptance, init_draft_model, train
     from drafter.eagle.checkpoint import target_identity
     from drafter.eagle.train import acceptance_report
 

@@ -33,11 +33,8 @@ chain running past the end of the sample counts as a miss.
 from __future__ import annotations
 
 import copy
-import json
 import math
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,10 +45,6 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.runner import ModelRunner, SeqChunk
-
-META = "specmesh_draft.json"
-FORMAT = "specmesh-draft-model/1"
-
 
 INIT_LAYERS = ("first", "spread", "random")
 
@@ -274,46 +267,3 @@ def acceptance(model: torch.nn.Module, config: ModelConfig, samples: list[Sample
             for i in act:
                 nxt[i] += 1
     return [h / max(total, 1) for h in hits]
-
-
-# -- checkpoint ----------------------------------------------------------------------------
-
-
-def engine_model(draft: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The draft as engine's LlamaForCausalLM (same weights) for :func:`acceptance`."""
-    from engine.loader import build_model
-
-    config = ModelConfig.from_hf(draft.config)
-    return build_model(config, {k: v.detach() for k, v in draft.state_dict().items()}, dtype)
-
-
-def save_draft_model(draft: Any, tokenizer: Any, path: str | Path, meta: dict,
-                     target_path: str | None = None) -> Path:
-    """Write the draft as a Hugging Face dir (config.json, model.safetensors in float32),
-    the target's tokenizer files (and generation_config.json when ``target_path`` has one),
-    and ``specmesh_draft.json`` holding ``meta``."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    draft.float().save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    gen = Path(target_path) / "generation_config.json" if target_path else None
-    if gen is not None and gen.is_file():
-        shutil.copyfile(gen, out / "generation_config.json")
-    (out / META).write_text(json.dumps({"format": FORMAT, **meta}, indent=2) + "\n")
-    return out
-
-
-def read_draft_meta(path: str | Path) -> dict:
-    """The ``specmesh_draft.json`` of a draft model written by :func:`save_draft_model`.
-
-    Raises:
-        FileNotFoundError: none there. ValueError: not a specmesh draft-model record.
-    """
-    f = Path(path) / META
-    if not f.is_file():
-        raise FileNotFoundError(f"no {META} in {path}")
-    meta = json.loads(f.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{f} is not a specmesh draft-model record")
-    return meta

@@ -11,8 +11,8 @@ import torch
 from cluster.cli import build_parser
 from cluster.inprocess import InProcessCluster
 from cluster.train_drafter import train_drafter
-from drafter.draft_model_training import (META, acceptance, engine_model, init_draft_model,
-                                           layer_sources, read_draft_meta, save_draft_model)
+from drafter.draft_model_files import META, engine_model, read_draft_meta, save_draft_model
+from drafter.draft_model_training import acceptance, init_draft_model, layer_sources
 from drafter.eagle.data import chat_token_ids
 from drafter.proposers.draft_model import DraftModelProposer, build_draft_model_proposer
 from engine.kv_cache import KVCache
