@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from decode.draft_probs import checked_draft_probs
 from decode.kv_receiver import KVReceiver, Transfer
 from decode.request import Request, RequestStatus
 from decode.scheduler import Scheduler
@@ -82,6 +83,7 @@ class RequestLifecycle:
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 committed_token_ids=list(req.output_token_ids), sampling=req.sampling,
                 seed_state=seed)):
+            req.num_draft_syncs += 1
             req.tail_in_flight = True  # (a failed send put the request on plain decode)
 
     def set_drafters(self, drafter_peers: list[str]) -> None:
@@ -106,9 +108,11 @@ class RequestLifecycle:
 
         Raises:
             ProtocolError: a segment no drafter could have sent: tree drafts, a draft token
-                outside the vocabulary, a ``base_committed_len`` past what the verifier has
-                committed, or positions out of range (decoding refuses negative ones; the
-                caller counts the error and quarantines the request's drafter).
+                outside the vocabulary, ``draft_probs`` that are not distributions over the
+                vocabulary giving each draft a positive probability (checked_draft_probs), a
+                ``base_committed_len`` past what the verifier has committed, or positions out
+                of range (decoding refuses negative ones; the caller counts the error and
+                quarantines the request's drafter).
         """
         req = self.requests.get(msg.request_id)
         if req is None or req.status is not RequestStatus.RUNNING or req.drafter != peer:
@@ -124,9 +128,11 @@ class RequestLifecycle:
                                 f"the verifier committed {req.committed_len}", request_id=rid)
         before = req.tail.stats.num_stale_tokens
         try:
+            probs = None if msg.draft_probs is None else checked_draft_probs(
+                msg.draft_probs, msg.draft_token_ids, self.vocab_size)
             req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids,
-                         base_committed_len=msg.base_committed_len)
-        except ValueError as err:  # the buffer's own range checks: still the peer's fault
+                         base_committed_len=msg.base_committed_len, draft_probs=probs)
+        except ValueError as err:  # the buffer's (and rows') own checks: still the peer's fault
             raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
         self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before
         req.tail_in_flight = False
@@ -287,6 +293,26 @@ class RequestLifecycle:
             return
         self.release(req)
         self.stats.num_finished += 1
+
+    def views(self) -> dict[str, dict]:
+        """What an operator (or a fault test) needs to see of each live request: ``status``,
+        the ``drafter`` it is open on (None: plain decode), ``num_draft_syncs`` (DraftSyncs
+        sent: 1 for the open, +1 per re-open), ``prefill_peer``, ``committed_len`` and its spec
+        counters so far (``num_draft_tokens``, ``num_accepted_tokens``), plus the KV frames
+        received of its transfer in flight (``transfer_frames``, None when none is). Safe to
+        call from another thread (a snapshot; not called per step)."""
+        transfers = dict(self.kv.transfers)
+        out = {}
+        for req in list(self.requests.values()):
+            t = transfers.get(req.transfer_id) if req.transfer_id is not None else None
+            out[req.request_id] = {
+                "status": req.status.name.lower(), "drafter": req.drafter,
+                "num_draft_syncs": req.num_draft_syncs, "prefill_peer": req.prefill_peer,
+                "committed_len": req.committed_len,
+                "num_draft_tokens": req.spec.num_draft_tokens,
+                "num_accepted_tokens": req.spec.num_accepted_tokens,
+                "transfer_frames": None if t is None else t.num_frames}
+        return out
 
     def release(self, req: Request) -> None:
         """Free ``req``'s blocks and forget it."""

@@ -42,10 +42,12 @@ class BlockAllocator(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PlannedRequest:
-    """One request of a verify step: verify ``draft_token_ids`` after its last committed token."""
+    """One request of a verify step: verify ``draft_token_ids`` after its last committed token.
+    ``draft_probs``: the row each draft was drawn from (None: one-hot), aligned with it."""
 
     request: Request
     draft_token_ids: list[int]
+    draft_probs: list[object | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -192,7 +194,7 @@ class Scheduler:
             drafts = req.tail.usable(min(self.num_drafts(req), budget - 1))
             budget -= 1 + len(drafts)
             self.ensure_blocks(req, req.kv_len + 1 + len(drafts))
-            plans.append(PlannedRequest(req, drafts))
+            plans.append(PlannedRequest(req, drafts, req.tail.usable_probs(len(drafts))))
         return plans
 
     def observe_accept(self, req: Request, accept_len: int) -> None:

@@ -88,6 +88,8 @@ class VerificationRule(ABC):
     (greedy: equal to the target's argmax)."""
 
     name: ClassVar[str]
+    #: whether the rule reads ``RuleBatch.draft_probs`` (the verify step builds them only then)
+    uses_draft_probs: ClassVar[bool] = False
 
     @abstractmethod
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +122,7 @@ class RejectionRule(VerificationRule):
     ``kernels.rejection_sample`` with noise from the batch's generator."""
 
     name = "rejection"
+    uses_draft_probs = True
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
         target_probs = batch.target_probs()
@@ -144,6 +147,7 @@ class BlockRule(VerificationRule):
     from the batch's generator."""
 
     name = "block"
+    uses_draft_probs = True
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
         target_probs = batch.target_probs()

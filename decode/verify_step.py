@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from decode.draft_probs import batch_draft_probs
 from decode.scheduler import PlannedRequest
 from decode.verification import RuleBatch, check_verify_rule, get_rule, rule_name_for
 from engine.runner import ModelRunner, SeqChunk
@@ -105,8 +106,10 @@ class VerifyStep:
             groups.setdefault(self._rule_name(p.request.sampling), []).append(i)
         outputs: list[VerifyOutput | None] = [None] * len(plan)
         for name, idx in groups.items():
-            batch = self._rule_batch([plan[i] for i in idx], [logits[i] for i in idx])
-            out, accept_len = get_rule(name).verify(batch)
+            rule = get_rule(name)
+            batch = self._rule_batch([plan[i] for i in idx], [logits[i] for i in idx],
+                                     getattr(rule, "uses_draft_probs", False))
+            out, accept_len = rule.verify(batch)
             for i, row, a in zip(idx, out.tolist(), accept_len.tolist()):
                 outputs[i] = VerifyOutput(row[: a + 1], a, len(plan[i].draft_token_ids))
         return outputs  # type: ignore[return-value]
@@ -116,8 +119,14 @@ class VerifyStep:
             return rule_name_for(sampling)
         return rule_name_for(sampling, self.verify_rule)
 
-    def _rule_batch(self, plan: list[PlannedRequest], logits: list[torch.Tensor]) -> RuleBatch:
+    def _rule_batch(self, plan: list[PlannedRequest], logits: list[torch.Tensor],
+                    with_draft_probs: bool = False) -> RuleBatch:
         drafts = [t for p in plan for t in p.draft_token_ids]
+        draft_probs = None
+        if with_draft_probs:  # one-hot rows for drafts without one (decode/draft_probs.py)
+            rows = [r for p in plan
+                    for r in (p.draft_probs or [None] * len(p.draft_token_ids))]
+            draft_probs = batch_draft_probs(drafts, rows, logits[0].shape[-1], logits[0].device)
         counts = torch.tensor([len(p.draft_token_ids) for p in plan], dtype=torch.long)
         device = logits[0].device
         # row 0 of a request predicts output position committed_len (DESIGN.md §5 positions)
@@ -127,4 +136,5 @@ class VerifyStep:
                          cu_num_draft_tokens=counts.cumsum(0).to(device),
                          target_logits=torch.cat(logits),
                          sampling=[p.request.sampling for p in plan],
-                         positions=positions, generator=self.generator(device))
+                         positions=positions, draft_probs=draft_probs,
+                         generator=self.generator(device))
