@@ -132,13 +132,18 @@ class _Gateway:
         code = finish.code or (finish.reason if finish.reason in refused else None)
         return JSONResponse(error_body(finish.error, kind, None, code), status_code=finish.status)
 
-    async def complete(self, run: RequestRun, chat: bool) -> Response:
-        """Non-streaming: gather all text, answer one JSON object."""
+    async def complete(self, run: RequestRun, chat: bool, return_token_ids: bool = False
+                       ) -> Response:
+        """Non-streaming: gather all text, answer one JSON object. ``return_token_ids`` (vLLM's
+        extension): the choice carries the output ids (``token_ids``) and the prompt's
+        (``prompt_token_ids``: in the choice for completions, top level for chat)."""
         parts: list[str] = []
+        token_ids: list[int] = []
         finish = None
         async for ev in run.events():
             if isinstance(ev, TextDelta):
                 parts.append(ev.text)
+                token_ids.extend(ev.token_ids)
             else:
                 finish = ev
         if finish is None or finish.is_error:
@@ -153,10 +158,17 @@ class _Gateway:
         body = {"id": run.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": [choice],
                 "usage": self.usage(run), "spec_stats": run.stats.as_dict()}
+        if return_token_ids:
+            choice["token_ids"] = token_ids
+            (body if chat else choice)["prompt_token_ids"] = list(run.req.prompt_token_ids)
         return JSONResponse(body, headers=spec_stats_headers(run.stats))
 
-    async def stream(self, run: RequestRun, chat: bool, include_usage: bool) -> Response:
-        """Streaming: wait for the first event (so a 429 / 400 is a real status), then SSE."""
+    async def stream(self, run: RequestRun, chat: bool, include_usage: bool,
+                     return_token_ids: bool = False) -> Response:
+        """Streaming: wait for the first event (so a 429 / 400 is a real status), then SSE.
+        ``return_token_ids``: each chunk's choice carries the delta's ``token_ids``; the first
+        chunk carries ``prompt_token_ids`` (in the choice for completions, top level for
+        chat), as vLLM does."""
         events = run.events()
         try:
             first = await events.__anext__()
@@ -166,16 +178,21 @@ class _Gateway:
         if isinstance(first, Finish) and first.is_error:
             await events.aclose()
             return self.error_response(first)
-        return StreamingResponse(self._sse_body(run, events, first, chat, include_usage),
+        return StreamingResponse(self._sse_body(run, events, first, chat, include_usage,
+                                                return_token_ids),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _sse_body(self, run: RequestRun, events: AsyncIterator, first, chat: bool,
-                        include_usage: bool) -> AsyncIterator[str]:
+                        include_usage: bool, return_token_ids: bool = False
+                        ) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        prompt_ids_sent = False
 
-        def chunk(delta_text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        def chunk(delta_text: str | None, finish_reason: str | None, role: bool = False,
+                  token_ids: tuple[int, ...] = ()) -> dict:
+            nonlocal prompt_ids_sent
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else (
                     {} if delta_text is None else {"content": delta_text})
@@ -188,6 +205,12 @@ class _Gateway:
                    "model": self.model_name, "choices": [choice]}
             if include_usage:
                 out["usage"] = None
+            if return_token_ids:
+                choice["token_ids"] = list(token_ids)
+                if not prompt_ids_sent:
+                    prompt_ids_sent = True
+                    (out if chat else choice)["prompt_token_ids"] = list(
+                        run.req.prompt_token_ids)
             return out
 
         try:
@@ -196,10 +219,11 @@ class _Gateway:
             ev = first
             while True:
                 if isinstance(ev, TextDelta):
-                    t0 = time.perf_counter()
-                    data = _sse(chunk(ev.text, None))
-                    self.metrics.profile.observe("sse", time.perf_counter() - t0)
-                    yield data
+                    if ev.text or (return_token_ids and ev.token_ids):
+                        t0 = time.perf_counter()
+                        data = _sse(chunk(ev.text, None, token_ids=ev.token_ids))
+                        self.metrics.profile.observe("sse", time.perf_counter() - t0)
+                        yield data
                 else:
                     if ev.is_error:
                         yield _sse(error_body(ev.error, "server_error", None, ev.reason))
@@ -285,9 +309,9 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
             run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,
                              arrival)
             if body.stream:
-                resp = await gw.stream(run, chat, body.include_usage)
+                resp = await gw.stream(run, chat, body.include_usage, body.return_token_ids)
             else:
-                resp = await gw.complete(run, chat)
+                resp = await gw.complete(run, chat, body.return_token_ids)
         except GatewayError as err:
             resp = err.response()
         metrics.requests.labels(endpoint=endpoint, status=str(resp.status_code)).inc()

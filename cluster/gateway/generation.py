@@ -31,9 +31,12 @@ DISCONNECT_POLL_S = 0.1
 
 @dataclass(frozen=True)
 class TextDelta:
-    """New output text, safe to show (complete characters, no partial stop string)."""
+    """New output text, safe to show (complete characters, no partial stop string), and the
+    output token ids committed since the previous delta (``token_ids``; the text of some may
+    still be held back). Either may be empty, never both."""
 
     text: str
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -179,8 +182,8 @@ class RequestRun:
                                                              time.perf_counter() - t0)
                             self.num_output_tokens += kept
                             self._observe_tokens(kept)
-                            if text:
-                                yield TextDelta(text)
+                            if text or kept:
+                                yield TextDelta(text, tuple(msg.token_ids[:kept]))
                             if stopped:
                                 self._cut_stats(before, kept)
                                 self.finish = Finish(FinishReason.STOP)

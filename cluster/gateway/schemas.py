@@ -8,7 +8,9 @@ OpenAI client's own field lists):
   a value out of range is HTTP 400 naming the field): ``model``, ``prompt`` / ``messages``,
   ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
   ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``stream``,
-  ``stream_options``, ``n`` (1 only), ``num_speculative_tokens``, ``request_id``;
+  ``stream_options``, ``n`` (1 only), ``num_speculative_tokens``, ``request_id``,
+  ``return_token_ids`` (vLLM: output ids in each choice's ``token_ids``, prompt ids in
+  ``prompt_token_ids``);
 - without effect on the output, accepted and ignored: :data:`NO_OUTPUT_EFFECT` (``user``,
   ``metadata``, ``store``, ...);
 - changing the output and not honoured: :data:`COMMON_REFUSED` plus the endpoint's own
@@ -62,7 +64,7 @@ COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,), "mm_processor_kwargs": (), "vllm_xargs": (),
+    "mm_processor_kwargs": (), "vllm_xargs": (),
 }
 #: /v1/completions only (prompts are tokenized with the tokenizer's special tokens)
 COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
@@ -159,6 +161,11 @@ class _CommonRequest(BaseModel):
     # vLLM extension: the client's request id (or header X-Request-Id); the response id is
     # ``cmpl-<id>`` / ``chatcmpl-<id>``; one already in flight is refused with HTTP 409
     request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_LEN)
+    # vLLM extension (>= 0.10.2): the response carries the output token ids (each choice's
+    # ``token_ids``; in a stream, the delta's ids per chunk) and the prompt's
+    # (``prompt_token_ids``: in the choice for completions, top level for chat; in a stream
+    # only in the first chunk)
+    return_token_ids: StrictBool = False
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -504,3 +504,55 @@ def test_bad_request_id_header_is_400(cluster):
     r = cluster["client"].post("/v1/completions", json={"prompt": "Go:", "max_tokens": 2},
                                headers={"X-Request-Id": "x" * 300})
     assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_return_token_ids_as_vllm(cluster, chat):
+    """vLLM's ``return_token_ids``: the output ids in the choice's ``token_ids`` (per chunk in a
+    stream: the delta's ids, even while its text is held back), the prompt ids in
+    ``prompt_token_ids`` (in the choice for completions, top level for chat; in a stream only in
+    the first chunk); without it neither field appears. A stop string keeps the ids up to the
+    token that completes it (as usage counts them)."""
+    c, tok, script, fake = cluster["client"], cluster["tok"], cluster["script"], cluster["fake"]
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    base = ({"messages": [{"role": "user", "content": "Ids, please 😀"}]} if chat
+            else {"prompt": "Ids, please 😀"})
+    body = {"model": MODEL, **base, "max_tokens": 40, "return_token_ids": True}
+
+    def prompt_ids(out: dict) -> list[int]:
+        return out["prompt_token_ids"] if chat else out["choices"][0]["prompt_token_ids"]
+
+    r = c.post(url, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["token_ids"] == script[:40]
+    assert prompt_ids(out) == fake.requests[-1].prompt_token_ids
+    plain = c.post(url, json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+    assert "prompt_token_ids" not in plain["choices"][0]
+
+    status, events = post_stream(c, url, {**body, "stream": True})
+    assert status == 200
+    texts, chunks = stream_text(events, chat)
+    ids = [t for ch in chunks for t in ch["choices"][0]["token_ids"]]
+    assert ids == script[:40] and "".join(texts) == tok.decode(script[:40])
+    assert prompt_ids(chunks[0]) == fake.requests[-1].prompt_token_ids
+    assert all("prompt_token_ids" not in ch and "prompt_token_ids" not in ch["choices"][0]
+               for ch in chunks[1:])
+
+    def text_of(choice: dict) -> str:
+        return (choice["delta"].get("content") if chat else choice["text"]) or ""
+
+    assert any(ch["choices"][0]["token_ids"] and not text_of(ch["choices"][0])
+               for ch in chunks), "no chunk whose text was held back (multi-byte characters)"
+    _, plain_events = post_stream(c, url, {**body, "stream": True, "return_token_ids": False})
+    assert all("token_ids" not in json.loads(e)["choices"][0]
+               for e in plain_events[:-1])
+
+    if not chat:
+        stop, n_tokens = _spanning_stop(tok, script)
+        cut = {**body, "max_tokens": 100, "stop": [stop]}
+        assert c.post(url, json=cut).json()["choices"][0]["token_ids"] == script[:n_tokens]
+        _, events = post_stream(c, url, {**cut, "stream": True})
+        _, chunks = stream_text(events, chat)
+        assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == script[:n_tokens]

@@ -139,13 +139,13 @@ NON_NEUTRAL = {
     "include_stop_str_in_output": True, "add_generation_prompt": False,
     "continue_final_message": True, "add_special_tokens": "x", "tools": [{"type": "function"}],
     "tool_choice": "auto", "modalities": ["text", "audio"], "return_tokens_as_token_ids": True,
-    "return_token_ids": True,
 }
 #: honoured fields and a value to send (model, prompt / messages, stream are set by `text`)
 HONOURED = {
     "max_tokens": 5, "max_completion_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
     "min_p": 0.05, "seed": 3, "stop": ["zzz"], "stop_token_ids": [2], "ignore_eos": True,
     "num_speculative_tokens": 2, "n": 1, "request_id": None, "stream_options": None,
+    "return_token_ids": True,
 }
 
 
