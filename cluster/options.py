@@ -45,6 +45,9 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="verification of sampled requests without a seed: auto (standard "
                         "rejection sampling) or block (block verification, arXiv 2403.10444); "
                         "temperature 0 stays greedy and seeded requests coupled")
+    p.add_argument("--max-kv-send-mb-s", type=float, default=0.0, metavar="MIB_PER_S",
+                   help="cap on the KV bandwidth each prefill worker sends at, MiB/s (frames "
+                        "paced; 0: no cap)")
     p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="the gateway fails a request that gets no output from its verifier for "
                         "this long (a verifier alive but silent; 0: never)")
@@ -116,7 +119,8 @@ def cluster_config(args: argparse.Namespace, **overrides):
               num_speculative_tokens=args.num_speculative_tokens,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               draft_method=method, drafter_method_kwargs=method_kwargs,
-              verify_rule=getattr(args, "verify_rule", "auto"))
+              verify_rule=getattr(args, "verify_rule", "auto"),
+              max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0))
     if getattr(args, "port", None) is not None:
         kw["port"] = args.port
     if getattr(args, "host", None):

@@ -12,7 +12,11 @@ class PrefillConfig:
     ``seed_states``: draft method -> the seed state PrefillDone carries for a request of that
     method (``"hidden"``: the target hidden state at the last prompt position); a method not
     listed gets none. The cluster fills it from the drafter's registry (prefill/ may not
-    import drafter/)."""
+    import drafter/). ``max_kv_send_mb_s``: a cap on the KV bandwidth this worker sends at,
+    MiB/s (0: no cap): frames are paced so that a transfer never runs ahead of the cap (its
+    first frame leaves at once), e.g. to leave a link shared with other traffic room, or to
+    make a transfer last long enough to watch; the loop sends one request's frames at a time,
+    so a cap also delays the next request's prefill."""
 
     instance_id: str = "prefill-0"
     chunk_size: int = 512
@@ -20,3 +24,9 @@ class PrefillConfig:
     frame_layers: int = 8
     max_queue_len: int = 1024
     seed_states: dict[str, str] = field(default_factory=dict)
+    max_kv_send_mb_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.max_kv_send_mb_s >= 0:
+            raise ValueError(f"max_kv_send_mb_s must be >= 0 (0: no cap), got "
+                             f"{self.max_kv_send_mb_s}")

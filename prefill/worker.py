@@ -13,6 +13,7 @@ ordered channel. A PrefillCancel is acknowledged once no frame of that transfer 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -178,9 +179,13 @@ class PrefillWorker(MailboxWorker):
         cache = self.runner.kv_cache
         num_layers = self.model_config.num_layers
         num_frames = num_bytes = 0
+        rate = self.config.max_kv_send_mb_s * (1 << 20)  # bytes/s; 0: no cap
+        t0 = time.monotonic()
         for token_start in range(0, n, self.config.frame_tokens):
             num_tokens = min(self.config.frame_tokens, n - token_start)
             for layer_start in range(0, num_layers, self.config.frame_layers):
+                if rate:  # the bytes sent so far may not have left faster than the cap
+                    time.sleep(max(0.0, t0 + num_bytes / rate - time.monotonic()))
                 layer_end = min(layer_start + self.config.frame_layers, num_layers)
                 kv = cache.read_chunk(layer_start, layer_end, block_table, token_start, num_tokens)
                 buf = tensor_to_buffer(kv)

@@ -145,3 +145,57 @@ def test_garbage_is_counted_and_does_not_stop_the_worker(tiny):
     msgs = run(verifier, worker)
     assert worker.stats.num_protocol_errors == 1
     assert [m.error for m in msgs if isinstance(m, PrefillDone)] == [""]
+
+
+class _FakeClock:
+    """``time.monotonic`` / ``time.sleep`` of prefill.worker: sleeping advances the clock; each
+    send is stamped with the clock's time."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_kv_send_cap_paces_the_frames(tiny, monkeypatch):
+    """``max_kv_send_mb_s``: frame k leaves no earlier than (bytes of frames 0..k-1) / cap after
+    the first, which leaves at once; the KV and the first token are those of an uncapped run."""
+    import prefill.worker as prefill_worker
+
+    prompt = [5, 17, 3, 44, 9, 12, 70, 8, 21, 33]
+    verifier, worker = make_worker(tiny, frame_tokens=3, frame_layers=2)
+    verifier.send("prefill-0", request("r", prompt))
+    uncapped = run(verifier, worker)
+    clock = _FakeClock()
+    monkeypatch.setattr(prefill_worker, "time", clock)
+    cap = 0.001  # MiB/s: ~1 KiB/s
+    verifier, worker = make_worker(tiny, frame_tokens=3, frame_layers=2, max_kv_send_mb_s=cap)
+    sent_at = []
+    send = worker.send
+    worker.send = lambda peer, msg: (sent_at.append((clock.now, msg)), send(peer, msg))[1]
+    verifier.send("prefill-0", request("r", prompt))
+    capped = run(verifier, worker)
+    frames = [(t, m) for t, m in sent_at if isinstance(m, KVFrame)]
+    assert len(frames) == 8
+    t0, sent = frames[0][0], 0
+    for t, m in frames:
+        assert t == pytest.approx(t0 + sent / (cap * (1 << 20)))
+        sent += m.kv.nbytes
+    assert frames[-1][0] > t0  # it did wait
+    assert len(capped) == len(uncapped)
+    for a, b in zip(capped, uncapped):
+        if isinstance(a, KVFrame):
+            assert torch.equal(buffer_to_tensor(a.kv), buffer_to_tensor(b.kv))
+        else:
+            assert a == b
+
+
+def test_kv_send_cap_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_kv_send_mb_s"):
+        PrefillConfig(max_kv_send_mb_s=-1)
