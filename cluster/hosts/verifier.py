@@ -79,4 +79,8 @@ class VerifierHost(RoleHost):
         out = super().stats()
         out.update(self.worker.load)
         out["num_speculative_tokens"] = self.worker.num_speculative_tokens
+        bm = self.worker.block_manager
+        out["num_kv_blocks"] = bm.num_blocks
+        out["kv_cache_usage"] = 1 - bm.num_free_blocks / bm.num_blocks  # as the metric
+        out["requests"] = self.worker.lifecycle.views()
         return out
