@@ -92,6 +92,38 @@ class KVCache:
         self.data[layer, 0].index_copy_(0, slots, k)
         self.data[layer, 1].index_copy_(0, slots, v)
 
+    def copy_positions(self, block_table: list[int], src_positions: list[int],
+                       dst_positions: list[int]) -> None:
+        """Copy the keys and values of every layer from positions ``src_positions`` to
+        ``dst_positions`` of one request (all sources are read before any write, so the two
+        may overlap). Tree verification's compaction: the accepted path's rows move to the
+        positions right after the committed prefix (keys keep their RoPE, which was applied
+        at the destination position already, engine/token_tree.py).
+
+        Raises:
+            ValueError: lists of different lengths, a negative position, or a position the
+                block table does not cover (nothing is copied then).
+        """
+        if len(src_positions) != len(dst_positions):
+            raise ValueError(f"{len(src_positions)} source and {len(dst_positions)} "
+                             "destination positions")
+        if not src_positions:
+            return
+        positions = list(src_positions) + list(dst_positions)
+        if min(positions) < 0 or max(positions) >= len(block_table) * self.block_size:
+            raise ValueError(f"positions must lie in [0, {len(block_table) * self.block_size})")
+        bs = self.block_size
+
+        def slots(ps: list[int]) -> torch.Tensor:
+            return torch.tensor([block_table[p // bs] * bs + p % bs for p in ps],
+                                dtype=torch.long, device=self.device)
+
+        for b in {block_table[p // bs] for p in positions}:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
+        rows = self.data.index_select(2, slots(src_positions))
+        self.data.index_copy_(2, slots(dst_positions), rows)
+
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (no copy) of one layer's keys and values as [num_blocks, block_size, H, D]:
         the layout :func:`kernels.paged_attention.paged_attention` reads through block tables."""

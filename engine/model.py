@@ -21,6 +21,9 @@ class AttentionMetadata:
 
     ``kv_lens[i]`` is request i's KV length after this chunk (start_pos + q_len);
     ``slot_mapping`` is a LongTensor [T] of cache slots for the batch's new K/V.
+    ``tree_masks`` (None: all chains): per request None or the bool [q_len, q_len] ancestry
+    mask of its token tree chunk (engine/token_tree.py): its rows see the KV before the chunk
+    and their ancestors' rows only.
     """
 
     query_lens: list[int]
@@ -28,6 +31,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor
     block_size: int = 0
+    tree_masks: list[torch.Tensor | None] | None = None
     _plan: PagedAttentionPlan | None = field(default=None, repr=False)
     _prepared: bool = field(default=False, repr=False)
 
@@ -39,8 +43,10 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: str | torch.device = "cpu",
+        tree_masks: list[torch.Tensor | None] | None = None,
     ) -> AttentionMetadata:
-        """Metadata for requests whose chunk i starts at ``start_positions[i]``.
+        """Metadata for requests whose chunk i starts at ``start_positions[i]`` (the slot of
+        its row 0; rows take consecutive slots, trees included).
 
         Raises:
             ValueError: lists of different lengths, an empty chunk, or a block table too short.
@@ -58,12 +64,16 @@ class AttentionMetadata:
             block_tables=[list(t) for t in block_tables],
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             block_size=block_size,
+            tree_masks=tree_masks if tree_masks and any(m is not None for m in tree_masks)
+            else None,
         )
 
     @property
     def whole_prompts(self) -> bool:
-        """Every chunk is a whole prompt (q_len == kv_len): its K/V are all in this chunk."""
-        return all(q == n for q, n in zip(self.query_lens, self.kv_lens))
+        """Every chunk is a whole prompt (q_len == kv_len): its K/V are all in this chunk
+        (never with a token tree)."""
+        return self.tree_masks is None and all(
+            q == n for q, n in zip(self.query_lens, self.kv_lens))
 
     def prepare(self, device: torch.device) -> None:
         """Build (once per forward) the paged-attention plan every layer shares; nothing when
@@ -73,7 +83,7 @@ class AttentionMetadata:
         self._prepared = True
         if not self.whole_prompts:
             self._plan = plan_paged_attention(self.query_lens, self.kv_lens, self.block_tables,
-                                              self.block_size, device)
+                                              self.block_size, device, self.tree_masks)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionMetadata, LlamaForCausalLM
+from engine.token_tree import ancestry_mask, check_parents, chunk_positions, is_chain
 
 
 @dataclass
@@ -18,11 +19,18 @@ class SeqChunk:
     ``start_pos`` is the absolute position of ``token_ids[0]``; the KV of positions
     ``[0, start_pos)`` already lies in the cache. ``block_table`` must cover
     ``start_pos + len(token_ids)`` positions.
+
+    ``parents`` (a verify chunk over a token tree, engine/token_tree.py): one per token after
+    the first, the parent's index among those tokens (-1: ``token_ids[0]``, the root). Row i's
+    KV still goes to position ``start_pos + i``, but its RoPE position is ``start_pos +
+    depth`` and it attends to the KV before the chunk plus its ancestors and itself only. None
+    (or a chain's parents) is the plain causal chunk.
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    parents: list[int] | None = None
 
     @property
     def end_pos(self) -> int:
@@ -73,6 +81,14 @@ class ModelRunner:
                     )
             if min(c.token_ids) < 0 or max(c.token_ids) >= cfg.vocab_size:
                 raise ValueError(f"chunk {i}: token id out of range [0, {cfg.vocab_size})")
+            if c.parents is not None:
+                if len(c.parents) != len(c.token_ids) - 1:
+                    raise ValueError(f"chunk {i}: {len(c.parents)} parents for "
+                                     f"{len(c.token_ids) - 1} tree nodes")
+                try:
+                    check_parents(c.parents)
+                except ValueError as err:
+                    raise ValueError(f"chunk {i}: {err}") from None
 
     def forward(
         self, chunks: list[SeqChunk], logits: str = "all", return_hidden: bool = False
@@ -91,7 +107,8 @@ class ModelRunner:
         Raises:
             ValueError: no chunks, an empty chunk, a negative start, a position beyond
                 ``max_position_embeddings``, a block table too short or with an out-of-range
-                block id, a token id outside the vocabulary, or an unknown ``logits`` mode.
+                block id, a token id outside the vocabulary, tree ``parents`` of the wrong
+                length or not pointing to an earlier node, or an unknown ``logits`` mode.
         """
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
@@ -99,12 +116,18 @@ class ModelRunner:
         q_lens = [len(c.token_ids) for c in chunks]
         ids: list[int] = []
         pos: list[int] = []
+        masks: list[torch.Tensor | None] = []
         for c in chunks:
             ids += c.token_ids
-            pos += range(c.start_pos, c.end_pos)
+            tree = c.parents is not None and not is_chain(c.parents)
+            if tree:
+                pos += chunk_positions(c.start_pos, c.parents)
+            else:
+                pos += range(c.start_pos, c.end_pos)
+            masks.append(ancestry_mask(c.parents) if tree else None)
         meta = AttentionMetadata.build(
             q_lens, [c.start_pos for c in chunks], [c.block_table for c in chunks],
-            self.block_size, self.device,
+            self.block_size, self.device, tree_masks=masks,
         )
         ends = torch.tensor(q_lens).cumsum(0)
         rows = None if logits == "all" else (ends - 1).to(self.device)

@@ -9,6 +9,14 @@ top-left when q != n, which is silently wrong here). Position ``p`` of request `
 ``k_cache[block_tables[b, p // block_size], p % block_size]``. Grouped-query attention: query
 head ``h`` reads KV head ``h // (H // Hkv)`` (the Llama / transformers convention).
 
+Token trees (tree verification, SpecInfer arXiv 2305.09781): ``tree_masks`` gives a request a
+bool ``[q, q]`` ancestry mask over its own chunk, ``mask[j, c]`` = row ``j`` sees chunk row
+``c`` (position ``n - q + c``). Row ``j`` then sees the positions before the chunk and the
+chunk rows its mask allows (its ancestors and itself). A mask must be lower-triangular with a
+true diagonal and a true column 0 (the root, the last committed token, is every node's
+ancestor); a chain's mask is the lower triangle, and requests without one (None) take exactly
+the chain path above, bit for bit.
+
 Batch invariance: the result of one query row depends only on that row, the positions it
 sees, and the cache; not on how many rows its request has in this step, on the other requests
 of the batch, or on how far the batch is padded. So a verify step over ``[last token] +
@@ -83,6 +91,13 @@ class PagedAttentionPlan:
     n_blocks: int
     token_visible: torch.Tensor | None = None
     block_size: int = 0
+    #: bool [B, q_max, q_max] chunk ancestry masks (None: no request has a tree); chains and
+    #: padding rows hold the lower triangle
+    tree_mask: torch.Tensor | None = None
+    #: int32 [T, q_max] (row of ``tree_mask`` per query token) and int32 [T] (``n - q``, the
+    #: position of the request's chunk row 0): what the Triton kernel reads; None without trees
+    token_tree_mask: torch.Tensor | None = None
+    token_chunk_start: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def tile_mask(self, q_pad: int) -> torch.Tensor:
@@ -96,9 +111,27 @@ class PagedAttentionPlan:
             if q_pad > self.q_max:
                 nv = torch.cat([nv, nv.new_full((nv.shape[0], q_pad - self.q_max), 1 << 30)], 1)
             pos = torch.arange(n_tiles * tile, device=nv.device).view(n_tiles, tile)
-            mask = (pos[None, :, None, :] < nv[:, None, :, None])[:, None, :, None]
+            mask = pos[None, :, None, :] < nv[:, None, :, None]  # [B, n_tiles, q_pad, tile]
+            if self.tree_mask is not None:
+                mask = mask & self._tree_visible(pos, q_pad)
+            mask = mask[:, None, :, None]
             self._masks[q_pad] = mask
         return mask
+
+    def _tree_visible(self, pos: torch.Tensor, q_pad: int) -> torch.Tensor:
+        """bool [B, n_tiles, q_pad, tile]: False where a position inside a request's chunk is
+        not an ancestor of the query row (rows past ``q_max`` see every chunk row)."""
+        tm = self.tree_mask
+        b, q_max = tm.shape[0], tm.shape[1]
+        if q_pad > q_max:
+            tm = torch.cat([tm, tm.new_ones((b, q_pad - q_max, q_max))], 1)
+        start = self.num_visible[:, 0] - 1  # n - q: chunk row 0's position
+        rel = pos.view(-1)[None, :] - start[:, None]  # [B, P]
+        in_chunk = (rel >= 0) & (rel < q_max)
+        cols = rel.clamp(0, q_max - 1)
+        anc = torch.gather(tm, 2, cols[:, None, :].expand(b, q_pad, -1))  # [B, q_pad, P]
+        ok = anc | ~in_chunk[:, None, :]
+        return ok.view(b, q_pad, *pos.shape).permute(0, 2, 1, 3)
 
 
 def _as_list(x: torch.Tensor | list[int], name: str) -> list[int]:
@@ -116,12 +149,18 @@ def plan_paged_attention(
     block_tables: torch.Tensor | list[list[int]],
     block_size: int,
     device: str | torch.device = "cpu",
+    tree_masks: list[torch.Tensor | None] | None = None,
 ) -> PagedAttentionPlan:
     """Build the :class:`PagedAttentionPlan` of a batch (host-side lengths, one sync at most).
 
+    ``tree_masks``: per request None (a chain) or its bool ``[q, q]`` chunk ancestry mask (see
+    the module doc); None or all None: no tree in the batch.
+
     Raises:
         ValueError: lengths of different sizes, an empty batch, a request with no query rows,
-            more query rows than KV positions, or a block table too short for its KV length.
+            more query rows than KV positions, a block table too short for its KV length, or a
+            tree mask of the wrong shape, not lower-triangular, or without its diagonal or
+            root column.
     """
     q_lens, n_lens = _as_list(query_lens, "query_lens"), _as_list(kv_lens, "kv_lens")
     if isinstance(block_tables, torch.Tensor):
@@ -158,9 +197,39 @@ def plan_paged_attention(
     num_visible = (torch.tensor(n_lens) - torch.tensor(q_lens) + 1)[:, None] + \
         torch.arange(q_max)[None, :]
     token_visible = num_visible[token_batch, token_row].to(torch.int32)
+    tree_mask = token_tree_mask = token_chunk_start = None
+    if tree_masks is not None and any(m is not None for m in tree_masks):
+        tree_mask = _tree_mask(tree_masks, q_lens, q_max)
+        token_tree_mask = tree_mask[token_batch, token_row].to(torch.int32).to(device)
+        token_chunk_start = (torch.tensor(n_lens) - torch.tensor(q_lens))[token_batch]
+        token_chunk_start = token_chunk_start.to(torch.int32).to(device)
+        tree_mask = tree_mask.to(device)
     return PagedAttentionPlan(token_batch.to(device), token_row.to(device),
                               num_visible.to(device), tables, q_max, n_blocks,
-                              token_visible.to(device), block_size)
+                              token_visible.to(device), block_size, tree_mask,
+                              token_tree_mask, token_chunk_start)
+
+
+def _tree_mask(tree_masks: list[torch.Tensor | None], q_lens: list[int],
+               q_max: int) -> torch.Tensor:
+    """bool [B, q_max, q_max]: each request's validated mask (chains: the lower triangle) in
+    the top-left corner of a lower triangle."""
+    if len(tree_masks) != len(q_lens):
+        raise ValueError(f"need one tree mask (or None) per request, got {len(tree_masks)} "
+                         f"for {len(q_lens)}")
+    out = torch.ones(q_max, q_max, dtype=torch.bool).tril().repeat(len(q_lens), 1, 1)
+    for b, (m, q) in enumerate(zip(tree_masks, q_lens)):
+        if m is None:
+            continue
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (q, q):
+            raise ValueError(f"request {b}: tree mask must be a bool [{q}, {q}] tensor, got "
+                             f"{getattr(m, 'dtype', type(m))} {tuple(getattr(m, 'shape', ()))}")
+        m = m.cpu()
+        if bool(m.triu(1).any()) or not bool(m.diagonal().all()) or not bool(m[:, 0].all()):
+            raise ValueError(f"request {b}: a tree mask must be lower-triangular with a true "
+                             f"diagonal and root column (row j sees its ancestors and itself)")
+        out[b, :q, :q] = m
+    return out
 
 
 def _check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -184,11 +253,14 @@ def paged_attention_ref(
     kv_lens: torch.Tensor | list[int],
     scale: float,
     plan: PagedAttentionPlan | None = None,
+    tree_masks: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its visible cached positions (see the module doc).
 
     ``plan`` (from :func:`plan_paged_attention` with the same lengths and tables) saves
-    rebuilding the index tensors in every layer.
+    rebuilding the index tensors in every layer. ``tree_masks`` (per request None or a bool
+    ``[q, q]`` ancestry mask, see the module doc) is used only to build the plan when none is
+    given (a plan carries its batch's masks).
 
     Returns:
         [T, H, D] in ``q.dtype``.
@@ -200,7 +272,8 @@ def paged_attention_ref(
     _check_tensors(q, k_cache, v_cache)
     num_blocks, block_size, hkv, d = k_cache.shape
     if plan is None:
-        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device)
+        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device,
+                                    tree_masks)
     t, h, _ = q.shape
     if plan.token_batch.numel() != t:
         raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
@@ -249,15 +322,17 @@ def paged_attention(
     kv_lens: torch.Tensor | list[int],
     scale: float,
     plan: PagedAttentionPlan | None = None,
+    tree_masks: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else
     :func:`paged_attention_ref`. Arguments, result and errors as the reference (plus the
     kernel's, see :func:`paged_attention_triton`)."""
     kernel = _triton_entry()
     if kernel is not None and (q.is_cuda or _interpret_mode()):
-        return kernel(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale, plan)
+        return kernel(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale, plan,
+                      tree_masks)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale,
-                               plan)
+                               plan, tree_masks)
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -275,14 +350,18 @@ def _paged_attention_kernel(
     tables_ptr,  # int64 [B, n_blocks]
     token_batch_ptr,  # int [T]: request of each query token
     token_visible_ptr,  # int [T]: positions each query token sees (n - q + j + 1)
+    tree_mask_ptr,  # int32 [T, q_max]: chunk rows each query token sees (HAS_TREE only)
+    chunk_start_ptr,  # int32 [T]: position of the token's chunk row 0, n - q (HAS_TREE only)
     scale,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh,
     stride_tb,
+    stride_mt,
     block_size,
     head_dim,
+    HAS_TREE: tl.constexpr,  # some request of the batch has a token tree
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # power of two >= max(GROUP, 16)
     BLOCK_N: tl.constexpr,  # KV positions per tile, power of two >= 16
@@ -291,11 +370,14 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,  # feed tl.dot float32 (the interpreter's dot misreads bfloat16)
 ):
     """One program per (query token, KV head): the GROUP query heads that read this KV head,
-    over the token's visible positions in tiles of BLOCK_N, with an online softmax."""
+    over the token's visible positions in tiles of BLOCK_N, with an online softmax. With
+    HAS_TREE, positions inside the token's chunk count only where its mask row allows."""
     tok = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     req = tl.load(token_batch_ptr + tok).to(tl.int64)
     n_vis = tl.load(token_visible_ptr + tok).to(tl.int32)
+    if HAS_TREE:
+        c_start = tl.load(chunk_start_ptr + tok).to(tl.int32)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -311,6 +393,11 @@ def _paged_attention_kernel(
     for start in range(0, n_vis, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < n_vis
+        if HAS_TREE:  # chunk rows past the root: only the token's ancestors (and itself)
+            in_chunk = p_mask & (pos >= c_start)
+            anc = tl.load(tree_mask_ptr + tok * stride_mt + (pos - c_start), mask=in_chunk,
+                          other=1)
+            p_mask = p_mask & (anc != 0)
         blk = tl.load(tables_ptr + req * stride_tb + pos // block_size, mask=p_mask,
                       other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
@@ -365,6 +452,7 @@ def paged_attention_triton(
     kv_lens: torch.Tensor | list[int],
     scale: float,
     plan: PagedAttentionPlan | None = None,
+    tree_masks: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention_ref` computed by the Triton kernel (same arguments and result).
 
@@ -388,14 +476,18 @@ def paged_attention_triton(
                          f"{sorted(map(str, devices))}")
     num_blocks, block_size, hkv, d = k_cache.shape
     if plan is None:
-        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device)
+        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device,
+                                    tree_masks)
     t, h, _ = q.shape
     if plan.token_batch.numel() != t:
         raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
     token_visible = plan.token_visible
     if token_visible is None:  # a plan built by hand: count each token's visible positions
         token_visible = plan.num_visible[plan.token_batch, plan.token_row]
-    plan_tensors = (plan.token_batch, token_visible, plan.block_tables)
+    has_tree = plan.token_tree_mask is not None
+    tree_rows = plan.token_tree_mask if has_tree else token_visible
+    chunk_start = plan.token_chunk_start if has_tree else token_visible
+    plan_tensors = (plan.token_batch, token_visible, plan.block_tables, tree_rows, chunk_start)
     if any(x.device != q.device for x in plan_tensors):
         raise ValueError(f"the plan's tensors must be on {q.device}, got "
                          f"{sorted({str(x.device) for x in plan_tensors})}")
@@ -412,10 +504,12 @@ def paged_attention_triton(
         tables = tables.to(torch.int64).contiguous()
     group = h // hkv
     _paged_attention_kernel[(t, hkv)](
-        q, k_cache, v_cache, out, tables, plan.token_batch, token_visible, float(scale),
+        q, k_cache, v_cache, out, tables, plan.token_batch, token_visible, tree_rows,
+        chunk_start, float(scale),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), out.stride(0), out.stride(1),
-        tables.stride(0), block_size, d,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N,
+        tables.stride(0), tree_rows.stride(0), block_size, d,
+        HAS_TREE=has_tree, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=_BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         ACC_DTYPE=tl.float64 if q.dtype == torch.float64 else tl.float32,
         # triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits; the
