@@ -17,12 +17,23 @@ Each buffered token keeps the probability row it was drafted from (DraftTailStre
 any row object; None for a one-hot draft): rows are cut, replaced and committed with their
 tokens. A duplicate token keeps its row (it was drafted on the same prefix), or takes the new
 one when it had none.
+
+Token trees (DraftTailStream.parents, tree verification): a tree segment is usable only when
+it was drafted on the verifier's current committed prefix (``start_pos ==
+base_committed_len == committed_len``); otherwise it is stale and dropped whole. Its branch 0
+(from the root, always the first child: the drafter's own path) also goes through :meth:`add`
+as a chain, so the drafter's later chain segments continue it as before. A commit keeps the
+tree only when the committed tokens follow a path in it, and then keeps the subtree below that
+path (re-rooted at the new committed length); any other commit drops it. Trees carry no draft
+probabilities (one-hot drafts). Chains without a tree behave exactly as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from decode.draft_tree import DraftTree
 
 
 @dataclass
@@ -47,6 +58,7 @@ class TailBuffer:
         self.origin = committed_len  # the drafter's path is known and consistent on
         self.path_end = committed_len  # [origin, path_end)
         self._rejected = False  # path_end is where a commit disagreed with the path
+        self.tree: DraftTree | None = None  # a draft tree rooted at the committed prefix
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -64,6 +76,38 @@ class TailBuffer:
         self.probs.clear()
         self.origin = self.path_end = committed_len
         self._rejected = False
+        self.tree = None
+
+    def add_tree(self, start_pos: int, draft_token_ids: list[int], parents: list[int],
+                 committed: list[int], *, base_committed_len: int) -> int:
+        """Merge a tree segment (see the module doc): its branch 0 as a chain through
+        :meth:`add`, the whole tree kept when it hangs below the committed prefix. Returns the
+        tree nodes kept (0 when stale).
+
+        Raises:
+            ValueError: as :meth:`add`, or parents of the wrong length or not pointing to an
+                earlier node.
+        """
+        tree = DraftTree.from_segment(list(draft_token_ids), list(parents))
+        branch0 = tree.first_path()
+        self.add(start_pos, branch0, committed, base_committed_len=base_committed_len)
+        self.stats.num_received_tokens += len(draft_token_ids) - len(branch0)
+        if not start_pos == base_committed_len == len(committed):
+            self.stats.num_stale_tokens += len(draft_token_ids)
+            return 0
+        self.tree = tree
+        return len(tree)
+
+    def usable_tree(self, max_depth: int, max_nodes: int) -> tuple[list[int], list[int]] | None:
+        """``(draft_token_ids, parents)`` of the tree to verify next (the chain tail first,
+        then the tree's other nodes; depth ``<= max_depth``, at most ``max_nodes`` nodes), or
+        None without a tree or when the result is a plain chain."""
+        if self.tree is None:
+            return None
+        tokens, parents = self.tree.plan(self.usable(max_depth), max_depth, max_nodes)
+        if all(p == j - 1 for j, p in enumerate(parents)):
+            return None
+        return tokens, parents
 
     def add(self, start_pos: int, draft_token_ids: list[int], committed: list[int], *,
             base_committed_len: int, draft_probs: Sequence[object] | None = None) -> int:
@@ -145,8 +189,12 @@ class TailBuffer:
 
     def on_commit(self, committed: list[int]) -> None:
         """Advance past newly committed tokens; on the first disagreement drop the whole tail
-        (and remember that the drafter's path is wrong from there on)."""
+        (and remember that the drafter's path is wrong from there on). A tree is kept (its
+        subtree below the committed tokens) only when they follow a path in it."""
         new_len = len(committed)
+        if self.tree is not None and new_len > self.start:
+            node = self.tree.follow(committed[self.start:new_len])
+            self.tree = None if node is None else self.tree.subtree(node) or None
         n = min(new_len - self.start, len(self.tokens))
         for i in range(n):
             if self.tokens[i] != committed[self.start + i]:
