@@ -56,6 +56,7 @@ class InProcessCluster:
     drafters in); the seed state prefill and verifier ship is the one ``proposer`` declares,
     else the registered ``draft_method``'s; ``num_speculative_tokens=0`` is plain decode
     through the same verifier;
+    ``drafter_options`` are further ``DrafterConfig`` fields (e.g. ``seed``, ``draft_probs``);
     ``verifier_options`` are further ``VerifierConfig`` fields (e.g. ``max_queue_len``).
     """
 
@@ -64,7 +65,8 @@ class InProcessCluster:
                  block_size: int = 16, max_model_len: int | None = None,
                  draft_method: str = "ngram", proposer: Proposer | None = None,
                  window: int | None = None, prefill_chunk_size: int = 512,
-                 max_num_seqs: int = 64, **verifier_options) -> None:
+                 max_num_seqs: int = 64, drafter_options: dict | None = None,
+                 **verifier_options) -> None:
         self.hub = InProcHub()
         dtype = model.dtype
 
@@ -90,7 +92,8 @@ class InProcessCluster:
             self.hub.mailbox(VERIFIER), v_runner, v_bm,
             prefill_peers=["prefill-0"], drafter_peers=["drafter-0"])
         w = window or DrafterConfig.default_window(num_speculative_tokens)
-        self.drafter = DrafterWorker(DrafterConfig(method=draft_method, window=w, max_segment=w),
+        self.drafter = DrafterWorker(DrafterConfig(method=draft_method, window=w, max_segment=w,
+                                                   **(drafter_options or {})),
                                      self.hub.mailbox("drafter-0"), proposer)
         self.client = self.hub.mailbox("gateway-0")
         self._ids = itertools.count()

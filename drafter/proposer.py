@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from drafter.draft_sampling import DraftSampling
 
 
 class Proposer(ABC):
@@ -28,6 +33,10 @@ class Proposer(ABC):
     #: draft the moment it exists, so a verifier that cannot wait for a whole tail still gets
     #: the first drafts (measured: served EAGLE tails of 4 arrived too late on 87% of steps).
     max_drafts_per_call: ClassVar[int] = 0
+    #: whether :meth:`propose_sampled` draws drafts the way the request samples (a model
+    #: drafter: drafter/draft_sampling.py) and returns the rows of unseeded sampled drafts;
+    #: False: drafts are the same whatever the sampling (n-gram), one-hot for the verifier
+    returns_draft_probs: ClassVar[bool] = False
     seed_hidden_size: int | None = None
 
     @abstractmethod
@@ -38,6 +47,15 @@ class Proposer(ABC):
     def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
         """Up to ``num_tokens`` draft tokens continuing ``context_token_ids`` (prompt + output,
         committed and speculative). May return fewer, or none."""
+
+    def propose_sampled(self, request_id: str, context_token_ids: list[int], num_tokens: int,
+                        how: DraftSampling) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Like :meth:`propose`, drafting for the request's sampling ``how``
+        (drafter/draft_sampling.py). Returns the drafts and one row per draft: the float32
+        ``[vocab_size]`` distribution it was drawn from (unseeded sampled requests with
+        ``how.with_probs``), else None. The default drafts with :meth:`propose` (rows None)."""
+        drafts = self.propose(request_id, context_token_ids, num_tokens)
+        return drafts, [None] * len(drafts)
 
     @abstractmethod
     def rollback(self, request_id: str, num_context_tokens: int) -> None:

@@ -12,11 +12,23 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from drafter.config import DrafterConfig
+from drafter.draft_sampling import DraftSampling
 from drafter.proposer import Proposer, get_proposer
 from drafter.seed_state import hidden_rows
+from engine.frames import tensor_to_buffer
+from engine.sampling import GREEDY, sampling_mode
 from protocol.errors import ProtocolError
-from protocol.messages import DraftClose, DraftNeedSync, DraftSync, DraftTailStream, VerifyCommit
+from protocol.messages import (
+    DraftClose,
+    DraftNeedSync,
+    DraftSync,
+    DraftTailStream,
+    SamplingParams,
+    VerifyCommit,
+)
 
 #: DraftClose.reason a drafter sends when it has no room for a request
 DRAFTER_FULL = "drafter full"
@@ -35,6 +47,8 @@ class DraftState:
     prompt_token_ids: list[int]
     committed: list[int]  # committed output tokens, as the verifier told us
     path: list[int] = field(default_factory=list)  # speculative tokens after `committed`
+    probs: list = field(default_factory=list)  # row each path token was drawn from, or None
+    sampling: SamplingParams | None = None  # the request's (DraftSync.sampling)
     num_sent: int = 0  # tokens of `path` already streamed
     exhausted: bool = False  # proposer found nothing for the current context
     news: bool = True  # synced or committed since the last segment: the verifier may wait
@@ -75,6 +89,7 @@ class DrafterWorker(MailboxWorker):
         self._asked_sync: set[tuple[str, str]] = set()
         self.stats = DrafterStats()
         self.profile = StepProfile()
+        self._gen: torch.Generator | None = None
 
     # -- message handling ------------------------------------------------------------------
 
@@ -125,7 +140,7 @@ class DrafterWorker(MailboxWorker):
             self.send(peer, DraftClose(request_id=msg.request_id, reason=DRAFTER_FULL))
             return
         st = DraftState(msg.request_id, peer, list(msg.prompt_token_ids),
-                        list(msg.committed_token_ids))
+                        list(msg.committed_token_ids), sampling=msg.sampling)
         self.requests[msg.request_id] = st
         self.proposer.open(msg.request_id, st.context)
         if self._wants_seed(msg.seed_state):  # rows end at position len(context) - 2
@@ -177,11 +192,13 @@ class DrafterWorker(MailboxWorker):
             lcp += 1
         if lcp == len(toks):  # the commit agrees with our path: keep the rest of it
             del st.path[:lcp]
+            del st.probs[:lcp]
             st.num_sent = max(st.num_sent - lcp, 0)
         else:
             self.stats.num_path_truncations += 1
             self.proposer.rollback(st.request_id, len(st.prompt_token_ids) + n_committed + lcp)
             st.path.clear()
+            st.probs.clear()
             st.num_sent = 0
         st.committed.extend(toks)
         st.exhausted = False
@@ -225,18 +242,21 @@ class DrafterWorker(MailboxWorker):
                 room = min(room, self.proposer.max_drafts_per_call)
             if room > 0 and not st.exhausted:
                 with self.profile.phase("propose"):
-                    new = self.proposer.propose(st.request_id, st.context, room)
+                    new, rows = self._propose(st, room)
                 if new:
                     st.path.extend(new[:room])
+                    st.probs.extend(rows[:room])
                 else:
                     st.exhausted = True  # until the next commit changes the context
             if st.num_sent < len(st.path) or st.news:
                 # An empty segment tells a verifier waiting for a tail that none is coming.
                 seg = st.path[st.num_sent:]
+                seg_rows = st.probs[st.num_sent:]
                 st.news = False
                 self.send(st.verifier, DraftTailStream(
                     request_id=st.request_id, base_committed_len=len(st.committed),
-                    start_pos=len(st.committed) + st.num_sent, draft_token_ids=seg))
+                    start_pos=len(st.committed) + st.num_sent, draft_token_ids=seg,
+                    draft_probs=self._probs_buffer(seg_rows)))
                 st.num_sent = len(st.path)
                 if st.commit_received_at is not None:  # how fast a commit turns into a tail
                     self.profile.observe("commit_to_tail",
@@ -249,6 +269,42 @@ class DrafterWorker(MailboxWorker):
                 self.stats.num_draft_tokens_sent += len(seg)
                 sent += len(seg)
         return sent
+
+    def _propose(self, st: DraftState, room: int) -> tuple[list[int], list]:
+        """Up to ``room`` drafts for ``st`` and their rows: a proposer that samples
+        (``returns_draft_probs``) drafts a sampled request the way it samples
+        (drafter/draft_sampling.py); every other draft is deterministic (row None)."""
+        p = self.proposer
+        if p.returns_draft_probs and st.sampling is not None \
+                and sampling_mode(st.sampling) != GREEDY:
+            how = DraftSampling(st.sampling, len(st.committed) + len(st.path),
+                                self._generator(), self.config.draft_probs)
+            new, rows = p.propose_sampled(st.request_id, st.context, room, how)
+            if len(rows) != len(new):
+                raise ValueError(f"{type(p).__name__} returned {len(rows)} rows for "
+                                 f"{len(new)} drafts")
+            return new, list(rows)
+        new = p.propose(st.request_id, st.context, room)
+        return new, [None] * len(new)
+
+    def _generator(self) -> torch.Generator:
+        """The drafter's randomness for unseeded sampled drafts (created on first use)."""
+        if self._gen is None:
+            self._gen = torch.Generator()
+            if self.config.seed is None:
+                self._gen.seed()
+            else:
+                self._gen.manual_seed(self.config.seed)
+        return self._gen
+
+    @staticmethod
+    def _probs_buffer(rows: list):  # noqa: ANN205
+        """DraftTailStream.draft_probs of a segment: float32 [n, vocab_size] when every draft
+        has its row, else None (the verifier then treats the drafts as one-hot, which stays
+        exact, DESIGN.md §5)."""
+        if not rows or any(r is None for r in rows):
+            return None
+        return tensor_to_buffer(torch.stack(rows).to(torch.float32))
 
     def _has_work(self) -> bool:
         w = self.config.window

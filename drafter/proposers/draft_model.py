@@ -11,11 +11,11 @@ whatever context ``propose`` is given is compared with the tokens in the KV and 
 from their longest common prefix, so correctness never depends on ``rollback`` being called
 (``rollback`` only frees KV early).
 
-Drafts are greedy (argmax of the draft model's logits) for every request, sampled ones
-included: a greedy draft is a valid proposal for every verification rule that treats drafts
-as one-hot (greedy prefix match, rejection sampling with one-hot draft probabilities, the
-coupled rule), it just accepts less often at high temperature. Sampled drafting with draft
-probabilities is for later.
+Drafts follow the request's sampling (drafter/draft_sampling.py): greedy requests draft by
+argmax; seeded ones by the coupled rule's Gumbel-max with the target's noise at each output
+position; unseeded sampled ones sample the processed draft distribution (the request's
+temperature / top-k / top-p / min-p over the draft logits) and return it as the draft's row
+(DraftTailStream.draft_probs), so rejection sampling accepts with ``min(1, target / draft)``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 
+from drafter.draft_sampling import DraftSampling, target_space_logits
 from drafter.proposer import Proposer, register_proposer
 from drafter.tokenizer_match import check_same_vocabulary
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, num_blocks_for_memory
 from engine.model import LlamaForCausalLM
 from engine.runner import ModelRunner
+from engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class DraftModelProposer(Proposer):
 
     name = "draft_model"
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
+    returns_draft_probs = True
 
     def __init__(self, model: str | None = "smollm2", dtype: str = "float32",
                  device: Any = "cpu", *, num_blocks: int | None = None, block_size: int = 16,
@@ -136,6 +139,8 @@ class DraftModelProposer(Proposer):
                                  config.max_position_embeddings)
         #: drafts are ids below this (the draft's rows, capped by the target's)
         self.draft_vocab_limit = min(config.vocab_size, target_vocab_size or config.vocab_size)
+        #: width of a draft row (the target's embedding rows)
+        self.target_vocab_size = target_vocab_size or config.vocab_size
         self.stats = DraftModelStats()
         self._seqs: dict[str, _Seq] = {}
         self._warned: set[str] = set()
@@ -148,11 +153,23 @@ class DraftModelProposer(Proposer):
         self._seqs[request_id] = _Seq()
 
     def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
-        """Greedy drafts continuing ``context_token_ids``.
+        """Greedy drafts continuing ``context_token_ids`` (see :meth:`propose_sampled`)."""
+        return self._draft(request_id, context_token_ids, num_tokens, None)[0]
+
+    def propose_sampled(self, request_id: str, context_token_ids: list[int], num_tokens: int,
+                        how: DraftSampling) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Drafts continuing ``context_token_ids`` chosen for ``how`` (module docstring), with
+        the float32 ``[target vocab_size]`` row of each unseeded sampled draft (zeros at ids
+        past the draft model's vocabulary). KV, limits and errors as :meth:`_draft`."""
+        return self._draft(request_id, context_token_ids, num_tokens, how)
+
+    def _draft(self, request_id: str, context_token_ids: list[int], num_tokens: int,
+               how: DraftSampling | None) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Drafts continuing ``context_token_ids`` (greedy when ``how`` is None) and their rows.
 
         The KV is recomputed from the longest common prefix of the context and the tokens it
-        holds (one chunked forward over the rest), then ``num_tokens`` tokens are drafted by
-        argmax, one forward each. Afterwards the KV holds the context and every draft but the
+        holds (one chunked forward over the rest), then ``num_tokens`` tokens are drafted (argmax,
+        or as ``how`` says), one forward each. Afterwards the KV holds the context and every draft but the
         last (a later call whose context is this one plus the drafts feeds one token).
 
         Returns:
@@ -162,7 +179,7 @@ class DraftModelProposer(Proposer):
             ``request_id`` is opened.
         """
         if num_tokens <= 0 or not context_token_ids:
-            return []
+            return [], []
         ctx = list(context_token_ids)
         seq = self._seqs.get(request_id)
         if seq is None:
@@ -171,7 +188,7 @@ class DraftModelProposer(Proposer):
             self.stats.num_out_of_vocab += 1
             self._warn_once("vocab", "context of %s holds a token id outside the draft model's "
                             "vocabulary [0, %d): no drafts", request_id, self.config.vocab_size)
-            return []
+            return [], []
         n_ctx = len(ctx)
         # Keep the common prefix, and at least the last context token to recompute: its
         # logits give the first draft.
@@ -193,7 +210,7 @@ class DraftModelProposer(Proposer):
                                 "drafts for %s (%d context tokens)", self.block_manager.num_blocks,
                                 self.block_size, request_id, n_ctx)
                 self._truncate(seq, 0)  # let the requests that fit have its blocks
-            return []
+            return [], []
         need = self.block_manager.blocks_for(n_ctx + n - 1) - len(seq.block_table)
         if need > 0:
             seq.block_table += self.block_manager.allocate(need)
@@ -202,15 +219,18 @@ class DraftModelProposer(Proposer):
                                      start_pos=lcp)
         self._count(len(new), -(-len(new) // self.prefill_chunk_size))
         seq.tokens[lcp:] = new
-        drafts = [self._argmax(logits)]
+        tok, row = self._pick(logits, how, 0)
+        drafts, rows = [tok], [row]
         while len(drafts) < n:
             t = drafts[-1]
             logits = self.runner.prefill([t], seq.block_table, start_pos=len(seq.tokens))
             self._count(1, 1)
             seq.tokens.append(t)
-            drafts.append(self._argmax(logits))
+            tok, row = self._pick(logits, how, len(drafts))
+            drafts.append(tok)
+            rows.append(row)
         self.stats.num_tokens_drafted += len(drafts)
-        return drafts
+        return drafts, rows
 
     def rollback(self, request_id: str, num_context_tokens: int) -> None:
         """Keep the KV of the first ``num_context_tokens`` context tokens only; free the blocks
@@ -238,6 +258,15 @@ class DraftModelProposer(Proposer):
         if len(seq.block_table) > keep:
             self.block_manager.free(seq.block_table[keep:])
             del seq.block_table[keep:]
+
+    def _pick(self, logits: torch.Tensor, how: DraftSampling | None,
+              index: int) -> tuple[int, torch.Tensor | None]:
+        """Draft ``index`` of a call from logits [1, vocab]: argmax for greedy requests (and
+        ``how`` None), else ``how.choose`` over the target's ids (drafter/draft_sampling.py)."""
+        if how is None or how.mode == GREEDY:
+            return self._argmax(logits), None
+        full = target_space_logits(logits[:, :self.draft_vocab_limit], self.target_vocab_size)
+        return how.choose(full, index)
 
     def _argmax(self, logits: torch.Tensor) -> int:
         """logits [1, vocab] -> the id of the largest among the first ``draft_vocab_limit``."""

@@ -7,9 +7,10 @@ true states it was sent and the head's own KV (drafter/eagle/head.py ``HeadKV``)
 positions with a true state are computed from it, entries past the last true state from the
 head's own predicted state (the chain). When true states arrive for positions the chain had
 predicted, those entries are dropped and recomputed (one batched head forward); a rollback
-drops the entries whose tokens the commit rejected. Drafts are argmax chains over the head's
-draft vocabulary (greedy drafts, valid proposals for every verification rule that treats
-drafts as one-hot).
+drops the entries whose tokens the commit rejected. Drafts are chains over the head's draft
+vocabulary, chosen for the request's sampling (drafter/draft_sampling.py): argmax for greedy
+requests, the coupled rule's Gumbel-max for seeded ones, a sample of the processed head
+distribution (sent as the draft's row) for unseeded sampled ones.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from drafter.draft_sampling import DraftSampling, target_space_logits
 from drafter.eagle.head import EagleHead, HeadKV
 from drafter.proposer import Proposer, register_proposer
+from engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class EagleProposer(Proposer):
     name = "eagle"
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     seed_state = "hidden"
+    returns_draft_probs = True
 
     def __init__(self, head: str | None = None, model: str | None = None,
                  dtype: str = "float32", head_module: EagleHead | None = None) -> None:
@@ -96,11 +100,30 @@ class EagleProposer(Proposer):
             self._truncate(st, old_end)
 
     def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
+        return self._draft(request_id, context_token_ids, num_tokens, None)[0]
+
+    def propose_sampled(self, request_id: str, context_token_ids: list[int], num_tokens: int,
+                        how: DraftSampling) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Drafts for ``how`` (module docstring); a row is float32 ``[target vocab_size]``,
+        zero outside the head's draft vocabulary."""
+        return self._draft(request_id, context_token_ids, num_tokens, how)
+
+    def _pick(self, g: torch.Tensor, how: DraftSampling | None,
+              index: int) -> tuple[int, torch.Tensor | None]:
+        head = self.head
+        if how is None or how.mode == GREEDY:
+            return int(head.target_ids(head.logits(g).argmax())), None
+        full = target_space_logits(head.logits(g).reshape(1, -1), head.config.vocab_size,
+                                   head.draft_to_target)
+        return how.choose(full, index)
+
+    def _draft(self, request_id: str, context_token_ids: list[int], num_tokens: int,
+               how: DraftSampling | None) -> tuple[list[int], list[torch.Tensor | None]]:
         st = self.states.get(request_id)
         ctx = context_token_ids
         L = len(ctx)
         if st is None or st.feats_start < 0 or num_tokens <= 0 or L - 2 < st.feats_start:
-            return []
+            return [], []
         # entries whose token is no longer the context's are gone
         s0 = st.kv.start if st.kv.length else st.feats_start
         agree = 0
@@ -121,18 +144,20 @@ class EagleProposer(Proposer):
                 s = true_hi
             while s <= L - 2:
                 if st.last_g is None:
-                    return []
+                    return [], []
                 self._extend(st, st.last_g[None], [ctx[s + 1]], s)
                 s += 1
             drafts: list[int] = []
+            rows: list[torch.Tensor | None] = []
             for _ in range(num_tokens):
-                tok = int(head.target_ids(head.logits(st.last_g).argmax()))
+                tok, row = self._pick(st.last_g, how, len(drafts))
                 drafts.append(tok)
+                rows.append(row)
                 if len(drafts) == num_tokens:
                     break
                 self._extend(st, st.last_g[None], [tok], s)
                 s += 1
-        return drafts
+        return drafts, rows
 
     def rollback(self, request_id: str, num_context_tokens: int) -> None:
         st = self.states.get(request_id)
