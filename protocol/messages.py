@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from typing import Annotated, ClassVar
 
 # 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges;
-# 4: SamplingParams.min_p (sampled and seeded requests); 5: TokenStream.offset
-PROTOCOL_VERSION = 5
+# 4: SamplingParams.min_p (sampled and seeded requests); 5: TokenStream.offset;
+# 6: HelloAck carries the acceptor's identity (protocol version, model, draft method)
+PROTOCOL_VERSION = 6
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -219,19 +220,27 @@ class Hello:
 @register(11)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HelloAck:
-    """Answer to :class:`Hello`; ``accepted=False`` carries the reason in ``error``."""
+    """Answer to :class:`Hello`; ``accepted=False`` carries the reason in ``error``.
+
+    Carries the acceptor's own identity (the fields of a Hello), which the initiator compares
+    with its own as the acceptor compared the Hello (protocol/handshake.py): both sides check.
+    """
 
     accepted: bool
+    protocol_version: int
     role: str
     instance_id: str
     incarnation: int
+    model: ModelIdentity | None = None
+    draft_method: str = ""
     error: str = ""
     TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> HelloAck:
-        return cls(accepted=False, role="verifier", instance_id="verifier-0", incarnation=1,
-                   error="model mismatch: vocab_size 49152 != 32000")
+        return cls(accepted=False, protocol_version=PROTOCOL_VERSION, role="verifier",
+                   instance_id="verifier-0", incarnation=1, model=ModelIdentity.example(),
+                   draft_method="ngram", error="model mismatch: vocab_size 49152 != 32000")
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ Every role binds one ROUTER on ``tcp://<host>:0`` and reads back the port (its e
 it registers with the controller). The side that starts a conversation (gateway -> verifier,
 verifier -> prefill, verifier -> drafter) connects a DEALER whose identity is its own name and
 says :class:`Hello` first; the ROUTER side answers :class:`HelloAck` and only then accepts
-messages from that peer (anything before Hello is a ProtocolError). Replies travel back on the
+messages from that peer (anything before Hello is a ProtocolError). Both sides compare every
+identity field (protocol/handshake.py): the HelloAck carries the acceptor's identity, and an
+initiator that refuses it treats the peer as refused (sends fail, anything it sends is a
+ProtocolError). Replies travel back on the
 same connection, so e.g. KV frames and PrefillDone share one ordered channel. After a DEALER
 reconnects (peer restarted), Hello is sent again.
 
@@ -33,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol.codec import encode
 from protocol.errors import ProtocolError
-from protocol.handshake import PeerInfo, hello_refusal, identity_mismatch  # noqa: F401
+from protocol.handshake import PeerInfo, ack_refusal, hello_refusal  # noqa: F401
 from protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
 from protocol.transport import Envelope, Mailbox, PeerUnavailable, decode_envelope
 
@@ -89,6 +92,7 @@ class ZmqMailbox(Mailbox):
         self.dealers: dict[str, zmq.Socket] = {}  # peers we connected to
         self.dealer_peers: dict[str, PeerInfo] = {}  # from their HelloAck
         self.refused: dict[str, str] = {}
+        self._expected_roles: dict[str, str] = {}  # dialled peer -> its role per the roster
         self._monitors: dict[zmq.Socket, str] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
@@ -115,8 +119,10 @@ class ZmqMailbox(Mailbox):
 
     # -- connections (call from the owning thread, or before it starts) ---------------------
 
-    def connect(self, peer: str, endpoint: str) -> None:
-        """Open (or re-open, when the endpoint changed) the channel to ``peer`` and say Hello."""
+    def connect(self, peer: str, endpoint: str, role: str = "") -> None:
+        """Open (or re-open, when the endpoint changed) the channel to ``peer`` and say Hello.
+        ``role``: what the roster says ``peer`` is (its HelloAck must say the same); "" when
+        unknown."""
         old = self.dealers.get(peer)
         if old is not None:
             if self.dealer_peers[peer].endpoint == endpoint:
@@ -133,6 +139,7 @@ class ZmqMailbox(Mailbox):
         s.connect(endpoint)
         self.dealers[peer] = s
         self.dealer_peers[peer] = PeerInfo(peer, "", -1, endpoint)
+        self._expected_roles[peer] = role
         self._monitors[mon] = peer
         self.poller.register(s, zmq.POLLIN)
         self.poller.register(mon, zmq.POLLIN)
@@ -143,6 +150,7 @@ class ZmqMailbox(Mailbox):
     def disconnect(self, peer: str) -> None:
         s = self.dealers.pop(peer, None)
         self.dealer_peers.pop(peer, None)
+        self._expected_roles.pop(peer, None)
         if s is None:
             return
         for mon, p in list(self._monitors.items()):
@@ -301,9 +309,11 @@ class ZmqMailbox(Mailbox):
             return
         msg = env.msg
         if isinstance(msg, Hello):
-            why = hello_refusal(msg, peer, self.model)
-            ack = HelloAck(accepted=not why, role=self.role, instance_id=self.name,
-                           incarnation=self.incarnation, error=why)
+            why = hello_refusal(msg, peer, self.model, role=self.role,
+                                draft_method=self.draft_method)
+            ack = HelloAck(accepted=not why, protocol_version=PROTOCOL_VERSION, role=self.role,
+                           instance_id=self.name, incarnation=self.incarnation,
+                           model=self.model, draft_method=self.draft_method, error=why)
             try:
                 self.router.send_multipart([peer.encode()] + encode(ack), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -334,10 +344,23 @@ class ZmqMailbox(Mailbox):
                 self.refused[peer] = msg.error
                 self._error(peer, f"our Hello was refused: {msg.error}")
                 return
+            why = ack_refusal(msg, peer, role=self.role, model=self.model,
+                              draft_method=self.draft_method,
+                              peer_role=self._expected_roles.get(peer, ""))
+            if why:
+                info.acked = False
+                self.refused[peer] = f"we refused its HelloAck: {why}"
+                self._error(peer, f"HelloAck refused: {why}")
+                return
+            self.refused.pop(peer, None)
             is_new = info.incarnation != msg.incarnation
             info.role, info.incarnation, info.acked = msg.role, msg.incarnation, True
             if self.on_hello:
                 self.on_hello(info, is_new)
+            return
+        if peer in self.refused:
+            self._error(peer, f"{type(msg).__name__} from a peer whose handshake failed "
+                              f"({self.refused[peer]})")
             return
         self._pending.append(env)
 

@@ -193,7 +193,7 @@ class RoleHost(ABC):
             if peer not in known:
                 self.mailbox.disconnect(peer)
         for r in peers:
-            self.mailbox.connect(r["instance_id"], r["endpoint"])
+            self.mailbox.connect(r["instance_id"], r["endpoint"], r.get("role", ""))
 
     def stats(self) -> dict:
         self.num_calls += 1

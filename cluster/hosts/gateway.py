@@ -23,17 +23,18 @@ class GatewayHost(RoleHost):
         super().__init__(instance_id, cfg)
 
     def model_identity(self) -> ModelIdentity:
-        # The gateway holds no KV: it announces the served name and the model's vocabulary
-        # size (the embedding rows of config.json, which a padded vocabulary makes larger than
-        # the tokenizer: Qwen2 151,936 rows for 151,665 tokens); the KV layout fields stay
-        # empty (a verifier compares only what a gateway can know).
+        # The gateway holds no KV, but it announces the whole identity, as every role does (an
+        # empty field is not a wildcard): read from the model's config files, so the vocabulary
+        # size is the embedding rows of config.json, which a padded vocabulary makes larger
+        # than the tokenizer (Qwen2: 151,936 rows for 151,665 tokens).
         from engine.loader import load_tokenizer, model_identity, model_name
 
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.model_name = model_name(self.cfg.model)
-        self.vocab_size = model_identity(self.cfg.model, self.cfg.dtype, 0)["vocab_size"]
-        return ModelIdentity(name=self.model_name, vocab_size=self.vocab_size, dtype="",
-                             num_layers=0, num_kv_heads=0, head_dim=0, block_size=0)
+        identity = ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
+                                                  self.cfg.block_size))
+        self.vocab_size = identity.vocab_size
+        return identity
 
     def build_worker(self):
         from cluster.gateway import MailboxBackend
@@ -95,7 +96,7 @@ class GatewayHost(RoleHost):
     def apply_roster(self, roster: list[dict]) -> None:
         verifiers = peers_of(roster, Role.VERIFIER)
         for r in verifiers:
-            self.mailbox.connect(r["instance_id"], r["endpoint"])
+            self.mailbox.connect(r["instance_id"], r["endpoint"], r["role"])
         self.verifiers = [r["instance_id"] for r in verifiers]
         # requests of a verifier that left the roster or restarted fail at once
         self.backend.set_verifiers({r["instance_id"]: r.get("incarnation") for r in verifiers})

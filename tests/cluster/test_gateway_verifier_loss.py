@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import zmq
 
 from cluster.config import ClusterConfig
 from cluster.gateway.backend import STREAM_IDLE_TIMEOUT_S
@@ -27,11 +28,25 @@ PREFILL_ENTRY = {"instance_id": "prefill-0", "role": "prefill", "endpoint": "tcp
 
 class FakeVerifier:
     """A verifier on a real ZMQ ROUTER: ``mode`` "hold" answers a GenerateRequest with one
-    delta and then nothing, "finish" with a delta and the end, "silent" with nothing."""
+    delta and then nothing, "finish" with a delta and the end, "silent" with nothing. It
+    announces the gateway's model identity and draft method (``identity``, set by the
+    ``gateway`` fixture): the gateway refuses a HelloAck that differs."""
+
+    identity: tuple = (None, "")
 
     def __init__(self, token_ids: list[int], mode: str = "hold", port: int = 0,
                  incarnation: int | None = None) -> None:
-        self.mb = ZmqMailbox(VERIFIER, "verifier", port=port, incarnation=incarnation)
+        model, draft_method = self.identity
+        deadline = time.monotonic() + 10
+        while True:  # ZMQ frees a closed socket's port in its I/O thread, a little later
+            try:
+                self.mb = ZmqMailbox(VERIFIER, "verifier", port=port, incarnation=incarnation,
+                                     model=model, draft_method=draft_method)
+                break
+            except zmq.ZMQError:
+                if not port or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         self.token_ids, self.mode = token_ids, mode
         self.requests: list[GenerateRequest] = []
         self.aborts: list[Abort] = []
@@ -84,6 +99,7 @@ def gateway(tiny_model_dir):
     cfg = ClusterConfig(model=str(tiny_model_dir), port=0)
     host = GatewayHost("gateway-0", cfg)
     torch.set_num_threads(threads)  # the host set the gateway's plan for this process
+    FakeVerifier.identity = (host.mailbox.model, host.mailbox.draft_method)
     client = httpx.Client(base_url=f"http://127.0.0.1:{host.port}", timeout=BOUND_S + 5)
     ids = host.tokenizer(" Hello there, general Kenobi")["input_ids"]
     yield host, client, ids

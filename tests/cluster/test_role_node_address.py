@@ -67,7 +67,9 @@ class TinyRoleHost(RoleHost):
 
 def _dial(endpoint: str) -> None:
     """Handshake with the role at ``endpoint``: it is really bound there."""
-    mb = ZmqMailbox("probe", "verifier", host="127.0.0.1")
+    mb = ZmqMailbox("probe", "verifier", host="127.0.0.1",  # the role's own identity
+                    model=TinyRoleHost.model_identity(None),
+                    draft_method=ClusterConfig().verifier.draft_method)
     try:
         mb.connect("drafter-0", endpoint)
         deadline = time.monotonic() + 5
