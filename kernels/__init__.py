@@ -30,10 +30,22 @@ from kernels.rejection_sample import (
     rejection_sample_ref,
     rejection_sample_triton,
 )
+from kernels.tree_verify import (
+    tree_node_depths,
+    tree_rejection_sample,
+    tree_rejection_sample_noise,
+    tree_rejection_sample_ref,
+    tree_rejection_sample_triton,
+    tree_walk,
+    tree_walk_ref,
+    tree_walk_triton,
+)
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "block_verify", "block_verify_noise", "block_verify_ref",
            "block_verify_triton", "coupled_sample", "coupled_sample_ref", "coupled_sample_triton",
            "greedy_verify", "greedy_verify_ref", "greedy_verify_triton", "gumbel_sample",
            "gumbel_sample_ref", "gumbel_sample_triton", "process_logits", "process_logits_ref",
            "rejection_sample", "rejection_sample_noise", "rejection_sample_ref",
-           "rejection_sample_triton"]
+           "rejection_sample_triton", "tree_node_depths", "tree_rejection_sample",
+           "tree_rejection_sample_noise", "tree_rejection_sample_ref",
+           "tree_rejection_sample_triton", "tree_walk", "tree_walk_ref", "tree_walk_triton"]

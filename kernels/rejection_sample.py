@@ -60,8 +60,11 @@ def _validate(
     uniform_samples: torch.Tensor,
     exponential_noise: torch.Tensor,
     max_num_draft_tokens: int | None,
+    noise_per_row: bool = False,
 ) -> int:
     """Check the inputs; return ``max_num_draft_tokens`` (computed when None).
+    ``noise_per_row`` also admits ``exponential_noise`` with one row per target row
+    (``[num_draft_total + batch, V]``, tree verification's layout).
 
     Content checks (``cu`` a non-decreasing cumsum ending at ``num_draft_total``, counts within
     ``max_num_draft_tokens``, draft ids in ``[0, V)``, ``0 <= uniform_samples < 1``,
@@ -117,9 +120,10 @@ def _validate(
     if uniform_samples.numel() != num_draft_total:
         raise ValueError(f"uniform_samples has {uniform_samples.numel()} values, expected "
                          f"num_draft_total = {num_draft_total}")
-    if tuple(exponential_noise.shape) != (batch, vocab):
-        raise ValueError(f"exponential_noise must be [{batch}, {vocab}], "
-                         f"got {tuple(exponential_noise.shape)}")
+    noise_rows = (batch, num_draft_total + batch) if noise_per_row else (batch,)
+    if exponential_noise.shape[0] not in noise_rows or exponential_noise.shape[1] != vocab:
+        raise ValueError(f"exponential_noise must be [{' or '.join(map(str, noise_rows))}, "
+                         f"{vocab}], got {tuple(exponential_noise.shape)}")
     max_num_draft_tokens, counts = resolve_max_num_draft_tokens(
         cu_num_draft_tokens, num_draft_total, max_num_draft_tokens)
     if counts is None:  # CUDA: content checks need the values on the host

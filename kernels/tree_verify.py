@@ -1,0 +1,682 @@
+"""Tree verification over a ragged batch (DESIGN.md §5): the greedy walk and SpecInfer's
+multi-step speculative sampling (Miao et al., "SpecInfer", arXiv 2305.09781, Algorithm 2
+"multi-step speculative sampling"; the sibling-by-sibling residual of Chen et al. 2302.01318).
+
+Layout (the chain rules' ragged layout, vLLM's vocabulary): request ``b`` drafts a tree of
+``k_b >= 0`` nodes ``draft_token_ids[s_b : s_b + k_b]`` (``s_b = cu[b-1]``, ``cu[-1]`` read as
+0). ``parents[s_b + j]`` is the parent of node ``j`` as a node index within the same request,
+``-1`` for the root (the last committed token); ``parents[s_b + j] < j`` (topological order).
+Siblings are tried in node-index order. The request has ``k_b + 1`` target rows starting at
+``s_b + b``: row 0 is the target after the root, row ``1 + j`` the target after node ``j`` (its
+ancestors and itself appended to the committed prefix). A chain of ``k`` nodes
+(``parents = [-1, 0, .., k-2]``) has depth ``k`` and is verified exactly as the chain rules
+verify it.
+
+Both ops walk the tree from the root, one node per depth:
+
+- :func:`tree_walk` (greedy, and the coupled rule of seeded requests with its Gumbel-max token
+  per row): at node ``u`` move to the first child whose token equals the target token of row
+  ``u``; stop when none does. The extra token is the target token of the stop row (the
+  ``bonus_token_id`` at a leaf, else the ``recovered_token_id``).
+- :func:`tree_rejection_sample` (sampled requests): at node ``u`` the residual ``r`` starts as
+  target row ``u``; child ``c`` (token ``x``, drawn from ``q = draft_probs[c]``, or ``q = e_x``
+  for one-hot drafts when ``draft_probs`` is None) is accepted iff ``uniform[c] * q[x] < r[x]``
+  (``u < min(1, r[x] / q[x])``, in float64); on acceptance the walk moves to ``c``, else
+  ``r <- normalize(max(r - q, 0))`` (one-hot: ``r`` with ``x`` removed) and the next sibling is
+  tried. When no child is accepted the extra token is sampled from ``r``: the recovered token
+  after a rejection, else the bonus token from the target row. Each step is a speculative
+  sampling step whose target is the distribution still owed, so the emitted tokens follow the
+  target exactly when the siblings are drawn independently, each from its ``draft_probs`` row
+  (i.i.d. from one ``q`` included), and for any fixed tokens with one-hot drafts (distinct or
+  repeated: a repeated rejected token has ``r[x] = 0``).
+
+Arithmetic of :func:`tree_rejection_sample` (kernel and reference alike). The residual is kept
+as a row ``R`` in the probabilities' dtype and a float64 mass ``S``, ``r = R / S`` (float64
+division, rounded to the dtype). At node ``u``: ``R = target row u``, ``S = 1`` (so ``r`` is the
+target row itself, bit for bit). A rejection computes ``D = max(r - q, 0)`` in the dtype
+(one-hot: ``r`` with ``x`` zeroed) and ``Z = sum(D)`` in float64; ``R, S = D, Z`` when ``Z > 0``.
+When ``Z == 0`` (``r <= q`` everywhere: with exact sums ``r == q`` and the rejection had
+probability 0, so it can only come from rounding) the rejection leaves ``r`` as it was: the
+distribution still owed is unchanged (``r`` is within rounding of ``q``); it must not fall back
+to the target row, which would over-weight the siblings already rejected. The extra token is the
+exponential race of :mod:`kernels.rejection_sample` over ``R``:
+``argmax(R / exponential_noise[row])`` (IEEE division in the dtype, first index among ties;
+the scale ``S`` does not change the argmax); when every score is 0 (underflow) the target row of
+the stop node is raced instead. On a chain all of this is :func:`kernels.rejection_sample
+.rejection_sample_ref` bit for bit: the first child of a node always sees ``S = 1``.
+
+The noise: ``exponential_noise`` has one row per target row (``[num_draft_total + batch, V]``,
+the row of the stop node is read) or one per request (``[batch, V]``, as rejection sampling).
+Either is exact: the stop node is decided by the uniforms only, so the row raced is independent
+of the noise. The kernel sums ``Z`` in another order than torch; a decision differs only when a
+uniform or a score lies within float64 rounding of its threshold (probability ~1e-16 per test,
+~1e-9 per token for float32 rows).
+
+Returns of both ops: ``(output_token_ids, accept_len, accepted_node_ids)``: int64
+``[batch, max_depth + 1]`` (the accepted path's tokens, then the extra token, padded with
+:data:`PLACEHOLDER_TOKEN_ID`), int64 ``[batch]`` (the path's depth, extra token excluded) and
+int64 ``[batch, max_depth]`` (the path's node indices within the request, ``-1`` padded), with
+``max_depth`` the deepest tree of the batch unless given.
+
+Entry points per op: ``<op>_ref`` (plain torch, the source of truth, any device),
+``<op>_triton`` (the kernel: CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``<op>`` (the
+launcher: CUDA or TRITON_INTERPRET -> kernel, else reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.constants import PLACEHOLDER_TOKEN_ID
+from kernels.greedy_verify import _validate as _validate_greedy
+from kernels.ragged import num_drafts as _num_drafts
+from kernels.rejection_sample import _validate as _validate_rejection
+from kernels.rejection_sample import rejection_sample_noise
+from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
+
+_Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# Tree shape: depths, validation
+# --------------------------------------------------------------------------------------------
+
+
+def tree_node_depths(cu_num_draft_tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node (a child of the root has depth 1), int64 ``[num_draft_total]``, by
+    pointer jumping (``ceil(log2(num_draft_total)) + 1`` rounds, no host sync). A parent outside
+    ``[-1, j)`` counts as the root (the walks never reach such a node)."""
+    device = parents.device
+    total = parents.numel()
+    counts = _num_drafts(cu_num_draft_tokens)
+    start = cu_num_draft_tokens.to(torch.int64) - counts
+    req = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts,
+                                  output_size=total)
+    local = torch.arange(total, device=device) - start[req]
+    valid = (parents >= 0) & (parents < local)
+    ancestor = torch.where(valid, parents + start[req], -1)  # global index, -1 = the root
+    depth = torch.ones(total, dtype=torch.int64, device=device)  # edges from node to ancestor
+    for _ in range(max(1, total.bit_length())):
+        has = ancestor >= 0
+        safe = ancestor.clamp(min=0)
+        depth = depth + torch.where(has, depth[safe], 0)
+        ancestor = torch.where(has, ancestor[safe], -1)
+    return depth
+
+
+def _check_parents(parents: torch.Tensor, draft_token_ids: torch.Tensor,
+                   cu_num_draft_tokens: torch.Tensor, max_depth: int | None) -> int:
+    """Check ``parents`` (the other inputs are checked) and return ``max_depth`` (computed when
+    None: one host sync on CUDA, as the chain rules' max count).
+
+    Raises:
+        ValueError: ``parents`` not an int64 1-D tensor of ``num_draft_total`` values on the
+            drafts' device; ``max_depth`` not an int >= 0; (CPU) a parent outside ``[-1, j)``
+            for node ``j``, or a tree deeper than ``max_depth``.
+    """
+    if not isinstance(parents, torch.Tensor):
+        raise ValueError(f"parents must be a torch.Tensor, got {type(parents).__name__}")
+    if parents.dim() != 1 or parents.dtype != torch.int64:
+        raise ValueError(f"parents must be a 1-D int64 tensor, got {parents.dtype} "
+                         f"{tuple(parents.shape)}")
+    if parents.numel() != draft_token_ids.numel():
+        raise ValueError(f"parents has {parents.numel()} values, draft_token_ids "
+                         f"{draft_token_ids.numel()}")
+    if parents.device != draft_token_ids.device:
+        raise ValueError(f"parents is on {parents.device}, the drafts on "
+                         f"{draft_token_ids.device}")
+    if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int)
+                                  or max_depth < 0):
+        raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
+    if parents.is_cuda and max_depth is not None:
+        return max_depth
+    if parents.numel() == 0:
+        return max_depth or 0
+    if not parents.is_cuda:
+        counts = _num_drafts(cu_num_draft_tokens)
+        local = torch.arange(parents.numel()) - torch.repeat_interleave(
+            cu_num_draft_tokens.to(torch.int64) - counts, counts)
+        bad = (parents < -1) | (parents >= local)
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0, 0])
+            raise ValueError(f"parents[{j}] = {int(parents[j])}: a node's parent must be -1 "
+                             f"(the root) or an earlier node of its request (< {int(local[j])})")
+    deepest = int(tree_node_depths(cu_num_draft_tokens, parents).max())
+    if max_depth is None:
+        return deepest
+    if deepest > max_depth:
+        raise ValueError(f"a tree has depth {deepest} > max_depth={max_depth}")
+    return max_depth
+
+
+def _validate_walk(draft_token_ids: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
+                   parents: torch.Tensor, target_token_ids: torch.Tensor,
+                   max_depth: int | None) -> int:
+    """The greedy chain rule's checks, then :func:`_check_parents`; returns ``max_depth``."""
+    _validate_greedy(draft_token_ids, cu_num_draft_tokens, target_token_ids, None)
+    return _check_parents(parents, draft_token_ids, cu_num_draft_tokens, max_depth)
+
+
+def _validate_sample(draft_token_ids: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
+                     parents: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor, uniform_samples: torch.Tensor,
+                     exponential_noise: torch.Tensor, max_depth: int | None) -> int:
+    """Rejection sampling's checks (noise per request or per row), then
+    :func:`_check_parents`; returns ``max_depth``."""
+    _validate_rejection(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs,
+                         uniform_samples, exponential_noise, None, noise_per_row=True)
+    return _check_parents(parents, draft_token_ids, cu_num_draft_tokens, max_depth)
+
+
+def tree_rejection_sample_noise(
+    cu_num_draft_tokens: torch.Tensor,
+    vocab_size: int,
+    dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+    per_row: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random inputs of :func:`tree_rejection_sample`: ``(uniform_samples,
+    exponential_noise)``: float64 ``[num_draft_total]`` uniform in ``[0, 1)``, one per node,
+    and ``dtype`` ``Exp(1)`` rows clamped to the smallest normal, ``[num_draft_total + batch,
+    V]`` (one per target row) or, with ``per_row=False``, ``[batch, V]`` (one per request,
+    :func:`kernels.rejection_sample.rejection_sample_noise` exactly: V times fewer draws per
+    node, equally exact). On ``cu_num_draft_tokens``' device (``generator`` must be there)."""
+    if not per_row:
+        return rejection_sample_noise(cu_num_draft_tokens, vocab_size, dtype,
+                                                 generator)
+    device = cu_num_draft_tokens.device
+    batch = cu_num_draft_tokens.numel()
+    total = int(cu_num_draft_tokens[-1]) if batch else 0
+    uniform = torch.rand(total, dtype=torch.float64, device=device, generator=generator)
+    noise = torch.empty((total + batch, vocab_size), dtype=dtype, device=device)
+    noise.exponential_(generator=generator).clamp_(min=torch.finfo(dtype).tiny)
+    return uniform, noise
+
+
+# --------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------
+
+
+class _Walk:
+    """State of every request's walk in the references (one node per depth, scanned in node
+    order: a node's children come after it, so one pass over the node indices suffices)."""
+
+    def __init__(self, cu_num_draft_tokens: torch.Tensor, width: int, device: torch.device):
+        self.counts = _num_drafts(cu_num_draft_tokens)  # [batch]
+        self.start = cu_num_draft_tokens.to(torch.int64) - self.counts  # [batch]
+        batch = self.counts.numel()
+        self.req = torch.arange(batch, device=device)
+        self.node = torch.full((batch,), -1, dtype=torch.int64, device=device)  # -1 = root
+        self.row = self.start + self.req  # target row of the current node
+        self.depth = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.path_tokens = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+                                      device=device)
+        self.path_nodes = torch.full((batch, width), -1, dtype=torch.int64, device=device)
+
+    def children(self, j: int, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(is_child [batch], index [batch])``: whether node ``j`` of each request is a child
+        of its current node, and the node's global index (0 where the request has no node j)."""
+        has = j < self.counts
+        index = torch.where(has, self.start + j, 0)
+        return has & (parents[index] == self.node), index
+
+    def move(self, accepted: torch.Tensor, j: int, tokens: torch.Tensor) -> None:
+        """Requests where ``accepted`` move to their node ``j`` (token ``tokens``)."""
+        if not bool(accepted.any()):
+            return
+        b = accepted.nonzero()[:, 0]
+        self.path_tokens[b, self.depth[b]] = tokens[b]
+        self.path_nodes[b, self.depth[b]] = j
+        self.node = torch.where(accepted, j, self.node)
+        self.row = torch.where(accepted, self.start + self.req + 1 + j, self.row)
+        self.depth = self.depth + accepted.to(torch.int64)
+
+    def result(self, extra: torch.Tensor) -> _Result:
+        out = self.path_tokens.clone()
+        out[self.req, self.depth] = extra
+        return out, self.depth, self.path_nodes[:, :-1].contiguous()
+
+
+def _empty(width: int, device: torch.device) -> _Result:
+    i64 = torch.int64
+    return (torch.empty((0, width), dtype=i64, device=device),
+            torch.empty((0,), dtype=i64, device=device),
+            torch.empty((0, width - 1), dtype=i64, device=device))
+
+
+def tree_walk_ref(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_token_ids: torch.Tensor,
+    max_depth: int | None = None,
+) -> _Result:
+    """Greedy tree walk in plain torch (the source of truth). See the module docstring.
+
+    Args:
+        draft_token_ids: int64 ``[num_draft_total]``, every request's tree nodes, concatenated.
+        cu_num_draft_tokens: int32/int64 ``[batch]``, inclusive cumsum of the node counts.
+        parents: int64 ``[num_draft_total]``, each node's parent within its request (-1: root).
+        target_token_ids: int64 ``[num_draft_total + batch]``, the target's token per row
+            (argmax, or the coupled rule's Gumbel-max token), ``k_b + 1`` rows per request.
+        max_depth: output width minus one; the deepest tree when None.
+
+    Returns:
+        ``(output_token_ids [batch, max_depth + 1], accept_len [batch],
+        accepted_node_ids [batch, max_depth])``, int64.
+
+    Raises:
+        ValueError: see :func:`kernels.greedy_verify._validate` and :func:`_check_parents`.
+    """
+    width = _validate_walk(draft_token_ids, cu_num_draft_tokens, parents, target_token_ids,
+                           max_depth) + 1
+    device = draft_token_ids.device
+    if cu_num_draft_tokens.numel() == 0:
+        return _empty(width, device)
+    walk = _Walk(cu_num_draft_tokens, width, device)
+    for j in range(int(walk.counts.max())):
+        child, index = walk.children(j, parents)
+        tokens = draft_token_ids[index]
+        walk.move(child & (tokens == target_token_ids[walk.row]), j, tokens)
+    return walk.result(target_token_ids[walk.row])
+
+
+def tree_rejection_sample_ref(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    exponential_noise: torch.Tensor,
+    max_depth: int | None = None,
+) -> _Result:
+    """Multi-step speculative sampling over trees in plain torch (the source of truth). See the
+    module docstring for the rule and its arithmetic.
+
+    Args:
+        draft_token_ids, cu_num_draft_tokens, parents, max_depth: as :func:`tree_walk_ref`.
+        draft_probs: ``[num_draft_total, V]`` (target_probs' dtype): row ``c`` is the
+            distribution node ``c`` was drawn from (given its parent); None for one-hot drafts.
+        target_probs: float32/float64 ``[num_draft_total + batch, V]``, ``k_b + 1`` rows per
+            request (row 0: after the root; row ``1 + j``: after node ``j``).
+        uniform_samples: float32/float64 ``[num_draft_total]`` in ``[0, 1)``, one per node.
+        exponential_noise: ``Exp(1)`` samples ``> 0`` (target_probs' dtype), ``[num_draft_total
+            + batch, V]`` (per row) or ``[batch, V]`` (per request).
+
+    Returns:
+        ``(output_token_ids [batch, max_depth + 1], accept_len [batch],
+        accepted_node_ids [batch, max_depth])``, int64.
+
+    Raises:
+        ValueError: see :func:`kernels.rejection_sample._validate` and :func:`_check_parents`.
+    """
+    width = _validate_sample(draft_token_ids, cu_num_draft_tokens, parents, draft_probs,
+                             target_probs, uniform_samples, exponential_noise, max_depth) + 1
+    device = draft_token_ids.device
+    batch = cu_num_draft_tokens.numel()
+    if batch == 0:
+        return _empty(width, device)
+    f64, dtype = torch.float64, target_probs.dtype
+    walk = _Walk(cu_num_draft_tokens, width, device)
+    residual = target_probs[walk.row]  # R [batch, V]
+    mass = torch.ones(batch, dtype=f64, device=device)  # S: the residual is R / S
+    vocab_ids = torch.arange(target_probs.shape[1], device=device)[None, :]
+    for j in range(int(walk.counts.max())):
+        child, index = walk.children(j, parents)
+        if not bool(child.any()):
+            continue
+        tokens = draft_token_ids[index]
+        r = (residual.to(f64) / mass[:, None]).to(dtype)  # [batch, V]
+        r_at = r.gather(1, tokens[:, None])[:, 0].to(f64)
+        if draft_probs is None:
+            draft_at = torch.ones_like(r_at)
+            rest = torch.where(vocab_ids == tokens[:, None], 0.0, r)
+        else:
+            q = draft_probs[index]
+            draft_at = q.gather(1, tokens[:, None])[:, 0].to(f64)
+            rest = torch.clamp(r - q, min=0)
+        accepted = child & (uniform_samples[index].to(f64) * draft_at < r_at)
+        rest_mass = rest.to(f64).sum(dim=1)
+        update = child & ~accepted & (rest_mass > 0)
+        residual = torch.where(update[:, None], rest, residual)
+        mass = torch.where(update, rest_mass, mass)
+        walk.move(accepted, j, tokens)
+        residual = torch.where(accepted[:, None], target_probs[walk.row], residual)
+        mass = torch.where(accepted, 1.0, mass)
+    per_row = exponential_noise.shape[0] != batch
+    noise = exponential_noise[walk.row if per_row else walk.req]
+    target_row = target_probs[walk.row]
+    scores = residual / noise
+    fallback = scores.amax(dim=1) == 0  # every score underflowed: race the target row
+    scores = torch.where(fallback[:, None], target_row / noise, scores)
+    return walk.result(scores.argmax(dim=1))  # first index among ties
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _request_span(cu_ptr, req):
+    """``(start, count)`` of request ``req``'s nodes (int64 scalars)."""
+    end = tl.load(cu_ptr + req).to(tl.int64)
+    prev_end = tl.load(cu_ptr + tl.maximum(req - 1, 0)).to(tl.int64)
+    start = tl.where(req > 0, prev_end, 0)
+    return start, end - start
+
+
+@triton.jit
+def _store_result(output_ptr, accept_len_ptr, node_ids_ptr, req, output_width, depth, extra,
+                  path_tokens, path_nodes, PLACEHOLDER: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write request ``req``'s output row, accept_len and accepted node ids."""
+    pos = tl.arange(0, BLOCK_D)
+    output = tl.where(pos < depth, path_tokens, tl.where(pos == depth, extra, PLACEHOLDER))
+    tl.store(output_ptr + req * output_width + pos, output, mask=pos < output_width)
+    tl.store(node_ids_ptr + req * (output_width - 1) + pos, path_nodes,
+             mask=pos < output_width - 1)
+    tl.store(accept_len_ptr + req, depth)
+
+
+@triton.jit
+def _tree_walk_kernel(
+    draft_ptr,  # int64 [num_draft_total]
+    cu_ptr,  # int32/int64 [batch]
+    parents_ptr,  # int64 [num_draft_total]
+    target_ptr,  # int64 [num_draft_total + batch]
+    output_ptr,  # int64 [batch, output_width]
+    accept_len_ptr,  # int64 [batch]
+    node_ids_ptr,  # int64 [batch, output_width - 1]
+    output_width,  # max_depth + 1
+    PLACEHOLDER: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # power of two >= output_width
+):
+    """One program per request: one pass over its nodes in index order, moving to a child of
+    the current node whose token is the current row's target token."""
+    req = tl.program_id(0).to(tl.int64)
+    start, count = _request_span(cu_ptr, req)
+    pos = tl.arange(0, BLOCK_D)
+    node = tl.full([], -1, tl.int64)
+    row = start + req
+    depth = tl.zeros([], tl.int64)
+    path_tokens = tl.full([BLOCK_D], PLACEHOLDER, tl.int64)
+    path_nodes = tl.full([BLOCK_D], -1, tl.int64)
+    for i in range(start, start + count):  # global node index (a Python int when interpreted)
+        j = i - start  # within-request node index, an int64 scalar tensor
+        parent = tl.load(parents_ptr + i)
+        token = tl.load(draft_ptr + i)
+        hit = (parent == node) & (token == tl.load(target_ptr + row))
+        path_tokens = tl.where(hit & (pos == depth), token, path_tokens)
+        path_nodes = tl.where(hit & (pos == depth), j, path_nodes)
+        node = tl.where(hit, j, node)
+        row = tl.where(hit, i + req + 1, row)
+        depth += hit.to(tl.int64)
+    _store_result(output_ptr, accept_len_ptr, node_ids_ptr, req, output_width, depth,
+                  tl.load(target_ptr + row), path_tokens, path_nodes, PLACEHOLDER, BLOCK_D)
+
+
+@triton.jit
+def _rest_chunk(residual_ptr, scratch_row, in_scratch, mass, draft_row, token, cols, vocab_size,
+                HAS_DRAFT_PROBS: tl.constexpr):
+    """``max(r - q, 0)`` (one-hot: ``r`` with ``token`` zeroed) on the vocabulary chunk
+    ``cols``, with ``r = R / S`` rounded to the dtype and ``R`` in the scratch row or at
+    ``residual_ptr`` (the target row); 0 past the vocabulary."""
+    in_vocab = cols < vocab_size
+    from_scratch = tl.load(scratch_row + cols, mask=cols < tl.where(in_scratch, vocab_size, 0),
+                           other=0)
+    from_target = tl.load(residual_ptr + cols, mask=cols < tl.where(in_scratch, 0, vocab_size),
+                          other=0)
+    stored = tl.where(in_scratch, from_scratch, from_target)
+    r = (stored.to(tl.float64) / mass).to(stored.dtype)
+    if HAS_DRAFT_PROBS:
+        q = tl.load(draft_row + cols, mask=in_vocab, other=0)
+        rest = tl.maximum(r - q, 0.0)
+    else:
+        rest = tl.where(cols == token, 0.0, r)
+    return tl.where(in_vocab, rest, 0.0)
+
+
+@triton.jit
+def _tree_rejection_sample_kernel(
+    draft_ptr,  # int64 [num_draft_total]
+    cu_ptr,  # int32/int64 [batch]
+    parents_ptr,  # int64 [num_draft_total]
+    draft_probs_ptr,  # [num_draft_total, V] (unused without HAS_DRAFT_PROBS)
+    target_probs_ptr,  # [num_draft_total + batch, V]
+    uniform_ptr,  # float32/float64 [num_draft_total]
+    noise_ptr,  # [num_draft_total + batch, V] or [batch, V]
+    scratch_ptr,  # [batch, V], target_probs' dtype: the residual after a rejection
+    output_ptr,  # int64 [batch, output_width]
+    accept_len_ptr,  # int64 [batch]
+    node_ids_ptr,  # int64 [batch, output_width - 1]
+    output_width,  # max_depth + 1
+    vocab_size,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    NOISE_PER_ROW: tl.constexpr,
+    PLACEHOLDER: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # power of two >= output_width
+    BLOCK_V: tl.constexpr,  # vocabulary chunk
+):
+    """One program per request: one pass over its nodes in index order; a rejected child costs
+    two passes over the vocabulary (the residual's mass, then the residual into the request's
+    scratch row, only when the mass is > 0), the extra token one more."""
+    req = tl.program_id(0).to(tl.int64)
+    start, count = _request_span(cu_ptr, req)
+    pos = tl.arange(0, BLOCK_D)
+    node = tl.full([], -1, tl.int64)
+    row = start + req
+    depth = tl.zeros([], tl.int64)
+    path_tokens = tl.full([BLOCK_D], PLACEHOLDER, tl.int64)
+    path_nodes = tl.full([BLOCK_D], -1, tl.int64)
+    mass = tl.full([], 1.0, tl.float64)  # S
+    in_scratch = tl.zeros([], tl.int32)  # R: the scratch row (1) or the target row (0)
+    scratch_row = scratch_ptr + req * vocab_size
+    for i in range(start, start + count):  # global node index (a Python int when interpreted)
+        j = i - start  # within-request node index, an int64 scalar tensor
+        if tl.load(parents_ptr + i) == node:
+            token = tl.load(draft_ptr + i)
+            target_row = target_probs_ptr + row * vocab_size
+            stored = tl.where(in_scratch != 0, tl.load(scratch_row + token),
+                              tl.load(target_row + token))
+            r_at = (stored.to(tl.float64) / mass).to(stored.dtype).to(tl.float64)
+            draft_row = draft_probs_ptr + i * vocab_size
+            if HAS_DRAFT_PROBS:
+                draft_at = tl.load(draft_row + token).to(tl.float64)
+            else:
+                draft_at = tl.full([], 1.0, tl.float64)
+            u = tl.load(uniform_ptr + i).to(tl.float64)
+            if u * draft_at < r_at:  # accepted: move to node j
+                path_tokens = tl.where(pos == depth, token, path_tokens)
+                path_nodes = tl.where(pos == depth, j, path_nodes)
+                node = j
+                row = i + req + 1
+                depth += 1
+                mass = tl.full([], 1.0, tl.float64)
+                in_scratch = tl.zeros([], tl.int32)
+            else:  # rejected: r <- normalize(max(r - q, 0)) unless that vanishes
+                rest_mass = tl.zeros([], tl.float64)
+                for off in range(0, vocab_size, BLOCK_V):
+                    cols = off + tl.arange(0, BLOCK_V).to(tl.int64)
+                    rest = _rest_chunk(target_row, scratch_row, in_scratch != 0, mass,
+                                       draft_row, token, cols, vocab_size, HAS_DRAFT_PROBS)
+                    rest_mass += tl.sum(rest.to(tl.float64), axis=0)
+                if rest_mass > 0:
+                    tl.debug_barrier()  # every thread has read R before it is overwritten
+                    for off in range(0, vocab_size, BLOCK_V):
+                        cols = off + tl.arange(0, BLOCK_V).to(tl.int64)
+                        rest = _rest_chunk(target_row, scratch_row, in_scratch != 0, mass,
+                                           draft_row, token, cols, vocab_size,
+                                           HAS_DRAFT_PROBS)
+                        tl.store(scratch_row + cols, rest, mask=cols < vocab_size)
+                    tl.debug_barrier()  # the new R is visible to every thread
+                    mass = rest_mass
+                    in_scratch = tl.full([], 1, tl.int32)
+
+    # The extra token: the exponential race over R, the target row if every score is 0.
+    target_row = target_probs_ptr + row * vocab_size
+    if NOISE_PER_ROW:
+        noise_row = noise_ptr + row * vocab_size
+    else:
+        noise_row = noise_ptr + req * vocab_size
+    best_res = tl.full([], -1.0, target_probs_ptr.dtype.element_ty)
+    best_res_idx = tl.zeros([], tl.int64)
+    best_tgt = tl.full([], -1.0, target_probs_ptr.dtype.element_ty)
+    best_tgt_idx = tl.zeros([], tl.int64)
+    for off in range(0, vocab_size, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V).to(tl.int64)
+        in_vocab = cols < vocab_size
+        t = tl.load(target_row + cols, mask=in_vocab, other=0)
+        s = tl.load(scratch_row + cols, mask=cols < tl.where(in_scratch != 0, vocab_size, 0),
+                    other=0)
+        res = tl.where(in_scratch != 0, s, t)
+        e = tl.load(noise_row + cols, mask=in_vocab, other=1)
+        s_res = tl.where(in_vocab, tl.math.fdiv(res, e, ieee_rounding=True), -1.0)
+        s_tgt = tl.where(in_vocab, tl.math.fdiv(t, e, ieee_rounding=True), -1.0)
+        m_res, i_res = tl.max(s_res, axis=0, return_indices=True,
+                              return_indices_tie_break_left=True)
+        m_tgt, i_tgt = tl.max(s_tgt, axis=0, return_indices=True,
+                              return_indices_tie_break_left=True)
+        better_res = m_res > best_res  # strict: an earlier chunk wins ties
+        best_res_idx = tl.where(better_res, off + i_res.to(tl.int64), best_res_idx)
+        best_res = tl.where(better_res, m_res, best_res)
+        better_tgt = m_tgt > best_tgt
+        best_tgt_idx = tl.where(better_tgt, off + i_tgt.to(tl.int64), best_tgt_idx)
+        best_tgt = tl.where(better_tgt, m_tgt, best_tgt)
+    extra = tl.where(best_res == 0, best_tgt_idx, best_res_idx)
+    _store_result(output_ptr, accept_len_ptr, node_ids_ptr, req, output_width, depth, extra,
+                  path_tokens, path_nodes, PLACEHOLDER, BLOCK_D)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton entries and launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _kernel_is_interpreted() -> bool:
+    """Whether this module's kernels were decorated interpreted (see :mod:`kernels.triton_mode`)."""
+    return is_interpreted(_tree_walk_kernel) and is_interpreted(_tree_rejection_sample_kernel)
+
+
+def _outputs(batch: int, width: int, device: torch.device) -> _Result:
+    i64 = torch.int64
+    return (torch.empty((batch, width), dtype=i64, device=device),
+            torch.empty((batch,), dtype=i64, device=device),
+            torch.empty((batch, width - 1), dtype=i64, device=device))
+
+
+def tree_walk_triton(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_token_ids: torch.Tensor,
+    max_depth: int | None = None,
+) -> _Result:
+    """:func:`tree_walk_ref` computed by the Triton kernel (same arguments and results).
+
+    Raises:
+        ValueError: as :func:`tree_walk_ref`; or CPU tensors while the kernel is compiled.
+        RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
+            imported (the kernel was already decorated for compilation).
+    """
+    width = _validate_walk(draft_token_ids, cu_num_draft_tokens, parents, target_token_ids,
+                           max_depth) + 1
+    check_runnable(draft_token_ids.is_cuda, _tree_walk_kernel)
+    batch = cu_num_draft_tokens.numel()
+    output, accept_len, node_ids = _outputs(batch, width, draft_token_ids.device)
+    if batch:
+        _tree_walk_kernel[(batch,)](
+            draft_token_ids.contiguous(), cu_num_draft_tokens.contiguous(), parents.contiguous(),
+            target_token_ids.contiguous(), output, accept_len, node_ids, width,
+            PLACEHOLDER=PLACEHOLDER_TOKEN_ID, BLOCK_D=triton.next_power_of_2(width), num_warps=1,
+        )
+    return output, accept_len, node_ids
+
+
+def tree_rejection_sample_triton(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    exponential_noise: torch.Tensor,
+    max_depth: int | None = None,
+) -> _Result:
+    """:func:`tree_rejection_sample_ref` computed by the Triton kernel (same arguments and
+    results; a ``[batch, V]`` scratch row per request in target_probs' dtype).
+
+    Raises:
+        ValueError: as :func:`tree_rejection_sample_ref`; or CPU tensors while the kernel is
+            compiled.
+        RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
+            imported (the kernel was already decorated for compilation).
+    """
+    width = _validate_sample(draft_token_ids, cu_num_draft_tokens, parents, draft_probs,
+                             target_probs, uniform_samples, exponential_noise, max_depth) + 1
+    check_runnable(draft_token_ids.is_cuda, _tree_rejection_sample_kernel)
+    batch = cu_num_draft_tokens.numel()
+    device = draft_token_ids.device
+    output, accept_len, node_ids = _outputs(batch, width, device)
+    if batch == 0:
+        return output, accept_len, node_ids
+    vocab = target_probs.shape[1]
+    target_probs = target_probs.contiguous()
+    has_draft_probs = draft_probs is not None
+    scratch = torch.empty((batch, vocab), dtype=target_probs.dtype, device=device)
+    _tree_rejection_sample_kernel[(batch,)](
+        draft_token_ids.contiguous(), cu_num_draft_tokens.contiguous(), parents.contiguous(),
+        draft_probs.contiguous() if has_draft_probs else target_probs, target_probs,
+        uniform_samples.contiguous(), exponential_noise.contiguous(), scratch, output,
+        accept_len, node_ids, width, vocab, HAS_DRAFT_PROBS=has_draft_probs,
+        NOISE_PER_ROW=exponential_noise.shape[0] != batch, PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
+        BLOCK_D=triton.next_power_of_2(width), BLOCK_V=min(4096, triton.next_power_of_2(vocab)),
+        num_warps=4,
+    )
+    return output, accept_len, node_ids
+
+
+def _use_kernel(draft_token_ids: object) -> bool:
+    on_cuda = isinstance(draft_token_ids, torch.Tensor) and draft_token_ids.is_cuda
+    return on_cuda or interpret_mode()
+
+
+def tree_walk(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_token_ids: torch.Tensor,
+    max_depth: int | None = None,
+) -> _Result:
+    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else the
+    torch reference. Arguments, results and errors as :func:`tree_walk_ref` (plus the
+    RuntimeError of :func:`tree_walk_triton`)."""
+    fn = tree_walk_triton if _use_kernel(draft_token_ids) else tree_walk_ref
+    return fn(draft_token_ids, cu_num_draft_tokens, parents, target_token_ids, max_depth)
+
+
+def tree_rejection_sample(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    exponential_noise: torch.Tensor,
+    max_depth: int | None = None,
+) -> _Result:
+    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else the
+    torch reference. Arguments, results and errors as :func:`tree_rejection_sample_ref` (plus
+    the RuntimeError of :func:`tree_rejection_sample_triton`)."""
+    fn = (tree_rejection_sample_triton if _use_kernel(draft_token_ids)
+          else tree_rejection_sample_ref)
+    return fn(draft_token_ids, cu_num_draft_tokens, parents, draft_probs, target_probs,
+              uniform_samples, exponential_noise, max_depth)
+
+
+__all__ = ["tree_node_depths", "tree_rejection_sample", "tree_rejection_sample_noise",
+           "tree_rejection_sample_ref", "tree_rejection_sample_triton", "tree_walk",
+           "tree_walk_ref", "tree_walk_triton"]
