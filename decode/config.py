@@ -51,7 +51,9 @@ class VerifierConfig:
     so a restarted verifier's ids never collide with its previous life's (DESIGN.md §3).
     ``verify_rule`` (:data:`VERIFY_RULES`): the rule of unseeded sampled requests, ``"auto"``
     (rejection sampling) or ``"block"`` (block verification); temperature 0 stays greedy and a
-    seeded request coupled (decode/verification.py).
+    seeded request coupled (decode/verification.py). ``max_tree_nodes``: most draft-tree nodes
+    verified per request per step (tree verification; 0: twice the request's kappa); the
+    tree's depth is capped by kappa like a chain.
 
     Raises:
         ValueError: a setting out of range.
@@ -73,6 +75,7 @@ class VerifierConfig:
     eos_token_ids: tuple[int, ...] = ()
     adaptive_drafts: bool = True
     verify_rule: str = "auto"
+    max_tree_nodes: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
@@ -91,3 +94,5 @@ class VerifierConfig:
                              f"got {self.verify_rule!r}")
         if self.tail_wait_fraction < 0:
             raise ValueError("tail_wait_fraction must be >= 0")
+        if self.max_tree_nodes < 0:
+            raise ValueError("max_tree_nodes must be >= 0")

@@ -107,7 +107,8 @@ class RequestLifecycle:
         an unknown, not running or reassigned request is counted and dropped.
 
         Raises:
-            ProtocolError: a segment no drafter could have sent: tree drafts, a draft token
+            ProtocolError: a segment no drafter could have sent: a tree with draft_probs
+                (trees are kept as in decode/tail_buffer.py), a draft token
                 outside the vocabulary, ``draft_probs`` that are not distributions over the
                 vocabulary giving each draft a positive probability (checked_draft_probs), a
                 ``base_committed_len`` past what the verifier has committed, or positions out
@@ -119,8 +120,10 @@ class RequestLifecycle:
             self.stats.num_dropped_tails += 1
             return
         rid = req.request_id
-        if msg.parents is not None:  # tree verification lands with the sampling issue
-            raise ProtocolError("tree drafts are not verified by this verifier", request_id=rid)
+        tree = msg.parents is not None and any(p != j - 1 for j, p in enumerate(msg.parents))
+        if tree and msg.draft_probs is not None:
+            raise ProtocolError("tree drafts with draft_probs are not verified (one-hot trees "
+                                "only)", request_id=rid)
         if any(t < 0 or t >= self.vocab_size for t in msg.draft_token_ids):
             raise ProtocolError("draft token id out of vocabulary", request_id=rid)
         if msg.base_committed_len > req.committed_len:
@@ -130,8 +133,12 @@ class RequestLifecycle:
         try:
             probs = None if msg.draft_probs is None else checked_draft_probs(
                 msg.draft_probs, msg.draft_token_ids, self.vocab_size)
-            req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids,
-                         base_committed_len=msg.base_committed_len, draft_probs=probs)
+            if tree:
+                req.tail.add_tree(msg.start_pos, list(msg.draft_token_ids), list(msg.parents),
+                                  req.output_token_ids, base_committed_len=msg.base_committed_len)
+            else:
+                req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids,
+                             base_committed_len=msg.base_committed_len, draft_probs=probs)
         except ValueError as err:  # the buffer's (and rows') own checks: still the peer's fault
             raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
         self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before
@@ -218,6 +225,9 @@ class RequestLifecycle:
         spec stats count only the drafts up to the cut."""
         start = req.committed_len
         committed = req.commit(out.token_ids, self.eos_token_ids)
+        if out.accepted_node_ids is not None:
+            self.stats.num_tree_verify_steps += 1
+            self.stats.num_tree_side_branch_accepts += out.side_branch
         if out.num_draft_tokens:
             self.scheduler.observe_accept(req, out.accept_len)
             req.observe_spec(start, len(committed), out.num_draft_tokens, out.accept_len)

@@ -6,7 +6,10 @@ fewer than ``max_num_seqs`` are admitted; blocks are then allocated lazily as th
 out of that reservation, so a running request never runs out of KV. Each step the scheduler
 plans, per running request, the drafts to verify: its usable tail, capped by kappa
 (``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
-more than its recent accept length, and the whole batch by ``max_num_batched_tokens``. It also
+more than its recent accept length, and the whole batch by ``max_num_batched_tokens``. A
+request whose tail holds a draft tree (one-hot drafts) gets a tree instead: its depth capped
+like a chain's length, its nodes by ``max_tree_nodes`` (default twice kappa, as vLLM / SGLang
+give trees a node budget of their own). It also
 decides whether a step may wait for a draft tail in flight, and picks the prefill worker and the
 drafter of a request (least loaded).
 
@@ -43,11 +46,14 @@ class BlockAllocator(Protocol):
 @dataclass(frozen=True, slots=True)
 class PlannedRequest:
     """One request of a verify step: verify ``draft_token_ids`` after its last committed token.
-    ``draft_probs``: the row each draft was drawn from (None: one-hot), aligned with it."""
+    ``draft_probs``: the row each draft was drawn from (None: one-hot), aligned with it.
+    ``parents`` (a token tree, tree verification): each draft's parent index among the drafts
+    (-1: the last committed token); None for a chain."""
 
     request: Request
     draft_token_ids: list[int]
     draft_probs: list[object | None] | None = None
+    parents: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -191,11 +197,26 @@ class Scheduler:
         for req in running:
             if budget < 1:
                 break
-            drafts = req.tail.usable(min(self.num_drafts(req), budget - 1))
+            k = min(self.num_drafts(req), budget - 1)
+            drafts = req.tail.usable(k)
+            probs = req.tail.usable_probs(len(drafts))
+            tree = None
+            if req.tail.tree is not None and all(r is None for r in probs):
+                tree = req.tail.usable_tree(k, min(self.max_tree_nodes(req), budget - 1))
+            if tree is not None:
+                drafts, parents = tree
+                planned = PlannedRequest(req, drafts, None, parents)
+            else:
+                planned = PlannedRequest(req, drafts, probs)
             budget -= 1 + len(drafts)
             self.ensure_blocks(req, req.kv_len + 1 + len(drafts))
-            plans.append(PlannedRequest(req, drafts, req.tail.usable_probs(len(drafts))))
+            plans.append(planned)
         return plans
+
+    def max_tree_nodes(self, req: Request) -> int:
+        """Most tree nodes verified for ``req`` in one step: ``max_tree_nodes`` or, when 0,
+        twice its kappa (the depth is capped by :meth:`num_drafts`, like a chain's length)."""
+        return self.config.max_tree_nodes or 2 * req.num_speculative_tokens
 
     def observe_accept(self, req: Request, accept_len: int) -> None:
         """Update ``req``'s accept-length EMA after a verify step that carried drafts."""

@@ -28,6 +28,8 @@ class VerifierStats(SpecStats):
     num_tail_waits: int = 0  # steps that waited for a tail in flight
     num_drafter_closes: int = 0  # requests a drafter closed (full): plain decode from then
     num_drafters_lost: int = 0  # sends to a drafter that failed (not draining, unreachable)
+    num_tree_verify_steps: int = 0  # request steps verified as a token tree
+    num_tree_side_branch_accepts: int = 0  # ... whose accepted path left branch 0
     kv_transfer_bytes: int = 0
     ttft_seconds_total: float = 0.0
     num_ttft: int = 0

@@ -35,10 +35,12 @@ import torch
 from decode.config import VERIFY_RULES
 from engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
 from kernels import (
+    PLACEHOLDER_TOKEN_ID,
     block_verify,
     block_verify_noise,
     coupled_sample,
     greedy_verify,
+    gumbel_sample,
     rejection_sample,
     rejection_sample_noise,
 )
@@ -65,6 +67,7 @@ class RuleBatch:
     positions: torch.Tensor | None = None
     draft_probs: torch.Tensor | None = None
     generator: torch.Generator | None = None
+    parents: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -179,6 +182,150 @@ class CoupledRule(VerificationRule):
                               seeds, positions)
 
 
+class TreeRule(VerificationRule):
+    """Tree verification (SpecInfer, arXiv 2305.09781) over the token tree of each request
+    (``RuleBatch.parents``), by sampling mode: greedy requests walk the tree along the target's
+    argmax rows (``kernels.tree_verify.tree_walk``: from the root, the first child whose token
+    equals the current row's target token); seeded requests walk it along the coupled rule's
+    token of every row, the Gumbel-max sample keyed by (seed, committed_len + depth), so their
+    output is the one plain decode samples whatever the tree held; unseeded sampled requests
+    use SpecInfer's multi-draft rejection sampling (``tree_rejection_sample``, one-hot drafts).
+    :meth:`verify_tree` also returns the accepted path's node ids."""
+
+    name = "tree"
+
+    def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        out, accept_len, _ = self.verify_tree(batch)
+        return out, accept_len
+
+    def verify_tree(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(output_token_ids [B, max_depth + 1], accept_len [B], accepted_node_ids [B,
+        max_depth])``, -1 padded node ids within each request's tree, in path order.
+
+        Raises:
+            ValueError: no ``parents`` (or no ``positions`` for a seeded request), or shapes
+                the kernels refuse.
+        """
+        from kernels.tree_verify import (
+            tree_rejection_sample,
+            tree_rejection_sample_noise,
+            tree_walk,
+        )
+
+        if batch.parents is None:
+            raise ValueError("the tree rule needs the drafts' parents")
+        modes = [sampling_mode(s) for s in batch.sampling]
+        sampled = [b for b, m in enumerate(modes) if m not in (GREEDY, COUPLED)]
+        walked = [b for b, m in enumerate(modes) if m in (GREEDY, COUPLED)]
+        results = []
+        for idx in (walked, sampled):
+            if not idx:
+                continue
+            sub = _sub_batch(batch, idx)
+            if idx is walked:
+                res = tree_walk(sub.draft_token_ids, sub.cu_num_draft_tokens, sub.parents,
+                                _walk_targets(sub))
+            else:
+                target_probs = sub.target_probs()
+                uniform, noise = tree_rejection_sample_noise(
+                    sub.cu_num_draft_tokens, target_probs.shape[1], dtype=target_probs.dtype,
+                    generator=sub.generator)
+                res = tree_rejection_sample(sub.draft_token_ids, sub.cu_num_draft_tokens,
+                                            sub.parents, None, target_probs, uniform, noise)
+            results.append((idx, res))
+        return _stitch(batch.batch_size, results)
+
+
+def _tree_depths(parents: list[int], counts: list[int]) -> list[int]:
+    """Per request, the depth (1: child of the root) of each of its nodes, flattened."""
+    depths: list[int] = []
+    lo = 0
+    for k in counts:
+        d: list[int] = []
+        for p in parents[lo:lo + k]:
+            d.append(1 if p < 0 else d[p] + 1)
+        depths += d
+        lo += k
+    return depths
+
+
+def _walk_targets(batch: RuleBatch) -> torch.Tensor:
+    """int64 [num_draft_total + batch]: the token each row's walk compares with: the argmax
+    (greedy requests) or the coupled rule's Gumbel-max sample at output position
+    ``positions[b] + depth`` (seeded requests)."""
+    target = torch.argmax(batch.target_logits, dim=-1)
+    coupled = [b for b, s in enumerate(batch.sampling) if sampling_mode(s) == COUPLED]
+    if not coupled:
+        return target
+    if batch.positions is None:
+        raise ValueError("the tree rule needs the output positions of seeded requests")
+    counts = batch.num_draft_tokens()
+    depths = _tree_depths(batch.parents.tolist(), counts)
+    starts = [0]
+    for k in counts:
+        starts.append(starts[-1] + k + 1)
+    pos = batch.positions.tolist()
+    rows, row_pos, row_req = [], [], []
+    node_lo = 0
+    for b, k in enumerate(counts):
+        if b in coupled:
+            rows += range(starts[b], starts[b + 1])
+            row_pos += [pos[b]] + [pos[b] + d for d in depths[node_lo:node_lo + k]]
+            row_req += [b] * (k + 1)
+        node_lo += k
+    device = batch.target_logits.device
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    req_sampling = [batch.sampling[b] for b in row_req]
+    probs = processed_probs(batch.target_logits[rows_t], req_sampling)
+    seeds = seeds_tensor(req_sampling, device)
+    target[rows_t] = gumbel_sample(probs.contiguous(), seeds,
+                                   torch.tensor(row_pos, dtype=torch.int64, device=device))
+    return target
+
+
+def _sub_batch(batch: RuleBatch, idx: list[int]) -> RuleBatch:
+    """The requests ``idx`` of ``batch`` (rows, drafts and parents sliced)."""
+    if idx == list(range(batch.batch_size)):
+        return batch
+    counts = batch.num_draft_tokens()
+    row_lo, node_lo, rows, nodes = 0, 0, [], []
+    for b, k in enumerate(counts):
+        if b in idx:
+            rows += range(row_lo, row_lo + k + 1)
+            nodes += range(node_lo, node_lo + k)
+        row_lo += k + 1
+        node_lo += k
+    device = batch.target_logits.device
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    nodes_t = torch.tensor(nodes, dtype=torch.long, device=device)
+    sub_counts = torch.tensor([counts[b] for b in idx], dtype=torch.long)
+    return RuleBatch(
+        draft_token_ids=batch.draft_token_ids[nodes_t],
+        cu_num_draft_tokens=sub_counts.cumsum(0).to(batch.cu_num_draft_tokens.device),
+        target_logits=batch.target_logits[rows_t],
+        sampling=[batch.sampling[b] for b in idx],
+        positions=None if batch.positions is None else batch.positions[idx],
+        draft_probs=None, generator=batch.generator,
+        parents=batch.parents[nodes_t])
+
+
+def _stitch(batch_size: int, results: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One (output, accept_len, node ids) triple from the sub-batches' (padded alike)."""
+    if len(results) == 1 and len(results[0][0]) == batch_size:
+        return results[0][1]
+    width = max(r[0].shape[1] for _, r in results)
+    device = results[0][1][0].device
+    out = torch.full((batch_size, width), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
+    nodes = torch.full((batch_size, max(width - 1, 0)), -1, dtype=torch.long, device=device)
+    accept_len = torch.zeros(batch_size, dtype=torch.long, device=device)
+    for idx, (o, a, n) in results:
+        ix = torch.tensor(idx, dtype=torch.long, device=device)
+        out[ix, :o.shape[1]] = o
+        nodes[ix, :n.shape[1]] = n
+        accept_len[ix] = a
+    return out, accept_len, nodes
+
+
 _RULES: dict[str, VerificationRule] = {}
 
 
@@ -245,3 +392,4 @@ register_rule(GreedyRule())
 register_rule(RejectionRule())
 register_rule(CoupledRule())
 register_rule(BlockRule())
+register_rule(TreeRule())

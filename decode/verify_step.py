@@ -11,7 +11,13 @@ import torch
 
 from decode.draft_probs import batch_draft_probs
 from decode.scheduler import PlannedRequest
-from decode.verification import RuleBatch, check_verify_rule, get_rule, rule_name_for
+from decode.verification import (
+    RuleBatch,
+    TreeRule,
+    check_verify_rule,
+    get_rule,
+    rule_name_for,
+)
 from engine.runner import ModelRunner, SeqChunk
 from protocol.step_profile import StepProfile
 
@@ -22,12 +28,17 @@ class VerifyOutput:
     drafts plus one bonus or recovered token (not yet cut at EOS / max_tokens). ``hidden``
     (only when the step was asked for them): the target hidden states of the chunk's rows
     ``0 .. accept_len`` on the CPU, [accept_len + 1, hidden_size], row i the state that
-    predicted ``token_ids[i]`` (decode/seed_state.py)."""
+    predicted ``token_ids[i]`` (decode/seed_state.py). For a tree (``PlannedRequest.parents``),
+    ``accepted_node_ids`` are the accepted path's nodes, in path order (the hidden rows are
+    then the root's and theirs), and ``side_branch`` tells whether the path left the first
+    child (branch 0) somewhere."""
 
     token_ids: list[int]
     accept_len: int
     num_draft_tokens: int
     hidden: torch.Tensor | None = None
+    accepted_node_ids: list[int] | None = None
+    side_branch: bool = False
 
 
 class VerifyStep:
@@ -69,7 +80,9 @@ class VerifyStep:
         its hidden-state rows when ``return_hidden`` (a draft method that needs them).
 
         Each request's block table must already cover ``kv_len + 1 + len(drafts)`` positions
-        (the scheduler allocates them).
+        (the scheduler allocates them). A tree request's accepted path is compacted: its
+        nodes' KV moves to the positions right after the last committed token (only the rows
+        that are not there already move).
 
         Raises:
             ValueError: a request whose sampling parameters no rule verifies, or a chunk the
@@ -78,7 +91,8 @@ class VerifyStep:
         if not plan:
             return []
         chunks = [SeqChunk(token_ids=[p.request.output_token_ids[-1]] + p.draft_token_ids,
-                           start_pos=p.request.kv_len, block_table=p.request.block_table)
+                           start_pos=p.request.kv_len, block_table=p.request.block_table,
+                           parents=p.parents)
                   for p in plan]
         # forward time split by whether any request carried drafts: with / without drafts is
         # the cost ratio the bench compares with a (kappa+1)-token vs 1-token forward
@@ -93,28 +107,56 @@ class VerifyStep:
         self.profile.observe(kind, time.perf_counter() - t0)
         with self.profile.phase("verify"):
             outputs = self._verify(plan, logits)
+            self._compact(plan, outputs)
         if hidden is None:
             return outputs
         with self.profile.phase("seed_state"):
             if hidden[0].device.type != "cpu":  # one copy to the host for the whole batch
                 hidden = list(torch.cat(hidden).cpu().split([h.shape[0] for h in hidden]))
-            return [replace(o, hidden=h[: o.accept_len + 1]) for o, h in zip(outputs, hidden)]
+            return [replace(o, hidden=_path_rows(h, o)) for o, h in zip(outputs, hidden)]
+
+    def _compact(self, plan: list[PlannedRequest], outputs: list[VerifyOutput]) -> None:
+        """Move each tree request's accepted nodes' KV (chunk row ``1 + node``) to the
+        positions after its root (``kv_len + 1 + i`` for the i-th path node)."""
+        for p, o in zip(plan, outputs):
+            if not o.accepted_node_ids:
+                continue
+            start = p.request.kv_len
+            src = [start + 1 + j for j in o.accepted_node_ids]
+            dst = [start + 1 + i for i in range(len(src))]
+            moved = [(s, d) for s, d in zip(src, dst) if s != d]
+            if moved:
+                self.runner.kv_cache.copy_positions(p.request.block_table,
+                                                    [s for s, _ in moved], [d for _, d in moved])
 
     def _verify(self, plan: list[PlannedRequest], logits: list[torch.Tensor]) -> list[VerifyOutput]:
         groups: dict[str, list[int]] = {}
         for i, p in enumerate(plan):
-            groups.setdefault(self._rule_name(p.request.sampling), []).append(i)
+            groups.setdefault(self._rule_name(p), []).append(i)
         outputs: list[VerifyOutput | None] = [None] * len(plan)
         for name, idx in groups.items():
             rule = get_rule(name)
             batch = self._rule_batch([plan[i] for i in idx], [logits[i] for i in idx],
                                      getattr(rule, "uses_draft_probs", False))
+            if name == TreeRule.name:
+                out, accept_len, nodes = rule.verify_tree(batch)
+                for i, row, a, path in zip(idx, out.tolist(), accept_len.tolist(),
+                                           nodes.tolist()):
+                    parents = plan[i].parents
+                    path = path[:a]
+                    outputs[i] = VerifyOutput(
+                        row[: a + 1], a, len(plan[i].draft_token_ids), accepted_node_ids=path,
+                        side_branch=any(parents.index(parents[j]) != j for j in path))
+                continue
             out, accept_len = rule.verify(batch)
             for i, row, a in zip(idx, out.tolist(), accept_len.tolist()):
                 outputs[i] = VerifyOutput(row[: a + 1], a, len(plan[i].draft_token_ids))
         return outputs  # type: ignore[return-value]
 
-    def _rule_name(self, sampling) -> str:
+    def _rule_name(self, p: PlannedRequest) -> str:
+        if p.parents is not None:
+            return TreeRule.name
+        sampling = p.request.sampling
         if self.verify_rule == "auto":  # the one-argument form (tests patch rule_name_for)
             return rule_name_for(sampling)
         return rule_name_for(sampling, self.verify_rule)
@@ -132,9 +174,23 @@ class VerifyStep:
         # row 0 of a request predicts output position committed_len (DESIGN.md §5 positions)
         positions = torch.tensor([p.request.committed_len for p in plan], dtype=torch.int64,
                                  device=device)
+        parents = None
+        if any(p.parents is not None for p in plan):  # the tree rule's batches
+            parents = torch.tensor([j for p in plan for j in p.parents], dtype=torch.long,
+                                   device=device)
         return RuleBatch(draft_token_ids=torch.tensor(drafts, dtype=torch.long, device=device),
                          cu_num_draft_tokens=counts.cumsum(0).to(device),
                          target_logits=torch.cat(logits),
                          sampling=[p.request.sampling for p in plan],
                          positions=positions, draft_probs=draft_probs,
-                         generator=self.generator(device))
+                         generator=self.generator(device), parents=parents)
+
+
+def _path_rows(hidden: torch.Tensor, out: VerifyOutput) -> torch.Tensor:
+    """The hidden rows of the committed tokens' predecessors: rows ``0 .. accept_len`` of a
+    chain, the root's and the accepted nodes' (``1 + node``) of a tree, in path order."""
+    if not out.accepted_node_ids:
+        return hidden[: out.accept_len + 1]
+    rows = torch.tensor([0] + [1 + j for j in out.accepted_node_ids], dtype=torch.long,
+                        device=hidden.device)
+    return hidden.index_select(0, rows)

@@ -74,9 +74,25 @@ class Proposer(ABC):
         Only for methods whose ``seed_state`` is not empty; the default ignores them. May
         raise ValueError for states it cannot use: the drafter then asks for a DraftSync."""
 
+    #: what the method drafts: "chain" (one path) or "tree" (several branches from the same
+    #: context: :meth:`propose_tree`; the drafter worker asks for a tree for the segment at the
+    #: committed prefix, chains for its run-ahead)
+    draft_shape: ClassVar[str] = "chain"
+
+    def propose_tree(self, request_id: str, context_token_ids: list[int],
+                     num_tokens: int) -> tuple[list[int], list[int]]:
+        """A token tree continuing ``context_token_ids``: ``(draft_token_ids, parents)``,
+        ``parents[j] < j`` the index of node j's parent, -1 for the context's last token
+        (DraftTailStream.parents); each branch at most ``num_tokens`` deep, branch 0 (always
+        the first child) the method's best path. The default is :meth:`propose`'s chain."""
+        drafts = self.propose(request_id, context_token_ids, num_tokens)
+        return drafts, list(range(-1, len(drafts) - 1))
+
 
 #: the kinds of seed state a proposer may declare
 SEED_STATES = ("", "hidden")
+#: what a proposer may draft (Proposer.draft_shape)
+DRAFT_SHAPES = ("chain", "tree")
 
 _REGISTRY: dict[str, type[Proposer]] = {}
 _INTERFACE = ("open", "propose", "rollback", "close")
@@ -100,6 +116,9 @@ def register_proposer(cls: type[Proposer]) -> type[Proposer]:
         got = inspect.signature(getattr(cls, meth)).parameters
         if len(got) != want and not any(p.kind == p.VAR_POSITIONAL for p in got.values()):
             raise TypeError(f"{cls.__name__}.{meth} takes {len(got)} parameters, expected {want}")
+    if cls.draft_shape not in DRAFT_SHAPES:
+        raise TypeError(f"proposer {cls.__name__} declares unknown draft_shape "
+                        f"{cls.draft_shape!r}; known: {DRAFT_SHAPES}")
     if cls.seed_state not in SEED_STATES:
         raise TypeError(f"proposer {cls.__name__} declares unknown seed_state "
                         f"{cls.seed_state!r}; known: {SEED_STATES}")

@@ -4,6 +4,11 @@ The path runs up to ``window`` tokens past the committed prefix, drafted as if t
 flight were accepted (PEARL-style run-ahead), and leaves as DraftTailStream delta segments. A
 VerifyCommit that agrees with the path keeps it; one that disagrees truncates the path to the
 longest common prefix (the proposer rolls back) and drafting resumes after the commit.
+
+Trees: a proposer whose ``draft_shape`` is "tree" is asked for a tree only for the segment at
+the committed prefix (an empty path); the segment carries the whole tree (``parents``) and its
+branch 0 becomes the path, which later segments extend as chains. A commit that leaves branch 0
+truncates the path as usual, so the next segment at the new committed prefix is a tree again.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class DraftState:
     probs: list = field(default_factory=list)  # row each path token was drawn from, or None
     sampling: SamplingParams | None = None  # the request's (DraftSync.sampling)
     num_sent: int = 0  # tokens of `path` already streamed
+    tree: tuple[list[int], list[int]] | None = None  # (tokens, parents) for the next segment
     exhausted: bool = False  # proposer found nothing for the current context
     news: bool = True  # synced or committed since the last segment: the verifier may wait
     commit_received_at: float | None = None  # perf_counter() of the last unanswered commit
@@ -253,10 +259,15 @@ class DrafterWorker(MailboxWorker):
                 seg = st.path[st.num_sent:]
                 seg_rows = st.probs[st.num_sent:]
                 st.news = False
+                tree, st.tree = st.tree, None
+                parents = None
+                if tree is not None and st.num_sent == 0:  # branch 0 is seg: send the tree
+                    seg, parents = tree
                 self.send(st.verifier, DraftTailStream(
                     request_id=st.request_id, base_committed_len=len(st.committed),
                     start_pos=len(st.committed) + st.num_sent, draft_token_ids=seg,
-                    draft_probs=self._probs_buffer(seg_rows)))
+                    draft_probs=None if parents else self._probs_buffer(seg_rows),
+                    parents=parents))
                 st.num_sent = len(st.path)
                 if st.commit_received_at is not None:  # how fast a commit turns into a tail
                     self.profile.observe("commit_to_tail",
@@ -284,6 +295,13 @@ class DrafterWorker(MailboxWorker):
                 raise ValueError(f"{type(p).__name__} returned {len(rows)} rows for "
                                  f"{len(new)} drafts")
             return new, list(rows)
+        if p.draft_shape == "tree" and not st.path and st.num_sent == 0:
+            # the segment at the committed prefix: a tree, whose branch 0 is the path
+            tokens, parents = p.propose_tree(st.request_id, st.context, room)
+            new = _first_branch(tokens, parents)
+            if len(new) < len(tokens):
+                st.tree = (list(tokens), list(parents))
+            return new, [None] * len(new)
         new = p.propose(st.request_id, st.context, room)
         return new, [None] * len(new)
 
@@ -316,3 +334,15 @@ class DrafterWorker(MailboxWorker):
             timeout_s = 0.0
         self.ingest(timeout_s)
         return self.draft()
+
+
+def _first_branch(tokens: list[int], parents: list[int]) -> list[int]:
+    """Branch 0 of a token tree: from the root, always the lowest-numbered child."""
+    first: dict[int, int] = {}
+    for j, p in enumerate(parents):
+        first.setdefault(p, j)
+    out, node = [], first.get(-1)
+    while node is not None:
+        out.append(tokens[node])
+        node = first.get(node)
+    return out

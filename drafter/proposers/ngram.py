@@ -5,41 +5,86 @@ searched for earlier in the context; the tokens that followed the most recent ea
 the draft. Stateless: the context is the state, so rollback is free. ``min_ngram=2`` (as Hugging
 Face's prompt lookup): single-token matches draft mostly noise; measured on the bundled prompts
 (SmolLM2, fp32, kappa 4) acceptance rose from 0.42 to 0.52 and throughput by about 9%.
+
+Trees (``tree_width`` > 1; tree verification, SpecInfer arXiv 2305.09781): when several earlier
+matches of the suffix are followed by different continuations, :meth:`propose_tree` returns
+them as the branches of one token tree (a trie: shared prefixes shared), most recent match
+first (branch 0 is the chain :meth:`propose` returns), longer suffix matches before shorter
+ones, at most ``tree_width`` distinct continuations. The drafter worker asks for a tree only
+for the segment that starts at the committed prefix (drafter/worker.py).
 """
 
 from __future__ import annotations
 
 from drafter.proposer import Proposer, register_proposer
 
+#: Branches of an n-gram tree by default (measured on the tiny test, see README / the commit)
+DEFAULT_TREE_WIDTH = 2
+
 
 @register_proposer
 class NgramProposer(Proposer):
     name = "ngram"
+    draft_shape = "tree"  # a chain when tree_width is 1 or the matches agree
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4,
+                 tree_width: int = DEFAULT_TREE_WIDTH) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if tree_width < 1:
+            raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
+        self.tree_width = tree_width
+
+    def _continuations(self, ctx: list[int], num_tokens: int):
+        """Continuations (up to ``num_tokens``) of the earlier matches of the context's suffix:
+        longest suffix first, most recent match first within one length."""
+        n_ctx = len(ctx)
+        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
+            pattern = ctx[n_ctx - n:]
+            first = pattern[0]
+            for start in range(n_ctx - n - 1, -1, -1):
+                if ctx[start] == first and ctx[start:start + n] == pattern:
+                    cont = ctx[start + n:start + n + num_tokens]
+                    if cont:
+                        yield cont
+
+    def propose_tree(self, request_id: str, context_token_ids: list[int],
+                     num_tokens: int) -> tuple[list[int], list[int]]:
+        """Up to ``tree_width`` distinct continuations as a token tree: ``(draft_token_ids,
+        parents)``, parents[j] < j, -1 = the context's last token; a chain when only one
+        continuation (or ``tree_width`` 1) exists."""
+        if num_tokens <= 0 or len(context_token_ids) < 2:
+            return [], []
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}
+        seen: set[tuple[int, ...]] = set()
+        for cont in self._continuations(context_token_ids, num_tokens):
+            if len(seen) >= self.tree_width:
+                break
+            if tuple(cont) in seen:
+                continue
+            seen.add(tuple(cont))
+            node = -1
+            for tok in cont:
+                nxt = children.get((node, tok))
+                if nxt is None:
+                    nxt = children[(node, tok)] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                node = nxt
+        return tokens, parents
 
     def open(self, request_id: str, context_token_ids: list[int]) -> None:
         pass
 
     def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
-        ctx = context_token_ids
-        n_ctx = len(ctx)
-        if num_tokens <= 0 or n_ctx < 2:
+        if num_tokens <= 0 or len(context_token_ids) < 2:
             return []
-        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            pattern = ctx[n_ctx - n:]
-            first = pattern[0]
-            # Most recent earlier occurrence whose continuation is non-empty.
-            for start in range(n_ctx - n - 1, -1, -1):
-                if ctx[start] == first and ctx[start:start + n] == pattern:
-                    cont = ctx[start + n:start + n + num_tokens]
-                    if cont:
-                        return list(cont)
-        return []
+        # the longest suffix's most recent earlier occurrence with a non-empty continuation
+        return list(next(self._continuations(context_token_ids, num_tokens), []))
 
     def rollback(self, request_id: str, num_context_tokens: int) -> None:
         pass

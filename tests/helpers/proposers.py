@@ -42,3 +42,32 @@ class GarbageProposer(OracleProposer):
 
     def propose(self, request_id, context_token_ids, num_tokens):
         return [self.rng.randrange(self.vocab_size) for _ in range(num_tokens)]
+
+
+class TreeOracleProposer(OracleProposer):
+    """Drafts trees whose branch 0 is wrong (each token of the known continuation + 1) and
+    whose branch 1 is the known continuation: every accepted draft comes through a side
+    branch. Its chains (the drafter's run-ahead on branch 0) are the wrong tokens too."""
+
+    name = "tree-oracle-test"
+    draft_shape = "tree"
+
+    def __init__(self, prompts, refs, vocab_size):
+        super().__init__(prompts, refs)
+        self.vocab_size = vocab_size
+
+    def _wrong(self, toks):
+        return [(t + 1) % self.vocab_size for t in toks]
+
+    def propose(self, request_id, context_token_ids, num_tokens):
+        right = super().propose(request_id, context_token_ids, num_tokens)
+        return self._wrong(right)
+
+    def propose_tree(self, request_id, context_token_ids, num_tokens):
+        right = super().propose(request_id, context_token_ids, num_tokens)
+        if not right:
+            return [], []
+        k = len(right)
+        tokens = self._wrong(right) + right
+        parents = list(range(-1, k - 1)) + [-1] + list(range(k, 2 * k - 1))
+        return tokens, parents
