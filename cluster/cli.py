@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cluster.config import ROLES  # noqa: E402
+from cluster.drafter_option import add_ngram_tree_option  # noqa: E402
 from cluster.loopback import use_loopback  # noqa: E402
 from cluster.options import (  # noqa: E402
     add_bench_options,
@@ -33,7 +34,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.loader import load_model
     from protocol.messages import SamplingParams
 
-    method, method_kwargs = parse_drafter(args.drafter, args.model)  # fails before loading
+    method, method_kwargs = parse_drafter(args.drafter, args.model,  # fails before loading
+                                          args.ngram_tree_width)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -150,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="auto",
                    help="draft method, as for serve: auto, ngram, eagle, eagle:PATH, "
                         "draft-model:PATH")
+    add_ngram_tree_option(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="embedded local Ray: prefill, verifier, drafter, gateway")

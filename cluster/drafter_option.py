@@ -22,12 +22,33 @@ def shipped_head_for(model: str | None):  # noqa: ANN201
         return None
 
 
-def parse_drafter(spec: str, model: str | None = None) -> tuple[str, dict]:
-    """(registry method name, method kwargs) of a ``--drafter`` value for target ``model``.
+def parse_drafter(spec: str, model: str | None = None,
+                  ngram_tree_width: int | None = None) -> tuple[str, dict]:
+    """(registry method name, method kwargs) of a ``--drafter`` value for target ``model``;
+    ``ngram_tree_width`` (``--ngram-tree-width``; None: the proposer's default) is the n-gram
+    method's ``tree_width`` (branches of its draft trees, 1: chains only).
 
     Raises:
-        SystemExit: an unknown form, or a method that needs a path and got none.
+        SystemExit: an unknown form, a method that needs a path and got none, or a tree width
+            below 1.
     """
+    if ngram_tree_width is not None and ngram_tree_width < 1:
+        raise SystemExit(f"--ngram-tree-width must be >= 1, got {ngram_tree_width}")
+    method, kwargs = _parse_drafter(spec, model)
+    if method == "ngram" and ngram_tree_width is not None:
+        kwargs = {**kwargs, "tree_width": ngram_tree_width}
+    return method, kwargs
+
+
+def add_ngram_tree_option(p) -> None:  # noqa: ANN001
+    """``--ngram-tree-width`` on an argparse parser."""
+    p.add_argument("--ngram-tree-width", type=int, default=None, metavar="N",
+                   help="n-gram drafter: up to N distinct continuations of earlier matches as "
+                        "the branches of a draft tree (tree verification; 1: chains only; "
+                        "default 2)")
+
+
+def _parse_drafter(spec: str, model: str | None) -> tuple[str, dict]:
     spec = (spec or "auto").strip()
     kind, sep, path = spec.partition(":")
     if kind == "auto" and not sep:

@@ -30,3 +30,13 @@ def test_the_option_reaches_verifier_and_drafter_configs(tiny_model_dir):
     cfg = cluster_config(args)
     assert cfg.verifier.draft_method == cfg.drafter.method == "eagle"
     assert cfg.drafter.method_kwargs == {"head": "/some/head"}
+
+
+def test_ngram_tree_width_option(tiny_model_dir):
+    assert parse_drafter("ngram", None, 3) == ("ngram", {"tree_width": 3})
+    assert parse_drafter("eagle", None, 3) == ("eagle", {})  # n-gram only
+    with pytest.raises(SystemExit, match="tree-width"):
+        parse_drafter("ngram", None, 0)
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dir, "--drafter", "ngram",
+                                      "--ngram-tree-width", "1"])
+    assert cluster_config(args).drafter.method_kwargs == {"tree_width": 1}
