@@ -88,7 +88,9 @@ class RequestLifecycle:
 
     def set_drafters(self, drafter_peers: list[str]) -> None:
         """Replace the known drafters; a running request whose drafter vanished is re-opened
-        on another (or runs without drafts)."""
+        on another (or runs without drafts), and one that runs without a drafter (none was
+        left, or its drafter closed it) is opened on one that joined."""
+        joined = set(drafter_peers) - set(self.drafter_peers)
         self.drafter_peers = list(drafter_peers)
         self.lost_drafters &= set(drafter_peers)
         for req in list(self.requests.values()):
@@ -101,6 +103,9 @@ class RequestLifecycle:
                 req.tail.reset(req.committed_len)
                 if req.status is RequestStatus.RUNNING:
                     self.open_draft(req)
+            elif joined and req.drafter is None and req.lost_drafter is None \
+                    and req.status is RequestStatus.RUNNING:
+                self.open_draft(req)  # (pick_drafter keeps quarantined ones plain)
 
     def add_tail(self, peer: str, msg: DraftTailStream) -> None:
         """Merge a DraftTailStream into its request's tail buffer (DESIGN.md §3); a tail for

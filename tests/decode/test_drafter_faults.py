@@ -208,3 +208,35 @@ def test_a_send_to_a_peer_that_is_not_draining_fails_instead_of_blocking():
         assert "not draining" in str(result["err"])
     finally:
         mb.close()
+
+
+def test_running_requests_without_a_drafter_are_opened_on_one_that_joins(tiny):
+    """Every drafter left the roster (their requests run plain); a drafter that joins later
+    (a restart that re-registered, or ``specmesh launch drafter``) gets DraftSync for the
+    running requests, which accept drafts again; the output is unchanged."""
+    m, cfg, want = tiny
+    c = _cluster(tiny)
+    out = {}
+    _submit(c)
+    _pump(c, out, 3)
+    prefill = list(c.verifier.prefill_peers)
+    c.verifier.set_roster(prefill, [])  # the only drafter left the roster
+    running = [r for r in c.verifier.requests.values() if r.status.name == "RUNNING"]
+    assert running and all(r.drafter is None for r in running)
+    syncs = {r.request_id: r.num_draft_syncs for r in running}
+    _pump(c, out, 2, drafter=False)
+    before = sum(r.spec.num_accepted_tokens for r in c.verifier.requests.values())
+    c.verifier.set_roster(prefill, ["drafter-0"])  # it is back / a new one joined
+    for r in c.verifier.requests.values():
+        if r.request_id in syncs:
+            assert r.drafter == "drafter-0" and r.num_draft_syncs == syncs[r.request_id] + 1
+    accepted = dict.fromkeys(syncs, 0)
+    for _ in range(200):
+        for r in c.verifier.requests.values():
+            if r.request_id in accepted:
+                accepted[r.request_id] = r.spec.num_accepted_tokens
+        if _done(c, out):
+            break
+        _pump(c, out)
+    assert [out[f"r{i}"] for i in range(3)] == want
+    assert sum(accepted.values()) > before
