@@ -72,6 +72,11 @@ class DrafterHost(RoleHost):
         _watch_models(worker.proposer)
         return worker
 
+    def stats(self) -> dict:
+        out = super().stats()
+        out["num_requests"] = len(self.worker.requests)  # per-request draft states held
+        return out
+
 
 def _watch_models(proposer) -> None:  # noqa: ANN001
     """A model-based proposer's forwards count as the drafter's progress (health check): the

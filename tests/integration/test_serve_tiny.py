@@ -1,9 +1,14 @@
 """End to end through the Ray cluster (prefill, verifier, drafter, gateway in their own
-processes, ZMQ between them) on a tiny random Llama: HTTP output equals plain greedy decode."""
+processes, ZMQ between them) on a tiny random Llama: the output token ids over HTTP
+(``return_token_ids``) equal plain greedy decode's, with drafts accepted; clients that hang up
+leave no state behind in any role."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -20,7 +25,8 @@ from protocol.messages import PROTOCOL_VERSION, Abort, Hello, ModelIdentity, Sam
 
 pytestmark = pytest.mark.ray
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
+#: plain greedy on the tiny model repeats itself after the second and third (drafts accepted)
+PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Count: 1, 2, 3, 4, 5,"]
 MAX_TOKENS = 24
 
 
@@ -41,22 +47,25 @@ def reference(tiny_model_dir):
                          eos_token_ids=loaded.config.eos_token_ids)
     tok = loaded.tokenizer
 
-    def run(prompt_ids: list[int]) -> str:
+    def run(prompt_ids: list[int]) -> list[int]:
+        """Plain greedy's output token ids."""
         (out,) = c.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS))
-        return tok.decode(out.token_ids, skip_special_tokens=True), out
+        return list(out.token_ids)
 
     return tok, run
 
 
 def _complete(url, prompt, stream=False, **extra):
+    """One completion with ``return_token_ids``; streaming: ``{"ids", "text", "last"}`` (the
+    ids of every chunk joined, the last chunk)."""
     body = {"model": extra.pop("model", None), "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": stream, **extra}
+            "temperature": 0, "stream": stream, "return_token_ids": True, **extra}
     body = {k: v for k, v in body.items() if v is not None}
     if not stream:
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        r.raise_for_status()
+        assert r.status_code == 200, r.text
         return r.json()
-    text, last = "", None
+    ids, text, last = [], "", None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -65,31 +74,40 @@ def _complete(url, prompt, stream=False, **extra):
             ev = json.loads(line[6:])
             for ch in ev.get("choices", []):
                 text += ch.get("text") or ""
+                ids += ch.get("token_ids") or []
             last = ev
-    return {"text": text, "last": last}
+    return {"ids": ids, "text": text, "last": last}
 
 
 def test_http_equals_plain_greedy_streaming_and_not(cluster, reference):
     tok, run = reference
+    accepted = 0
     for prompt in PROMPTS:
-        want, out = run(list(tok(prompt)["input_ids"]))
+        prompt_ids = list(tok(prompt)["input_ids"])
+        want = run(prompt_ids)
         got = _complete(cluster.url, prompt)
-        assert got["choices"][0]["text"] == want
-        assert got["usage"]["completion_tokens"] == len(out.token_ids)
-        assert "spec_stats" in got
+        assert got["choices"][0]["token_ids"] == want, prompt
+        assert got["choices"][0]["prompt_token_ids"] == prompt_ids
+        assert got["usage"]["completion_tokens"] == len(want)
+        accepted += got["spec_stats"]["num_accepted_tokens"]
         streamed = _complete(cluster.url, prompt, stream=True,
                              stream_options={"include_usage": True})
-        assert streamed["text"] == want
+        assert streamed["ids"] == want, prompt
+        accepted += streamed["last"]["spec_stats"]["num_accepted_tokens"]
+    assert accepted > 0, "no draft accepted: the drafter link is broken"
 
 
 def test_chat_equals_plain_greedy(cluster, reference):
     tok, run = reference
     messages = [{"role": "user", "content": "Name three colors."}]
-    want, _ = run(chat_prompt_ids(tok, messages))
+    prompt_ids = chat_prompt_ids(tok, messages)
     r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=120,
-                   json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+                   json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "return_token_ids": True})
     r.raise_for_status()
-    assert r.json()["choices"][0]["message"]["content"] == want
+    body = r.json()
+    assert body["prompt_token_ids"] == prompt_ids
+    assert body["choices"][0]["token_ids"] == run(prompt_ids)
 
 
 def test_roles_in_distinct_processes_and_no_ray_calls_per_token(cluster):
@@ -122,6 +140,108 @@ def test_verifier_prometheus_metrics(cluster):
     assert "specmesh:time_to_first_token_seconds" in gw
 
 
+#: clients that hang up: how many, how many at once, and requests long enough (EOS ignored)
+#: to be mid-generation when their client goes (prompt + max_tokens within max_model_len)
+HANGUP_CLIENTS, HANGUP_CONCURRENCY, HANGUP_MAX_TOKENS = 200, 40, 400
+#: how long every role may take to drop the state of requests whose client went away
+LEFTOVER_BOUND_S = 20.0
+
+
+def _leftovers(cluster) -> dict[str, float]:
+    """What the roles still hold for requests: all zero on an idle cluster."""
+    st = cluster.stats()
+    v, d, g = st["verifier-0"], st["drafter-0"], st["gateway-0"]
+    return {"verifier_kv_cache_usage": v["kv_cache_usage"],
+            "verifier_requests": len(v["requests"]),
+            "verifier_running": v["num_running"], "verifier_waiting": v["num_waiting"],
+            "drafter_requests": d["num_requests"], "gateway_pending": g["num_in_flight"]}
+
+
+def _wait_no_leftovers(cluster) -> tuple[dict[str, float], float]:
+    """Poll until no role holds request state or LEFTOVER_BOUND_S passed: (last, seconds)."""
+    t0 = time.monotonic()
+    while True:
+        left = _leftovers(cluster)
+        if not any(left.values()) or time.monotonic() - t0 > LEFTOVER_BOUND_S:
+            return left, time.monotonic() - t0
+        time.sleep(0.2)
+
+
+async def _hang_up_after_first_token(client: httpx.AsyncClient, i: int) -> bool:
+    """Stream one request and close the connection right after its first content chunk;
+    True when that chunk came."""
+    body = {"prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": HANGUP_MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return False
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if any(ch.get("text") for ch in json.loads(line[6:])["choices"]):
+                    return True  # leaving the block closes the connection mid-stream
+    return False
+
+
+def test_streaming_clients_that_hang_up_after_the_first_token_leave_nothing(cluster,
+                                                                            reference):
+    """Issue 9: 200 streaming requests closed by the client after their first token: verifier
+    KV usage back to zero, no drafter state left, gateway pending table empty (within
+    LEFTOVER_BOUND_S); the requests were really cut short; a new request is exact."""
+    tok, run = reference
+    assert not any(_leftovers(cluster).values()), _leftovers(cluster)
+    generated = cluster.stats()["verifier-0"]["num_generated_tokens"]
+
+    async def main() -> list[bool]:
+        sem = asyncio.Semaphore(HANGUP_CONCURRENCY)
+        limits = httpx.Limits(max_connections=HANGUP_CONCURRENCY)
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, limits=limits) as c:
+            async def one(i: int) -> bool:
+                async with sem:
+                    return await _hang_up_after_first_token(c, i)
+
+            return await asyncio.gather(*(one(i) for i in range(HANGUP_CLIENTS)))
+
+    got_first = asyncio.run(main())
+    assert all(got_first), f"{got_first.count(False)} requests never streamed a token"
+    left, waited = _wait_no_leftovers(cluster)
+    assert not any(left.values()), f"after {waited:.1f} s the roles still hold: {left}"
+    generated = cluster.stats()["verifier-0"]["num_generated_tokens"] - generated
+    # aborted, not run to max_tokens (every request ran to the end would be 80,000)
+    assert generated < HANGUP_CLIENTS * HANGUP_MAX_TOKENS // 4, generated
+    print(f"200 hung-up streams: {generated} tokens generated, state gone {waited:.1f} s "
+          "after the last client left")
+    prompt_ids = list(tok(PROMPTS[1])["input_ids"])
+    assert _complete(cluster.url, PROMPTS[1])["choices"][0]["token_ids"] == run(prompt_ids)
+
+
+def test_non_streaming_clients_that_hang_up_leave_nothing(cluster, reference):
+    """Issue 9: 20 non-streaming clients that give up before the response (read timeout):
+    the gateway's pending table and the verifier's request table do not grow."""
+    tok, run = reference
+    n, max_tokens = 20, 900
+    generated = cluster.stats()["verifier-0"]["num_generated_tokens"]
+
+    def give_up(i: int) -> str:
+        body = {"prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True}
+        try:
+            r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=1.0)
+        except httpx.ReadTimeout:
+            return "hung up"
+        return f"answered {r.status_code}: {r.text[:200]}"
+
+    with ThreadPoolExecutor(n) as pool:
+        outcomes = list(pool.map(give_up, range(n)))
+    assert outcomes == ["hung up"] * n
+    left, waited = _wait_no_leftovers(cluster)
+    assert not any(left.values()), f"after {waited:.1f} s the roles still hold: {left}"
+    generated = cluster.stats()["verifier-0"]["num_generated_tokens"] - generated
+    assert generated < n * max_tokens // 4, generated
+    prompt_ids = list(tok(PROMPTS[2])["input_ids"])
+    assert _complete(cluster.url, PROMPTS[2])["choices"][0]["token_ids"] == run(prompt_ids)
+
+
 def _raw_dealer(endpoint: str, identity: str) -> zmq.Socket:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
@@ -131,7 +251,6 @@ def _raw_dealer(endpoint: str, identity: str) -> zmq.Socket:
 
 
 def test_garbage_wrong_hello_and_early_messages_are_counted(cluster, reference):
-    import time
 
     roster = ray.get(cluster.controller.get_roster.remote())
     before = cluster.stats()
@@ -164,8 +283,8 @@ def test_garbage_wrong_hello_and_early_messages_are_counted(cluster, reference):
         s.close(0)
     # every role keeps serving
     tok, run = reference
-    want, _ = run(list(tok(PROMPTS[0])["input_ids"]))
-    assert _complete(cluster.url, PROMPTS[0])["choices"][0]["text"] == want
+    want = run(list(tok(PROMPTS[0])["input_ids"]))
+    assert _complete(cluster.url, PROMPTS[0])["choices"][0]["token_ids"] == want
     health = {iid: ray.get(a.health.remote()) for iid, a in cluster.actors.items()}
     assert all(h["alive"] for h in health.values()), health
 
@@ -174,16 +293,15 @@ def test_requests_survive_a_drafter_restart(cluster, reference):
     """Kill the drafter actor mid-stream: Ray restarts it (new incarnation, new endpoint), it
     re-registers, the verifier reconnects and re-syncs; the output stays exact."""
     import threading
-    import time
 
     tok, run = reference
     prompt = PROMPTS[2]
-    want, _ = run(list(tok(prompt)["input_ids"]))
+    want = run(list(tok(prompt)["input_ids"]))
     old = ray.get(cluster.actors["drafter-0"].info.remote())
     result = {}
 
     def request():
-        result["got"] = _complete(cluster.url, prompt, stream=True)["text"]
+        result["got"] = _complete(cluster.url, prompt, stream=True)["ids"]
 
     t = threading.Thread(target=request)
     t.start()
@@ -211,7 +329,11 @@ def test_requests_survive_a_drafter_restart(cluster, reference):
         time.sleep(0.2)
     assert st["peer_incarnations"].get("drafter-0") == new["incarnation"]
     before = cluster.stats()["drafter-0"]["num_draft_tokens_sent"]
+    accepted = 0
     for p in PROMPTS:
-        want, _ = run(list(tok(p)["input_ids"]))
-        assert _complete(cluster.url, p)["choices"][0]["text"] == want
+        want = run(list(tok(p)["input_ids"]))
+        got = _complete(cluster.url, p)
+        assert got["choices"][0]["token_ids"] == want, p
+        accepted += got["spec_stats"]["num_accepted_tokens"]
     assert cluster.stats()["drafter-0"]["num_draft_tokens_sent"] > before  # drafting again
+    assert accepted > 0  # and its drafts are accepted
