@@ -78,7 +78,7 @@ def test_stop_string_usage_and_spec_stats_do_not_depend_on_kappa(served, stream)
     for kappa in (0, 4, 8):
         before = c.verifier.stats.num_accepted_tokens, c.verifier.stats.num_draft_tokens
         body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [stop],
-                "num_speculative_tokens": kappa, "stream": stream}
+                "num_speculative_tokens": kappa, "stream": stream, "return_token_ids": True}
         if stream:
             body["stream_options"] = {"include_usage": True}
             import json
@@ -87,6 +87,7 @@ def test_stop_string_usage_and_spec_stats_do_not_depend_on_kappa(served, stream)
                 events = [json.loads(line[6:]) for line in r.iter_lines()
                           if line.startswith("data: ") and line != "data: [DONE]"]
             text = "".join(ch["text"] for e in events for ch in e["choices"])
+            ids = [t for e in events for ch in e["choices"] for t in ch.get("token_ids", [])]
             usage, spec = events[-1]["usage"], events[-1]["spec_stats"]
             finish = [ch["finish_reason"] for e in events for ch in e["choices"]][-1]
         else:
@@ -94,8 +95,10 @@ def test_stop_string_usage_and_spec_stats_do_not_depend_on_kappa(served, stream)
             assert r.status_code == 200, r.text
             out = r.json()
             text, usage, spec = out["choices"][0]["text"], out["usage"], out["spec_stats"]
+            ids = out["choices"][0]["token_ids"]
             finish = out["choices"][0]["finish_reason"]
         assert finish == "stop" and stop not in text
+        assert ids == list(ref[:usage["completion_tokens"]])  # plain greedy's ids, up to the cut
         results[kappa] = (text, usage["completion_tokens"])
         n = usage["completion_tokens"]
         assert spec["num_accepted_tokens"] <= spec["num_draft_tokens"] <= n - 1
