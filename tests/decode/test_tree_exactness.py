@@ -145,3 +145,45 @@ def test_unseeded_sampled_tree_run_completes(tiny):
     assert all(len(r.token_ids) == MAX_TOKENS for r in res)
     assert all(0 <= t < VOCAB for r in res for t in r.token_ids)
     assert c.verifier.stats.num_tree_verify_steps > 0
+
+
+class _HiddenRecordingTreeOracle(TreeOracleProposer):
+    """A tree oracle that takes the target's hidden states as seed state and records them by
+    absolute position (what an EAGLE drafter would be fed)."""
+
+    name = "tree-oracle-hidden-test"
+    seed_state = "hidden"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.rows = {}
+
+    def observe_seed_state(self, request_id, start_position, hidden):
+        for i, row in enumerate(hidden):
+            self.rows[(request_id, start_position + i)] = row.clone()
+
+
+def test_seed_state_rows_follow_the_accepted_path(tiny):
+    """The verifier ships, for a tree step, the hidden rows of the root and of the accepted
+    nodes (not the chunk's first rows): each equals the target's hidden state at that
+    position of the final sequence."""
+    from engine.kv_cache import KVCache
+    from engine.runner import ModelRunner
+
+    model, cfg, prompts, refs, _ = tiny
+    prompts, refs = prompts[:2], refs[:2]
+    oracle = _HiddenRecordingTreeOracle(prompts, refs, VOCAB)
+    c = _cluster(model, cfg, 3, oracle)
+    res = c.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.token_ids for r in res] == refs
+    assert c.verifier.stats.num_tree_side_branch_accepts > 0
+    runner = ModelRunner(model, cfg, KVCache(cfg, 32, 4, torch.float64))
+    checked = 0
+    for r, prompt, ref in zip(res, prompts, refs):
+        seq = prompt + ref
+        _, hidden = runner.prefill(seq, list(range(32)), return_hidden=True)
+        for (rid, pos), row in oracle.rows.items():
+            if rid == r.request_id and pos >= len(prompt):
+                torch.testing.assert_close(row, hidden[pos], atol=1e-9, rtol=0)
+                checked += 1
+    assert checked >= sum(len(ref) for ref in refs) // 2
