@@ -41,7 +41,10 @@ class VerifierConfig:
     fails; a cancel not acknowledged by then frees the blocks. ``drafter_silence_s``: a
     drafter that owes a tail (a DraftSync or VerifyCommit it has not answered) for longer is
     treated as gone for the tail wait: no step waits for its requests until it is heard from
-    again. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
+    again. ``drafter_lost_grace_s``: a drafter whose connection dropped (closed, reset, the
+    transport's heartbeat timed out) and that has not come back within this long is lost: its
+    requests are re-opened on another drafter (or run as plain decode) at once, not when the
+    health check deregisters it; they go back to it when it is back. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
     accept length (never changes the output, only the cost). ``draft_method`` is told to the
     prefill worker so that it ships the right seed state. ``seed_state``: the seed state that
     method needs (``""`` none, ``"hidden"`` the target's final hidden states, which the verify
@@ -70,11 +73,13 @@ class VerifierConfig:
     tail_wait_fraction: float = 0.25
     prefill_timeout_s: float = 120.0
     drafter_silence_s: float = 1.0
+    drafter_lost_grace_s: float = 2.0
     draft_method: str = "ngram"
     seed_state: str = ""
     eos_token_ids: tuple[int, ...] = ()
     adaptive_drafts: bool = True
     verify_rule: str = "auto"
+    synthetic_acceptance: tuple[float, ...] = ()
     max_tree_nodes: int = 0
 
     def __post_init__(self) -> None:

@@ -157,14 +157,19 @@ class RequestLifecycle:
         req.tail.reset(req.committed_len)
 
     def lose_drafter(self, peer: str) -> None:
-        """A send to drafter ``peer`` failed (not draining, unreachable): its requests run as
-        plain decode and are re-synced with DraftSync when it is back
-        (:meth:`restore_drafter`); new requests go elsewhere."""
+        """Drafter ``peer`` cannot be reached (a send failed, its connection is gone): its
+        running requests are re-opened with DraftSync on another drafter, or, with none left,
+        run as plain decode and are re-synced when it is back (:meth:`restore_drafter`); new
+        requests go elsewhere."""
         self.lost_drafters.add(peer)
-        for req in self.requests.values():
+        for req in list(self.requests.values()):
             if req.drafter == peer:
                 self.drop_draft(req)
                 req.lost_drafter = peer
+                if req.status is RequestStatus.RUNNING:
+                    self.open_draft(req)
+                    if req.drafter is not None:
+                        req.lost_drafter = None
 
     def restore_drafter(self, peer: str) -> None:
         """Drafter ``peer`` is heard from again (or restarted): re-open its lost requests."""

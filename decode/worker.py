@@ -81,6 +81,8 @@ class VerifierWorker(MailboxWorker):
         #: drafter -> monotonic time since when it owes an answer (a DraftSync / VerifyCommit
         #: sent, nothing heard since)
         self._drafter_owes: dict[str, float] = {}
+        #: drafter -> monotonic time its connection dropped (see :meth:`peer_disconnected`)
+        self._drafters_down: dict[str, float] = {}
         #: prefill peers a send failed to (refused our Hello, no channel) -> the error; not
         #: given new transfers until the roster drops them or they restart
         self.unreachable_prefill: dict[str, str] = {}
@@ -97,6 +99,8 @@ class VerifierWorker(MailboxWorker):
         :meth:`prefill_gone` says."""
         self.prefill_peers = list(prefill_peers)
         self.lifecycle.set_drafters(drafter_peers)
+        for peer in set(self._drafters_down) - set(drafter_peers):
+            del self._drafters_down[peer]  # (its requests moved with the roster)
         for peer in {t.prefill_peer for t in self.kv.transfers.values()} - set(prefill_peers):
             self.prefill_gone(peer, f"prefill worker {peer} left the cluster")
         for peer in set(self.unreachable_prefill) - set(prefill_peers):
@@ -167,10 +171,39 @@ class VerifierWorker(MailboxWorker):
     def _prefill_load(self, peer: str) -> int:
         return sum(t.prefill_peer == peer for t in self.kv.transfers.values())
 
+    def peer_disconnected(self, peer: str) -> None:
+        """The transport's connection to ``peer`` dropped (closed, reset, heartbeat timeout;
+        called in the loop thread). A drafter that is not back (:meth:`drafter_back`, or a
+        restart: :meth:`resync_drafter`) within ``drafter_lost_grace_s`` is lost
+        (:meth:`lose_drafter` of the lifecycle): its requests move to another drafter or
+        to plain decode without waiting for the health check."""
+        if peer in self.lifecycle.drafter_peers:
+            self._drafters_down.setdefault(peer, time.monotonic())
+
+    def drafter_back(self, peer: str) -> None:
+        """Drafter ``peer`` acknowledged our Hello again as the same incarnation."""
+        self._drafters_down.pop(peer, None)
+        if peer in self.lifecycle.lost_drafters:
+            self.lifecycle.restore_drafter(peer)
+
+    def _check_drafters_down(self) -> None:
+        if not self._drafters_down:
+            return
+        bound = time.monotonic() - self.config.drafter_lost_grace_s
+        for peer, since in list(self._drafters_down.items()):
+            if since <= bound:
+                del self._drafters_down[peer]
+                log.warning("drafter %s: connection lost for %.1f s; its requests move on",
+                            peer, self.config.drafter_lost_grace_s)
+                self.stats.num_drafters_lost += 1
+                self._drafter_owes.pop(peer, None)
+                self.lifecycle.lose_drafter(peer)
+
     def resync_drafter(self, peer: str) -> None:
         """``peer`` restarted (new incarnation): re-open its requests with DraftSync (those
         that lost it to a failed send too)."""
         self._drafter_owes.pop(peer, None)
+        self._drafters_down.pop(peer, None)
         for req in list(self.requests.values()):
             if req.drafter == peer and req.status is RequestStatus.RUNNING:
                 self.lifecycle.sync_draft(req)
@@ -370,6 +403,7 @@ class VerifierWorker(MailboxWorker):
         self.ingest(0.0 if busy else timeout_s)
         t0 = time.monotonic()
         self._check_timeouts()
+        self._check_drafters_down()
         self._end_orphans()
         with prof.phase("admit"):
             self._admit()

@@ -26,12 +26,16 @@ class VerifierHost(RoleHost):
                          incarnation=self.incarnation, max_model_len=max_len,
                          eos_token_ids=tuple(loaded.config.eos_token_ids),
                          seed_state=v.seed_state or seed_state_of(v.draft_method))
-        return VerifierWorker(config, self.mailbox, runner, bm)
+        worker = VerifierWorker(config, self.mailbox, runner, bm)
+        self.mailbox.on_disconnect = worker.peer_disconnected  # called in the loop thread
+        return worker
 
     def on_hello(self, peer: PeerInfo, is_new: bool) -> None:
         # A drafter that restarted (new incarnation) gets DraftSync for its requests.
         if peer.role == Role.DRAFTER.value and is_new:
             self.worker.resync_drafter(peer.name)
+        elif peer.role == Role.DRAFTER.value:  # the same process is back after a drop
+            self.worker.drafter_back(peer.name)
         elif peer.role == Role.PREFILL.value:
             self._prefill_incarnation(peer.name, peer.incarnation)
 

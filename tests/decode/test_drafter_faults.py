@@ -240,3 +240,67 @@ def test_running_requests_without_a_drafter_are_opened_on_one_that_joins(tiny):
         _pump(c, out)
     assert [out[f"r{i}"] for i in range(3)] == want
     assert sum(accepted.values()) > before
+
+
+def test_a_drafter_whose_connection_drops_is_lost_after_the_grace_and_back_on_its_hello(tiny):
+    """The transport reports the drafter's connection down: within ``drafter_lost_grace_s``
+    nothing changes; after it the requests run plain (no tail owed) and, when the same
+    drafter acknowledges Hello again, they are re-synced there and accept drafts again."""
+    m, cfg, want = tiny
+    patient = _cluster(tiny, drafter_lost_grace_s=60.0)
+    out = {}
+    _submit(patient)
+    _pump(patient, out, 3)
+    patient.verifier.peer_disconnected("drafter-0")
+    _pump(patient, out, 2)
+    assert patient.verifier.stats.num_drafters_lost == 0
+    assert all(r.drafter == "drafter-0" for r in patient.verifier.requests.values()
+               if r.status.name == "RUNNING")
+
+    c = _cluster(tiny, drafter_lost_grace_s=0.0)
+    out = {}
+    _submit(c)
+    _pump(c, out, 3)
+    c.verifier.peer_disconnected("drafter-0")
+    _pump(c, out, 2, drafter=False)
+    running = [r for r in c.verifier.requests.values() if r.status.name == "RUNNING"]
+    assert running and c.verifier.stats.num_drafters_lost == 1
+    assert all(r.drafter is None and r.lost_drafter == "drafter-0" and not r.tail_in_flight
+               for r in running)
+    syncs = {r.request_id: r.num_draft_syncs for r in running}
+    before = sum(r.spec.num_accepted_tokens for r in running)
+    c.verifier.drafter_back("drafter-0")
+    assert all(r.drafter == "drafter-0" and r.num_draft_syncs == syncs[r.request_id] + 1
+               for r in running)
+    accepted = {}
+    for _ in range(200):
+        for r in running:
+            accepted[r.request_id] = r.spec.num_accepted_tokens
+        if _done(c, out):
+            break
+        _pump(c, out)
+    assert [out[f"r{i}"] for i in range(3)] == want
+    assert sum(accepted.values()) > before
+
+
+def test_a_lost_drafters_requests_are_re_opened_on_another_drafter(tiny):
+    """With a second drafter in the roster, a lost drafter's running requests get DraftSync
+    there at once (not plain decode until the health check deregisters the first)."""
+    from protocol.messages import DraftSync
+
+    c = _cluster(tiny)
+    other = c.hub.mailbox("drafter-1")
+    out = {}
+    _submit(c)
+    _pump(c, out, 3)
+    running = [r for r in c.verifier.requests.values() if r.status.name == "RUNNING"]
+    assert running and all(r.drafter == "drafter-0" for r in running)
+    c.verifier.set_roster(list(c.verifier.prefill_peers), ["drafter-0", "drafter-1"])
+    syncs = {r.request_id: r.num_draft_syncs for r in running}
+    c.verifier.lifecycle.lose_drafter("drafter-0")
+    assert all(r.drafter == "drafter-1" and r.lost_drafter is None
+               and r.num_draft_syncs == syncs[r.request_id] + 1 for r in running)
+    got = [e.msg for e in other.drain() if isinstance(e.msg, DraftSync)]
+    assert sorted(m.request_id for m in got) == sorted(syncs)
+    for m in got:  # the committed prefix is the truth the new drafter aligns to
+        assert m.committed_token_ids == c.verifier.requests[m.request_id].output_token_ids
