@@ -46,7 +46,7 @@ class Completion:
         self.error = msg.error
         self.num_prompt_tokens = msg.num_prompt_tokens
         self.spec = SpecStats(msg.num_draft_tokens, msg.num_accepted_tokens,
-                              msg.num_verify_steps)
+                              msg.num_verify_steps, msg.synthetic_acceptance)
 
 
 class InProcessCluster:

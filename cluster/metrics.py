@@ -74,6 +74,18 @@ class RoleCollector:
         for pos, n in enumerate(st.num_accepted_tokens_per_pos):
             per_pos.add_metric([*labels.values(), str(pos)], float(n))
         yield per_pos
+        cfg = h.worker.config
+        synthetic = cfg.verify_rule == "synthetic"
+        yield _gauge("specmesh:spec_decode_synthetic_acceptance",
+                     "1 when drafts are accepted by the synthetic-acceptance ablation harness "
+                     "(--verify-rule synthetic), not verified", float(synthetic), labels)
+        if synthetic:
+            rates = GaugeMetricFamily("specmesh:spec_decode_synthetic_acceptance_rate",
+                                      "The synthetic acceptance curve, by draft position",
+                                      labels=[*labels, "position"])
+            for pos, rate in enumerate(cfg.synthetic_acceptance):
+                rates.add_metric([*labels.values(), str(pos)], float(rate))
+            yield rates
         yield _counter("specmesh:stale_tail_tokens", "Draft tail tokens discarded as stale",
                        st.num_stale_tail_tokens, labels)
         kv = h.worker.kv.stats

@@ -46,7 +46,17 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-rule", default="auto", choices=VERIFY_RULES,
                    help="verification of sampled requests without a seed: auto (standard "
                         "rejection sampling) or block (block verification, arXiv 2403.10444); "
-                        "temperature 0 stays greedy and seeded requests coupled")
+                        "temperature 0 stays greedy and seeded requests coupled; synthetic: "
+                        "the ablation harness, every request's drafts accepted along "
+                        "--synthetic-acceptance or --synthetic-mean-accept-len, not verified "
+                        "(responses and metrics say so)")
+    p.add_argument("--synthetic-acceptance", default=None, metavar="RATES",
+                   help="with --verify-rule synthetic: per-position acceptance, a comma list "
+                        "(e.g. 0.8,0.6,0.4: the share of steps accepting at least 1, 2, 3 "
+                        "drafts; later positions keep the last conditional rate)")
+    p.add_argument("--synthetic-mean-accept-len", type=float, default=None, metavar="M",
+                   help="with --verify-rule synthetic: a geometric acceptance curve whose "
+                        "verify steps with kappa drafts accept M drafts on average")
     p.add_argument("--max-kv-send-mb-s", type=float, default=0.0, metavar="MIB_PER_S",
                    help="cap on the KV bandwidth each prefill worker sends at, MiB/s (frames "
                         "paced; 0: no cap)")
@@ -123,6 +133,7 @@ def cluster_config(args: argparse.Namespace, **overrides):
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               draft_method=method, drafter_method_kwargs=method_kwargs,
               verify_rule=getattr(args, "verify_rule", "auto"),
+              **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0))
     if getattr(args, "port", None) is not None:
         kw["port"] = args.port
@@ -134,6 +145,35 @@ def cluster_config(args: argparse.Namespace, **overrides):
         kw["threads"] = default_threads(args.threads)
     kw.update(overrides)
     return ClusterConfig.create(**kw)
+
+
+def synthetic_settings(args: argparse.Namespace) -> dict:
+    """The cluster settings of ``--verify-rule synthetic`` (decode/synthetic.py): the verifier's
+    ``synthetic_acceptance`` curve, and no draft probabilities from the drafter (the rule
+    does not read them); ``{}`` for any other rule.
+
+    Raises:
+        SystemExit: synthetic without a curve, with both forms, a curve with another rule, or
+            a malformed curve.
+    """
+    from decode.synthetic import curve_from_mean_accept_len, parse_curve
+
+    rates = getattr(args, "synthetic_acceptance", None)
+    mean = getattr(args, "synthetic_mean_accept_len", None)
+    if getattr(args, "verify_rule", "auto") != "synthetic":
+        if rates is not None or mean is not None:
+            raise SystemExit("--synthetic-acceptance / --synthetic-mean-accept-len need "
+                             "--verify-rule synthetic")
+        return {}
+    if (rates is None) == (mean is None):
+        raise SystemExit("--verify-rule synthetic needs one of --synthetic-acceptance RATES "
+                         "or --synthetic-mean-accept-len M")
+    try:
+        curve = parse_curve(rates) if rates is not None else curve_from_mean_accept_len(
+            mean, args.num_speculative_tokens)
+    except ValueError as err:
+        raise SystemExit(f"synthetic acceptance: {err}") from None
+    return {"synthetic_acceptance": curve, "draft_probs": False}
 
 
 def default_instance_id(role: str) -> str:

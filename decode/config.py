@@ -22,8 +22,9 @@ SEED_STATES = ("", "hidden")
 MAX_SEED_ROWS = 64
 #: Verification rules a deployment may pick for unseeded sampled requests (``verify_rule``):
 #: "auto" standard rejection sampling, "block" block verification (arXiv 2403.10444). Greedy
-#: and seeded requests keep their rules (greedy, coupled) either way.
-VERIFY_RULES = ("auto", "block")
+#: and seeded requests keep their rules (greedy, coupled) either way. "synthetic" is the
+#: ablation harness (decode/synthetic.py): every request's drafts pass along a given curve.
+VERIFY_RULES = ("auto", "block", "synthetic")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class VerifierConfig:
     seeded request coupled (decode/verification.py). ``max_tree_nodes``: most draft-tree nodes
     verified per request per step (tree verification; 0: twice the request's kappa); the
     tree's depth is capped by kappa like a chain.
+
+    ``verify_rule="synthetic"`` (the ablation harness, decode/synthetic.py) accepts every
+    request's drafts along ``synthetic_acceptance``, a per-position acceptance curve (required
+    with that rule, refused without it).
 
     Raises:
         ValueError: a setting out of range.
@@ -97,6 +102,13 @@ class VerifierConfig:
         if self.verify_rule not in VERIFY_RULES:
             raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, "
                              f"got {self.verify_rule!r}")
+        if (self.verify_rule == "synthetic") != bool(self.synthetic_acceptance):
+            raise ValueError("verify_rule 'synthetic' needs a synthetic_acceptance curve, and "
+                             "a curve needs verify_rule 'synthetic'")
+        if self.synthetic_acceptance:
+            from decode.synthetic import check_curve  # (imports decode.verification)
+
+            check_curve(self.synthetic_acceptance)
         if self.tail_wait_fraction < 0:
             raise ValueError("tail_wait_fraction must be >= 0")
         if self.max_tree_nodes < 0:

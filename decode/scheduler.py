@@ -201,7 +201,9 @@ class Scheduler:
             drafts = req.tail.usable(k)
             probs = req.tail.usable_probs(len(drafts))
             tree = None
-            if req.tail.tree is not None and all(r is None for r in probs):
+            # synthetic acceptance judges chains: a tree's branch 0 is planned as one
+            if req.tail.tree is not None and all(r is None for r in probs) \
+                    and self.config.verify_rule != "synthetic":
                 tree = req.tail.usable_tree(k, min(self.max_tree_nodes(req), budget - 1))
             if tree is not None:
                 drafts, parents = tree

@@ -11,6 +11,7 @@ import torch
 
 from decode.draft_probs import batch_draft_probs
 from decode.scheduler import PlannedRequest
+from decode.synthetic import SYNTHETIC, SyntheticRule
 from decode.verification import (
     RuleBatch,
     TreeRule,
@@ -48,18 +49,22 @@ class VerifyStep:
     randomness of unseeded sampled requests (the rejection rule); None draws a fresh one.
     Seeded requests never touch it (their noise is keyed by (seed, position)).
     ``verify_rule`` (VerifierConfig.verify_rule): the rule of unseeded sampled requests,
-    ``"auto"`` (rejection) or ``"block"`` (block verification).
+    ``"auto"`` (rejection) or ``"block"`` (block verification); ``"synthetic"``: every chain
+    is judged by synthetic acceptance along ``synthetic_acceptance`` (decode/synthetic.py).
 
     Raises:
-        ValueError: an unknown ``verify_rule``.
+        ValueError: an unknown ``verify_rule``; ``"synthetic"`` without a valid curve.
     """
 
     def __init__(self, runner: ModelRunner, profile: StepProfile | None = None,
-                 seed: int | None = None, verify_rule: str = "auto") -> None:
+                 seed: int | None = None, verify_rule: str = "auto",
+                 synthetic_acceptance: tuple[float, ...] = ()) -> None:
         self.runner = runner
         self.profile = profile or StepProfile()
         self._seed = seed
         self.verify_rule = check_verify_rule(verify_rule)
+        self._synthetic = SyntheticRule(synthetic_acceptance) if verify_rule == SYNTHETIC \
+            else None
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
@@ -135,7 +140,7 @@ class VerifyStep:
             groups.setdefault(self._rule_name(p), []).append(i)
         outputs: list[VerifyOutput | None] = [None] * len(plan)
         for name, idx in groups.items():
-            rule = get_rule(name)
+            rule = self._synthetic if name == SYNTHETIC else get_rule(name)
             batch = self._rule_batch([plan[i] for i in idx], [logits[i] for i in idx],
                                      getattr(rule, "uses_draft_probs", False))
             if name == TreeRule.name:
@@ -157,6 +162,8 @@ class VerifyStep:
         if p.parents is not None:
             return TreeRule.name
         sampling = p.request.sampling
+        if self._synthetic is not None:
+            return SYNTHETIC
         if self.verify_rule == "auto":  # the one-argument form (tests patch rule_name_for)
             return rule_name_for(sampling)
         return rule_name_for(sampling, self.verify_rule)

@@ -62,7 +62,8 @@ class VerifierWorker(MailboxWorker):
         self.kv = KVReceiver(runner.kv_cache)
         self.scheduler = Scheduler(config, block_manager)
         self.profile = StepProfile()
-        self.verify_step = VerifyStep(runner, self.profile, verify_rule=config.verify_rule)
+        self.verify_step = VerifyStep(runner, self.profile, verify_rule=config.verify_rule,
+                                      synthetic_acceptance=config.synthetic_acceptance)
         self.stats = VerifierStats(max_num_speculative_tokens=config.max_num_speculative_tokens)
         self.lifecycle = RequestLifecycle(self.scheduler, self.kv, self.stats, self.vocab_size,
                                           frozenset(config.eos_token_ids), self.send,

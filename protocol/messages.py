@@ -276,6 +276,10 @@ class TokenStream:
     ``offset``: the output position of the first token of ``token_ids`` (the number of output
     tokens the verifier streamed before this delta), so the gateway sees a lost or repeated
     delta (a gap or an overlap) and fails the request rather than return text with a hole.
+
+    ``synthetic_acceptance``: the verifier runs the synthetic-acceptance ablation harness
+    (``--verify-rule synthetic``): drafts were accepted along a given curve, not verified, so
+    the output is not the target's.
     """
 
     request_id: str
@@ -288,6 +292,7 @@ class TokenStream:
     num_accepted_tokens: NonNegInt = 0  # of which accepted
     num_verify_steps: NonNegInt = 0  # verify forwards that included drafts
     error: str = ""
+    synthetic_acceptance: bool = False
     TAG: ClassVar[int]
 
     @classmethod

@@ -19,6 +19,8 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    #: drafts were accepted by the synthetic-acceptance ablation harness, not verified
+    synthetic_acceptance: bool = False
 
     def observe(self, num_draft_tokens: int, accept_len: int) -> None:
         """Record one verify step of one request that carried ``num_draft_tokens`` drafts."""
@@ -41,6 +43,7 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_verify_steps += other.num_verify_steps
+        self.synthetic_acceptance = self.synthetic_acceptance or other.synthetic_acceptance
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,9 +56,11 @@ class SpecStats:
         return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
 
     def as_dict(self) -> dict:
-        """The counters and both ratios, as every response's ``spec_stats`` carries them."""
+        """The counters and both ratios, as every response's ``spec_stats`` carries them, and
+        ``synthetic_acceptance`` (true when the ablation harness accepted the drafts)."""
         return {"num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "num_verify_steps": self.num_verify_steps,
                 "acceptance_rate": self.acceptance_rate,
-                "mean_accept_len": self.mean_accept_len}
+                "mean_accept_len": self.mean_accept_len,
+                "synthetic_acceptance": self.synthetic_acceptance}

@@ -60,13 +60,17 @@ def update_spec_stats(stats: SpecStats, msg: TokenStream) -> None:
     stats.num_draft_tokens = max(stats.num_draft_tokens, msg.num_draft_tokens)
     stats.num_accepted_tokens = max(stats.num_accepted_tokens, msg.num_accepted_tokens)
     stats.num_verify_steps = max(stats.num_verify_steps, msg.num_verify_steps)
+    stats.synthetic_acceptance = stats.synthetic_acceptance or msg.synthetic_acceptance
 
 
 def spec_stats_headers(stats: SpecStats) -> dict[str, str]:
     """The response headers that repeat a request's spec stats."""
-    return {"x-specmesh-draft-tokens": str(stats.num_draft_tokens),
-            "x-specmesh-accepted-tokens": str(stats.num_accepted_tokens),
-            "x-specmesh-mean-accept-len": f"{stats.mean_accept_len:.4f}"}
+    headers = {"x-specmesh-draft-tokens": str(stats.num_draft_tokens),
+               "x-specmesh-accepted-tokens": str(stats.num_accepted_tokens),
+               "x-specmesh-mean-accept-len": f"{stats.mean_accept_len:.4f}"}
+    if stats.synthetic_acceptance:  # the ablation harness accepted the drafts
+        headers["x-specmesh-synthetic-acceptance"] = "1"
+    return headers
 
 
 class RequestRun:
@@ -155,7 +159,7 @@ class RequestRun:
         steps = s.num_verify_steps - before.num_verify_steps if drafts else 0
         self.stats = SpecStats(before.num_draft_tokens + drafts,
                                before.num_accepted_tokens + accepted,
-                               before.num_verify_steps + steps)
+                               before.num_verify_steps + steps, s.synthetic_acceptance)
 
     async def events(self) -> AsyncIterator[TextDelta | Finish]:
         """Yield text deltas, then exactly one :class:`Finish` (unless cancelled).
@@ -172,7 +176,8 @@ class RequestRun:
                     async for msg in stream:
                         before = SpecStats(self.stats.num_draft_tokens,
                                            self.stats.num_accepted_tokens,
-                                           self.stats.num_verify_steps)
+                                           self.stats.num_verify_steps,
+                                           self.stats.synthetic_acceptance)
                         update_spec_stats(self.stats, msg)
                         if msg.token_ids:
                             t0 = time.perf_counter()
@@ -222,4 +227,5 @@ class RequestRun:
         s = self.stats
         self.metrics.observe_finished(reason, self.num_prompt_tokens, self.num_output_tokens,
                                       s.num_verify_steps, s.num_draft_tokens,
-                                      s.num_accepted_tokens, time.perf_counter() - self.arrival)
+                                      s.num_accepted_tokens, time.perf_counter() - self.arrival,
+                                      synthetic_acceptance=s.synthetic_acceptance)

@@ -72,6 +72,10 @@ class GatewayMetrics:
                                          "Draft tokens verified", registry=r)
         self.spec_accepted_tokens = Counter("specmesh:gateway_spec_decode_num_accepted_tokens",
                                             "Draft tokens accepted", registry=r)
+        self.synthetic_acceptance = Counter(
+            "specmesh:gateway_spec_decode_synthetic_acceptance_requests",
+            "Requests whose drafts the synthetic-acceptance ablation harness accepted (not "
+            "verified: their output is not the target's)", registry=r)
         self.ttft = Histogram("specmesh:time_to_first_token_seconds",
                               "Time from request arrival to the first output token",
                               buckets=_TTFT_BUCKETS, registry=r)
@@ -89,8 +93,11 @@ class GatewayMetrics:
 
     def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
                          num_drafts: int, draft_tokens: int, accepted_tokens: int,
-                         e2e_s: float) -> None:
-        """Account one request that reached the verifier and ended."""
+                         e2e_s: float, synthetic_acceptance: bool = False) -> None:
+        """Account one request that reached the verifier and ended (``synthetic_acceptance``:
+        its drafts were accepted by the ablation harness)."""
+        if synthetic_acceptance:
+            self.synthetic_acceptance.inc()
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)

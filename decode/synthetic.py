@@ -1,0 +1,134 @@
+"""Synthetic acceptance: the ablation harness of ``--verify-rule synthetic`` (DESIGN.md §5).
+
+A deployment that asks for it accepts drafts along a given acceptance curve instead of
+verifying them, to measure what speculation would buy at that acceptance (vLLM offers the same
+for benchmarking). Off unless asked for; every response (``spec_stats.synthetic_acceptance``)
+and the verifier's and gateway's metrics say it was used, since the output is then no longer
+the target's.
+
+The curve is per draft position: ``curve[j]`` is the share of verify steps with at least
+``j + 1`` drafts that accept at least ``j + 1`` (vLLM's per-position acceptance,
+``spec_decode_num_accepted_tokens_per_pos / num_drafts``), non-increasing; positions past it
+keep the last conditional rate (a single value ``a`` is the geometric curve ``a, a^2, ...``).
+The mean-accept-length form ``m`` is the geometric curve whose steps with ``kappa`` drafts
+accept ``m`` drafts on average: ``sum_{i=1..kappa} alpha^i = m``.
+
+Every request (greedy, seeded, sampled) is judged by the curve; the token after the accepted
+drafts is the one the request's own mode picks at that row (argmax, coupled Gumbel-max keyed
+by (seed, position), or a sample), so with a curve of 0 the output is exactly plain decoding.
+Runs ``kernels.synthetic_accept``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from decode.verification import RuleBatch, VerificationRule
+from engine.sampling import sample_tokens
+from kernels.synthetic_accept import synthetic_accept
+
+#: ``verify_rule`` value that selects synthetic acceptance
+SYNTHETIC = "synthetic"
+
+
+def check_curve(curve: Sequence[float]) -> tuple[float, ...]:
+    """``curve`` as a tuple after checking it.
+
+    Raises:
+        ValueError: empty, a value outside ``[0, 1]`` (or not a number), or increasing.
+    """
+    out = tuple(float(c) for c in curve)
+    if not out:
+        raise ValueError("a synthetic acceptance curve needs at least one rate")
+    if not all(0.0 <= c <= 1.0 for c in out):
+        raise ValueError(f"synthetic acceptance rates must be in [0, 1], got {list(out)}")
+    if any(b > a for a, b in zip(out, out[1:])):
+        raise ValueError(f"a per-position acceptance curve cannot increase, got {list(out)}")
+    return out
+
+
+def conditional_rates(curve: Sequence[float]) -> list[float]:
+    """The conditional acceptance per position (``curve[j] / curve[j - 1]``; 0 after a 0),
+    the input of ``kernels.synthetic_accept``.
+
+    Raises:
+        ValueError: see :func:`check_curve`.
+    """
+    c = check_curve(curve)
+    rates, prev = [], 1.0
+    for a in c:
+        rates.append(a / prev if prev > 0 else 0.0)
+        prev = a
+    return [min(r, 1.0) for r in rates]
+
+
+def curve_from_mean_accept_len(mean_accept_len: float, num_speculative_tokens: int,
+                               ) -> tuple[float, ...]:
+    """The geometric curve (``alpha^(j+1)``, ``num_speculative_tokens`` positions) whose verify
+    steps with ``num_speculative_tokens`` drafts accept ``mean_accept_len`` on average.
+
+    Raises:
+        ValueError: ``num_speculative_tokens < 1`` or ``mean_accept_len`` outside
+            ``[0, num_speculative_tokens]``.
+    """
+    k, m = int(num_speculative_tokens), float(mean_accept_len)
+    if k < 1:
+        raise ValueError("a synthetic mean accept length needs num_speculative_tokens >= 1")
+    if not 0.0 <= m <= k:
+        raise ValueError(f"the synthetic mean accept length must be in [0, {k}] (kappa), "
+                         f"got {mean_accept_len}")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):  # sum_{i=1..k} alpha^i rises with alpha: bisect
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, k + 1)) < m:
+            lo = mid
+        else:
+            hi = mid
+    alpha = (lo + hi) / 2
+    return tuple(alpha ** (j + 1) for j in range(k))
+
+
+def parse_curve(text: str) -> tuple[float, ...]:
+    """``"0.8,0.6,0.4"`` -> ``(0.8, 0.6, 0.4)`` (checked).
+
+    Raises:
+        ValueError: not a comma list of numbers, or see :func:`check_curve`.
+    """
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"synthetic acceptance must be a comma list of rates, got {text!r}") \
+            from None
+    return check_curve(values)
+
+
+class SyntheticRule(VerificationRule):
+    """Accepts drafts along ``curve`` (module docstring); the extra token is the request's own
+    mode's token at that row. Randomness: the batch's generator."""
+
+    name = SYNTHETIC
+
+    def __init__(self, curve: Sequence[float]) -> None:
+        self.curve = check_curve(curve)
+        self._rates = torch.tensor(conditional_rates(self.curve), dtype=torch.float64)
+
+    def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = batch.num_draft_tokens()
+        device = batch.target_logits.device
+        rows = [k + 1 for k in counts]
+        sampling = [sp for sp, n in zip(batch.sampling, rows) for _ in range(n)]
+        base = [0] * len(counts) if batch.positions is None else batch.positions.tolist()
+        positions = [p + j for p, n in zip(base, rows) for j in range(n)]
+        target_token_ids = torch.tensor(
+            sample_tokens(batch.target_logits, sampling, positions, batch.generator),
+            dtype=torch.int64, device=device)
+        uniform = torch.rand(len(batch.draft_token_ids), dtype=torch.float64, device=device,
+                             generator=batch.generator)
+        return synthetic_accept(batch.draft_token_ids, batch.cu_num_draft_tokens,
+                                target_token_ids, uniform, self._rates.to(device))
+
+
+__all__ = ["SYNTHETIC", "SyntheticRule", "check_curve", "conditional_rates",
+           "curve_from_mean_accept_len", "parse_curve"]
