@@ -92,6 +92,13 @@ class VerifierWorker(MailboxWorker):
     def requests(self) -> dict[str, Request]:
         return self.lifecycle.requests
 
+    @property
+    def num_dropped_messages(self) -> int:
+        """Messages dropped unapplied (for unknown or finished requests or transfers, or of a
+        kind the verifier does not take): ignored + dropped tails + late KV frames."""
+        return (self.stats.num_ignored_messages + self.stats.num_dropped_tails
+                + self.kv.stats.num_late_frames)
+
     # -- roster (called in the loop thread) ------------------------------------------------
 
     def set_roster(self, prefill_peers: list[str], drafter_peers: list[str]) -> None:
@@ -267,7 +274,9 @@ class VerifierWorker(MailboxWorker):
           decode; no tail is waited for.
         - ProtocolError (any peer): counted; the named request fails (during transfer) or is
           quarantined (bad drafter message).
-        Anything else is counted as ignored.
+        A message for an unknown or finished request (or transfer) is dropped and counted:
+        ``num_dropped_tails`` (tails), ``kv.stats.num_late_frames`` (KV frames), else
+        ``num_ignored_messages``; so is anything else (:attr:`num_dropped_messages`).
         """
         msg, peer = env.msg, env.peer
         if isinstance(msg, (DraftTailStream, DraftNeedSync, DraftClose)):
@@ -280,22 +289,32 @@ class VerifierWorker(MailboxWorker):
             elif isinstance(msg, KVFrame):
                 self.lifecycle.on_transfer(self.kv.on_frame(peer, msg))
             elif isinstance(msg, PrefillDone):
-                self.lifecycle.on_transfer(self.kv.on_done(peer, msg))
+                t = self.kv.transfers.get(msg.transfer_id)
+                if t is None or t.cancelled:  # an unknown, finished or cancelled transfer
+                    self.stats.num_ignored_messages += 1
+                else:
+                    self.lifecycle.on_transfer(self.kv.on_done(peer, msg))
             elif isinstance(msg, GenerateRequest):
                 self._on_generate(peer, msg)
             elif isinstance(msg, Abort):
                 if (req := self.requests.get(msg.request_id)) is not None:
                     self.lifecycle.finish(req, FinishReason.ABORT, msg.reason,
                                           num_output_tokens=msg.num_output_tokens)
+                else:  # unknown or finished
+                    self.stats.num_ignored_messages += 1
             elif isinstance(msg, PrefillCancelAck):
                 t = self.kv.on_cancel_ack(peer, msg.transfer_id)
                 req = self.lifecycle.get(t.request_id if t else None)
                 if req is not None and req.status is RequestStatus.CANCELLING:
                     self.lifecycle.release(req)
+                elif t is None:  # no cancelled transfer of this peer has this id
+                    self.stats.num_ignored_messages += 1
             elif isinstance(msg, DraftNeedSync):
                 req = self.requests.get(msg.request_id)
                 if req is not None and req.drafter == peer and req.status is RequestStatus.RUNNING:
                     self.lifecycle.sync_draft(req)
+                else:  # unknown, finished or not this drafter's
+                    self.stats.num_ignored_messages += 1
             elif isinstance(msg, DraftClose):
                 req = self.requests.get(msg.request_id)
                 if req is not None and req.drafter == peer:

@@ -49,6 +49,7 @@ class PrefillStats:
     num_failed: int = 0
     num_protocol_errors: int = 0
     num_dropped_backlog: int = 0  # queued requests of a verifier that went away or restarted
+    num_dropped_messages: int = 0  # an Abort for no queued request, a kind prefill does not take
 
 
 class PrefillWorker(MailboxWorker):
@@ -82,7 +83,8 @@ class PrefillWorker(MailboxWorker):
         """PrefillRequest: queued (refused with a failed PrefillDone when the queue is full).
         PrefillCancel: the transfer is dropped if still queued, then acknowledged (nothing of it
         follows the ack). Abort: the request is dropped if still queued. ProtocolError: counted;
-        a named request is dropped. Anything else is ignored. Every match is by sender: a
+        a named request is dropped. An Abort for no queued request and anything else are
+        dropped and counted (``num_dropped_messages``). Every match is by sender: a
         transfer is keyed by (verifier, transfer id), so one verifier's cancel or abort never
         drops another verifier's transfer that happens to have the same id."""
         msg = env.msg
@@ -102,8 +104,10 @@ class PrefillWorker(MailboxWorker):
             self.send(env.peer, PrefillCancelAck(request_id=msg.request_id,
                                                   transfer_id=msg.transfer_id))
         elif isinstance(msg, Abort):
-            self._drop_queued(env.peer, lambda r: r.request_id == msg.request_id)
+            if not self._drop_queued(env.peer, lambda r: r.request_id == msg.request_id):
+                self.stats.num_dropped_messages += 1  # not queued (unknown, running or done)
         else:
+            self.stats.num_dropped_messages += 1
             log.debug("prefill ignores %s from %s", type(msg).__name__, env.peer)
 
     def _drop_queued(self, peer: str, match) -> int:

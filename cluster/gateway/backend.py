@@ -126,6 +126,7 @@ class MailboxBackend:
         self._stop = threading.Event()
         self.num_protocol_errors = 0
         self.num_dropped_streams = 0  # TokenStreams for unknown / finished requests
+        self.num_ignored_messages = 0  # messages of a kind a gateway does not take
         self.num_aborts_sent = 0
         self.num_stream_gaps = 0  # requests failed on a TokenStream gap or overlap
         self.num_verifier_losses = 0  # requests failed because their verifier died / restarted
@@ -205,6 +206,7 @@ class MailboxBackend:
                 self.num_dropped_streams += 1
                 log.debug("dropped TokenStream for unknown request %s", msg.request_id)
             return
+        self.num_ignored_messages += 1
         log.debug("gateway ignores %s from %s", type(msg).__name__, peer)
 
     def _stream_gap(self, peer: str, pending: _Pending, msg: TokenStream) -> None:
