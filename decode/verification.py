@@ -43,6 +43,10 @@ from kernels import (
     gumbel_sample,
     rejection_sample,
     rejection_sample_noise,
+    tree_node_depths,
+    tree_rejection_sample,
+    tree_rejection_sample_noise,
+    tree_walk,
 )
 from protocol.messages import SamplingParams
 
@@ -206,12 +210,6 @@ class TreeRule(VerificationRule):
             ValueError: no ``parents`` (or no ``positions`` for a seeded request), or shapes
                 the kernels refuse.
         """
-        from kernels.tree_verify import (
-            tree_rejection_sample,
-            tree_rejection_sample_noise,
-            tree_walk,
-        )
-
         if batch.parents is None:
             raise ValueError("the tree rule needs the drafts' parents")
         modes = [sampling_mode(s) for s in batch.sampling]
@@ -236,19 +234,6 @@ class TreeRule(VerificationRule):
         return _stitch(batch.batch_size, results)
 
 
-def _tree_depths(parents: list[int], counts: list[int]) -> list[int]:
-    """Per request, the depth (1: child of the root) of each of its nodes, flattened."""
-    depths: list[int] = []
-    lo = 0
-    for k in counts:
-        d: list[int] = []
-        for p in parents[lo:lo + k]:
-            d.append(1 if p < 0 else d[p] + 1)
-        depths += d
-        lo += k
-    return depths
-
-
 def _walk_targets(batch: RuleBatch) -> torch.Tensor:
     """int64 [num_draft_total + batch]: the token each row's walk compares with: the argmax
     (greedy requests) or the coupled rule's Gumbel-max sample at output position
@@ -260,7 +245,7 @@ def _walk_targets(batch: RuleBatch) -> torch.Tensor:
     if batch.positions is None:
         raise ValueError("the tree rule needs the output positions of seeded requests")
     counts = batch.num_draft_tokens()
-    depths = _tree_depths(batch.parents.tolist(), counts)
+    depths = tree_node_depths(batch.cu_num_draft_tokens, batch.parents).tolist()
     starts = [0]
     for k in counts:
         starts.append(starts[-1] + k + 1)

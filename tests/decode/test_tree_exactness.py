@@ -5,10 +5,7 @@ plain decode token for token (greedy; seeded), with drafts accepted through side
 
 from __future__ import annotations
 
-import importlib
 import random
-import sys
-import types
 
 import pytest
 import torch
@@ -21,54 +18,6 @@ from protocol.messages import SamplingParams
 
 MAX_TOKENS = 20
 VOCAB = 96
-
-
-def _stand_in_tree_walk(draft_token_ids, cu_num_draft_tokens, parents, target_token_ids):
-    """kernels/tree_verify.py's tree_walk, written out (used only while that file is not in
-    the tree): from the root, the first child whose token equals the current row's target."""
-    drafts, cu = draft_token_ids.tolist(), cu_num_draft_tokens.tolist()
-    par, target = parents.tolist(), target_token_ids.tolist()
-    outs, paths = [], []
-    lo = 0
-    for b, hi in enumerate(cu):
-        row0 = lo + b
-        node, path = -1, []
-        while True:
-            want = target[row0 + 1 + node]
-            nxt = next((j for j in range(hi - lo) if par[lo + j] == node
-                        and drafts[lo + j] == want), None)
-            if nxt is None:
-                break
-            path.append(nxt)
-            node = nxt
-        outs.append([drafts[lo + j] for j in path] + [target[row0 + 1 + node]])
-        paths.append(path)
-        lo = hi
-    depth = 0
-    lo = 0
-    for hi in cu:
-        d = []
-        for p in par[lo:hi]:
-            d.append(1 if p < 0 else d[p] + 1)
-        depth = max([depth] + d)
-        lo = hi
-    out = torch.full((len(cu), depth + 1), -1, dtype=torch.long)
-    nodes = torch.full((len(cu), depth), -1, dtype=torch.long)
-    for b, (o, p) in enumerate(zip(outs, paths)):
-        out[b, :len(o)] = torch.tensor(o)
-        nodes[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-    return out, torch.tensor([len(p) for p in paths], dtype=torch.long), nodes
-
-
-@pytest.fixture(autouse=True)
-def tree_kernels(monkeypatch):
-    """The real kernels/tree_verify.py when present, else the stand-in walk."""
-    try:
-        importlib.import_module("kernels.tree_verify")
-    except ImportError:
-        mod = types.ModuleType("kernels.tree_verify")
-        mod.tree_walk = _stand_in_tree_walk
-        monkeypatch.setitem(sys.modules, "kernels.tree_verify", mod)
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +85,6 @@ def test_ngram_trees_are_exact(tiny):
 
 
 def test_unseeded_sampled_tree_run_completes(tiny):
-    pytest.importorskip("kernels.tree_verify")
-    if not hasattr(sys.modules["kernels.tree_verify"], "tree_rejection_sample"):
-        pytest.skip("kernels/tree_verify.py has no tree_rejection_sample yet")
     model, cfg, prompts, refs, _ = tiny
     c = _cluster(model, cfg, 3, TreeOracleProposer(prompts, refs, VOCAB))
     res = c.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7))
