@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
+from kernels.race import running_argmax
 from kernels.ragged import num_drafts as _num_drafts
 from kernels.rejection_sample import _validate, rejection_sample_noise
 from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
@@ -309,16 +310,8 @@ def _block_verify_kernel(
         res = tl.where(recovered, tl.maximum(p_tau * t - q, 0.0), t)
         s_res = tl.where(in_vocab, res / e, -1.0)
         s_tgt = tl.where(in_vocab, t / e, -1.0)
-        m_res, i_res = tl.max(s_res, axis=0, return_indices=True,
-                              return_indices_tie_break_left=True)
-        m_tgt, i_tgt = tl.max(s_tgt, axis=0, return_indices=True,
-                              return_indices_tie_break_left=True)
-        better_res = m_res > best_res  # strict: an earlier chunk wins ties
-        best_res_idx = tl.where(better_res, off + i_res.to(tl.int64), best_res_idx)
-        best_res = tl.where(better_res, m_res, best_res)
-        better_tgt = m_tgt > best_tgt
-        best_tgt_idx = tl.where(better_tgt, off + i_tgt.to(tl.int64), best_tgt_idx)
-        best_tgt = tl.where(better_tgt, m_tgt, best_tgt)
+        best_res, best_res_idx = running_argmax(s_res, off, best_res, best_res_idx)
+        best_tgt, best_tgt_idx = running_argmax(s_tgt, off, best_tgt, best_tgt_idx)
     extra = tl.where(best_res == 0, best_tgt_idx, best_res_idx)
 
     pos = tl.arange(0, BLOCK)

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.race import ieee_div, running_argmax
 from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 from kernels.greedy_verify import greedy_verify_ref, greedy_verify_triton
@@ -218,7 +219,7 @@ def _log_unit_dev(u, consts_ptr, NUM_COEFFS: tl.constexpr):
     big = m > sqrt2
     m = tl.where(big, m * 0.5, m)
     e = tl.where(big, e + 1, e)
-    s = tl.math.fdiv(m - 1.0, m + 1.0, ieee_rounding=True)
+    s = ieee_div(m - 1.0, m + 1.0)
     z = s * s
     poly = tl.zeros_like(z) + tl.load(consts_ptr + 2 + NUM_COEFFS - 1)
     for i in tl.static_range(NUM_COEFFS - 1):
@@ -276,11 +277,8 @@ def _gumbel_sample_kernel(
         in_vocab = cols < vocab_size
         noise = _noise_dev(key, cols, consts_ptr, NUM_COEFFS)
         p = tl.load(probs_ptr + row * vocab_size + cols, mask=in_vocab, other=0).to(tl.float64)
-        score = tl.where(in_vocab, tl.math.fdiv(p, noise, ieee_rounding=True), -1.0)
-        m, i = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = m > best  # strict: an earlier chunk wins ties
-        best_idx = tl.where(better, off + i.to(tl.int64), best_idx)
-        best = tl.where(better, m, best)
+        score = tl.where(in_vocab, ieee_div(p, noise), -1.0)
+        best, best_idx = running_argmax(score, off, best, best_idx)
     tl.store(out_ptr + row, best_idx)
 
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
+from kernels.race import ieee_div, running_argmax
 from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 from kernels.ragged import CU_DTYPES, resolve_max_num_draft_tokens
 from kernels.ragged import num_drafts as _num_drafts
@@ -313,18 +314,10 @@ def _rejection_sample_kernel(
         else:
             res = tl.where(cols == rejected_tok, 0.0, t)
         res = tl.where(recovered, res, t)
-        s_res = tl.where(in_vocab, tl.math.fdiv(res, q, ieee_rounding=True), -1.0)
-        s_tgt = tl.where(in_vocab, tl.math.fdiv(t, q, ieee_rounding=True), -1.0)
-        m_res, i_res = tl.max(s_res, axis=0, return_indices=True,
-                              return_indices_tie_break_left=True)
-        m_tgt, i_tgt = tl.max(s_tgt, axis=0, return_indices=True,
-                              return_indices_tie_break_left=True)
-        better_res = m_res > best_res  # strict: an earlier chunk wins ties
-        best_res_idx = tl.where(better_res, off + i_res.to(tl.int64), best_res_idx)
-        best_res = tl.where(better_res, m_res, best_res)
-        better_tgt = m_tgt > best_tgt
-        best_tgt_idx = tl.where(better_tgt, off + i_tgt.to(tl.int64), best_tgt_idx)
-        best_tgt = tl.where(better_tgt, m_tgt, best_tgt)
+        s_res = tl.where(in_vocab, ieee_div(res, q), -1.0)
+        s_tgt = tl.where(in_vocab, ieee_div(t, q), -1.0)
+        best_res, best_res_idx = running_argmax(s_res, off, best_res, best_res_idx)
+        best_tgt, best_tgt_idx = running_argmax(s_tgt, off, best_tgt, best_tgt_idx)
     extra = tl.where(best_res == 0, best_tgt_idx, best_res_idx)
 
     output = tl.where(pos < accept_len, drafts, tl.where(pos == accept_len, extra, PLACEHOLDER))

@@ -35,14 +35,14 @@ as a row ``R`` in the probabilities' dtype and a float64 mass ``S``, ``r = R / S
 division, rounded to the dtype). At node ``u``: ``R = target row u``, ``S = 1`` (so ``r`` is the
 target row itself, bit for bit). A rejection computes ``D = max(r - q, 0)`` in the dtype
 (one-hot: ``r`` with ``x`` zeroed) and ``Z = sum(D)`` in float64; ``R, S = D, Z`` when ``Z > 0``.
-When ``Z == 0`` (``r <= q`` everywhere: with exact sums ``r == q`` and the rejection had
-probability 0, so it can only come from rounding) the rejection leaves ``r`` as it was: the
-distribution still owed is unchanged (``r`` is within rounding of ``q``); it must not fall back
-to the target row, which would over-weight the siblings already rejected. The extra token is the
-exponential race of :mod:`kernels.rejection_sample` over ``R``:
-``argmax(R / exponential_noise[row])`` (IEEE division in the dtype, first index among ties;
-the scale ``S`` does not change the argmax); when every score is 0 (underflow) the target row of
-the stop node is raced instead. On a chain all of this is :func:`kernels.rejection_sample
+When ``Z == 0`` (``r <= q`` everywhere: with exact sums ``r == q``, and the rejection had
+probability 0 unless ``x`` was a token ``q`` cannot draw, so it comes from rounding or a bad
+drafter) the rejection leaves ``r`` as it was: the distribution still owed is unchanged (``r`` is
+within rounding of ``q``); falling back to the target row would over-weight the siblings already
+rejected. The extra token is the exponential race of :mod:`kernels.race` over ``R``, as
+:mod:`kernels.rejection_sample` draws it: ``argmax(R / exponential_noise[row])`` (IEEE division
+in the dtype, first index among ties; the scale ``S`` does not change the argmax); when every
+score is 0 (underflow) the target row of the stop node is raced instead. On a chain all of this is :func:`kernels.rejection_sample
 .rejection_sample_ref` bit for bit: the first child of a node always sees ``S = 1``.
 
 The noise: ``exponential_noise`` has one row per target row (``[num_draft_total + batch, V]``,
@@ -71,6 +71,7 @@ import triton.language as tl
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
 from kernels.greedy_verify import _validate as _validate_greedy
+from kernels.race import ieee_div, running_argmax
 from kernels.ragged import num_drafts as _num_drafts
 from kernels.rejection_sample import _validate as _validate_rejection
 from kernels.rejection_sample import rejection_sample_noise
@@ -534,18 +535,10 @@ def _tree_rejection_sample_kernel(
                     other=0)
         res = tl.where(in_scratch != 0, s, t)
         e = tl.load(noise_row + cols, mask=in_vocab, other=1)
-        s_res = tl.where(in_vocab, tl.math.fdiv(res, e, ieee_rounding=True), -1.0)
-        s_tgt = tl.where(in_vocab, tl.math.fdiv(t, e, ieee_rounding=True), -1.0)
-        m_res, i_res = tl.max(s_res, axis=0, return_indices=True,
-                              return_indices_tie_break_left=True)
-        m_tgt, i_tgt = tl.max(s_tgt, axis=0, return_indices=True,
-                              return_indices_tie_break_left=True)
-        better_res = m_res > best_res  # strict: an earlier chunk wins ties
-        best_res_idx = tl.where(better_res, off + i_res.to(tl.int64), best_res_idx)
-        best_res = tl.where(better_res, m_res, best_res)
-        better_tgt = m_tgt > best_tgt
-        best_tgt_idx = tl.where(better_tgt, off + i_tgt.to(tl.int64), best_tgt_idx)
-        best_tgt = tl.where(better_tgt, m_tgt, best_tgt)
+        s_res = tl.where(in_vocab, ieee_div(res, e), -1.0)
+        s_tgt = tl.where(in_vocab, ieee_div(t, e), -1.0)
+        best_res, best_res_idx = running_argmax(s_res, off, best_res, best_res_idx)
+        best_tgt, best_tgt_idx = running_argmax(s_tgt, off, best_tgt, best_tgt_idx)
     extra = tl.where(best_res == 0, best_tgt_idx, best_res_idx)
     _store_result(output_ptr, accept_len_ptr, node_ids_ptr, req, output_width, depth, extra,
                   path_tokens, path_nodes, PLACEHOLDER, BLOCK_D)
@@ -592,6 +585,7 @@ def tree_walk_triton(
             draft_token_ids.contiguous(), cu_num_draft_tokens.contiguous(), parents.contiguous(),
             target_token_ids.contiguous(), output, accept_len, node_ids, width,
             PLACEHOLDER=PLACEHOLDER_TOKEN_ID, BLOCK_D=triton.next_power_of_2(width), num_warps=1,
+            enable_fp_fusion=False,
         )
     return output, accept_len, node_ids
 
@@ -634,7 +628,7 @@ def tree_rejection_sample_triton(
         accept_len, node_ids, width, vocab, HAS_DRAFT_PROBS=has_draft_probs,
         NOISE_PER_ROW=exponential_noise.shape[0] != batch, PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
         BLOCK_D=triton.next_power_of_2(width), BLOCK_V=min(4096, triton.next_power_of_2(vocab)),
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=False,  # no fused multiply-add: torch's rounding, op for op
     )
     return output, accept_len, node_ids
 
