@@ -1,5 +1,6 @@
-"""End to end through the Ray cluster on SmolLM2-135M-Instruct (float32): completions over HTTP
-(openai client, streaming and not) equal the in-process plain greedy decode."""
+"""End to end through the Ray cluster on SmolLM2-135M-Instruct (float32): chat completions over
+HTTP (openai client, streaming and not, vLLM's ``return_token_ids``) give the token ids of the
+in-process plain greedy decode, with drafts accepted."""
 
 from __future__ import annotations
 
@@ -37,18 +38,21 @@ def test_smollm2_http_equals_plain_greedy(cluster):
     prompts = load_prompts()[:3]
     refs = plain.generate([chat_prompt_ids(tok, p["messages"]) for p in prompts],
                           SamplingParams(max_tokens=MAX_TOKENS))
+    ids = {"return_token_ids": True}
     accepted = 0
     for p, ref in zip(prompts, refs):
-        want = tok.decode(ref.token_ids, skip_special_tokens=True)
+        want = list(ref.token_ids)
         resp = client.chat.completions.create(model="SmolLM2-135M-Instruct",
                                               messages=p["messages"], max_tokens=MAX_TOKENS,
-                                              temperature=0)
-        assert resp.choices[0].message.content == want, p["name"]
-        assert resp.usage.completion_tokens == len(ref.token_ids)
+                                              temperature=0, extra_body=ids)
+        assert resp.choices[0].model_extra["token_ids"] == want, p["name"]
+        assert resp.model_extra["prompt_token_ids"] == chat_prompt_ids(tok, p["messages"])
+        assert resp.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+        assert resp.usage.completion_tokens == len(want)
         accepted += resp.model_extra["spec_stats"]["num_accepted_tokens"]
         stream = client.chat.completions.create(model="SmolLM2-135M-Instruct",
                                                 messages=p["messages"], max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True)
-        text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
-        assert text == want, p["name"]
-    assert accepted > 0  # speculation was really on
+                                                temperature=0, stream=True, extra_body=ids)
+        streamed = [t for ch in stream for c in ch.choices for t in c.model_extra["token_ids"]]
+        assert streamed == want, p["name"]
+    assert accepted > 0, "no draft accepted: the drafter link is broken"
