@@ -206,6 +206,7 @@ def _interpret_cases() -> dict[str, dict[str, Any]]:
     add("batch1-no-drafts", [0], 0.5)
     add("all-zero-drafts", [0, 0, 0, 0, 0], 0.5)
     add("wide-block", [17, 3, 0, 16], 0.95, vocab=2)
+    add("v49152", [3, 0, 5, 1, 6], 0.7, vocab=49152)
     add("launcher-batch7", [5, 0, 3, 1, 0, 4, 2], 0.8, launcher=True)
     add("launcher-all-zero", [0, 0, 0], 0.5, launcher=True)
     return cases
