@@ -22,6 +22,7 @@ Runs ``kernels.synthetic_accept``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -44,7 +45,7 @@ def check_curve(curve: Sequence[float]) -> tuple[float, ...]:
         raise ValueError("a synthetic acceptance curve needs at least one rate")
     if not all(0.0 <= c <= 1.0 for c in out):
         raise ValueError(f"synthetic acceptance rates must be in [0, 1], got {list(out)}")
-    if any(b > a for a, b in zip(out, out[1:])):
+    if any(b > a for a, b in pairwise(out)):
         raise ValueError(f"a per-position acceptance curve cannot increase, got {list(out)}")
     return out
 

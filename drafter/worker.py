@@ -27,6 +27,7 @@ from engine.frames import tensor_to_buffer
 from engine.sampling import GREEDY, sampling_mode
 from protocol.errors import ProtocolError
 from protocol.messages import (
+    Buffer,
     DraftClose,
     DraftNeedSync,
     DraftSync,
@@ -316,7 +317,7 @@ class DrafterWorker(MailboxWorker):
         return self._gen
 
     @staticmethod
-    def _probs_buffer(rows: list):  # noqa: ANN205
+    def _probs_buffer(rows: list) -> Buffer | None:
         """DraftTailStream.draft_probs of a segment: float32 [n, vocab_size] when every draft
         has its row, else None (the verifier then treats the drafts as one-hot, which stays
         exact, DESIGN.md §5)."""

@@ -133,7 +133,6 @@ class EagleProposer(Proposer):
             agree += 1
         if agree < len(st.entry_tokens):
             self._truncate(st, s0 + agree)
-        head = self.head
         with torch.inference_mode():
             # catch up: true states in one batch, then the chain over known tokens
             s = st.kv.end if st.kv.length else st.feats_start

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.models import tiny_llama
 
 from cluster.inprocess import InProcessCluster
 from decode.draft_probs import batch_draft_probs, checked_draft_probs
 from drafter.proposers.draft_model import DraftModelProposer
 from engine.frames import tensor_to_buffer
-from helpers.models import tiny_llama
 from protocol.messages import SamplingParams
 
 

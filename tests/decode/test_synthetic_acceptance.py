@@ -12,13 +12,13 @@ import types
 import httpx
 import pytest
 import torch
+from helpers.models import tiny_llama
+from helpers.proposers import GarbageProposer
 
 from cluster.inprocess import VERIFIER, InProcessCluster
 from cluster.metrics import RoleCollector
 from decode.config import VerifierConfig
 from decode.synthetic import conditional_rates, curve_from_mean_accept_len, parse_curve
-from helpers.models import tiny_llama
-from helpers.proposers import GarbageProposer
 from protocol.messages import SamplingParams
 
 VOCAB = 96
