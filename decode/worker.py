@@ -181,12 +181,25 @@ class VerifierWorker(MailboxWorker):
 
     def peer_disconnected(self, peer: str) -> None:
         """The transport's connection to ``peer`` dropped (closed, reset, heartbeat timeout;
-        called in the loop thread). A drafter that is not back (:meth:`drafter_back`, or a
+        called in the loop thread). A prefill worker's frames in flight are lost with the
+        connection: its transfers end as :meth:`prefill_gone` says (retried on another worker,
+        or a clear error) at once, and it gets no new transfer until it acknowledges our Hello
+        again (:meth:`prefill_back`). A drafter that is not back (:meth:`drafter_back`, or a
         restart: :meth:`resync_drafter`) within ``drafter_lost_grace_s`` is lost
         (:meth:`lose_drafter` of the lifecycle): its requests move to another drafter or
         to plain decode without waiting for the health check."""
-        if peer in self.lifecycle.drafter_peers:
+        if peer in self.prefill_peers or any(t.prefill_peer == peer
+                                             for t in self.kv.transfers.values()):
+            reason = f"lost the connection to prefill worker {peer}"
+            self.unreachable_prefill[peer] = reason
+            self.prefill_gone(peer, reason)
+        elif peer in self.lifecycle.drafter_peers:
             self._drafters_down.setdefault(peer, time.monotonic())
+
+    def prefill_back(self, peer: str) -> None:
+        """Prefill worker ``peer`` acknowledged our Hello (again): it may get transfers."""
+        if self.unreachable_prefill.get(peer, "").startswith("lost the connection"):
+            del self.unreachable_prefill[peer]
 
     def drafter_back(self, peer: str) -> None:
         """Drafter ``peer`` acknowledged our Hello again as the same incarnation."""

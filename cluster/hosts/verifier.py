@@ -38,6 +38,7 @@ class VerifierHost(RoleHost):
             self.worker.drafter_back(peer.name)
         elif peer.role == Role.PREFILL.value:
             self._prefill_incarnation(peer.name, peer.incarnation)
+            self.worker.prefill_back(peer.name)
 
     def _prefill_incarnation(self, peer: str, incarnation: int | None) -> None:
         """A prefill worker's incarnation as its HelloAck or the roster says: a new one

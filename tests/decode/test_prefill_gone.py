@@ -91,11 +91,13 @@ def _kill(c, how):
         VerifierHost.apply_roster(host, [entry(5002)] + others + drafter)
     elif how == "refused":  # no channel any more: every send to it fails
         c.prefill.mailbox.close()
+    elif how == "disconnected":  # the transport lost the connection (killed; still in roster)
+        v.peer_disconnected("prefill-0")
     else:
         raise AssertionError(how)
 
 
-@pytest.mark.parametrize("how", ["deregistered", "restarted", "refused"])
+@pytest.mark.parametrize("how", ["deregistered", "restarted", "refused", "disconnected"])
 def test_cancelled_transfer_of_a_gone_prefill_frees_its_blocks(tiny, how):
     m, cfg, want = tiny
     c = _cluster(m, cfg, second_prefill=False)
@@ -116,7 +118,7 @@ def test_cancelled_transfer_of_a_gone_prefill_frees_its_blocks(tiny, how):
     assert _kv_empty(c)  # no ack will ever come: the blocks are back
 
 
-@pytest.mark.parametrize("how", ["deregistered", "restarted", "refused"])
+@pytest.mark.parametrize("how", ["deregistered", "restarted", "refused", "disconnected"])
 def test_running_transfer_is_retried_on_another_prefill_worker(tiny, how):
     m, cfg, want = tiny
     c = _cluster(m, cfg, second_prefill=True, max_num_seqs=4)
@@ -139,7 +141,7 @@ def test_running_transfer_is_retried_on_another_prefill_worker(tiny, how):
     assert all(r.prefill_retries <= 1 for r in on_dead)
 
 
-@pytest.mark.parametrize("how", ["deregistered", "restarted", "refused"])
+@pytest.mark.parametrize("how", ["deregistered", "restarted", "refused", "disconnected"])
 def test_without_another_prefill_worker_the_request_fails_clearly(tiny, how):
     m, cfg, want = tiny
     c = _cluster(m, cfg, second_prefill=False)
