@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
@@ -340,6 +340,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
 
     @app.get("/metrics")
     async def metrics_endpoint():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # the gateway's own series and every role's (one scrape for the cluster)
+        return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app

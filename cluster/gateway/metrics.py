@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cluster.gateway.roster_metrics import RosterMetrics
 from cluster.metrics import profile_families
 from protocol.step_profile import StepProfile
 
@@ -49,7 +50,8 @@ class _ProfileCollector:
 
 
 class GatewayMetrics:
-    """The gateway's counters and histograms in one (per-app) registry."""
+    """The gateway's counters and histograms in one (per-app) registry; ``roster`` adds every
+    role's series to the gateway's ``/metrics`` (:meth:`exposition`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, backend=None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -90,6 +92,12 @@ class GatewayMetrics:
         #: tokenize / detokenize / sse time of this gateway (issue 10's step profile)
         self.profile = StepProfile()
         r.register(_ProfileCollector(self.profile))
+        #: the roles whose series one scrape of the gateway carries (set from the roster)
+        self.roster = RosterMetrics(r)
+
+    async def exposition(self) -> bytes:
+        """What ``/metrics`` serves: this registry's families and every roster role's."""
+        return await self.roster.exposition()
 
     def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
                          num_drafts: int, draft_tokens: int, accepted_tokens: int,

@@ -101,6 +101,11 @@ class GatewayHost(RoleHost):
         # requests of a verifier that left the roster or restarted fail at once
         self.backend.set_verifiers({r["instance_id"]: r.get("incarnation") for r in verifiers})
         self.prefills = [r["instance_id"] for r in peers_of(roster, Role.PREFILL)]
+        app = getattr(self, "app", None)
+        if app is not None:  # one scrape of our /metrics carries every role's series
+            from cluster.gateway.roster_metrics import targets_from_roster
+
+            app.state.metrics.roster.set_targets(targets_from_roster(roster, self.instance_id))
 
     def stats(self) -> dict:
         self.num_calls += 1

@@ -140,6 +140,48 @@ def test_verifier_prometheus_metrics(cluster):
     assert "specmesh:time_to_first_token_seconds" in gw
 
 
+def _samples(text: str) -> dict:
+    """(sample name, sorted labels) -> value of a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+#: series that stand still on an idle role (its step-phase timings move with every idle turn)
+STILL_SERIES = ("specmesh:spec_decode_", "specmesh:kv_cache_usage_perc",
+                "specmesh:protocol_errors", "specmesh:kv_transfer_bytes",
+                "specmesh:num_requests_", "specmesh:stale_tail_tokens")
+
+
+def test_one_gateway_scrape_carries_every_roles_series(cluster):
+    """Issue 9: one GET of the gateway's /metrics has the verifier's KV usage and
+    per-position acceptance, the prefill's and the drafter's series, each labelled by role and
+    instance, with the values a direct scrape of the role's own endpoint (which stays) reads."""
+    _complete(cluster.url, PROMPTS[1])
+    roster = ray.get(cluster.controller.get_roster.remote())
+    roles = {e["instance_id"]: (e["role"], e["metrics_url"]) for e in roster
+             if e.get("metrics_url")}
+    assert sorted(r for r, _ in roles.values()) == ["drafter", "prefill", "verifier"]
+    gw = _samples(httpx.get(f"{cluster.url}/metrics", timeout=30).text)
+    vl = (("instance", "verifier-0"), ("role", "verifier"))
+    assert ("specmesh:kv_cache_usage_perc", vl) in gw
+    per_pos = {dict(lb)["position"]: v for (n, lb), v in gw.items()
+               if n == "specmesh:spec_decode_num_accepted_tokens_per_pos_total"
+               and dict(lb)["role"] == "verifier"}
+    assert {"0", "1", "2"} <= set(per_pos) and per_pos["0"] > 0, per_pos
+    for iid, (role, url) in roles.items():
+        mine = {k: v for k, v in gw.items() if ("instance", iid) in k[1]}
+        assert mine and all(("role", role) in lb for _, lb in mine), (iid, mine)
+        assert any(n.startswith("specmesh:step_phase_seconds") for n, _ in mine), iid
+        assert ("specmesh:protocol_errors_total", (("instance", iid), ("role", role))) in mine
+        direct = _samples(httpx.get(url, timeout=30).text)
+        still = {k: v for k, v in direct.items() if k[0].startswith(STILL_SERIES)}
+        assert still and all(mine[k] == v for k, v in still.items()), (iid, still)
+    assert not any(n.startswith("specmesh:metrics_scrape_errors_total") and v
+                   for (n, _), v in gw.items())
+
+
 #: clients that hang up: how many, how many at once, and requests long enough (EOS ignored)
 #: to be mid-generation when their client goes (prompt + max_tokens within max_model_len)
 HANGUP_CLIENTS, HANGUP_CONCURRENCY, HANGUP_MAX_TOKENS = 200, 40, 400
