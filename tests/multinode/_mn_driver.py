@@ -16,7 +16,7 @@ serve`` gives it (cluster.actors.role_options). Then:
 3. the first four prompts again, served by the drafter left.
 
 Prints one JSON object on the last stdout line: nodes, where each actor runs, each request's
-text / usage / spec_stats, every role's stats before and after, the controller's health report
+text / token ids / usage / spec_stats, every role's stats before and after, the controller's health report
 and the timings.
 """
 
@@ -47,11 +47,13 @@ LEAVE_BOUND_S = 40.0
 
 
 def _complete(url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
     r.raise_for_status()
     got = r.json()
     return {"prompt": prompt, "text": got["choices"][0]["text"],
+            "token_ids": got["choices"][0]["token_ids"],
             "completion_tokens": got["usage"]["completion_tokens"],
             "spec_stats": got.get("spec_stats", {})}
 

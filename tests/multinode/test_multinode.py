@@ -1,7 +1,7 @@
 """Two Ray nodes on 127.0.0.1, roles joined with deploy/launch_roles.sh (``specmesh launch``):
 the head node offers the ``prefill``, ``verifier`` and ``gateway`` resources, a second node only
-``drafter``. HTTP output through the gateway equals plain greedy decode, and the drafter runs on
-the second node.
+``drafter``. The output token ids through the gateway (``return_token_ids``) equal plain greedy
+decode's with drafts accepted, and the drafter runs on the second node.
 
 The nodes are ``ray start --block`` processes with their own temp dirs and ports, so they do
 not touch the embedded Ray that the other tests share (``ray_session``); teardown terminates
@@ -36,7 +36,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROBE = HERE / "_probe.py"
 RAY_START = HERE / "_ray_start.py"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
+#: plain greedy on the tiny model repeats itself after the second and third (drafts accepted)
+PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Count: 1, 2, 3, 4, 5,"]
 MAX_TOKENS = 24
 ROLE_ARGS = ["--model", None, "--dtype", "float32", "--num-speculative-tokens", "3",
              "--kv-cache-mb", "32", "--max-model-len", "1024", "--threads", "1"]
@@ -222,45 +223,50 @@ def reference(tiny_model_dir):
     plain = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=0,
                              eos_token_ids=loaded.config.eos_token_ids)
 
-    def run(prompt_ids: list[int]) -> tuple[str, int]:
+    def run(prompt_ids: list[int]) -> list[int]:
+        """Plain greedy's output token ids."""
         (out,) = plain.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS))
-        return loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), len(out.token_ids)
+        return list(out.token_ids)
 
     return loaded.tokenizer, run
 
 
-def _stream_text(url: str, body: dict) -> str:
-    text = ""
+def _stream_ids(url: str, body: dict) -> list[int]:
+    ids: list[int] = []
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
                       timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 for choice in json.loads(line[6:]).get("choices", []):
-                    text += choice.get("text") or ""
-    return text
+                    ids += choice.get("token_ids") or []
+    return ids
 
 
 def test_http_equals_plain_greedy_across_nodes(multinode, reference):
     tok, run = reference
     url = multinode["url"]
     assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+    accepted = 0
     for prompt in PROMPTS:
-        want, n = run(list(tok(prompt)["input_ids"]))
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        want = run(list(tok(prompt)["input_ids"]))
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        r.raise_for_status()
+        assert r.status_code == 200, r.text
         got = r.json()
-        assert got["choices"][0]["text"] == want, prompt
-        assert got["usage"]["completion_tokens"] == n
-        assert "spec_stats" in got
-    assert _stream_text(url, {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-                              "temperature": 0}) == run(list(tok(PROMPTS[0])["input_ids"]))[0]
+        assert got["choices"][0]["token_ids"] == want, prompt
+        assert got["usage"]["completion_tokens"] == len(want)
+        accepted += got["spec_stats"]["num_accepted_tokens"]
+    assert accepted > 0, "no draft accepted: the drafter on the second node is not used"
+    assert _stream_ids(url, {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                             "return_token_ids": True}) == run(list(tok(PROMPTS[0])["input_ids"]))
     messages = [{"role": "user", "content": "Name three colors."}]
     r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
-                   json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
-    r.raise_for_status()
-    assert r.json()["choices"][0]["message"]["content"] == run(chat_prompt_ids(tok, messages))[0]
+                   json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == run(chat_prompt_ids(tok, messages))
 
 
 def test_drafter_runs_on_the_second_node(multinode):
