@@ -38,6 +38,10 @@ from protocol.messages import (
 
 #: DraftClose.reason a drafter sends when it has no room for a request
 DRAFTER_FULL = "drafter full"
+#: most (verifier, request id) pairs remembered as told DraftNeedSync: a peer sending commits
+#: for ever new unknown ids must not grow the drafter's state (the oldest are forgotten: at
+#: worst one more DraftNeedSync for such an id)
+MAX_ASKED_SYNC = 4096
 from protocol.step_profile import StepProfile
 from protocol.transport import Envelope, Mailbox, MailboxWorker
 
@@ -93,7 +97,7 @@ class DrafterWorker(MailboxWorker):
         self.proposer = proposer or get_proposer(config.method)(**config.method_kwargs)
         self.requests: dict[str, DraftState] = {}
         #: (verifier, request id) told DraftNeedSync and not synced since: asked only once
-        self._asked_sync: set[tuple[str, str]] = set()
+        self._asked_sync: dict[tuple[str, str], None] = {}  # insertion-ordered set
         self.stats = DrafterStats()
         self.profile = StepProfile()
         self._gen: torch.Generator | None = None
@@ -127,7 +131,7 @@ class DrafterWorker(MailboxWorker):
         elif isinstance(msg, VerifyCommit):
             self._on_commit(env.peer, msg)
         elif isinstance(msg, DraftClose):
-            self._asked_sync.discard((env.peer, msg.request_id))
+            self._asked_sync.pop((env.peer, msg.request_id), None)
             if msg.request_id in self.requests:
                 self._drop(msg.request_id)
             else:
@@ -138,7 +142,7 @@ class DrafterWorker(MailboxWorker):
 
     def _on_sync(self, peer: str, msg: DraftSync) -> None:
         self.stats.num_syncs += 1
-        self._asked_sync.discard((peer, msg.request_id))
+        self._asked_sync.pop((peer, msg.request_id), None)
         if msg.request_id in self.requests:
             self.proposer.close(msg.request_id)
         elif len(self.requests) >= self.config.max_requests:
@@ -166,7 +170,7 @@ class DrafterWorker(MailboxWorker):
         if st is None:  # dropped here (or never opened): the verifier must not wait for it
             self.stats.num_dropped_messages += 1
             if (peer, msg.request_id) not in self._asked_sync:
-                self._asked_sync.add((peer, msg.request_id))
+                self._asked(peer, msg.request_id)
                 self.stats.num_need_sync += 1
                 self.send(peer, DraftNeedSync(request_id=msg.request_id,
                                               reason="commit for a request the drafter "
@@ -226,8 +230,15 @@ class DrafterWorker(MailboxWorker):
     def _need_sync(self, st: DraftState, reason: str) -> None:
         self.stats.num_need_sync += 1
         self._drop(st.request_id)
-        self._asked_sync.add((st.verifier, st.request_id))
+        self._asked(st.verifier, st.request_id)
         self.send(st.verifier, DraftNeedSync(request_id=st.request_id, reason=reason))
+
+    def _asked(self, peer: str, request_id: str) -> None:
+        """Remember that ``peer`` was told DraftNeedSync for ``request_id`` (at most
+        MAX_ASKED_SYNC pairs: the oldest is forgotten)."""
+        self._asked_sync[peer, request_id] = None
+        if len(self._asked_sync) > MAX_ASKED_SYNC:
+            del self._asked_sync[next(iter(self._asked_sync))]
 
     def _drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

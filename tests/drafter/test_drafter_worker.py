@@ -91,3 +91,22 @@ def test_close_drops_state():
     v.send("drafter-0", DraftClose(request_id="r"))
     d.step()
     assert d.requests == {}
+
+
+def test_commits_for_endless_unknown_requests_leave_bounded_state():
+    """A peer that sends commits for ever new unknown request ids gets a DraftNeedSync for
+    each (the drafter does not hold them) but grows no state past MAX_ASKED_SYNC entries."""
+    from drafter.worker import MAX_ASKED_SYNC
+
+    v, d = _setup()
+    n = MAX_ASKED_SYNC + 500
+    for i in range(n):
+        v.send("drafter-0", VerifyCommit(request_id=f"u{i}", pre_commit_len=0,
+                                         committed_token_ids=[1]))
+    d.step()
+    assert d.stats.num_dropped_messages == n and d.stats.num_need_sync == n
+    assert len(d._asked_sync) <= MAX_ASKED_SYNC
+    need = 0
+    while got := _tails(v):  # a drain returns at most 4096 messages
+        need += sum(isinstance(m, DraftNeedSync) for m in got)
+    assert need == n
