@@ -251,6 +251,10 @@ class FuzzCluster:
         self.c = InProcessCluster(model, config, num_speculative_tokens=3, num_kv_blocks=64,
                                   block_size=BLOCK_SIZE, proposer=OracleProposer(PROMPTS, want),
                                   adaptive_drafts=False)
+        # the loops run in threads here: let a step wait (a fraction of one step, as served)
+        # for the tail in flight, so the exact requests see drafts on a loaded machine too
+        v = self.c.verifier
+        v.config = v.scheduler.config = dataclasses.replace(v.config, tail_wait_fraction=1.0)
         self.identity = ModelIdentity(name="tiny", vocab_size=config.vocab_size,
                                       dtype="float64", num_layers=config.num_layers,
                                       num_kv_heads=config.num_kv_heads,
