@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol.codec import encode
 from protocol.errors import ProtocolError
-from protocol.handshake import PeerInfo, ack_refusal, hello_refusal  # noqa: F401
+from protocol.handshake import PeerInfo, ack_refusal, hello_refusal
 from protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
 from protocol.transport import Envelope, Mailbox, PeerUnavailable, decode_envelope
 

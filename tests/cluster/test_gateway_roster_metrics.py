@@ -29,7 +29,7 @@ def _role_endpoint(role: str, instance: str, kv: float, accepted: list[int]):
     errors.labels(role, instance).inc(len(accepted))
     # a role's endpoint may carry other series: only specmesh:* ones are relayed
     Gauge("process_fake_bytes", "not ours", registry=reg).set(1)
-    server, thread = start_http_server(0, addr="127.0.0.1", registry=reg)
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=reg)
     return server, f"http://127.0.0.1:{server.server_port}/metrics"
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -36,6 +35,8 @@ import msgpack
 import pytest
 import torch
 import zmq
+from helpers.models import tiny_llama
+from helpers.proposers import OracleProposer
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -44,13 +45,10 @@ from cluster.gateway.backend import MailboxBackend
 from cluster.gateway.metrics import GatewayMetrics
 from cluster.inprocess import InProcessCluster
 from cluster.metrics import RoleCollector
-from helpers.models import tiny_llama
-from helpers.proposers import OracleProposer
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
 from protocol.messages import (
     REGISTRY,
-    Abort,
     DraftSync,
     GenerateRequest,
     Hello,
@@ -296,7 +294,7 @@ class FuzzCluster:
             peer = args[0] if peer_arg else args[0].peer
             try:
                 return handle(*args)
-            except Exception as err:  # noqa: BLE001 - recorded, the test fails on it
+            except Exception as err:
                 self.raised.append((role, err))
                 raise
             finally:

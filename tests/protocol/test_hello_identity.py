@@ -27,14 +27,16 @@ MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelIdentity)]
 
 
 def _hello(**changes) -> Hello:
-    base = dict(protocol_version=PROTOCOL_VERSION, role="verifier", instance_id="verifier-0",
-                incarnation=7, model=MODEL, draft_method="ngram")
+    base = {"protocol_version": PROTOCOL_VERSION, "role": "verifier",
+            "instance_id": "verifier-0", "incarnation": 7, "model": MODEL,
+            "draft_method": "ngram"}
     return Hello(**{**base, **changes})
 
 
 def _ack(**changes) -> HelloAck:
-    base = dict(accepted=True, protocol_version=PROTOCOL_VERSION, role="drafter",
-                instance_id="drafter-0", incarnation=9, model=MODEL, draft_method="ngram")
+    base = {"accepted": True, "protocol_version": PROTOCOL_VERSION, "role": "drafter",
+            "instance_id": "drafter-0", "incarnation": 9, "model": MODEL,
+            "draft_method": "ngram"}
     return HelloAck(**{**base, **changes})
 
 
