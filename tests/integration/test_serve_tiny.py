@@ -258,8 +258,9 @@ def test_streaming_clients_that_hang_up_after_the_first_token_leave_nothing(clus
 
 
 def test_non_streaming_clients_that_hang_up_leave_nothing(cluster, reference):
-    """Issue 9: 20 non-streaming clients that give up before the response (read timeout):
-    the gateway's pending table and the verifier's request table do not grow."""
+    """Issue 9: 20 non-streaming clients that give up before the response (read timeout; half
+    of them after 50 ms, while their requests are still queued or prefilling): the gateway's
+    pending table and the verifier's request table do not grow."""
     tok, run = reference
     n, max_tokens = 20, 900
     generated = cluster.stats()["verifier-0"]["num_generated_tokens"]
@@ -268,7 +269,8 @@ def test_non_streaming_clients_that_hang_up_leave_nothing(cluster, reference):
         body = {"prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True}
         try:
-            r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=1.0)
+            r = httpx.post(f"{cluster.url}/v1/completions", json=body,
+                           timeout=httpx.Timeout(10.0, read=0.05 if i % 2 else 1.0))
         except httpx.ReadTimeout:
             return "hung up"
         return f"answered {r.status_code}: {r.text[:200]}"
