@@ -76,9 +76,10 @@ class Served:
         self._stop.set()
         self._thread.join(5)
 
-    def text(self, chat: bool = False, stream: bool = False, **fields) -> tuple[str, dict]:
-        """The output text and spec stats of one request."""
-        body = {"max_tokens": MAX_TOKENS, **fields, "stream": stream}
+    def output(self, chat: bool = False, stream: bool = False,
+               **fields) -> tuple[tuple[str, tuple[int, ...]], dict]:
+        """The output (text, token ids) and spec stats of one request."""
+        body = {"max_tokens": MAX_TOKENS, **fields, "stream": stream, "return_token_ids": True}
         body.update({"messages": MESSAGES} if chat else {"prompt": PROMPT})
         url = "/v1/chat/completions" if chat else "/v1/completions"
         if not stream:
@@ -86,14 +87,16 @@ class Served:
             assert r.status_code == 200, r.text
             out = r.json()
             choice = out["choices"][0]
-            return (choice["message"]["content"] if chat else choice["text"]), out["spec_stats"]
+            text = choice["message"]["content"] if chat else choice["text"]
+            return (text, tuple(choice["token_ids"])), out["spec_stats"]
         with self.client.stream("POST", url, json=body) as r:
             assert r.status_code == 200, r.read()
             events = [json.loads(line[6:]) for line in r.iter_lines()
                       if line.startswith("data: ") and line != "data: [DONE]"]
         parts = [(ch["delta"].get("content") or "") if chat else ch["text"]
                  for e in events for ch in e["choices"]]
-        return "".join(parts), events[-1]["spec_stats"]
+        ids = tuple(t for e in events for ch in e["choices"] for t in ch["token_ids"])
+        return ("".join(parts), ids), events[-1]["spec_stats"]
 
 
 @pytest.fixture(scope="module")
@@ -226,31 +229,31 @@ def test_seeded_output_does_not_depend_on_speculation_streaming_or_repeats(ngram
     for name, served in (("ngram", ngram), ("garbage", garbage)):
         for kappa in (0, 4):
             for stream in (False, True):
-                text, stats = served.text(chat, stream, num_speculative_tokens=kappa, **SEEDED)
-                outs[name, kappa, stream] = text
+                out, stats = served.output(chat, stream, num_speculative_tokens=kappa, **SEEDED)
+                outs[name, kappa, stream] = out
                 drafted[name, kappa, stream] = stats["num_draft_tokens"]
     assert len(set(outs.values())) == 1, outs
     assert all(drafted[("garbage", 4, s)] > 0 for s in (False, True)), drafted
     assert all(drafted[(n, 0, s)] == 0 for n in ("ngram", "garbage") for s in (False, True))
-    again, _ = ngram.text(chat, **SEEDED)
+    again, _ = ngram.output(chat, **SEEDED)
     assert again == outs["ngram", 4, False]
-    others = {ngram.text(chat, temperature=1.0, seed=s)[0] for s in (1, 2, 3)}
+    others = {ngram.output(chat, temperature=1.0, seed=s)[0] for s in (1, 2, 3)}
     assert len(others | {again}) == 4  # every seed its own output
 
 
 def test_unseeded_sampled_requests_vary(ngram):
-    texts = {ngram.text(temperature=1.0)[0] for _ in range(3)}
-    assert len(texts) > 1
+    outs = {ngram.output(temperature=1.0)[0] for _ in range(3)}
+    assert len(outs) > 1
 
 
 def test_concurrent_seeded_requests_do_not_change_a_greedy_one(garbage):
-    alone, _ = garbage.text(temperature=0)
+    alone, _ = garbage.output(temperature=0)
     with ThreadPoolExecutor(max_workers=9) as pool:
-        seeded = [pool.submit(garbage.text, stream=bool(i % 2), temperature=1.0, seed=i)
+        seeded = [pool.submit(garbage.output, stream=bool(i % 2), temperature=1.0, seed=i)
                   for i in range(8)]
-        greedy = pool.submit(garbage.text, temperature=0)
+        greedy = pool.submit(garbage.output, temperature=0)
         results = [f.result() for f in seeded]
         assert greedy.result()[0] == alone
     # and each seeded one is its own output, as when it runs alone
-    assert [t for t, _ in results] == [garbage.text(temperature=1.0, seed=i)[0]
+    assert [t for t, _ in results] == [garbage.output(temperature=1.0, seed=i)[0]
                                        for i in range(8)]
