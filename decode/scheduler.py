@@ -217,8 +217,11 @@ class Scheduler:
 
     def max_tree_nodes(self, req: Request) -> int:
         """Most tree nodes verified for ``req`` in one step: ``max_tree_nodes`` or, when 0,
-        twice its kappa (the depth is capped by :meth:`num_drafts`, like a chain's length)."""
-        return self.config.max_tree_nodes or 2 * req.num_speculative_tokens
+        twice its kappa (the depth is capped by :meth:`num_drafts`, like a chain's length),
+        and never more than a chain could have at the end of the request (``num_remaining -
+        1``): their KV stays inside the request's reservation (prompt + max_tokens)."""
+        nodes = self.config.max_tree_nodes or 2 * req.num_speculative_tokens
+        return max(min(nodes, req.num_remaining - 1), 0)
 
     def observe_accept(self, req: Request, accept_len: int) -> None:
         """Update ``req``'s accept-length EMA after a verify step that carried drafts."""

@@ -68,3 +68,31 @@ def test_commit_off_the_tree_drops_it():
     buf.add_tree(5, [1, 2], [-1, -1], committed + [5, 42], base_committed_len=5)
     buf.reset(5)
     assert buf.tree is None
+
+
+def test_scheduler_plans_trees_within_the_request_reservation():
+    """A bushy tree near the end of a request gets no more nodes than a chain could have
+    (num_remaining - 1): its KV never reaches past prompt + max_tokens."""
+    from decode.config import VerifierConfig
+    from decode.request import Request, RequestStatus
+    from decode.scheduler import Scheduler
+    from engine.block_manager import BlockManager
+    from protocol.messages import SamplingParams
+
+    sched = Scheduler(VerifierConfig(), BlockManager(64, 4))
+    req = Request("r", "gw", list(range(4)), SamplingParams(max_tokens=8), 4)
+    sched.enqueue(req)
+    sched.admit([req], ["p0"], lambda p: 0)
+    req.status, req.drafter = RequestStatus.RUNNING, "d0"
+    bushy = ([10, 11, 12, 13, 14, 15], [-1] * 6)
+    req.output_token_ids = [1, 2]
+    req.tail.reset(2)
+    req.tail.add_tree(2, *bushy, req.output_token_ids, base_committed_len=2)
+    (p,) = sched.plan([req])
+    assert p.parents == [-1] * 5 and p.draft_token_ids == [10, 11, 12, 13, 14]  # 8 - 2 - 1
+    req.output_token_ids = [1, 2, 3, 4, 5, 6]  # two left: one node
+    req.tail.reset(6)
+    req.tail.add_tree(6, *bushy, req.output_token_ids, base_committed_len=6)
+    (p,) = sched.plan([req])
+    assert len(p.draft_token_ids) == 1 and p.parents is None  # one node is a chain
+    assert len(req.block_table) * 4 <= req.prompt_len + 8

@@ -84,13 +84,36 @@ def test_ngram_trees_are_exact(tiny):
     assert c.drafter.stats.num_draft_tokens_sent > 0
 
 
-def test_unseeded_sampled_tree_run_completes(tiny):
-    model, cfg, prompts, refs, _ = tiny
-    c = _cluster(model, cfg, 3, TreeOracleProposer(prompts, refs, VOCAB))
+class _TopTokensTree(TreeOracleProposer):
+    """Depth-1 trees of the target's 3 likeliest next tokens for any context (it runs the
+    reference model): a sampled run always has trees to verify, and they pass often."""
+
+    name = "top-tokens-tree-test"
+
+    def __init__(self, hf):
+        self.hf = hf
+
+    def _top(self, ctx):
+        with torch.no_grad():
+            return self.hf(torch.tensor([ctx])).logits[0, -1].topk(3).indices.tolist()
+
+    def propose(self, request_id, context_token_ids, num_tokens):
+        return []
+
+    def propose_tree(self, request_id, context_token_ids, num_tokens):
+        return self._top(context_token_ids), [-1, -1, -1]
+
+
+def test_unseeded_sampled_tree_run_is_exercised(tiny):
+    """Unseeded sampled requests go through tree rejection sampling (its exactness is
+    tests/kernels/test_tree_verify.py's chi-square)."""
+    model, cfg, prompts, _, hf = tiny
+    c = _cluster(model, cfg, 3, _TopTokensTree(hf))
     res = c.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7))
     assert all(len(r.token_ids) == MAX_TOKENS for r in res)
     assert all(0 <= t < VOCAB for r in res for t in r.token_ids)
-    assert c.verifier.stats.num_tree_verify_steps > 0
+    st = c.verifier.stats
+    assert st.num_tree_verify_steps > 0 and st.num_accepted_tokens > 0
 
 
 class _HiddenRecordingTreeOracle(TreeOracleProposer):
