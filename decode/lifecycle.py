@@ -147,7 +147,11 @@ class RequestLifecycle:
         except ValueError as err:  # the buffer's (and rows') own checks: still the peer's fault
             raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
         self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before
-        req.tail_in_flight = False
+        if msg.base_committed_len >= req.committed_len:
+            # the drafter's answer to the latest commit (or sync); a segment drafted on an
+            # older prefix (run-ahead sent before that commit reached it) is not: with it the
+            # wait would end just before the useful tail arrives
+            req.tail_in_flight = False
 
     def drop_draft(self, req: Request) -> None:
         """``req`` runs without its drafter from now on (the drafter closed it): no tail is

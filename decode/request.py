@@ -55,7 +55,7 @@ class Request:
     lost_drafter: str | None = None  # a drafter we could not reach: re-synced when it is back
     num_draft_syncs: int = 0  # DraftSyncs sent for it (open, re-opens after a drafter change)
     spec_enabled: bool = True  # False once quarantined
-    tail_in_flight: bool = False  # the drafter got news since its last segment
+    tail_in_flight: bool = False  # the drafter got news it has not answered yet
     seed_window: object | None = None  # decode.seed_state.SeedWindow (draft seed state)
     finish_reason: FinishReason | None = None
     error: str = ""

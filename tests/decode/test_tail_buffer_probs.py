@@ -90,3 +90,32 @@ def test_rows_of_the_wrong_count_are_refused():
     else:
         raise AssertionError("a row count that is not the token count must raise")
     assert tb.tokens == []
+
+
+
+def test_only_the_answer_to_the_latest_commit_ends_the_tail_wait():
+    """A segment drafted on an older committed prefix (run-ahead sent before the drafter saw
+    the last commit, or stale) does not end the verifier's wait for a tail: the drafter still
+    owes the answer to that commit (``base_committed_len`` = the committed length)."""
+    from decode.config import VerifierConfig
+    from decode.lifecycle import RequestLifecycle
+    from decode.request import Request, RequestStatus
+    from decode.scheduler import Scheduler
+    from decode.stats import VerifierStats
+    from engine.block_manager import BlockManager
+    from protocol.messages import DraftTailStream, SamplingParams
+
+    lc = RequestLifecycle(Scheduler(VerifierConfig(), BlockManager(8, 4)), None,
+                          VerifierStats(), 50, frozenset(), lambda peer, msg: True)
+    req = Request("r", "gw", [1, 2], SamplingParams(max_tokens=8), 4)
+    req.status, req.drafter = RequestStatus.RUNNING, "d"
+    req.output_token_ids = [3, 4, 5]
+    req.tail.reset(3)
+    lc.requests["r"] = req
+    req.tail_in_flight = True  # a VerifyCommit up to 3 tokens went out
+    lc.add_tail("d", DraftTailStream(request_id="r", base_committed_len=2, start_pos=2,
+                                     draft_token_ids=[9, 9]))
+    assert req.tail_in_flight  # stale run-ahead: still waiting
+    lc.add_tail("d", DraftTailStream(request_id="r", base_committed_len=3, start_pos=3,
+                                     draft_token_ids=[7]))
+    assert not req.tail_in_flight and req.tail.usable(4) == [7]
