@@ -3,7 +3,8 @@
 numbered so that a parent comes before its children (``parents[j] < j``, -1 = the root), the
 numbering of DraftTailStream.parents, engine/token_tree.py and kernels/tree_verify.py.
 
-Siblings never share a token (a trie), so a verified path is unambiguous. Pure Python.
+Siblings never share a token (a trie), so a verified path is unambiguous. Pure Python (the
+scheduler imports no torch; engine/token_tree.py has the forward's side of trees).
 """
 
 from __future__ import annotations

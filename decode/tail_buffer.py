@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from decode.draft_tree import DraftTree
+from decode.draft_tree import DraftTree, is_chain
 
 
 @dataclass
@@ -105,7 +105,7 @@ class TailBuffer:
         if self.tree is None:
             return None
         tokens, parents = self.tree.plan(self.usable(max_depth), max_depth, max_nodes)
-        if all(p == j - 1 for j, p in enumerate(parents)):
+        if is_chain(parents):
             return None
         return tokens, parents
 

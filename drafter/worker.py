@@ -25,6 +25,7 @@ from drafter.proposer import Proposer, get_proposer
 from drafter.seed_state import hidden_rows
 from engine.frames import tensor_to_buffer
 from engine.sampling import GREEDY, sampling_mode
+from engine.token_tree import first_branch
 from protocol.errors import ProtocolError
 from protocol.messages import (
     Buffer,
@@ -310,7 +311,7 @@ class DrafterWorker(MailboxWorker):
         if p.draft_shape == "tree" and not st.path and st.num_sent == 0:
             # the segment at the committed prefix: a tree, whose branch 0 is the path
             tokens, parents = p.propose_tree(st.request_id, st.context, room)
-            new = _first_branch(tokens, parents)
+            new = first_branch(tokens, parents)
             if len(new) < len(tokens):
                 st.tree = (list(tokens), list(parents))
             return new, [None] * len(new)
@@ -347,14 +348,3 @@ class DrafterWorker(MailboxWorker):
         self.ingest(timeout_s)
         return self.draft()
 
-
-def _first_branch(tokens: list[int], parents: list[int]) -> list[int]:
-    """Branch 0 of a token tree: from the root, always the lowest-numbered child."""
-    first: dict[int, int] = {}
-    for j, p in enumerate(parents):
-        first.setdefault(p, j)
-    out, node = [], first.get(-1)
-    while node is not None:
-        out.append(tokens[node])
-        node = first.get(node)
-    return out

@@ -62,6 +62,19 @@ def ancestry_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
+def first_branch(tokens: list[int], parents: list[int]) -> list[int]:
+    """Tokens of branch 0: from the root, always the lowest-numbered child (a drafter's own
+    path in a tree it sent)."""
+    first: dict[int, int] = {}
+    for j, p in enumerate(parents):
+        first.setdefault(p, j)
+    out, node = [], first.get(-1)
+    while node is not None:
+        out.append(tokens[node])
+        node = first.get(node)
+    return out
+
+
 def path_to(parents: list[int], node: int) -> list[int]:
     """Node indices from the root's child down to ``node`` (inclusive); [] for ``node == -1``."""
     path: list[int] = []
@@ -71,5 +84,5 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-__all__ = ["ancestry_mask", "check_parents", "chunk_positions", "is_chain", "node_depths",
-           "path_to"]
+__all__ = ["ancestry_mask", "check_parents", "chunk_positions", "first_branch", "is_chain",
+           "node_depths", "path_to"]
