@@ -13,6 +13,7 @@ from cluster.runs import load_prompts, openai_client, run_openai
 def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 96) -> dict:
     """Start the cluster, run the prompts with speculation on and off, print a table.
     Returns both runs, the speedup and how many completions were identical."""
+    from cluster.bench_report import same_outputs
     from cluster.launcher import start_cluster
     from engine.loader import model_name
 
@@ -33,7 +34,7 @@ def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 9
         handle.set_num_speculative_tokens(kappa)
     finally:
         handle.stop()
-    same = sum(a == b for a, b in zip(spec.texts, plain.texts))
+    same = sum(same_outputs(spec, plain))
     print("\n| run | tokens | seconds | tokens/s | acceptance rate | mean accept length |")
     print("|---|---|---|---|---|---|")
     for r in (spec, plain):

@@ -28,7 +28,8 @@ def load_prompts(limit: int | None = None) -> list[dict]:
 class RunResult:
     """One pass over the prompts by one system: completion tokens, seconds (wall time of the
     pass), texts and spec stats. ``token_ids`` holds each completion's ids when the system
-    exposes them (in-process, HF; not HTTP); ``accepted_per_pos[i]`` counts accepted drafts at
+    exposes them (in-process, HF, and the gateway with vLLM's ``return_token_ids``; None for a
+    system that does not); ``accepted_per_pos[i]`` counts accepted drafts at
     draft position i; ``profile`` is the verifier's step profile over the pass
     (:meth:`protocol.step_profile.StepProfile.as_dict`); ``concurrency`` is the number of
     concurrent clients (or the batch size)."""
@@ -63,6 +64,16 @@ def openai_client(url: str):
                   max_retries=0)
 
 
+#: vLLM's request extension: the response carries the output token ids (choice ``token_ids``)
+RETURN_TOKEN_IDS = {"return_token_ids": True}
+
+
+def _token_ids(resp) -> list[int] | None:
+    """A chat completion's output token ids (None when the server did not return them)."""
+    ids = (resp.choices[0].model_extra or {}).get("token_ids")
+    return None if ids is None else [int(t) for t in ids]
+
+
 def _spec_stats(resp) -> SpecStats:
     stats = (resp.model_extra or {}).get("spec_stats") or {}
     return SpecStats(stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0),
@@ -81,15 +92,18 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
     """
     res = RunResult(system, concurrency=concurrency)
     texts: list[str] = [""] * len(prompts)
+    ids: list[list[int] | None] = [None] * len(prompts)
     lock = threading.Lock()
 
     def one(i: int) -> None:
         resp = client.chat.completions.create(model=model, messages=prompts[i]["messages"],
-                                              max_tokens=max_tokens, temperature=0)
+                                              max_tokens=max_tokens, temperature=0,
+                                              extra_body=RETURN_TOKEN_IDS)
         with lock:
             res.num_tokens += resp.usage.completion_tokens
             res.spec.add(_spec_stats(resp))
             texts[i] = resp.choices[0].message.content or ""
+            ids[i] = _token_ids(resp)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
@@ -98,6 +112,7 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
             f.result()
     res.seconds = time.perf_counter() - t0
     res.texts = texts
+    res.token_ids = None if None in ids else ids
     return res
 
 
@@ -105,19 +120,23 @@ def run_openai(client, model: str, prompts: list[dict], max_tokens: int, system:
                show: bool = False) -> RunResult:
     """Send each prompt (one at a time) through the gateway; greedy."""
     res = RunResult(system)
+    ids: list[list[int] | None] = []
     for p in prompts:
         t0 = time.perf_counter()
         resp = client.chat.completions.create(model=model, messages=p["messages"],
-                                              max_tokens=max_tokens, temperature=0)
+                                              max_tokens=max_tokens, temperature=0,
+                                              extra_body=RETURN_TOKEN_IDS)
         res.seconds += time.perf_counter() - t0
         res.num_tokens += resp.usage.completion_tokens
         one = _spec_stats(resp)
         res.spec.add(one)
         text = resp.choices[0].message.content or ""
         res.texts.append(text)
+        ids.append(_token_ids(resp))
         if show:
             print(f"\n### {p['name']} ({p['category']})\n{text}\n"
                   f"[{resp.usage.completion_tokens} tokens, drafted {one.num_draft_tokens}, "
                   f"accepted {one.num_accepted_tokens}, mean accept length "
                   f"{one.mean_accept_len:.2f}]", flush=True)
+    res.token_ids = None if None in ids else ids
     return res

@@ -52,6 +52,10 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
             assert len(s["all_tokens_per_s"]) == 1
             if name != "hf generate":
                 assert len(s["identical_to_hf"]) == 2
+        # served runs carry token ids too (return_token_ids): outputs are compared as ids
+        served_ids = level["systems"]["served k=0"]["token_ids"]
+        assert served_ids == level["systems"]["in-process k=0"]["token_ids"]
+        assert all(len(ids) > 0 for ids in served_ids)
         # greedy: speculation never changes the output, whatever the method
         for name in spec:
             s = level["systems"][name]
