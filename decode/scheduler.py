@@ -73,6 +73,7 @@ class Scheduler:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.step_time_ema_s = 0.0
+        self._prefill_turn = 0  # rotates the prefill peer that wins a tie
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -128,13 +129,16 @@ class Scheduler:
         ``requests`` are all live requests (to count admitted ones and outstanding KV). An
         admitted request gets the blocks of its prompt plus kappa + 1 look-ahead slots now, the
         rest of its reservation later (:meth:`ensure_blocks`), and a prefill peer (least
-        ``prefill_load``). Nothing is admitted while no prefill worker is known.
+        ``prefill_load`` plus the requests this call gave it; ties rotate, so idle workers, one
+        that just joined too, share the requests). Nothing is admitted while no prefill worker
+        is known.
         """
         live = list(requests)
         admitted_now = sum(r.status is not RequestStatus.WAITING for r in live)
         free = self.block_manager.num_free_blocks - self.outstanding_blocks(live)
         out: list[Request] = []
         bm = self.block_manager
+        given = dict.fromkeys(prefill_peers, 0)  # transfers this call starts, per peer
         while self.waiting and admitted_now < self.config.max_num_seqs and prefill_peers:
             req = self.waiting[0]
             reserve = bm.blocks_for(req.prompt_len + req.sampling.max_tokens)
@@ -145,7 +149,11 @@ class Scheduler:
             req.block_table = bm.allocate(min(first, reserve))
             req.num_reserved_blocks = reserve
             free -= reserve
-            req.prefill_peer = min(prefill_peers, key=prefill_load)
+            turn = self._prefill_turn % len(prefill_peers)
+            self._prefill_turn += 1
+            order = prefill_peers[turn:] + prefill_peers[:turn]
+            req.prefill_peer = min(order, key=lambda p: prefill_load(p) + given[p])
+            given[req.prefill_peer] += 1
             req.status = RequestStatus.PREFILLING
             admitted_now += 1
             out.append(req)

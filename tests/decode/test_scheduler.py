@@ -131,6 +131,31 @@ def test_admission_picks_the_least_loaded_prefill_peer():
     assert req.prefill_peer == "p1"
 
 
+def test_admission_spreads_requests_over_equally_loaded_prefill_peers():
+    """Ties rotate: idle prefill workers share the requests (one that joined the cluster
+    gets work), and a burst admitted in one call is spread, not all sent to the first."""
+    sched = make_scheduler()
+    peers = ["p0", "p1", "p2"]
+    one_by_one = []
+    for i in range(6):  # each transfer ends before the next request: every load stays 0
+        req = make_request(f"a{i}")
+        sched.enqueue(req)
+        sched.admit([req], peers, lambda p: 0)
+        one_by_one.append(req.prefill_peer)
+        req.status = RequestStatus.FINISHED
+        sched.release(req)
+    assert sorted(one_by_one) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    burst = [make_request(f"b{i}") for i in range(3)]
+    for r in burst:
+        sched.enqueue(r)
+    assert sched.admit(burst, peers, lambda p: 0) == burst
+    assert sorted(r.prefill_peer for r in burst) == peers
+    late = make_request("c")
+    sched.enqueue(late)
+    sched.admit([*burst, late], peers, {"p0": 2, "p1": 0, "p2": 1}.__getitem__)
+    assert late.prefill_peer == "p1"  # the least loaded still wins over the turn
+
+
 def test_num_drafts_caps_by_kappa_remaining_tokens_and_accept_ema():
     sched = make_scheduler()
     req = running(make_request("a", max_tokens=10, kappa=4), sched, output=[7])
