@@ -15,10 +15,10 @@ import pytest
 import ray
 import zmq
 
-from cluster.gateway.tokens import chat_prompt_ids
 from cluster.config import ClusterConfig
-from cluster.launcher import start_cluster
+from cluster.gateway.tokens import chat_prompt_ids
 from cluster.inprocess import InProcessCluster
+from cluster.launcher import start_cluster
 from engine.loader import load_model
 from protocol.codec import encode
 from protocol.messages import PROTOCOL_VERSION, Abort, Hello, ModelIdentity, SamplingParams
@@ -219,9 +219,9 @@ async def _hang_up_after_first_token(client: httpx.AsyncClient, i: int) -> bool:
             await r.aread()
             return False
         async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                if any(ch.get("text") for ch in json.loads(line[6:])["choices"]):
-                    return True  # leaving the block closes the connection mid-stream
+            if (line.startswith("data: ") and line != "data: [DONE]"
+                    and any(ch.get("text") for ch in json.loads(line[6:])["choices"])):
+                return True  # leaving the block closes the connection mid-stream
     return False
 
 
