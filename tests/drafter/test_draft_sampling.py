@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.models import tiny_llama
 
 from drafter.draft_sampling import DraftSampling, target_space_logits
 from drafter.eagle.head import EagleHead, EagleHeadConfig
 from drafter.proposers.draft_model import DraftModelProposer
 from drafter.proposers.eagle import EagleProposer
 from engine.sampling import processed_probs, seeds_tensor
-from helpers.models import tiny_llama
 from kernels.coupled_sample import gumbel_sample
 from protocol.messages import SamplingParams
 
