@@ -134,8 +134,11 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     eos = generation_eos_ids(hf_model)
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device))
     prompt_ids = [chat_prompt_ids(tokenizer, p["messages"]) for p in prompts]
+    synthetic = cfg.verifier.synthetic_acceptance  # the ablation harness (decode/synthetic.py)
     inproc = InProcessSystems(loaded, max(len(p) for p in prompt_ids), opts.max_tokens,
-                              methods={d.label: with_drafter(cfg, d) for d in drafters})
+                              methods={d.label: with_drafter(cfg, d) for d in drafters},
+                              verifier_options={"verify_rule": cfg.verifier.verify_rule,
+                                                "synthetic_acceptance": synthetic})
     forward_cost = None
     if opts.profile and kappa > 0:
         from cluster.forward_cost import forward_cost_ratio
@@ -191,7 +194,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
               "repeats": opts.repeats, "concurrency": opts.concurrency, "threads": cfg.threads,
               "bench_threads": bench_threads, "drafters": [d.as_dict() for d in drafters],
               "draft_method": drafters[0].method, "served_clusters": served_note,
-              "profile": opts.profile}
+              "profile": opts.profile, "verify_rule": cfg.verifier.verify_rule,
+              "synthetic_acceptance": list(synthetic)}
     summary = summarize(config, runs,
                         {c: systems_for(kappa, c, labels) for c in opts.concurrency},
                         forward_cost)

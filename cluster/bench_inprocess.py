@@ -28,13 +28,18 @@ class InProcessSystems:
     the verifier runs at most that many requests at once and the rest queue, like C concurrent
     clients. ``methods``: label -> the ClusterConfig running that method (its proposer is
     built as the drafter role builds it, :func:`cluster.hosts.drafter.build_proposer`; None
-    for a registry method such as n-gram); no methods: n-gram only."""
+    for a registry method such as n-gram); no methods: n-gram only. ``verifier_options``:
+    further VerifierConfig fields of every kappa > 0 cluster (the deployment's
+    ``verify_rule`` and ``synthetic_acceptance``, so in-process and served systems verify
+    alike)."""
 
     def __init__(self, loaded, max_prompt_len: int, max_tokens: int,
-                 block_size: int = 16, methods: dict | None = None) -> None:
+                 block_size: int = 16, methods: dict | None = None,
+                 verifier_options: dict | None = None) -> None:
         self.loaded, self.max_prompt_len, self.max_tokens = loaded, max_prompt_len, max_tokens
         self.block_size = block_size
         self.methods = dict(methods or {})
+        self.verifier_options = dict(verifier_options or {})
         self._clusters: dict[tuple[str | None, int, int], object] = {}
 
     def _method(self, method: str | None) -> tuple[str, object]:
@@ -70,7 +75,8 @@ class InProcessSystems:
                 block_size=self.block_size, max_num_seqs=concurrency,
                 max_model_len=min(cfg.max_position_embeddings,
                                   self.max_prompt_len + self.max_tokens + kappa + 1),
-                draft_method=draft_method, proposer=proposer)
+                draft_method=draft_method, proposer=proposer,
+                **(self.verifier_options if kappa > 0 else {}))
         return self._clusters[key]
 
     def run(self, prompt_ids: list[list[int]], kappa: int, concurrency: int,

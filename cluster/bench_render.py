@@ -54,6 +54,11 @@ def markdown(summary: dict) -> str:
              f"{cfg['repeats']} repeat(s)", "", f"- thread plan: {thread_plan_text(cfg)}"]
     if cfg.get("served_clusters"):
         lines.append(f"- served clusters: {cfg['served_clusters']}")
+    if cfg.get("synthetic_acceptance"):
+        curve = ", ".join(f"{a:.3f}" for a in cfg["synthetic_acceptance"])
+        lines.append(f"- **SYNTHETIC ACCEPTANCE** (ablation, --verify-rule synthetic): drafts "
+                     f"accepted along [{curve}] per position, not verified; outputs are not "
+                     f"the target's")
     lines.append("")
     loud = mismatch_lines(summary)
     if loud:

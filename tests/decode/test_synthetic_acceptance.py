@@ -197,3 +197,25 @@ def test_responses_and_metrics_say_synthetic_acceptance_was_used(tiny_model_dir)
                      if ln.startswith("specmesh:spec_decode_synthetic_acceptance{"))
         assert float(gauge.split()[-1]) == (1.0 if rule == "synthetic" else 0.0)
         assert ('specmesh:spec_decode_synthetic_acceptance_rate{' in text) is bool(curve)
+
+
+def test_bench_runs_synthetic_in_process_too_and_says_so(tiny):
+    """``specmesh bench --verify-rule synthetic``: the in-process kappa > 0 systems judge
+    drafts by the same curve as the served ones (kappa 0 stays plain), and the report's
+    header says the outputs are not the target's."""
+    from cluster.bench_inprocess import InProcessSystems
+    from cluster.bench_render import markdown
+
+    _, model, cfg = tiny
+    loaded = types.SimpleNamespace(model=model, config=cfg)
+    systems = InProcessSystems(loaded, 16, 8, verifier_options={
+        "verify_rule": "synthetic", "synthetic_acceptance": (0.8, 0.5)})
+    assert systems.cluster(3, 2).verifier.config.synthetic_acceptance == (0.8, 0.5)
+    assert systems.cluster(0, 2).verifier.config.verify_rule == "auto"
+    conf = {"model": "m", "dtype": "float32", "kappa": 3, "max_tokens": 8, "num_prompts": 1,
+            "repeats": 1, "threads": {"verifier": 2}, "bench_threads": 2,
+            "synthetic_acceptance": [0.8, 0.5]}
+    text = markdown({"config": conf, "levels": {}, "mismatches": []})
+    assert "SYNTHETIC ACCEPTANCE" in text and "[0.800, 0.500]" in text
+    assert "SYNTHETIC" not in markdown({"config": {**conf, "synthetic_acceptance": []},
+                                        "levels": {}, "mismatches": []})
