@@ -1,7 +1,7 @@
 """Token trees of tree verification (SpecInfer, arXiv 2305.09781): a verify chunk is
 ``[root] + nodes``, the root being the last committed token and node ``j``'s parent
 ``parents[j]`` (an index into the nodes, ``-1`` = the root, always ``< j``: a parent comes
-before its children, as DraftTailStream.parents and kernels/tree_verify.py number them).
+before its children, as DraftTailStream.parents and kernels/tree_layout.py number them).
 
 Chunk row 0 is the root, row ``1 + j`` node ``j``; the row's KV lands in the slot of chunk
 position ``start_pos + row`` (rows are contiguous in the cache) while its RoPE position is

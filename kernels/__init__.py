@@ -30,16 +30,14 @@ from kernels.rejection_sample import (
     rejection_sample_ref,
     rejection_sample_triton,
 )
-from kernels.tree_verify import (
-    tree_node_depths,
+from kernels.tree_layout import tree_node_depths
+from kernels.tree_rejection_sample import (
     tree_rejection_sample,
     tree_rejection_sample_noise,
     tree_rejection_sample_ref,
     tree_rejection_sample_triton,
-    tree_walk,
-    tree_walk_ref,
-    tree_walk_triton,
 )
+from kernels.tree_walk import tree_walk, tree_walk_ref, tree_walk_triton
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "block_verify", "block_verify_noise", "block_verify_ref",
            "block_verify_triton", "coupled_sample", "coupled_sample_ref", "coupled_sample_triton",

@@ -26,18 +26,18 @@ _REJECTION = {"draft_ptr": "*i64", "cu_ptr": "*i64", "draft_probs_ptr": "*{dt}",
               "output_ptr": "*i64", "accept_len_ptr": "*i64", "output_width": "i32",
               "vocab_size": "i32"}
 _CASES: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
-    "tree-walk": ("kernels.tree_verify", "_tree_walk_kernel",
+    "tree-walk": ("kernels.tree_walk", "_tree_walk_kernel",
                   {"draft_ptr": "*i64", "cu_ptr": "*i32", "parents_ptr": "*i64",
                    "target_ptr": "*i64", "output_ptr": "*i64", "accept_len_ptr": "*i64",
                    "node_ids_ptr": "*i64", "output_width": "i32"},
                   {"PLACEHOLDER": -1, "BLOCK_D": 8}),
     "tree-sample-fp32-full-per-row": (
-        "kernels.tree_verify", "_tree_rejection_sample_kernel",
+        "kernels.tree_rejection_sample", "_tree_rejection_sample_kernel",
         {k: v.format(dt="fp32") for k, v in _TREE_SAMPLE.items()},
         {"HAS_DRAFT_PROBS": True, "NOISE_PER_ROW": True, "PLACEHOLDER": -1, "BLOCK_D": 8,
          "BLOCK_V": 4096}),
     "tree-sample-fp64-one-hot": (
-        "kernels.tree_verify", "_tree_rejection_sample_kernel",
+        "kernels.tree_rejection_sample", "_tree_rejection_sample_kernel",
         {k: v.format(dt="fp64") for k, v in _TREE_SAMPLE.items()},
         {"HAS_DRAFT_PROBS": False, "NOISE_PER_ROW": False, "PLACEHOLDER": -1, "BLOCK_D": 4,
          "BLOCK_V": 1024}),

@@ -1,10 +1,12 @@
-"""Tests of kernels/tree_verify.py's references: the greedy walk and multi-step speculative
-sampling on hand-built trees, chains against the chain rules (greedy_verify, rejection_sample,
+"""Tests of the tree verification references (kernels/tree_walk.py,
+kernels/tree_rejection_sample.py): the greedy walk and multi-step speculative sampling on
+hand-built trees, chains against the chain rules (greedy_verify, rejection_sample,
 same noise), the vanished-residual rule, input checks, and the emitted tokens' distribution
 (chi-square, >= 20,000 samples) for one-hot and full draft probabilities."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
 from typing import Any
@@ -18,15 +20,17 @@ from kernels import (
     greedy_verify_ref,
     rejection_sample_ref,
 )
-from kernels import tree_verify as tv
-from kernels.tree_verify import (
-    tree_node_depths,
+from kernels.tree_layout import tree_node_depths
+from kernels.tree_rejection_sample import (
     tree_rejection_sample,
     tree_rejection_sample_noise,
     tree_rejection_sample_ref,
-    tree_walk,
-    tree_walk_ref,
 )
+from kernels.tree_walk import tree_walk, tree_walk_ref
+
+# the modules (the package's attributes of these names are the launchers)
+tw = importlib.import_module("kernels.tree_walk")
+trs = importlib.import_module("kernels.tree_rejection_sample")
 
 PH = PLACEHOLDER_TOKEN_ID
 P_MIN = 1e-3
@@ -366,8 +370,8 @@ def test_launchers_on_cpu_run_the_references(monkeypatch: pytest.MonkeyPatch) ->
         raise AssertionError("the Triton entry must not run on CPU")
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(tv, "tree_walk_triton", fail)
-    monkeypatch.setattr(tv, "tree_rejection_sample_triton", fail)
+    monkeypatch.setattr(tw, "tree_walk_triton", fail)
+    monkeypatch.setattr(trs, "tree_rejection_sample_triton", fail)
     rng = random.Random(10)
     walk_args = make_walk_case([3, 0, 2], 4, rng)
     assert all(torch.equal(a, b) for a, b in zip(tree_walk(*walk_args),
@@ -384,7 +388,7 @@ def test_interpret_set_after_import_is_a_clear_error(monkeypatch: pytest.MonkeyP
         tree_walk(*args)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="CUDA"):
-        tv.tree_walk_triton(*args)
+        tw.tree_walk_triton(*args)
 
 
 def _bad_inputs() -> dict[str, tuple[Any, list[Any]]]:

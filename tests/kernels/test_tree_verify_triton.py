@@ -1,7 +1,8 @@
-"""The Triton kernels of kernels/tree_verify.py against the torch references, exactly
-(``torch.equal`` on tokens, accept lengths and accepted node ids): under ``TRITON_INTERPRET=1``
-in a subprocess (random and hand-built trees, ragged batches with empty trees, chains, odd
-vocabularies from 1 to 49,152, float32/float64, noise per row or per request) and on CUDA."""
+"""The Triton kernels of kernels/tree_walk.py and kernels/tree_rejection_sample.py against the
+torch references, exactly (``torch.equal`` on tokens, accept lengths and accepted node ids):
+under ``TRITON_INTERPRET=1`` in a subprocess (random and hand-built trees, ragged batches with
+empty trees, chains, odd vocabularies from 1 to 49,152, float32/float64, noise per row or per
+request) and on CUDA."""
 
 from __future__ import annotations
 
@@ -13,15 +14,12 @@ import torch
 from test_tree_verify import make_tree_case, make_walk_case
 
 from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.tree_verify import (
-    tree_rejection_sample,
-    tree_rejection_sample_ref,
-    tree_walk,
-    tree_walk_ref,
-)
+from kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
+from kernels.tree_walk import tree_walk, tree_walk_ref
 
 PH = PLACEHOLDER_TOKEN_ID
-MOD = "kernels.tree_verify."
+MOD = {"tree_walk": "kernels.tree_walk.",
+       "tree_rejection_sample": "kernels.tree_rejection_sample."}
 
 
 def _t(values: list[int]) -> torch.Tensor:
@@ -35,9 +33,9 @@ def _interpret_cases() -> dict[str, dict[str, Any]]:
 
     def case(name: str, op: str, args: list[Any], max_depth: int | None = None,
              launcher: bool = False) -> None:
-        cases[name] = {"func": MOD + (op if launcher else op + "_triton"), "args": args,
+        cases[name] = {"func": MOD[op] + (op if launcher else op + "_triton"), "args": args,
                        "kwargs": {"max_depth": max_depth},
-                       "disable": [MOD + op + "_ref"] if launcher else []}
+                       "disable": [MOD[op] + op + "_ref"] if launcher else []}
 
     def walk(name: str, counts: list[int], vocab: int, parents: list[int] | None = None,
              cu_dtype: torch.dtype = torch.int64, **kw: Any) -> None:
@@ -119,10 +117,11 @@ INTERPRET_CASES = _interpret_cases()
 def interpreted_results(run_interpreted: Any) -> dict[str, dict]:
     cases = [dict(c) for c in INTERPRET_CASES.values()]
     bad = INTERPRET_CASES["walk-random-0"]["args"]
-    cases.append({"func": MOD + "tree_walk_triton", "args": [*bad[:2], -bad[2] - 5, bad[3]]})
-    cases.append({"func": MOD + "_kernel_is_interpreted", "args": []})
+    cases.append({"func": MOD["tree_walk"] + "tree_walk_triton",
+                  "args": [*bad[:2], -bad[2] - 5, bad[3]]})
+    cases += [{"func": mod + "_kernel_is_interpreted", "args": []} for mod in MOD.values()]
     results = run_interpreted(cases)
-    names = [*INTERPRET_CASES, "error-case", "is-interpreted"]
+    names = [*INTERPRET_CASES, "error-case", *(f"is-interpreted-{op}" for op in MOD)]
     return dict(zip(names, results, strict=True))
 
 
@@ -155,7 +154,8 @@ def test_interpreted_special_cases(interpreted_results: dict) -> None:
 
 
 def test_interpreted_worker_really_interprets(interpreted_results: dict) -> None:
-    assert interpreted_results["is-interpreted"] == {"ok": [True]}
+    for op in MOD:
+        assert interpreted_results[f"is-interpreted-{op}"] == {"ok": [True]}
     assert interpreted_results["error-case"]["error"].startswith("ValueError")
 
 
