@@ -2,7 +2,7 @@
 may already be a driver of the embedded Ray of the other tests, and a driver joins one cluster
 only).
 
-    python _mn_driver.py MODEL_DIR PROMPTS_JSON MAX_TOKENS TEMP_DIR
+    python _mn_driver.py MODEL_DIR PROMPTS_JSON MAX_TOKENS TEMP_DIR LONG_MAX_TOKENS
 
 A ``ray.cluster_utils.Cluster`` of 3 nodes on 127.0.0.1: the head offers ``gateway``, the two
 others ``prefill``, ``verifier`` and ``drafter`` plus a node resource of their own (``mn-0``,
@@ -13,7 +13,9 @@ serve`` gives it (cluster.actors.role_options). Then:
 1. every prompt of PROMPTS_JSON at once (one HTTP client thread each, greedy);
 2. ``ray.kill(drafter-1, no_restart=True)``: how long until the controller's roster lacks it
    and both verifiers dropped their connection to it (the pushed roster applied);
-3. the first four prompts again, served by the drafter left.
+3. the first four prompts again, served by the drafter left;
+4. the fault scenarios of tests/multinode/_mn_faults.py (``Faults.run_all``), on the same
+   cluster (LONG_MAX_TOKENS: the long requests' output tokens).
 
 Prints one JSON object on the last stdout line: nodes, where each actor runs, each request's
 text / token ids / usage / spec_stats, every role's stats before and after, the controller's health report
@@ -35,6 +37,7 @@ use_loopback()  # before `import ray`: every node of the cluster stays on 127.0.
 
 import httpx  # noqa: E402
 import ray  # noqa: E402
+from _mn_faults import Faults  # noqa: E402  (tests/multinode, the driver's own folder)
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from cluster.actors import ACTORS, CONTROLLER_NAME, ROLE_RESOURCE_UNIT, role_options  # noqa: E402
@@ -44,6 +47,10 @@ from protocol.enums import Role  # noqa: E402
 
 KILLED = "drafter-1"
 LEAVE_BOUND_S = 40.0
+#: the prefill workers' KV send cap (MiB/s) and KV frame size (tokens): a 1,155-token prompt
+#: (~580 KB of the tiny model's KV) takes ~3 s to send, in 19 frames
+KV_SEND_MB_S = 0.2
+FRAME_TOKENS = 64
 
 
 def _complete(url: str, prompt: str, max_tokens: int) -> dict:
@@ -92,7 +99,7 @@ def _actor_nodes() -> dict[str, str]:
 
 
 def main() -> None:
-    model, prompts_path, max_tokens, temp_dir = sys.argv[1:5]
+    model, prompts_path, max_tokens, temp_dir, long_max_tokens = sys.argv[1:6]
     max_tokens = int(max_tokens)
     prompts = json.loads(open(prompts_path).read())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # atexit stops the nodes
@@ -109,8 +116,13 @@ def main() -> None:
         cluster.wait_for_nodes()
         cluster.connect(namespace="specmesh")
         timings["nodes_s"] = time.monotonic() - t0
+        # the prefill workers' KV send is capped so that a long prompt's transfer lasts a few
+        # seconds (a fault scenario kills a prefill worker mid-transfer); short prompts fit
+        # one frame, which leaves at once
         cfg = ClusterConfig.create(model=model, dtype="float32", num_speculative_tokens=3,
-                                   kv_cache_mb=32, port=0, max_model_len=1024)
+                                   kv_cache_mb=32, port=0, max_model_len=2048,
+                                   prefill_max_kv_send_mb_s=KV_SEND_MB_S,
+                                   prefill_frame_tokens=FRAME_TOKENS)
         from engine.loader import model_files
 
         model_files(cfg.model, cfg.dtype)
@@ -162,12 +174,20 @@ def main() -> None:
         with ThreadPoolExecutor(4) as pool:
             again = list(pool.map(lambda p: _complete(handle.url, p, max_tokens), prompts[:4]))
         final = handle.stats()
+        timings["mn_s"] = time.monotonic() - t0
+
+        launch = ["--model", model, "--dtype", "float32", "--num-speculative-tokens", "3",
+                  "--kv-cache-mb", "32", "--max-model-len", "2048", "--threads", "1",
+                  "--drafter", "ngram", "--max-kv-send-mb-s", str(KV_SEND_MB_S)]
+        faults = Faults(handle, controller, int(long_max_tokens)).run_all(
+            cluster.address, launch, dict(os.environ), LEAVE_BOUND_S)
+        timings["faults_s"] = {k: round(v["wall_s"], 1) for k, v in faults.items()}
         timings["total_s"] = time.monotonic() - t0
         out = {"nodes": nodes, "worker_node_ids": [w.node_id for w in workers],
                "placed": placed, "results": results, "before": before, "after": after,
                "left_roster_s": left_at, "kill_timeline": timeline, "peers_updated_s": peers_at, "health": health,
                "roster_after_kill": [r["instance_id"] for r in roster_after_kill],
-               "again": again, "final": final, "timings": timings}
+               "again": again, "final": final, "faults": faults, "timings": timings}
         handle.stop()
     finally:
         try:
