@@ -12,7 +12,8 @@ from torch import nn
 from engine.block_manager import slot_mapping as _slot_mapping
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
+from kernels.paged_attention import paged_attention
+from kernels.paged_attention_plan import PagedAttentionPlan, plan_paged_attention
 
 
 @dataclass

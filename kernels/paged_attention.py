@@ -1,21 +1,9 @@
 """Paged attention over a ragged batch: every request's queries read its K/V from the paged
 cache through its block table, in one batched op (no per-request loop) (DESIGN.md §11).
 
-Request ``b`` has ``query_lens[b] = q`` query rows (its rows of ``q`` follow request ``b-1``'s)
-and ``kv_lens[b] = n`` cached positions, the last ``q`` of which are its queries' own K/V (the
-caller writes them before attending). Query row ``j`` sees positions ``p < n - q + j + 1``:
-the causal mask aligned bottom-right, as a verify chunk needs (torch SDPA's ``is_causal`` aligns
-top-left when q != n, which is silently wrong here). Position ``p`` of request ``b`` lives at
-``k_cache[block_tables[b, p // block_size], p % block_size]``. Grouped-query attention: query
-head ``h`` reads KV head ``h // (H // Hkv)`` (the Llama / transformers convention).
-
-Token trees (tree verification, SpecInfer arXiv 2305.09781): ``tree_masks`` gives a request a
-bool ``[q, q]`` ancestry mask over its own chunk, ``mask[j, c]`` = row ``j`` sees chunk row
-``c`` (position ``n - q + c``). Row ``j`` then sees the positions before the chunk and the
-chunk rows its mask allows (its ancestors and itself). A mask must be lower-triangular with a
-true diagonal and a true column 0 (the root, the last committed token, is every node's
-ancestor); a chain's mask is the lower triangle, and requests without one (None) take exactly
-the chain path above, bit for bit.
+The batch's layout (query rows, KV lengths, block tables, the bottom-right causal mask,
+grouped-query heads) and the token trees' ancestry masks are those of
+:mod:`kernels.paged_attention_plan`, whose :class:`PagedAttentionPlan` carries them.
 
 Batch invariance: the result of one query row depends only on that row, the positions it
 sees, and the cache; not on how many rows its request has in this step, on the other requests
@@ -45,191 +33,17 @@ inputs and rounds once at the end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.paged_attention_plan import PagedAttentionPlan, plan_paged_attention, tile_len
 from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
-_INT_DTYPES = (torch.int32, torch.int64)
-
-
-#: Positions per KV tile of the reference: the reductions over positions run tile by tile with
-#: a fixed tile shape, so padding a request's KV (a longer chunk, a longer batch) only adds
-#: whole tiles of exact zeros. A multiple of the block size near 64 (see :func:`tile_len`).
-TILE_TOKENS = 64
 #: Matmuls with fewer rows than this take another BLAS kernel (measured on this machine type:
 #: fp32 rows of an M <= 3 product differ in the last bit from the same rows in a larger M), so
 #: the reference pads the query rows of every KV head to at least this many.
 MIN_MATMUL_ROWS = 4
-
-
-def tile_len(block_size: int) -> int:
-    """KV tile length (positions) of the reference for ``block_size``: the largest multiple of
-    the block size <= :data:`TILE_TOKENS` (the block size itself when larger)."""
-    return block_size * max(1, TILE_TOKENS // block_size)
-
-
-@dataclass(frozen=True)
-class PagedAttentionPlan:
-    """Index tensors of one ragged batch, built once per forward and shared by every layer.
-
-    ``token_batch``/``token_row`` long [T]: the request and the row within it of each query
-    token; ``num_visible`` long [B, q_max]: positions row j of request b sees
-    (``n - q + j + 1``); ``token_visible`` int32 [T]: the same per query token (what the Triton
-    kernel reads); ``block_tables`` long [B, n_blocks]: the blocks read, padded to whole KV
-    tiles (``n_blocks * block_size`` is a multiple of :func:`tile_len`).
-    """
-
-    token_batch: torch.Tensor
-    token_row: torch.Tensor
-    num_visible: torch.Tensor
-    block_tables: torch.Tensor
-    q_max: int
-    n_blocks: int
-    token_visible: torch.Tensor | None = None
-    block_size: int = 0
-    #: bool [B, q_max, q_max] chunk ancestry masks (None: no request has a tree); chains and
-    #: padding rows hold the lower triangle
-    tree_mask: torch.Tensor | None = None
-    #: int32 [T, q_max] (row of ``tree_mask`` per query token) and int32 [T] (``n - q``, the
-    #: position of the request's chunk row 0): what the Triton kernel reads; None without trees
-    token_tree_mask: torch.Tensor | None = None
-    token_chunk_start: torch.Tensor | None = None
-    _masks: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def tile_mask(self, q_pad: int) -> torch.Tensor:
-        """bool [B, 1, n_tiles, 1, q_pad, tile]: which positions each padded query row sees
-        (rows past a request's own see everything: they are dropped)."""
-        mask = self._masks.get(q_pad)
-        if mask is None:
-            tile = tile_len(self.block_size)
-            n_tiles = self.n_blocks * self.block_size // tile
-            nv = self.num_visible
-            if q_pad > self.q_max:
-                nv = torch.cat([nv, nv.new_full((nv.shape[0], q_pad - self.q_max), 1 << 30)], 1)
-            pos = torch.arange(n_tiles * tile, device=nv.device).view(n_tiles, tile)
-            mask = pos[None, :, None, :] < nv[:, None, :, None]  # [B, n_tiles, q_pad, tile]
-            if self.tree_mask is not None:
-                mask = mask & self._tree_visible(pos, q_pad)
-            mask = mask[:, None, :, None]
-            self._masks[q_pad] = mask
-        return mask
-
-    def _tree_visible(self, pos: torch.Tensor, q_pad: int) -> torch.Tensor:
-        """bool [B, n_tiles, q_pad, tile]: False where a position inside a request's chunk is
-        not an ancestor of the query row (rows past ``q_max`` see every chunk row)."""
-        tm = self.tree_mask
-        b, q_max = tm.shape[0], tm.shape[1]
-        if q_pad > q_max:
-            tm = torch.cat([tm, tm.new_ones((b, q_pad - q_max, q_max))], 1)
-        start = self.num_visible[:, 0] - 1  # n - q: chunk row 0's position
-        rel = pos.view(-1)[None, :] - start[:, None]  # [B, P]
-        in_chunk = (rel >= 0) & (rel < q_max)
-        cols = rel.clamp(0, q_max - 1)
-        anc = torch.gather(tm, 2, cols[:, None, :].expand(b, q_pad, -1))  # [B, q_pad, P]
-        ok = anc | ~in_chunk[:, None, :]
-        return ok.view(b, q_pad, *pos.shape).permute(0, 2, 1, 3)
-
-
-def _as_list(x: torch.Tensor | list[int], name: str) -> list[int]:
-    if isinstance(x, torch.Tensor):
-        if x.dim() != 1 or x.dtype not in _INT_DTYPES:
-            raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got "
-                             f"{x.dtype} {tuple(x.shape)}")
-        return [int(v) for v in x.tolist()]
-    return [int(v) for v in x]
-
-
-def plan_paged_attention(
-    query_lens: torch.Tensor | list[int],
-    kv_lens: torch.Tensor | list[int],
-    block_tables: torch.Tensor | list[list[int]],
-    block_size: int,
-    device: str | torch.device = "cpu",
-    tree_masks: list[torch.Tensor | None] | None = None,
-) -> PagedAttentionPlan:
-    """Build the :class:`PagedAttentionPlan` of a batch (host-side lengths, one sync at most).
-
-    ``tree_masks``: per request None (a chain) or its bool ``[q, q]`` chunk ancestry mask (see
-    the module doc); None or all None: no tree in the batch.
-
-    Raises:
-        ValueError: lengths of different sizes, an empty batch, a request with no query rows,
-            more query rows than KV positions, a block table too short for its KV length, or a
-            tree mask of the wrong shape, not lower-triangular, or without its diagonal or
-            root column.
-    """
-    q_lens, n_lens = _as_list(query_lens, "query_lens"), _as_list(kv_lens, "kv_lens")
-    if isinstance(block_tables, torch.Tensor):
-        if block_tables.dim() != 2 or block_tables.dtype not in _INT_DTYPES:
-            raise ValueError(f"block_tables must be a 2-D int tensor, got "
-                             f"{block_tables.dtype} {tuple(block_tables.shape)}")
-        widths = [block_tables.shape[1]] * block_tables.shape[0]
-        tables = block_tables.to(device=device, dtype=torch.long)
-    else:
-        widths = [len(t) for t in block_tables]
-        tables = None
-    if not q_lens or not len(q_lens) == len(n_lens) == len(widths):
-        raise ValueError(f"need one query length, KV length and block table per request, got "
-                         f"{len(q_lens)}, {len(n_lens)}, {len(widths)}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    for b, (q, n, w) in enumerate(zip(q_lens, n_lens, widths)):
-        if q < 1 or n < q:
-            raise ValueError(f"request {b}: need 1 <= query_len <= kv_len, got {q}, {n}")
-        if w * block_size < n:
-            raise ValueError(f"request {b}: {w} blocks of {block_size} cannot hold {n} positions")
-    tile = tile_len(block_size)
-    n_blocks = -(-max(n_lens) // tile) * tile // block_size
-    if tables is None:
-        tables = torch.tensor([t[:n_blocks] + [t[0]] * (n_blocks - min(len(t), n_blocks))
-                               for t in block_tables], dtype=torch.long, device=device)
-    elif tables.shape[1] < n_blocks:  # pad to whole tiles (the padding is never visible)
-        tables = torch.cat([tables, tables[:, :1].expand(-1, n_blocks - tables.shape[1])], 1)
-    tables = tables[:, :n_blocks].contiguous()
-    q_max = max(q_lens)
-    token_batch = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
-    token_row = torch.cat([torch.arange(q) for q in q_lens])
-    # row j of request b sees p < n - q + j + 1
-    num_visible = (torch.tensor(n_lens) - torch.tensor(q_lens) + 1)[:, None] + \
-        torch.arange(q_max)[None, :]
-    token_visible = num_visible[token_batch, token_row].to(torch.int32)
-    tree_mask = token_tree_mask = token_chunk_start = None
-    if tree_masks is not None and any(m is not None for m in tree_masks):
-        tree_mask = _tree_mask(tree_masks, q_lens, q_max)
-        token_tree_mask = tree_mask[token_batch, token_row].to(torch.int32).to(device)
-        token_chunk_start = (torch.tensor(n_lens) - torch.tensor(q_lens))[token_batch]
-        token_chunk_start = token_chunk_start.to(torch.int32).to(device)
-        tree_mask = tree_mask.to(device)
-    return PagedAttentionPlan(token_batch.to(device), token_row.to(device),
-                              num_visible.to(device), tables, q_max, n_blocks,
-                              token_visible.to(device), block_size, tree_mask,
-                              token_tree_mask, token_chunk_start)
-
-
-def _tree_mask(tree_masks: list[torch.Tensor | None], q_lens: list[int],
-               q_max: int) -> torch.Tensor:
-    """bool [B, q_max, q_max]: each request's validated mask (chains: the lower triangle) in
-    the top-left corner of a lower triangle."""
-    if len(tree_masks) != len(q_lens):
-        raise ValueError(f"need one tree mask (or None) per request, got {len(tree_masks)} "
-                         f"for {len(q_lens)}")
-    out = torch.ones(q_max, q_max, dtype=torch.bool).tril().repeat(len(q_lens), 1, 1)
-    for b, (m, q) in enumerate(zip(tree_masks, q_lens)):
-        if m is None:
-            continue
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (q, q):
-            raise ValueError(f"request {b}: tree mask must be a bool [{q}, {q}] tensor, got "
-                             f"{getattr(m, 'dtype', type(m))} {tuple(getattr(m, 'shape', ()))}")
-        m = m.cpu()
-        if bool(m.triu(1).any()) or not bool(m.diagonal().all()) or not bool(m[:, 0].all()):
-            raise ValueError(f"request {b}: a tree mask must be lower-triangular with a true "
-                             f"diagonal and root column (row j sees its ancestors and itself)")
-        out[b, :q, :q] = m
-    return out
 
 
 def _check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -255,12 +69,13 @@ def paged_attention_ref(
     plan: PagedAttentionPlan | None = None,
     tree_masks: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """Attention of every query row over its visible cached positions (see the module doc).
+    """Attention of every query row over its visible cached positions (see the module doc and
+    :mod:`kernels.paged_attention_plan`).
 
     ``plan`` (from :func:`plan_paged_attention` with the same lengths and tables) saves
     rebuilding the index tensors in every layer. ``tree_masks`` (per request None or a bool
-    ``[q, q]`` ancestry mask, see the module doc) is used only to build the plan when none is
-    given (a plan carries its batch's masks).
+    ``[q, q]`` ancestry mask, see :mod:`kernels.paged_attention_plan`) is used only to build
+    the plan when none is given (a plan carries its batch's masks).
 
     Returns:
         [T, H, D] in ``q.dtype``.
@@ -525,5 +340,5 @@ def _triton_entry():  # noqa: ANN202
     return paged_attention_triton
 
 
-__all__ = ["PagedAttentionPlan", "paged_attention", "paged_attention_ref",
-           "paged_attention_triton", "plan_paged_attention"]
+__all__ = ["MIN_MATMUL_ROWS", "paged_attention", "paged_attention_ref",
+           "paged_attention_triton"]

@@ -1,5 +1,6 @@
-"""Token-tree masks in kernels/paged_attention.py: reference and Triton kernel (interpreted on
-CPU, and on CUDA when there is one) against a per-row oracle, chains untouched bit for bit."""
+"""Token-tree masks (kernels/paged_attention_plan.py) in kernels/paged_attention.py: reference
+and Triton kernel (interpreted on CPU, and on CUDA when there is one) against a per-row oracle,
+chains untouched bit for bit."""
 
 from __future__ import annotations
 
@@ -9,11 +10,8 @@ import pytest
 import torch
 from test_paged_attention_triton import TOL, _args, make_batch
 
-from kernels.paged_attention import (
-    paged_attention_ref,
-    paged_attention_triton,
-    plan_paged_attention,
-)
+from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.paged_attention_plan import plan_paged_attention
 
 MOD = "kernels.paged_attention."
 

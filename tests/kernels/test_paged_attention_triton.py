@@ -18,8 +18,8 @@ from kernels.paged_attention import (
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
-    plan_paged_attention,
 )
+from kernels.paged_attention_plan import plan_paged_attention
 
 pa = importlib.import_module("kernels.paged_attention")
 MOD = "kernels.paged_attention."
@@ -147,7 +147,7 @@ def _padded(batch: dict[str, Any], query_len: int, kv_len: int, pad_columns: int
 
 
 def _plan_call(batch: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-    return {"__call__": MOD + "plan_paged_attention",
+    return {"__call__": "kernels.paged_attention_plan.plan_paged_attention",
             "args": [batch["query_lens"], batch["kv_lens"], batch["block_tables"],
                      batch["k_cache"].shape[1]], "kwargs": kwargs}
 
