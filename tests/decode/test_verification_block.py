@@ -27,7 +27,7 @@ SAMPLED = SamplingParams(max_tokens=16, temperature=1.0, top_k=6)
 
 
 def test_rule_choice_with_verify_rule_block():
-    assert VERIFY_RULES == ("auto", "block")
+    assert VERIFY_RULES == ("auto", "block", "synthetic")  # synthetic: test_synthetic_acceptance
     assert rule_name_for(SAMPLED, "block") == "block"
     assert rule_name_for(GREEDY, "block") == "greedy"
     assert rule_name_for(SamplingParams(temperature=1e-6), "block") == "greedy"
@@ -163,7 +163,7 @@ def test_in_process_cluster_with_block_rule():
                                                             seed=7),
               SamplingParams(max_tokens=12, temperature=0.8)]
     results = {}
-    for rule in VERIFY_RULES:
+    for rule in ("auto", "block"):
         c = InProcessCluster(model, cfg, num_speculative_tokens=3, num_kv_blocks=128,
                              block_size=4, verify_rule=rule)
         assert c.verifier.verify_step.verify_rule == rule
