@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.coupled_sample import gumbel_sample, seed_to_int64
+from kernels.counter_noise import seed_to_int64
+from kernels.coupled_sample import gumbel_sample
 from kernels.logits_processing import GREEDY_TEMPERATURE_EPS, process_logits
 from protocol.messages import SamplingParams
 
@@ -77,7 +78,7 @@ def processed_probs(logits: torch.Tensor, sampling: Sequence[SamplingParams],
 
 
 def seeds_tensor(sampling: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
-    """int64 ``[B]`` noise keys of seeded requests (kernels.coupled_sample.seed_to_int64).
+    """int64 ``[B]`` noise keys of seeded requests (kernels.counter_noise.seed_to_int64).
 
     Raises:
         ValueError: a request without a seed, or one outside ``[-2**63, 2**64)``.

@@ -23,7 +23,8 @@ from cluster.inprocess import InProcessCluster
 from engine.sampling import processed_probs
 from helpers.models import hf_greedy, tiny_llama
 from helpers.proposers import GarbageProposer
-from kernels.coupled_sample import gumbel_sample_ref, seed_to_int64
+from kernels.counter_noise import seed_to_int64
+from kernels.coupled_sample import gumbel_sample_ref
 from protocol.messages import SamplingParams
 
 _spec = importlib.util.spec_from_file_location(

@@ -1,5 +1,5 @@
-"""Tests of kernels/coupled_sample.py: the counter-based noise (against a pure-python
-splitmix64, its distribution), Gumbel-max sampling and coupled verification (chi-square against
+"""Tests of kernels/coupled_sample.py and kernels/counter_noise.py: the counter-based noise
+(against a pure-python splitmix64, its distribution), Gumbel-max sampling and coupled verification (chi-square against
 the target, output independent of the drafts, speculation on == off in a decode loop), the
 Triton kernels (interpreted, in a subprocess) against the references exactly, and on CUDA."""
 
@@ -15,19 +15,20 @@ import torch
 from _chi2 import chi2_pvalue
 
 from kernels import PLACEHOLDER_TOKEN_ID
+from kernels.counter_noise import coupled_exponential_noise, seed_to_int64
 from kernels.coupled_sample import (
     _kernel_is_interpreted,
-    coupled_exponential_noise,
     coupled_sample,
     coupled_sample_ref,
     gumbel_sample,
     gumbel_sample_ref,
-    seed_to_int64,
 )
 
 cs = importlib.import_module("kernels.coupled_sample")
+cn = importlib.import_module("kernels.counter_noise")
 PH = PLACEHOLDER_TOKEN_ID
 MOD = "kernels.coupled_sample."
+NOISE_MOD = "kernels.counter_noise."
 P_MIN = 1e-3
 M64 = (1 << 64) - 1
 
@@ -83,7 +84,7 @@ def test_log_is_accurate_on_the_whole_unit_interval() -> None:
                                  math.nextafter(1 / math.sqrt(2), 1), 0.25, 1e-300],
                                 dtype=torch.float64)])
     u = u.clamp(min=2.0 ** -53)
-    log = cs._log_unit(u)
+    log = cn._log_unit(u)
     rel = ((log - torch.log(u)).abs() / torch.log(u).abs()).max().item()
     assert rel < 2e-15
 
@@ -419,8 +420,10 @@ BAD_INPUTS = _bad_inputs()
 @pytest.mark.parametrize("case", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
 def test_bad_inputs_raise_value_error(case: tuple[str, list[Any]]) -> None:
     name, args = case
-    fns = [getattr(cs, name)] + ([getattr(cs, name + "_ref")] if name != "coupled_exponential_noise"
-                                 else [])
+    if name == "coupled_exponential_noise":
+        fns = [getattr(cn, name)]
+    else:
+        fns = [getattr(cs, name), getattr(cs, name + "_ref")]
     for fn in fns:
         with pytest.raises(ValueError):
             fn(*args)
@@ -478,9 +481,9 @@ def _interpret_cases() -> dict[str, dict[str, Any]]:
         "kwargs": {}, "disable": [MOD + "gumbel_sample_ref"]}
     cases["gumbel-ties"] = {"func": MOD + "gumbel_sample_triton",  # all zero: the first index
                             "args": [torch.zeros(2, 5000), _t([1, 2]), _t([0, 0])], "kwargs": {}}
-    cases["noise-v49152"] = {"func": MOD + "coupled_exponential_noise_triton",
+    cases["noise-v49152"] = {"func": NOISE_MOD + "coupled_exponential_noise_triton",
                              "args": [seeds[edge], positions[edge], 49152], "kwargs": {}}
-    cases["noise-v3"] = {"func": MOD + "coupled_exponential_noise_triton",
+    cases["noise-v3"] = {"func": NOISE_MOD + "coupled_exponential_noise_triton",
                          "args": [seeds, positions, 3], "kwargs": {}}
     return cases
 
@@ -496,9 +499,9 @@ def interpreted_results(run_interpreted: Any) -> dict[str, dict]:
     cases = [dict(c) for c in INTERPRET_CASES.values()]
     cases.append({"func": MOD + "coupled_sample_triton",  # errors still raised
                   "args": BAD_INPUTS["max-too-small"][1]})
-    cases.append({"func": MOD + "_kernel_is_interpreted", "args": []})
+    cases += [{"func": mod + "_kernel_is_interpreted", "args": []} for mod in (MOD, NOISE_MOD)]
     results = run_interpreted(cases)
-    names = [*INTERPRET_CASES, "error-case", "is-interpreted"]
+    names = [*INTERPRET_CASES, "error-case", "is-interpreted", "noise-is-interpreted"]
     return dict(zip(names, results, strict=True))
 
 
@@ -525,6 +528,7 @@ def test_interpreted_special_cases(interpreted_results: dict) -> None:
 
 def test_interpreted_worker_really_interprets(interpreted_results: dict) -> None:
     assert interpreted_results["is-interpreted"] == {"ok": [True]}
+    assert interpreted_results["noise-is-interpreted"] == {"ok": [True]}
     assert interpreted_results["error-case"]["error"].startswith("ValueError")
 
 
@@ -541,7 +545,7 @@ def test_cuda_kernel_matches_reference() -> None:
     seeds = torch.randint(-(2 ** 63), 2 ** 63 - 1, (64,), generator=gen)
     positions = torch.randint(0, 2 ** 40, (64,), generator=gen)
     for vocab in (49152, 1, 4099):
-        noise = cs.coupled_exponential_noise_triton(seeds.cuda(), positions.cuda(), vocab)
+        noise = cn.coupled_exponential_noise_triton(seeds.cuda(), positions.cuda(), vocab)
         want = coupled_exponential_noise(seeds, positions, vocab)
         assert torch.equal(noise.cpu().view(torch.int64), want.view(torch.int64)), vocab
     for batch, max_drafts in [(1, 1), (7, 5), (64, 8), (3, 0)]:

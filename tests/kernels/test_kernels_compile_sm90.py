@@ -49,7 +49,7 @@ _CASES: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
                           {k: v.format(dt="fp32") for k, v in _REJECTION.items()},
                           {"HAS_DRAFT_PROBS": True, "PLACEHOLDER": -1, "BLOCK": 8,
                            "BLOCK_V": 2048}),
-    "coupled-noise": ("kernels.coupled_sample", "_noise_kernel",
+    "coupled-noise": ("kernels.counter_noise", "_noise_kernel",
                       {"seeds_ptr": "*i64", "positions_ptr": "*i64", "consts_ptr": "*fp64",
                        "out_ptr": "*fp64", "vocab_size": "i32"},
                       {"NUM_COEFFS": 8, "BLOCK_V": 1024}),
