@@ -17,8 +17,9 @@ _EXPORTS: dict[str, str] = {
                     "dtypes"),
     **dict.fromkeys(("buffer_to_tensor", "tensor_to_buffer"), "frames"),
     **dict.fromkeys(("KVCache", "num_blocks_for_memory"), "kv_cache"),
-    **dict.fromkeys(("LoadedModel", "build_model", "cache_root", "load_model", "load_tokenizer",
+    **dict.fromkeys(("LoadedModel", "build_model", "load_model", "load_tokenizer",
                      "model_files", "model_identity_fields"), "loader"),
+    "cache_root": "weights_cache",
     **dict.fromkeys(("AttentionMetadata", "LlamaForCausalLM", "rope_inv_freq"), "model"),
     **dict.fromkeys(("ModelRunner", "SeqChunk"), "runner"),
 }

