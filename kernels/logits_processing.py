@@ -25,9 +25,17 @@ min-p and top-p are both set):
   removed; ``min_p == 0`` disables it;
 - result: the softmax of the remaining logits, float32.
 
-Only a torch reference exists for this op (it runs on any device, CUDA included):
-:func:`process_logits_ref` is the source of truth and :func:`process_logits` the launcher (the
-place a Triton kernel would plug in).
+Entry points, one signature: :func:`process_logits_ref` (plain torch, the source of truth,
+any device), :func:`process_logits_triton` (one program per row: CUDA, or CPU under
+``TRITON_INTERPRET=1``) and :func:`process_logits` (launcher: the kernel on CUDA or under the
+interpreter, else the reference). The kernel finds the top-k threshold exactly (bisection over
+an order-preserving integer image of the float32 logits: the k-th largest value, ties kept) and
+the top-p cut without sorting (bisection for the largest value whose inclusive cumulative mass
+stays within ``1 - top_p``, then the boundary value's ties in index order, as the reference's
+stable ascending sort has them); its sums are tree reductions where the reference's cumulative
+sum is sequential, so a token whose cumulative mass lies within float32 rounding of
+``1 - top_p`` (or of ``min_p * max``) may fall on the other side, and probabilities agree to
+float32 rounding (tests: ``atol`` 1e-6, supports equal on random rows).
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -174,6 +186,130 @@ def process_logits_ref(
     return probs
 
 
+@triton.jit
+def _order_key(x):
+    """float32 -> int32 whose order is the floats' order (-inf lowest)."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _process_logits_kernel(
+    logits_ptr,  # [N, V], any float dtype
+    temperature_ptr,  # float32 [N]
+    top_k_ptr,  # int64 [N] (0: off)
+    top_p_ptr,  # float32 [N] (1: off)
+    min_p_ptr,  # float32 [N] (0: off)
+    out_ptr,  # float32 [N, V]
+    vocab,
+    GREEDY_EPS: tl.constexpr,
+    FLOAT64: tl.constexpr,  # the logits are float64
+    BLOCK_V: tl.constexpr,  # power of two >= vocab
+):
+    """One program per row: temperature, top-k, top-p, min-p, softmax (module docstring)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    valid = cols < vocab
+    raw = tl.load(logits_ptr + row * vocab + cols, mask=valid, other=float("-inf"))
+    t = tl.load(temperature_ptr + row)
+    greedy = t < GREEDY_EPS
+    x = raw.to(tl.float32) / tl.where(greedy, 1.0, t)
+    x = tl.where(valid, x, float("-inf"))
+    lowest = -2147483647 - 1  # below every float's key: lanes past the vocabulary
+    key = tl.where(valid, _order_key(x), lowest).to(tl.int64)
+    k = tl.load(top_k_ptr + row)
+    if (k > 0) & (k < vocab):  # the k-th largest key: the largest c with #(key >= c) >= k
+        lo = tl.min(tl.where(valid, key, 2147483647), axis=0)
+        hi = tl.max(key, axis=0)
+        for _ in range(34):
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum(tl.where(valid & (key >= mid), 1, 0), axis=0) >= k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        kept = key >= lo
+        x = tl.where(kept, x, float("-inf"))
+        key = tl.where(kept, key, lowest)
+    p = tl.load(top_p_ptr + row)
+    if p < 1.0:
+        e = tl.exp(x - tl.max(x, axis=0))
+        probs = e / tl.sum(e, axis=0)
+        limit = 1.0 - p
+        # the largest key c whose inclusive mass stays within the limit: all of it goes
+        lo = tl.min(tl.where(valid, key, 2147483647), axis=0) - 1  # (nothing goes)
+        hi = tl.max(key, axis=0)
+        for _ in range(34):
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum(tl.where(valid & (key <= mid), probs, 0.0), axis=0) <= limit
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        below = tl.sum(tl.where(valid & (key <= lo), probs, 0.0), axis=0)
+        # the next value's ties go in index order while the mass stays within the limit
+        nxt = tl.min(tl.where(valid & (key > lo), key, 2147483647), axis=0)
+        tie = valid & (key == nxt)
+        within = tl.cumsum(tl.where(tie, probs, 0.0), axis=0)
+        remove = valid & ((key <= lo) | (tie & (below + within <= limit)))
+        # the largest token (the last of the largest value's ties) always stays
+        top = tl.max(key, axis=0)
+        last = tl.max(tl.where(valid & (key == top), cols, -1), axis=0)
+        x = tl.where(remove & (cols != last), float("-inf"), x)
+    mp = tl.load(min_p_ptr + row)
+    if mp > 0.0:
+        e = tl.exp(x - tl.max(x, axis=0))
+        probs = e / tl.sum(e, axis=0)
+        x = tl.where(probs < mp * tl.max(probs, axis=0), float("-inf"), x)
+    e = tl.exp(x - tl.max(x, axis=0))
+    out = e / tl.sum(e, axis=0)
+    # greedy rows: one-hot at the raw argmax (first among ties); half-precision logits are
+    # compared in float32 (exact), float64 ones as they are (float32 could merge values)
+    if FLOAT64:
+        best = tl.argmax(raw, axis=0)
+    else:
+        best = tl.argmax(raw.to(tl.float32), axis=0)
+    out = tl.where(greedy, tl.where(cols == best, 1.0, 0.0), out)
+    tl.store(out_ptr + row * vocab + cols, out, mask=valid)
+
+
+def _kernel_is_interpreted() -> bool:
+    """Whether this module's kernel was decorated interpreted (see :mod:`kernels.triton_mode`)."""
+    return is_interpreted(_process_logits_kernel)
+
+
+def process_logits_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`process_logits_ref` computed by the Triton kernel (same arguments and results, to
+    float32 rounding: see the module docstring).
+
+    Raises:
+        ValueError: see :func:`_validate`; or CPU tensors while the kernel is compiled.
+        RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
+            imported.
+    """
+    _validate(logits, temperature, top_k, top_p, min_p)
+    check_runnable(logits.is_cuda, _process_logits_kernel)
+    rows, vocab = logits.shape
+    device = logits.device
+    out = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+    if rows == 0:
+        return out
+    k = torch.zeros(rows, dtype=torch.int64, device=device) if top_k is None else \
+        torch.where((top_k <= 0) | (top_k >= vocab), 0, top_k).to(torch.int64)
+    p = torch.ones(rows, dtype=torch.float32, device=device) if top_p is None else \
+        top_p.to(torch.float32)
+    m = torch.zeros(rows, dtype=torch.float32, device=device) if min_p is None else \
+        min_p.to(torch.float32)
+    _process_logits_kernel[(rows,)](
+        logits.contiguous(), temperature.to(torch.float32).contiguous(), k.contiguous(),
+        p.contiguous(), m.contiguous(), out, vocab, GREEDY_EPS=GREEDY_TEMPERATURE_EPS,
+        FLOAT64=logits.dtype == torch.float64, BLOCK_V=triton.next_power_of_2(vocab),
+        num_warps=8)
+    return out
+
+
 def process_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -181,9 +317,12 @@ def process_logits(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launcher: the torch reference on every device (no Triton kernel yet). Arguments,
-    results and errors as :func:`process_logits_ref`."""
-    return process_logits_ref(logits, temperature, top_k, top_p, min_p)
+    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else the
+    torch reference. Arguments, results and errors as :func:`process_logits_ref`."""
+    on_cuda = isinstance(logits, torch.Tensor) and logits.is_cuda
+    fn = process_logits_triton if on_cuda or interpret_mode() else process_logits_ref
+    return fn(logits, temperature, top_k, top_p, min_p)
 
 
-__all__ = ["GREEDY_TEMPERATURE_EPS", "expand_to_rows", "process_logits", "process_logits_ref"]
+__all__ = ["GREEDY_TEMPERATURE_EPS", "expand_to_rows", "process_logits", "process_logits_ref",
+           "process_logits_triton"]
