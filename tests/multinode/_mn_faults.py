@@ -225,23 +225,45 @@ class Faults:
     # -- scenarios -------------------------------------------------------------------------
 
     def drafter_restart(self) -> dict:
-        s, v, at_kill = self.start_long("restart")
+        """Two more requests of the same prompt run alongside the first (both verifiers busy),
+        so that one is still in flight when Ray has the drafter back even on a fast machine;
+        the first one re-synced on the restarted drafter is followed."""
+        s, _, at_kill = self.start_long("restart")
         killed = at_kill["drafter"]
+        streams = [s, *(Stream(self.url, LONG_PROMPTS["restart"], self.long_max_tokens,
+                               f"fault-restart-{i}").start() for i in (1, 2))]
+        for x in streams:
+            x.first.wait(self.timeout_s)
         old = ray.get(self.handle.actors[killed].info.remote(), timeout=30)
+        kills = {x.request_id: self.view(x.request_id)[1] or {"num_draft_syncs": 0}
+                 for x in streams}
         t_kill = self.kill(killed, restart=True)
-        _, at_resync = self.wait_view(
-            s.request_id, lambda w: w["drafter"] == killed
-            and w["num_draft_syncs"] > at_kill["num_draft_syncs"], self.timeout_s)
+        followed = at_resync = None
+        deadline = time.monotonic() + self.timeout_s
+        while followed is None and time.monotonic() < deadline \
+                and any(x.thread.is_alive() for x in streams):
+            for x in streams:
+                w = self.view(x.request_id)[1]
+                if w is not None and w["drafter"] == killed \
+                        and w["num_draft_syncs"] > kills[x.request_id]["num_draft_syncs"]:
+                    followed, at_resync = x, w
+                    break
+            time.sleep(POLL_S)
         resync_s = time.monotonic() - t_kill
-        _, at_accept = self.wait_view(  # accepted drafts again after the re-sync
-            s.request_id, lambda w: w["num_accepted_tokens"] > at_resync["num_accepted_tokens"],
-            self.timeout_s) if at_resync else (None, None)
-        final = s.result(self.timeout_s)
+        at_accept = None
+        if followed is not None:  # accepted drafts again after the re-sync
+            _, at_accept = self.wait_view(
+                followed.request_id,
+                lambda w: w["num_accepted_tokens"] > at_resync["num_accepted_tokens"],
+                self.timeout_s)
+        finals = [x.result(self.timeout_s) for x in streams]
         new = ray.get(self.handle.actors[killed].info.remote(), timeout=60)
-        return {"killed": killed, "verifier": v, "at_kill": at_kill, "at_resync": at_resync,
-                "at_accept": at_accept, "resync_s": resync_s, "final": final,
-                "old_incarnation": old["incarnation"], "new_incarnation": new["incarnation"],
-                "drafter_stats": self.stats(killed)}
+        followed = followed or s
+        return {"killed": killed, "at_kill": at_kill, "resynced_at_kill": kills[
+                    followed.request_id], "at_resync": at_resync, "at_accept": at_accept,
+                "resync_s": resync_s, "final": finals[streams.index(followed)],
+                "finals": finals, "old_incarnation": old["incarnation"],
+                "new_incarnation": new["incarnation"], "drafter_stats": self.stats(killed)}
 
     def drafter_loss_reopen(self, leave_bound_s: float) -> dict:
         s, v, at_kill = self.start_long("reopen")

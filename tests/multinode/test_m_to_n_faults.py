@@ -82,18 +82,20 @@ def test_a_request_whose_drafter_dies_is_reopened_on_another_drafter(faults):
 
 
 def test_a_drafter_restarted_by_ray_resyncs_the_request_in_flight(faults):
-    """Killed after the first SSE chunk of a long request with accepted drafts: the request
-    completes exactly; Ray restarts the drafter (a new incarnation), the verifier re-opens the
-    request there with DraftSync while it is still running, and it accepts drafts again."""
+    """Killed after the first SSE chunk of a long request with accepted drafts (two more in
+    flight): every request completes exactly; Ray restarts the drafter (a new incarnation), the
+    verifier re-opens the requests there with DraftSync while they run, and they accept drafts
+    again."""
     f, reference = _scenario(faults, "drafter_restart"), faults[1]
-    _exact(f["final"], reference)
-    assert f["final"]["prompt"] == LONG_PROMPTS["restart"]
+    for final in f["finals"]:  # every request in flight completes exactly
+        _exact(final, reference)
+        assert final["prompt"] == LONG_PROMPTS["restart"]
     assert f["at_kill"]["num_accepted_tokens"] > 0 and f["at_kill"]["drafter"] == f["killed"]
     assert f["new_incarnation"] != f["old_incarnation"]
     resync = f["at_resync"]
-    assert resync is not None, "the request was not re-synced on the restarted drafter"
+    assert resync is not None, "no request was re-synced on the restarted drafter in flight"
     assert resync["drafter"] == f["killed"]
-    assert resync["num_draft_syncs"] > f["at_kill"]["num_draft_syncs"]
+    assert resync["num_draft_syncs"] > f["resynced_at_kill"]["num_draft_syncs"]
     assert f["drafter_stats"]["num_syncs"] >= 1  # the new incarnation got the DraftSync
     assert f["at_accept"] is not None  # accepted drafts grew after the re-sync
     assert f["final"]["spec_stats"]["num_accepted_tokens"] > resync["num_accepted_tokens"]
