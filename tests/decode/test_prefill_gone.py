@@ -180,3 +180,19 @@ def test_a_cancel_never_acknowledged_frees_the_blocks_after_the_bound(tiny):
     _pump(c, results, 2)
     assert _kv_empty(c)
     assert c.verifier.kv.stats.num_orphaned == 1
+
+
+def test_a_prefill_worker_whose_connection_dropped_gets_transfers_again_once_back(tiny):
+    """After its connection dropped, a prefill worker gets no new transfer; when it says
+    Hello again (the same process, reconnected) the waiting request is admitted there."""
+    m, cfg, want = tiny
+    c = _cluster(m, cfg, second_prefill=False)
+    c.verifier.peer_disconnected("prefill-0")
+    results = {}
+    _submit(c, "a", PROMPTS[0])
+    _pump(c, results, 2, dead=())
+    assert c.verifier.requests["a"].status.name == "WAITING"  # nowhere to prefill it
+    c.verifier.prefill_back("prefill-0")
+    _pump(c, results, 20, dead=())
+    assert results["a"].tokens == want[0] and results["a"].final.finish_reason == "length"
+    assert _kv_empty(c)
