@@ -1,26 +1,27 @@
 """Fault scenarios of issue 9, run by tests/multinode/_mn_driver.py on its M:N cluster after the
 concurrent requests, in this order (each leaves the cluster as the next one needs it):
 
-1. ``drafter_restart``: a drafter is killed (``ray.kill``, Ray restarts it) after the first SSE
-   chunk of a long request that has accepted drafts and is open on it; the request is re-synced
-   on the restarted incarnation (DraftSync) and accepts drafts again.
-2. ``drafter_loss_reopen``: the drafter holding a long request is killed for good; it leaves the
-   roster and the request is re-opened on the drafter left (DraftSync), where it accepts drafts
-   again (DESIGN.md §4: a request whose drafter dies is re-opened on another drafter).
-3. ``drafter_gone``: the last drafter is killed for good under a long request: it runs on as
+1. ``roles_join``: a prefill worker and a drafter (``prefill-9``, ``drafter-9``) join the
+   running cluster with ``specmesh launch``, enter the roster and get work (of 8 requests sent
+   at once, some are prefilled and drafted there).
+2. ``drafter_loss_reopen``: the drafter holding a long request (one of drafter-0, drafter-9) is
+   killed for good; the verifier loses its connection and re-opens the request on the drafter
+   left (DraftSync), where it accepts drafts again (DESIGN.md §4: a request whose drafter dies
+   is re-opened on another drafter); the health check deregisters the dead one.
+3. ``drafter_restart``: the last drafter is killed (``ray.kill``, Ray restarts it) after the
+   first SSE chunk of a long request that has accepted drafts (two more in flight); a request
+   is re-synced on the restarted incarnation (DraftSync) and accepts drafts again.
+4. ``drafter_gone``: the last drafter is killed for good under a long request: it runs on as
    plain decode and its verifier stops waiting for tails (the waits counted per step fall to
    zero).
-4. ``verifier_killed``: with a long request on each verifier, verifier-1 is killed for good; its
-   request fails with an error within 10 s, the other one completes, new requests succeed on
+5. ``verifier_killed``: with a long request on each verifier, verifier-1 is killed for good; its
+   request fails with an error within 10 s, the other one completes, a new request succeeds on
    verifier-0.
-5. ``prefill_killed``: with the prefill workers' KV send capped (``max_kv_send_mb_s``), a long
+6. ``prefill_killed``: with the prefill workers' KV send capped (``max_kv_send_mb_s``), a long
    prompt's transfer is under way when its prefill worker is killed for good: the transfer is
-   re-issued on the other worker and the request completes; then the last prefill worker is
-   killed mid-transfer: the request fails with an error within 60 s and the verifier's KV
-   usage returns to zero.
-6. ``roles_join``: a prefill worker and a drafter join the running cluster with ``specmesh
-   launch``, enter the roster and get work (the next request is prefilled there and accepts
-   drafts).
+   re-issued on another worker and the request completes; then, the other workers killed idle,
+   the last one is killed mid-transfer: the request fails with an error within 60 s and the
+   verifiers' KV usage returns to zero.
 
 Every request asks for ``return_token_ids``; the test compares ids with plain greedy decode.
 Each function returns a JSON-able dict for the test to check.
