@@ -14,8 +14,10 @@ import logging
 import time
 
 from decode.config import VerifierConfig
+from decode.drafter_loss import DrafterLoss
 from decode.kv_receiver import KVReceiver
 from decode.lifecycle import RequestLifecycle
+from decode.prefill_loss import PrefillLoss
 from decode.request import Request, RequestStatus
 from decode.scheduler import BlockAllocator, Scheduler
 from decode.stats import VerifierStats
@@ -42,12 +44,7 @@ from protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
 
-#: How many times a request's KV transfer is re-issued on another prefill worker when its
-#: prefill worker goes away (then the request fails with a clear error).
-MAX_PREFILL_RETRIES = 1
-
-
-class VerifierWorker(MailboxWorker):
+class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
     """Plain-class verifier; ``prefill_peers`` / ``drafter_peers`` come from the roster."""
 
     name = "verifier"
@@ -114,22 +111,6 @@ class VerifierWorker(MailboxWorker):
         for peer in set(self.unreachable_prefill) - set(prefill_peers):
             del self.unreachable_prefill[peer]
 
-    def prefill_gone(self, peer: str, reason: str) -> None:
-        """``peer`` can send no more frames for the transfers it holds now (deregistered,
-        restarted as a new incarnation, unreachable). Once the frames already received are
-        handled (after the next ingest), each of them ends: a cancelled one frees its blocks
-        (no acknowledgement will come), a running one is re-issued once on another prefill
-        worker, or its request fails with ``reason``. Transfers started later are not
-        touched (they went to the peer's new incarnation)."""
-        for t in self.kv.transfers.values():
-            if t.prefill_peer == peer:
-                self._orphans.setdefault(t.transfer_id, reason)
-
-    def prefill_restarted(self, peer: str) -> None:
-        """``peer`` (a prefill worker) answered as a new incarnation: what it held is lost."""
-        self.unreachable_prefill.pop(peer, None)
-        self.prefill_gone(peer, f"prefill worker {peer} restarted")
-
     def on_send_failed(self, peer: str, err: ConnectionError) -> None:
         """A send to ``peer`` failed (it refused our Hello, or there is no channel to it): a
         prefill worker gets no new transfer until the roster changes and its transfers end
@@ -144,40 +125,6 @@ class VerifierWorker(MailboxWorker):
             self.stats.num_drafters_lost += 1
             self._drafter_owes.pop(peer, None)
             self.lifecycle.lose_drafter(peer)
-
-    def _end_orphans(self) -> None:
-        orphans, self._orphans = self._orphans, {}
-        for tid, reason in orphans.items():
-            t = self.kv.transfers.pop(tid, None)
-            if t is None:  # completed or acknowledged meanwhile
-                continue
-            self.kv.stats.num_orphaned += 1
-            req = self.requests.get(t.request_id)
-            if req is None or req.transfer_id != tid:
-                continue
-            if req.status is RequestStatus.CANCELLING:
-                self.lifecycle.release(req)
-            elif req.status is RequestStatus.PREFILLING and not self._retry_prefill(req, reason):
-                self.lifecycle.finish(req, FinishReason.ERROR, f"KV transfer failed: {reason}")
-
-    def _retry_prefill(self, req: Request, reason: str) -> bool:
-        """Re-issue ``req``'s transfer on another reachable prefill worker (at most
-        MAX_PREFILL_RETRIES times); False when there is none."""
-        others = [p for p in self._reachable_prefill() if p != req.prefill_peer]
-        if req.prefill_retries >= MAX_PREFILL_RETRIES or not others:
-            return False
-        req.prefill_retries += 1
-        req.prefill_peer = min(others, key=self._prefill_load)
-        log.warning("request %s: %s; KV transfer retried on %s", req.request_id, reason,
-                    req.prefill_peer)
-        self._start_transfer(req)
-        return True
-
-    def _reachable_prefill(self) -> list[str]:
-        return [p for p in self.prefill_peers if p not in self.unreachable_prefill]
-
-    def _prefill_load(self, peer: str) -> int:
-        return sum(t.prefill_peer == peer for t in self.kv.transfers.values())
 
     def peer_disconnected(self, peer: str) -> None:
         """The transport's connection to ``peer`` dropped (closed, reset, heartbeat timeout;
@@ -196,40 +143,6 @@ class VerifierWorker(MailboxWorker):
         elif peer in self.lifecycle.drafter_peers:
             self._drafters_down.setdefault(peer, time.monotonic())
 
-    def prefill_back(self, peer: str) -> None:
-        """Prefill worker ``peer`` acknowledged our Hello (again): it may get transfers."""
-        if self.unreachable_prefill.get(peer, "").startswith("lost the connection"):
-            del self.unreachable_prefill[peer]
-
-    def drafter_back(self, peer: str) -> None:
-        """Drafter ``peer`` acknowledged our Hello again as the same incarnation."""
-        self._drafters_down.pop(peer, None)
-        if peer in self.lifecycle.lost_drafters:
-            self.lifecycle.restore_drafter(peer)
-
-    def _check_drafters_down(self) -> None:
-        if not self._drafters_down:
-            return
-        bound = time.monotonic() - self.config.drafter_lost_grace_s
-        for peer, since in list(self._drafters_down.items()):
-            if since <= bound:
-                del self._drafters_down[peer]
-                log.warning("drafter %s: connection lost for %.1f s; its requests move on",
-                            peer, self.config.drafter_lost_grace_s)
-                self.stats.num_drafters_lost += 1
-                self._drafter_owes.pop(peer, None)
-                self.lifecycle.lose_drafter(peer)
-
-    def resync_drafter(self, peer: str) -> None:
-        """``peer`` restarted (new incarnation): re-open its requests with DraftSync (those
-        that lost it to a failed send too)."""
-        self._drafter_owes.pop(peer, None)
-        self._drafters_down.pop(peer, None)
-        for req in list(self.requests.values()):
-            if req.drafter == peer and req.status is RequestStatus.RUNNING:
-                self.lifecycle.sync_draft(req)
-        self.lifecycle.restore_drafter(peer)
-
     def send(self, peer: str | None, msg: object) -> bool:
         """Send (never blocks: a peer that is not draining fails the send, see
         :meth:`on_send_failed`); a DraftSync or VerifyCommit that left makes its drafter owe
@@ -238,17 +151,6 @@ class VerifierWorker(MailboxWorker):
         if ok and isinstance(msg, (DraftSync, VerifyCommit)):
             self._drafter_owes.setdefault(peer, time.monotonic())
         return ok
-
-    def silent_drafters(self) -> set[str]:
-        """Drafters that owe an answer for longer than ``drafter_silence_s``: treated as
-        gone for the tail wait until they are heard from."""
-        bound = time.monotonic() - self.config.drafter_silence_s
-        return {p for p, since in self._drafter_owes.items() if since < bound}
-
-    def _heard_from_drafter(self, peer: str) -> None:
-        self._drafter_owes.pop(peer, None)
-        if peer in self.lifecycle.lost_drafters:  # draining again: re-sync its requests
-            self.lifecycle.restore_drafter(peer)
 
     @property
     def num_speculative_tokens(self) -> int:
