@@ -1,7 +1,7 @@
 """A request's draft token tree on the verifier (tree verification, SpecInfer arXiv
 2305.09781): a trie of draft tokens hanging below the last committed token, with nodes
 numbered so that a parent comes before its children (``parents[j] < j``, -1 = the root), the
-numbering of DraftTailStream.parents, engine/token_tree.py and kernels/tree_verify.py.
+numbering of DraftTailStream.parents, engine/token_tree.py and kernels/tree_layout.py.
 
 Siblings never share a token (a trie), so a verified path is unambiguous. Pure Python (the
 scheduler imports no torch; engine/token_tree.py has the forward's side of trees).

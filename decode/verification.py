@@ -189,7 +189,7 @@ class CoupledRule(VerificationRule):
 class TreeRule(VerificationRule):
     """Tree verification (SpecInfer, arXiv 2305.09781) over the token tree of each request
     (``RuleBatch.parents``), by sampling mode: greedy requests walk the tree along the target's
-    argmax rows (``kernels.tree_verify.tree_walk``: from the root, the first child whose token
+    argmax rows (``kernels.tree_walk``: from the root, the first child whose token
     equals the current row's target token); seeded requests walk it along the coupled rule's
     token of every row, the Gumbel-max sample keyed by (seed, committed_len + depth), so their
     output is the one plain decode samples whatever the tree held; unseeded sampled requests
