@@ -28,7 +28,7 @@ min-p and top-p are both set):
 Entry points, one signature: :func:`process_logits_ref` (plain torch, the source of truth,
 any device), :func:`process_logits_triton` (one program per row: CUDA, or CPU under
 ``TRITON_INTERPRET=1``) and :func:`process_logits` (launcher: the kernel on CUDA or under the
-interpreter, else the reference). The kernel finds the top-k threshold exactly (bisection over
+interpreter for vocabularies up to :data:`MAX_KERNEL_VOCAB`, else the reference). The kernel finds the top-k threshold exactly (bisection over
 an order-preserving integer image of the float32 logits: the k-th largest value, ties kept) and
 the top-p cut without sorting (bisection for the largest value whose inclusive cumulative mass
 stays within ``1 - top_p``, then the boundary value's ties in index order, as the reference's
@@ -50,6 +50,12 @@ from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE_EPS = 1e-5
+#: Largest vocabulary the launcher gives the kernel: it holds a whole row in one program
+#: (BLOCK_V = next power of two): compiling a 65,536-wide block for sm_90 took minutes per
+#: dtype on the 2-core CPU machine (float32 finished; float64 had not when a 15-minute limit
+#: ran out), a 4,096-wide one 2 s. Larger vocabularies (SmolLM2's 49,152) take the torch
+#: reference on every device until the kernel walks a row in chunks.
+MAX_KERNEL_VOCAB = 8192
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -317,12 +323,15 @@ def process_logits(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else the
-    torch reference. Arguments, results and errors as :func:`process_logits_ref`."""
+    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``) for
+    vocabularies up to :data:`MAX_KERNEL_VOCAB`, else the torch reference. Arguments, results
+    and errors as :func:`process_logits_ref`."""
     on_cuda = isinstance(logits, torch.Tensor) and logits.is_cuda
-    fn = process_logits_triton if on_cuda or interpret_mode() else process_logits_ref
+    fits = isinstance(logits, torch.Tensor) and logits.dim() == 2 \
+        and logits.shape[1] <= MAX_KERNEL_VOCAB
+    fn = process_logits_triton if (on_cuda or interpret_mode()) and fits else process_logits_ref
     return fn(logits, temperature, top_k, top_p, min_p)
 
 
-__all__ = ["GREEDY_TEMPERATURE_EPS", "expand_to_rows", "process_logits", "process_logits_ref",
+__all__ = ["GREEDY_TEMPERATURE_EPS", "MAX_KERNEL_VOCAB", "expand_to_rows", "process_logits", "process_logits_ref",
            "process_logits_triton"]

@@ -2,7 +2,8 @@
 the torch reference: random mixed batches on odd shapes and a 49,152-token vocabulary (every
 option on and off per row, float32 / float64 / bfloat16 logits), top-k ties, top-p boundaries
 inside a run of equal values, -inf logits, greedy rows (float64 ties float32 would merge), and
-the launcher taking the kernel path; on CUDA the same comparisons. Supports (which tokens
+the launcher taking the kernel path (up to MAX_KERNEL_VOCAB; the reference past it); on
+CUDA the same comparisons. Supports (which tokens
 survive) are equal; probabilities agree to float32 rounding (module docstring)."""
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def _cases() -> dict[str, dict[str, Any]]:
         cases[name] = {"func": MOD + "process_logits_triton", "args": args}
     cases["launcher"] = {"func": MOD + "process_logits", "args": _random_case(4, 257, 9),
                          "disable": [MOD + "process_logits_ref"]}
+    # past MAX_KERNEL_VOCAB the launcher keeps the reference (the kernel is disabled)
+    cases["launcher-large-vocab"] = {"func": MOD + "process_logits",
+                                     "args": _random_case(2, 8193, 10),
+                                     "disable": [MOD + "process_logits_triton"]}
     return cases
 
 
@@ -102,8 +107,8 @@ def test_hand_cases_are_what_the_reference_says(interpreted: dict) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernel_matches_reference() -> None:
-    for args in [_random_case(64, 49152, 1), _random_case(7, 1271, 2),
-                 _random_case(16, 49152, 3, torch.bfloat16), *_hand_cases().values()]:
+    for args in [_random_case(64, 8192, 1), _random_case(7, 1271, 2),
+                 _random_case(16, 4099, 3, torch.bfloat16), *_hand_cases().values()]:
         cuda = [a.cuda() if a is not None else None for a in args]
         out = process_logits(*cuda)
         assert out.is_cuda
