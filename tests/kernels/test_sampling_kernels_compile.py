@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from kernels import logits_processing, synthetic_accept  # noqa: E402
+from kernels import logits_processing, synthetic_accept
 
 _LOGITS = {"temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
            "min_p_ptr": "*fp32", "out_ptr": "*fp32", "vocab": "i32"}
