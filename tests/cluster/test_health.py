@@ -16,6 +16,7 @@ from cluster.health import HealthMonitor
 from cluster.hosts.base import RoleHost, watch_model
 from cluster.hosts.drafter import _watch_models
 from cluster.hosts.gateway import least_loaded_verifier
+from helpers.hosts import BareRoleHost
 
 
 class Clock:
@@ -220,16 +221,8 @@ class _Worker:
         time.sleep(min(timeout_s, INTERVAL_S / 5))
 
 
-class _BareHost(RoleHost):
-    """A RoleHost built without __init__ (no mailbox, no model): its loop and heartbeat
-    threads only."""
-
-    def build_worker(self):  # noqa: ANN201
-        return None
-
-
 def _role_host(iid: str, incarnation: int) -> RoleHost:
-    host = object.__new__(_BareHost)  # the loop and heartbeat threads only
+    host = object.__new__(BareRoleHost)  # the loop and heartbeat threads only
     host.instance_id, host.incarnation = iid, incarnation
     host.loop_turns, host._error = 0, ""
     host._beating, host._stop = threading.Event(), threading.Event()
@@ -312,7 +305,7 @@ def test_a_long_forward_counts_as_progress_a_stuck_loop_does_not():
     CPU is not a hang); nothing else does."""
     import torch
 
-    host = object.__new__(_BareHost)
+    host = object.__new__(BareRoleHost)
     host.loop_turns = 0
     model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)]))
     watch_model(model)

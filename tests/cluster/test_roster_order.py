@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from cluster.controller import Controller
-from cluster.hosts.base import RoleHost
+from helpers.hosts import BareRoleHost
 
 
 class _InlineMailbox:
@@ -16,7 +16,7 @@ class _InlineMailbox:
 
 
 def _host():
-    host = object.__new__(RoleHost)  # only the roster plumbing, no sockets or model
+    host = object.__new__(BareRoleHost)  # only the roster plumbing, no sockets or model
     host.num_calls = 0
     host.mailbox = _InlineMailbox()
     host._roster_version = None
