@@ -67,11 +67,46 @@ def _heartbeats(host) -> None:
     host.start_heartbeat(send, HEARTBEAT_INTERVAL_S)
 
 
+class ActorProbes:
+    """Asks Ray whether the actors of silent roles (Controller.silent_roles: 3 heartbeats
+    missed) still exist, with a ``health`` call each that is read when it completes, never
+    waited for: an actor that died is deregistered at once (Controller.actor_gone); one that
+    answers, is restarting or is unreachable for now is left to its heartbeats (dead after
+    MAX_MISSED_BEATS)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, tuple[int | None, object]] = {}  # iid -> (incarnation, ref)
+
+    def run(self, controller: Controller) -> None:
+        silent = controller.silent_roles()
+        for iid in set(self.pending) - set(silent):
+            del self.pending[iid]
+        for iid, (handle, incarnation) in silent.items():
+            if handle is not None and iid not in self.pending:
+                self.pending[iid] = (incarnation, handle.health.remote())
+        if not self.pending:
+            return
+        refs = [ref for _, ref in self.pending.values()]
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for iid, (incarnation, ref) in list(self.pending.items()):
+            if ref not in done:
+                continue
+            del self.pending[iid]
+            try:
+                ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                continue  # unreachable for now, not known dead: its heartbeats decide
+            except ray.exceptions.RayActorError as err:
+                controller.actor_gone(iid, incarnation, type(err).__name__)
+
+
 class ControllerActor(Controller):
-    """The controller with its health check running every heartbeat interval in a thread."""
+    """The controller with its health check (and the probes of silent roles' actors) running
+    every heartbeat interval in a thread."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._probes = ActorProbes()
         self._checker = threading.Thread(target=self._check_loop, name="health-check",
                                          daemon=True)
         self._checker.start()
@@ -80,6 +115,7 @@ class ControllerActor(Controller):
         while True:
             time.sleep(self.health.interval_s)
             try:
+                self._probes.run(self)
                 self.check_health()
             except Exception:  # noqa: BLE001 - the checker must survive anything
                 logging.getLogger(__name__).exception("health check failed")

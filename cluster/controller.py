@@ -6,9 +6,10 @@ Plain class; cluster/actors.py makes it the named Ray actor ``specmesh-controlle
 themselves (and again after a restart, with a new incarnation, which replaces the old entry);
 every change is pushed to all roles with their ``update_roster`` method. Each role sends a
 heartbeat about once a second (:meth:`Controller.heartbeat`); a role that is dead (no
-heartbeat for MAX_MISSED_BEATS intervals) or hung (heartbeats, but its loop counter stands
-still for HUNG_AFTER_S) is deregistered and the new roster pushed to its peers
-(cluster/health.py). Never on the per-token path.
+heartbeat for SUSPECT_MISSED_BEATS intervals and Ray says its actor is gone, see
+:meth:`silent_roles` and :meth:`actor_gone`; or no heartbeat for MAX_MISSED_BEATS intervals) or
+hung (heartbeats, but its loop counter stands still for HUNG_AFTER_S) is deregistered and the
+new roster pushed to its peers (cluster/health.py). Never on the per-token path.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from cluster.health import HEARTBEAT_INTERVAL_S, HUNG_AFTER_S, MAX_MISSED_BEATS, HealthMonitor
+from cluster.health import (
+    HEARTBEAT_INTERVAL_S,
+    HUNG_AFTER_S,
+    MAX_MISSED_BEATS,
+    SUSPECT_MISSED_BEATS,
+    HealthMonitor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +145,34 @@ class Controller:
                 self.num_deregistered += 1
                 out[iid] = reason
             return out
+
+    def silent_roles(self, missed: int = SUSPECT_MISSED_BEATS,
+                     ) -> dict[str, tuple[object, int | None]]:
+        """Roles in the roster whose heartbeats stopped ``missed`` intervals ago or more:
+        instance id -> (actor handle, incarnation). The Ray edge asks Ray whether their actors
+        still exist (:meth:`actor_gone`); a live one stays until MAX_MISSED_BEATS."""
+        with self._lock:
+            bound = missed * self.health.interval_s
+            return {iid: (self.handles.get(iid), entry.get("incarnation"))
+                    for iid, entry in self.roster.items()
+                    if self.health.silent_s(iid) >= bound}
+
+    def actor_gone(self, instance_id: str, incarnation: int | None, why: str) -> bool:
+        """Ray says the actor of ``instance_id`` (this incarnation) no longer exists: deregister
+        it now and push the roster (a restarted one registers anew). False when that
+        incarnation is not in the roster (replaced or removed meanwhile)."""
+        with self._lock:
+            entry = self.roster.get(instance_id)
+            if entry is None or entry.get("incarnation") != incarnation:
+                return False
+            silent = self.health.silent_s(instance_id)
+            reason = f"no heartbeat for {silent:.1f} s and its actor is gone ({why}): dead"
+            log.warning("deregistering %s %s (incarnation %s): %s", entry["role"], instance_id,
+                        incarnation, reason)
+            self.dismissed.add((instance_id, incarnation))
+            self._remove(instance_id)
+            self.num_deregistered += 1
+            return True
 
     def _readmit(self, iid: str) -> None:
         gone = self.removed.pop(iid)

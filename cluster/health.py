@@ -25,9 +25,13 @@ from dataclasses import dataclass
 
 #: Seconds between two heartbeats of a role (and between two health checks).
 HEARTBEAT_INTERVAL_S = 1.0
-#: A role that misses this many heartbeats is deregistered as dead. (3 was too few here: on a
-#: loaded 2-core machine a live prefill's heartbeats over Ray were 3.4 s apart during a bench
-#: run, and deregistering a live role fails its requests.)
+#: A role that misses this many heartbeats is suspect: the controller asks Ray whether its actor
+#: still exists, and deregisters it at once when it does not (DESIGN.md §8: dead after 3).
+SUSPECT_MISSED_BEATS = 3
+#: A role that misses this many heartbeats is deregistered as dead even while its actor exists
+#: (cut off, or too starved to answer). Not 3: on a loaded 2-core machine a live prefill's
+#: heartbeats over Ray were 3.4 s apart during a bench run, and deregistering a live role fails
+#: its requests.
 MAX_MISSED_BEATS = 10
 #: A role whose loop counter stands still this long (s) while it still sends heartbeats is
 #: deregistered as hung. Generous: one step may legitimately take seconds on a CPU (a long
@@ -77,6 +81,11 @@ class HealthMonitor:
         registering counts as its first heartbeat and as progress."""
         now = self.clock()
         self.roles[instance_id] = RoleHealth(incarnation, now, None, now)
+
+    def silent_s(self, instance_id: str) -> float:
+        """Seconds since the last heartbeat of ``instance_id`` (0 when not watched)."""
+        h = self.roles.get(instance_id)
+        return 0.0 if h is None else self.clock() - h.last_beat_at
 
     def forget(self, instance_id: str) -> None:
         self.roles.pop(instance_id, None)

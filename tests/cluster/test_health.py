@@ -348,3 +348,37 @@ def test_gateway_health_turns_503_when_the_only_prefill_worker_is_deregistered(m
     assert gw.not_ready_reason() == "no prefill worker in the roster"
     c.register(_info("prefill-0", "prefill", incarnation=2), peers["prefill-0"])
     assert gw.not_ready_reason() == ""
+
+
+def test_a_silent_role_whose_actor_is_gone_leaves_after_three_missed_beats(mesh):
+    """DESIGN.md §8: dead after 3 missed heartbeats when Ray says the actor is gone (the Ray
+    edge's ActorProbes asks it about every role in silent_roles); a silent role whose actor
+    still answers stays until MAX_MISSED_BEATS; a report for another incarnation is ignored."""
+    from cluster.health import MAX_MISSED_BEATS
+
+    clock = Clock()
+    c = Controller(clock=clock)  # the defaults: dead after 10 missed unless Ray confirms
+    peers = {iid: Peer() for iid in ("prefill-0", "drafter-0")}
+    for iid, peer in peers.items():
+        c.register(_info(iid, iid.split("-")[0]), peer)
+    progress = {"prefill-0": 0, "drafter-0": 0}
+    _tick(c, clock, progress, 2, skip=("drafter-0",))
+    assert c.silent_roles() == {}  # 2 missed: not suspect yet
+    _tick(c, clock, progress, 1, skip=("drafter-0",))
+    assert set(c.silent_roles()) == {"drafter-0"}
+    handle, incarnation = c.silent_roles()["drafter-0"]
+    assert handle is peers["drafter-0"] and incarnation == 1
+    _tick(c, clock, progress, 3, skip=("drafter-0",))
+    assert len(c.get_roster()) == 2  # its actor may be alive (a starved role): not dead yet
+    assert not c.actor_gone("drafter-0", 2, "ActorDiedError")  # another incarnation's news
+    assert c.actor_gone("drafter-0", 1, "ActorDiedError")
+    assert [r["instance_id"] for r in c.get_roster()] == ["prefill-0"]
+    assert peers["prefill-0"].last == ["prefill-0"]  # its peers get the new roster
+    assert c.num_deregistered == 1 and not c.actor_gone("drafter-0", 1, "again")
+    # a dead actor does not come back as the same incarnation: not asked to register again
+    assert _beat(c, "drafter-0", 99)["register"] is False
+    # while a silent role whose actor lives is dead only after MAX_MISSED_BEATS
+    _tick(c, clock, progress, MAX_MISSED_BEATS - 1, skip=("prefill-0",))
+    assert len(c.get_roster()) == 1
+    _tick(c, clock, progress, 1, skip=("prefill-0",))
+    assert c.get_roster() == []
