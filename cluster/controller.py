@@ -47,6 +47,9 @@ class Controller:
         #: deregistered as unhealthy (instance id -> entry, handle, why): re-admitted when its
         #: heartbeats show its loop turning again, replaced when it registers anew
         self.removed: dict[str, dict] = {}
+        #: deregistered because Ray said the actor is gone (instance id -> why); reported with
+        #: ``removed`` by :meth:`health_report`, never re-admitted (a restart registers anew)
+        self.gone: dict[str, str] = {}
         #: (instance id, incarnation) deregistered on purpose: not asked to register again
         self.dismissed: set[tuple[str, int | None]] = set()
         #: instance id -> the load its last heartbeat reported (verifier: KV room, queue)
@@ -67,6 +70,7 @@ class Controller:
             if handle is not None:
                 self.handles[iid] = handle
             self.removed.pop(iid, None)
+            self.gone.pop(iid, None)
             self.dismissed.discard((iid, info.get("incarnation")))
             self.health.watch(iid, info.get("incarnation"))
             self.version += 1
@@ -170,7 +174,9 @@ class Controller:
             log.warning("deregistering %s %s (incarnation %s): %s", entry["role"], instance_id,
                         incarnation, reason)
             self.dismissed.add((instance_id, incarnation))
+            self.removed.pop(instance_id, None)
             self._remove(instance_id)
+            self.gone[instance_id] = reason
             self.num_deregistered += 1
             return True
 
@@ -192,7 +198,8 @@ class Controller:
                            "num_beats": h.num_beats if (h := self.health.roles.get(iid))
                            else 0} for iid in self.roster}
             last = self._last_check_at
-            return {"roles": roles, "removed": {i: g["reason"] for i, g in self.removed.items()},
+            removed = {**self.gone, **{i: g["reason"] for i, g in self.removed.items()}}
+            return {"roles": roles, "removed": removed,
                     "num_deregistered": self.num_deregistered, "version": self.version,
                     "num_checks": self.num_checks,
                     "last_check_age_s": None if last is None else self.health.clock() - last}

@@ -375,6 +375,8 @@ def test_a_silent_role_whose_actor_is_gone_leaves_after_three_missed_beats(mesh)
     assert [r["instance_id"] for r in c.get_roster()] == ["prefill-0"]
     assert peers["prefill-0"].last == ["prefill-0"]  # its peers get the new roster
     assert c.num_deregistered == 1 and not c.actor_gone("drafter-0", 1, "again")
+    assert "actor is gone" in c.health_report()["removed"]["drafter-0"]
+    assert "dead" in c.health_report()["removed"]["drafter-0"]
     # a dead actor does not come back as the same incarnation: not asked to register again
     assert _beat(c, "drafter-0", 99)["register"] is False
     # while a silent role whose actor lives is dead only after MAX_MISSED_BEATS
