@@ -45,8 +45,13 @@ LONG_PROMPTS = {"restart": "Long 0: tell me about rivers.", "reopen": "Long 1: t
                 "gone": "Long 2: mountains and valleys.", "verifier_a": "Long 3: a story.",
                 "verifier_b": "Long 4: another story.", "after_verifier": "Short 5: colors."}
 #: requests sent at once after roles joined (as many as the prefill workers of both verifiers)
-JOIN_PROMPTS = [f"Short 6.{i}: numbers and {t}." for i, t in enumerate(
-    ["cats", "dogs", "owls", "bees", "ants", "elks", "yaks", "emus"])]
+#: prompts whose plain greedy output (the tiny model, 24 tokens) gives the n-gram drafter a
+#: match at 2-8 steps each, so whichever requests the joined drafter gets, it drafts (5 of the
+#: 8 earlier ones never matched, and the join test failed when those went to drafter-9)
+JOIN_PROMPTS = [f"Short 6.{i}: numbers and {t}." for i, t in
+                [(1, "dogs"), (2, "owls"), (5, "elks"), (8, "rats"), (15, "seals"), (16, "crabs")]
+                ] + [f"Short 6.{i}: count {t} {t} {t} {t}, {t} {t} {t} {t}." for i, t in
+                     [(2, "owls"), (6, "yaks")]]
 JOIN_MAX_TOKENS = 24
 AFTER_VERIFIER_MAX_TOKENS = 16
 PREFILL_MAX_TOKENS = 8
