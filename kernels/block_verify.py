@@ -63,6 +63,7 @@ import triton.language as tl
 from kernels.constants import PLACEHOLDER_TOKEN_ID
 from kernels.race import running_argmax
 from kernels.ragged import num_drafts as _num_drafts
+from kernels.ragged import request_span
 from kernels.rejection_sample import _validate, rejection_sample_noise
 from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
@@ -232,10 +233,7 @@ def _block_verify_kernel(
     vocabulary per inner position (``S_i``), the last passing position, then one pass for the
     recovered or bonus token (running first-index argmax, float64)."""
     req = tl.program_id(0).to(tl.int64)
-    draft_end = tl.load(cu_ptr + req).to(tl.int64)
-    prev_end = tl.load(cu_ptr + tl.maximum(req - 1, 0)).to(tl.int64)
-    draft_start = tl.where(req > 0, prev_end, 0)
-    num_drafts = draft_end - draft_start
+    draft_start, num_drafts = request_span(cu_ptr, req)
 
     p = tl.full([], 1.0, tl.float64)  # p_j before draft x_j
     tau = tl.zeros([], tl.int64)

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
-from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
-from kernels.ragged import CU_DTYPES, resolve_max_num_draft_tokens
+from kernels.ragged import CU_DTYPES, request_span, resolve_max_num_draft_tokens
 from kernels.ragged import num_drafts as _num_drafts
+from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 _CU_DTYPES = CU_DTYPES
 
@@ -135,10 +135,7 @@ def _greedy_verify_kernel(
 ):
     """One program per request: load its drafts and targets, find the first mismatch."""
     req = tl.program_id(0).to(tl.int64)
-    draft_end = tl.load(cu_ptr + req).to(tl.int64)
-    prev_end = tl.load(cu_ptr + tl.maximum(req - 1, 0)).to(tl.int64)
-    draft_start = tl.where(req > 0, prev_end, 0)
-    num_drafts = draft_end - draft_start
+    draft_start, num_drafts = request_span(cu_ptr, req)
 
     pos = tl.arange(0, BLOCK)
     is_draft = pos < num_drafts

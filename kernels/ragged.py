@@ -1,11 +1,14 @@
 """The ragged draft layout every verification op shares: request ``b`` has
 ``k_b = cu[b] - cu[b-1]`` drafts (``cu`` = ``cu_num_draft_tokens``, an inclusive cumsum,
 ``cu[-1]`` read as 0) and ``k_b + 1`` target rows; its output row is ``max_k + 1`` wide.
-The checks here are the ones greedy, rejection and coupled verification make alike."""
+The checks here are the ones greedy, rejection and coupled verification make alike, and
+:func:`request_span` is how every Triton kernel finds its request's drafts."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 #: dtypes of ``cu_num_draft_tokens``.
 CU_DTYPES = (torch.int32, torch.int64)
@@ -54,3 +57,13 @@ def resolve_max_num_draft_tokens(
         raise ValueError(f"a request has {max(counts)} drafts > max_num_draft_tokens="
                          f"{max_num_draft_tokens}")
     return max_num_draft_tokens, counts
+
+
+@triton.jit
+def request_span(cu_ptr, req):
+    """``(start, count)`` of request ``req``'s drafts (tree nodes) in the ragged layout, int64
+    scalars, read from the inclusive cumsum at ``cu_ptr`` (int32 or int64)."""
+    end = tl.load(cu_ptr + req).to(tl.int64)
+    prev_end = tl.load(cu_ptr + tl.maximum(req - 1, 0)).to(tl.int64)
+    start = tl.where(req > 0, prev_end, 0)
+    return start, end - start

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
-from kernels.ragged import CU_DTYPES, resolve_max_num_draft_tokens
+from kernels.ragged import CU_DTYPES, request_span, resolve_max_num_draft_tokens
 from kernels.ragged import num_drafts as _num_drafts
 from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
@@ -143,10 +143,7 @@ def _synthetic_accept_kernel(
 ):
     """One program per request: the first draft whose uniform sample misses its rate."""
     req = tl.program_id(0).to(tl.int64)
-    draft_end = tl.load(cu_ptr + req).to(tl.int64)
-    prev_end = tl.load(cu_ptr + tl.maximum(req - 1, 0)).to(tl.int64)
-    draft_start = tl.where(req > 0, prev_end, 0)
-    num_drafts = draft_end - draft_start
+    draft_start, num_drafts = request_span(cu_ptr, req)
     pos = tl.arange(0, BLOCK)
     is_draft = pos < num_drafts
     drafts = tl.load(draft_ptr + draft_start + pos, mask=is_draft, other=PLACEHOLDER)

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from kernels.constants import PLACEHOLDER_TOKEN_ID
 from kernels.ragged import num_drafts as _num_drafts
+from kernels.ragged import request_span  # re-exported for the tree kernels
 from kernels.triton_mode import interpret_mode
 
 TreeResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -163,15 +164,6 @@ class Walk:
 # --------------------------------------------------------------------------------------------
 # Kernels: a request's span, its result
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def request_span(cu_ptr, req):
-    """``(start, count)`` of request ``req``'s nodes (int64 scalars)."""
-    end = tl.load(cu_ptr + req).to(tl.int64)
-    prev_end = tl.load(cu_ptr + tl.maximum(req - 1, 0)).to(tl.int64)
-    start = tl.where(req > 0, prev_end, 0)
-    return start, end - start
 
 
 @triton.jit
