@@ -28,6 +28,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="kappa: most drafts verified per request per step (0 = speculation off)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the verifier (default: all cores)")
+    p.add_argument("--thread-plan", default=None, metavar="ROLE=N,...",
+                   help="torch threads per role over the default plan, e.g. "
+                        "verifier=2,drafter=1 (roles: verifier, prefill, drafter, gateway)")
 
 
 def add_cluster_options(p: argparse.ArgumentParser) -> None:
@@ -143,8 +146,29 @@ def cluster_config(args: argparse.Namespace, **overrides):
         kw["stream_idle_timeout_s"] = args.stream_idle_timeout or None
     if args.threads:
         kw["threads"] = default_threads(args.threads)
+    if getattr(args, "thread_plan", None):
+        kw["threads"] = {**kw.get("threads", default_threads()),
+                         **parse_thread_plan(args.thread_plan)}
     kw.update(overrides)
     return ClusterConfig.create(**kw)
+
+
+def parse_thread_plan(text: str) -> dict[str, int]:
+    """``--thread-plan``: ``"verifier=2,drafter=1"`` -> ``{"verifier": 2, "drafter": 1}``.
+
+    Raises:
+        SystemExit: an unknown role, a count below 1, or a malformed item.
+    """
+    from cluster.config import ROLES
+
+    plan: dict[str, int] = {}
+    for item in text.split(","):
+        role, _, count = item.strip().partition("=")
+        if role not in ROLES or not count.strip().isdigit() or int(count) < 1:
+            raise SystemExit(f"--thread-plan {text!r}: expected ROLE=N items (N >= 1) with "
+                             f"ROLE one of {', '.join(ROLES)}; got {item!r}")
+        plan[role] = int(count)
+    return plan
 
 
 def synthetic_settings(args: argparse.Namespace) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
-DEFAULT_TRAIN_PROMPTS = PROMPTS_DIR / "drafter_train.jsonl"
+DEFAULT_TRAIN_PROMPTS = (PROMPTS_DIR / "drafter_train.jsonl", PROMPTS_DIR / "drafter_train_extra.jsonl")
 
 
 def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target: smollm2 (default), a .gguf or a HF dir")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="dtype the target generates the data in")
-    p.add_argument("--prompts", default=str(DEFAULT_TRAIN_PROMPTS),
+    p.add_argument("--prompts", nargs="+", default=[str(x) for x in DEFAULT_TRAIN_PROMPTS],
                    help="JSONL of instruction prompts (default: the bundled training set)")
     p.add_argument("--heldout-fraction", type=float, default=0.1)
     p.add_argument("--eval-prompts", action="append", default=[],
@@ -51,6 +51,10 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="eagle: 0 = the whole vocabulary")
     p.add_argument("--num-layers", type=int, default=None,
                    help="layers of the head (eagle, default 1) or the draft model (default 2)")
+    p.add_argument("--feature-layers", default="",
+                   help="eagle: target decoder layers whose outputs the head fuses (EAGLE-3, "
+                        "e.g. 2,15,26; 'auto' = 2, L/2, L-4); default: the final-norm state "
+                        "(EAGLE-1)")
     p.add_argument("--depth", type=int, default=3,
                    help="eagle: unrolled passes (training-time test)")
     p.add_argument("--init-layers", choices=["first", "spread", "random"], default="first",
@@ -67,23 +71,52 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--soft-weight", type=float, default=0.0,
                    help="weight of the target-distribution (soft) cross-entropy vs the argmax")
-    p.add_argument("--reg-weight", type=float, default=0.5,
-                   help="weight of the smooth-L1 regression onto the target's next state")
+    p.add_argument("--reg-weight", type=float, default=None,
+                   help="weight of the smooth-L1 regression onto the target's next state "
+                        "(default 0.5; 0 and not allowed with --feature-layers)")
     p.add_argument("--eval-depth", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
 
 
-def _load_prompts(path: str, limit: int | None = None) -> list[dict]:
+def _load_prompts(paths: str | list[str], limit: int | None = None) -> list[dict]:
     from cluster.bench_prompts import load_prompts_file
 
-    prompts = load_prompts_file(path)
+    prompts = [p for path in ([paths] if isinstance(paths, str) else paths)
+               for p in load_prompts_file(path)]
     return prompts[:limit] if limit else prompts
 
 
+def feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
+    """``--feature-layers``: "" -> () (the final-norm state), "auto" -> (2, L/2, L-4) of a
+    target with L layers (fewer, distinct, for a shallow model), else a comma list.
+
+    Raises:
+        SystemExit: layers that are not distinct indices of the target.
+    """
+    from engine.hidden_layers import check_hidden_layers
+
+    if not spec:
+        return ()
+    if spec == "auto":
+        wanted = (2, num_layers // 2, num_layers - 4)
+        layers = tuple(sorted({min(max(i, 0), num_layers - 1) for i in wanted}))
+    else:
+        try:
+            layers = tuple(int(x) for x in spec.split(","))
+        except ValueError:
+            raise SystemExit(f"--feature-layers {spec!r}: a comma list of layer indices") from None
+    try:
+        check_hidden_layers(layers, num_layers)
+    except ValueError as err:
+        raise SystemExit(f"--feature-layers: {err}") from None
+    return layers
+
+
 def _data_key(args, model_name: str, names: list[str]) -> str:  # noqa: ANN001
-    h = hashlib.sha256(json.dumps([model_name, args.dtype, args.max_new_tokens, names]).encode())
+    h = hashlib.sha256(json.dumps([model_name, args.dtype, args.max_new_tokens, names,
+                                   list(args.resolved_feature_layers)]).encode())
     return h.hexdigest()[:16]
 
 
@@ -97,7 +130,8 @@ def _generate(lm, prompts: list[dict], args, label: str):  # noqa: ANN001, ANN20
     t0 = time.perf_counter()
     samples = generate_samples(lm.model, lm.config, ids, [p["name"] for p in prompts],
                                max_new_tokens=args.max_new_tokens,
-                               batch_size=args.gen_batch_size, progress=bar.update)
+                               batch_size=args.gen_batch_size, progress=bar.update,
+                               hidden_layers=args.resolved_feature_layers or None)
     bar.close()
     n = sum(s.num_output_tokens for s in samples)
     print(f"{label}: {len(samples)} prompts, {n} output tokens in "
@@ -131,6 +165,9 @@ def prepare(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     lm = load_model(args.model, args.dtype)
+    args.resolved_feature_layers = feature_layers(args.feature_layers, lm.config.num_layers)
+    if args.resolved_feature_layers and args.method != "eagle":
+        raise SystemExit("--feature-layers is for --method eagle")
     prompts = _load_prompts(args.prompts, args.max_prompts)
     train_p, held_p = split_by_prompt(prompts, args.heldout_fraction, args.seed)
     sets = {"train": train_p, "heldout": held_p}
@@ -183,8 +220,11 @@ def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
     lm_head = lm.model.lm_head.weight.detach()
     target = target_identity(lm.name, lm.config, embed)
     n_draft = args.draft_vocab_size if args.draft_vocab_size < lm.config.vocab_size else 0
+    layers = args.resolved_feature_layers
     cfg = EagleHeadConfig.for_target(lm.config, draft_vocab_size=n_draft,
-                                     num_layers=args.num_layers or 1, target=target)
+                                     num_layers=args.num_layers or 1, target=target,
+                                     feature_layers=layers)
+    reg_weight = args.reg_weight if args.reg_weight is not None else (0.0 if layers else 0.5)
     torch.manual_seed(args.seed)
     head = EagleHead(cfg)
     ids = (draft_vocabulary(samples["train"], n_draft, tuple(lm.config.eos_token_ids))
@@ -193,12 +233,12 @@ def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
     to_draft = torch.full((lm.config.vocab_size,), -1, dtype=torch.long)
     to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel())
     train_w = windows(samples["train"], to_draft)
-    print(f"head: {head.num_trainable_parameters() / 1e6:.2f} M parameters, draft vocabulary "
+    print(f"head ({cfg.seed_state}): {head.num_trainable_parameters() / 1e6:.2f} M parameters, draft vocabulary "
           f"{head.lm_head.shape[0]}, {sum(len(w.labels) for w in train_w)} training entries",
           flush=True)
     summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size,
                     lr=args.lr, depth=args.depth, seed=args.seed,
-                    soft_weight=args.soft_weight, reg_weight=args.reg_weight)
+                    soft_weight=args.soft_weight, reg_weight=reg_weight)
     evaluation = {}
     for label, ss in samples.items():
         if label == "train" or not ss:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.hidden_layers import seed_state_layers
+
 #: Weight of the newest verify step in a request's accept-length EMA (SGLang's adaptive
 #: speculation keeps a similar moving average of accepted drafts).
 ACCEPT_LEN_EMA_WEIGHT = 0.5
@@ -98,7 +100,11 @@ class VerifierConfig:
             raise ValueError(f"max_num_batched_tokens must be >= {1 + self.max_num_speculative_tokens}"
                              " (one request with its full kappa)")
         if self.seed_state not in SEED_STATES:
-            raise ValueError(f"seed_state must be one of {SEED_STATES}, got {self.seed_state!r}")
+            try:
+                seed_state_layers(self.seed_state)
+            except ValueError:
+                raise ValueError(f"seed_state must be one of {SEED_STATES} or "
+                                 f"'hidden:L1,L2,...', got {self.seed_state!r}") from None
         if self.verify_rule not in VERIFY_RULES:
             raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, "
                              f"got {self.verify_rule!r}")

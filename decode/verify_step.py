@@ -28,7 +28,8 @@ class VerifyOutput:
     """What one request gets out of a verify step: ``token_ids`` are ``accept_len`` accepted
     drafts plus one bonus or recovered token (not yet cut at EOS / max_tokens). ``hidden``
     (only when the step was asked for them): the target hidden states of the chunk's rows
-    ``0 .. accept_len`` on the CPU, [accept_len + 1, hidden_size], row i the state that
+    ``0 .. accept_len`` on the CPU, [accept_len + 1, width] (hidden_size, or one hidden_size per
+    layer of ``VerifyStep.hidden_layers``), row i the state that
     predicted ``token_ids[i]`` (decode/seed_state.py). For a tree (``PlannedRequest.parents``),
     ``accepted_node_ids`` are the accepted path's nodes, in path order (the hidden rows are
     then the root's and theirs), and ``side_branch`` tells whether the path left the first
@@ -58,8 +59,11 @@ class VerifyStep:
 
     def __init__(self, runner: ModelRunner, profile: StepProfile | None = None,
                  seed: int | None = None, verify_rule: str = "auto",
-                 synthetic_acceptance: tuple[float, ...] = ()) -> None:
+                 synthetic_acceptance: tuple[float, ...] = (),
+                 hidden_layers: tuple[int, ...] | None = None) -> None:
         self.runner = runner
+        #: the decoder layers whose outputs the hidden rows carry (None: the final-norm state)
+        self.hidden_layers = hidden_layers
         self.profile = profile or StepProfile()
         self._seed = seed
         self.verify_rule = check_verify_rule(verify_rule)
@@ -105,7 +109,8 @@ class VerifyStep:
         t0 = time.perf_counter()
         hidden = None
         if return_hidden:
-            logits, hidden = self.runner.forward(chunks, logits="all", return_hidden=True)
+            logits, hidden = self.runner.forward(chunks, logits="all", return_hidden=True,
+                                                 hidden_layers=self.hidden_layers)
         else:
             logits = self.runner.forward(chunks, logits="all")  # per request [k_b + 1, vocab]
         self.profile.observe("forward", time.perf_counter() - t0)

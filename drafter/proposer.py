@@ -20,7 +20,9 @@ class Proposer(ABC):
     ``name`` is the registry key. ``seed_state`` declares the seed state the method needs
     from the target (DESIGN.md §3): ``""`` none (the seed is rebuilt from tokens);
     ``"hidden"`` the target's final hidden states (final-norm output, the input of its LM
-    head), which reach the proposer through :meth:`observe_seed_state`. ``seed_hidden_size``
+    head), which reach the proposer through :meth:`observe_seed_state`; an instance may
+    narrow it to ``"hidden:L1,L2,..."`` (those decoder layers' outputs, engine/hidden_layers.py),
+    which :meth:`seed_state_for` tells the cluster before any drafter starts. ``seed_hidden_size``
     (class or instance attribute): the width of the hidden rows it expects (an EAGLE head's
     input size); the drafter worker refuses rows of another width as a protocol error for the
     request. None: not checked.
@@ -56,6 +58,11 @@ class Proposer(ABC):
         ``how.with_probs``), else None. The default drafts with :meth:`propose` (rows None)."""
         drafts = self.propose(request_id, context_token_ids, num_tokens)
         return drafts, [None] * len(drafts)
+
+    @classmethod
+    def seed_state_for(cls, kwargs: dict) -> str:
+        """The seed state an instance built with ``kwargs`` needs (default: the class's)."""
+        return cls.seed_state
 
     @abstractmethod
     def rollback(self, request_id: str, num_context_tokens: int) -> None:
@@ -148,6 +155,14 @@ def seed_state_of(method: str) -> str:
     ``""`` for an unknown method."""
     cls = _REGISTRY.get(method)
     return cls.seed_state if cls is not None else ""
+
+
+def seed_state_for(method: str, kwargs: dict | None = None) -> str:
+    """The seed state a drafter of ``method`` built with ``kwargs`` needs (a feature head's
+    depends on the head it loads, see :meth:`Proposer.seed_state_for`); ``""`` for an unknown
+    method."""
+    cls = _REGISTRY.get(method)
+    return cls.seed_state_for(dict(kwargs or {})) if cls is not None else ""
 
 
 def seed_state_kinds() -> dict[str, str]:

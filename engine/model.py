@@ -263,6 +263,7 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
         return_hidden: bool = False,
         logits_indices: torch.Tensor | list[int] | None = None,
+        hidden_layers: tuple[int, ...] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One ragged forward over all requests' chunks; writes their K/V into ``kv_cache``.
 
@@ -275,14 +276,21 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             logits [N, vocab] in the model dtype (N = len(logits_indices) or T), or
             (logits, hidden [T, hidden_size]) when ``return_hidden``; hidden is the final-norm
-            output, the input of ``lm_head``.
+            output, the input of ``lm_head``, or with ``hidden_layers`` (decoder-layer indices,
+            see :mod:`engine.hidden_layers`) those layers' outputs side by side,
+            [T, len(hidden_layers) * hidden_size] (EAGLE-3's low / middle / high features).
         """
         meta.prepare(input_ids.device)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, h.dtype)
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, meta, kv_cache, i)
+            if hidden_layers and i in hidden_layers:
+                captured[i] = h
         h = self.model.norm(h)
         rows = h if logits_indices is None else h[logits_indices]
         logits = self.lm_head(rows)
+        if return_hidden and hidden_layers:
+            return logits, torch.cat([captured[i] for i in hidden_layers], dim=-1)
         return (logits, h) if return_hidden else logits

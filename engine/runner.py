@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.hidden_layers import check_hidden_layers
 from engine.kv_cache import KVCache
 from engine.model import AttentionMetadata, LlamaForCausalLM
 from engine.token_tree import ancestry_mask, check_parents, chunk_positions, is_chain
@@ -91,7 +92,8 @@ class ModelRunner:
                     raise ValueError(f"chunk {i}: {err}") from None
 
     def forward(
-        self, chunks: list[SeqChunk], logits: str = "all", return_hidden: bool = False
+        self, chunks: list[SeqChunk], logits: str = "all", return_hidden: bool = False,
+        hidden_layers: tuple[int, ...] | None = None,
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One batched forward over all chunks; writes their K/V into the cache.
 
@@ -99,7 +101,8 @@ class ModelRunner:
             logits: "all" -> per chunk [q_len, vocab]; "last" -> per chunk [1, vocab] (the row
                 of its last token; lm_head runs only on those rows).
             return_hidden: also return per chunk the final hidden states [q_len, hidden_size]
-                (all rows, final-norm output).
+                (all rows, final-norm output), or with ``hidden_layers`` those decoder layers'
+                outputs side by side, [q_len, len(hidden_layers) * hidden_size].
 
         Returns:
             list of logits per chunk, or (logits list, hidden list) when ``return_hidden``.
@@ -113,6 +116,8 @@ class ModelRunner:
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         self._validate(chunks)
+        if hidden_layers is not None:
+            check_hidden_layers(tuple(hidden_layers), self.config.num_layers)
         q_lens = [len(c.token_ids) for c in chunks]
         ids: list[int] = []
         pos: list[int] = []
@@ -139,6 +144,7 @@ class ModelRunner:
                 self.kv_cache,
                 return_hidden=return_hidden,
                 logits_indices=rows,
+                hidden_layers=hidden_layers,
             )
             all_logits, hidden = out if return_hidden else (out, None)
             if all_logits.dtype in (torch.bfloat16, torch.float16):
@@ -156,12 +162,13 @@ class ModelRunner:
         chunk_size: int | None = None,
         start_pos: int = 0,
         return_hidden: bool = False,
+        hidden_layers: tuple[int, ...] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one prompt (positions start_pos ..) in chunks of ``chunk_size`` tokens (all at once
         when None) and return the logits of its last token, [1, vocab].
 
         With ``return_hidden`` also returns the final hidden states of all prompt tokens
-        [len(token_ids), hidden_size].
+        [len(token_ids), hidden_size] (``hidden_layers``: as :meth:`forward`).
 
         Raises:
             ValueError: as :meth:`forward`, or ``chunk_size < 1``.
@@ -173,7 +180,8 @@ class ModelRunner:
         hiddens: list[torch.Tensor] = []
         for lo in range(0, len(token_ids), step):
             chunk = SeqChunk(token_ids[lo : lo + step], start_pos + lo, block_table)
-            out = self.forward([chunk], logits="last", return_hidden=return_hidden)
+            out = self.forward([chunk], logits="last", return_hidden=return_hidden,
+                               hidden_layers=hidden_layers)
             if return_hidden:
                 logits, hidden = out
                 hiddens.append(hidden[0])

@@ -6,7 +6,8 @@ For each PrefillRequest it allocates blocks in its own KV cache, runs the prompt
 prompt's KV to the verifier as KVFrames stamped (request id, transfer id, layer range, chunk
 index) and finishes with PrefillDone carrying the frame count and byte total, and the seed
 state of the request's draft method (``PrefillConfig.seed_states``; "hidden": the target's
-final hidden state at the last prompt position). KV frames and PrefillDone go on the same
+final hidden state at the last prompt position; "hidden:L1,L2,...": those decoder layers' outputs
+there, side by side). KV frames and PrefillDone go on the same
 ordered channel. A PrefillCancel is acknowledged once no frame of that transfer can follow.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 from engine.block_manager import BlockManager, KVCacheExhausted
 from engine.frames import tensor_to_buffer
+from engine.hidden_layers import is_hidden_seed, seed_state_layers
 from engine.runner import ModelRunner
 from engine.sampling import sample_tokens
 from prefill.config import PrefillConfig
@@ -153,14 +155,17 @@ class PrefillWorker(MailboxWorker):
 
     def _run_one(self, peer: str, req: PrefillRequest) -> None:
         n = len(req.prompt_token_ids)
-        want_hidden = self.config.seed_states.get(req.draft_method, "") == "hidden"
+        kind = self.config.seed_states.get(req.draft_method, "")
+        want_hidden = is_hidden_seed(kind)
         seed_state = None
         block_table = self.block_manager.allocate(self.block_manager.blocks_for(n))
         try:
             with self.profile.phase("forward"):
                 out = self.runner.prefill(req.prompt_token_ids, block_table,
                                           chunk_size=self.config.chunk_size,
-                                          return_hidden=want_hidden)
+                                          return_hidden=want_hidden,
+                                          hidden_layers=seed_state_layers(kind)
+                                          if want_hidden else None)
                 logits = out[0] if want_hidden else out
                 if want_hidden:  # EAGLE family: f_{p-1}, the state that predicted position 0
                     seed_state = tensor_to_buffer(out[1][-1:].clone())

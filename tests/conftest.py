@@ -63,6 +63,17 @@ def tiny_eagle_head(tiny_model_dir, tmp_path_factory):
     """An EAGLE head for the tiny model, trained by ``specmesh train-drafter`` for a few
     seconds on prompts "Tell me about <topic>." Returns (checkpoint dir, the prompts' chat
     messages)."""
+    return _train_tiny_head(tiny_model_dir, tmp_path_factory, [])
+
+
+@pytest.fixture(scope="session")
+def tiny_fused_eagle_head(tiny_model_dir, tmp_path_factory):
+    """As ``tiny_eagle_head``, an EAGLE-3 fused head: it reads the outputs of the tiny model's
+    decoder layers 1 and 0 (seed state "hidden:1,0")."""
+    return _train_tiny_head(tiny_model_dir, tmp_path_factory, ["--feature-layers", "1,0"])
+
+
+def _train_tiny_head(tiny_model_dir, tmp_path_factory, extra_args):  # noqa: ANN001, ANN202
     import json
 
     from cluster.cli import build_parser
@@ -77,6 +88,6 @@ def tiny_eagle_head(tiny_model_dir, tmp_path_factory):
         "train-drafter", "--model", tiny_model_dir, "--prompts", str(path),
         "--heldout-fraction", "0", "--max-new-tokens", "32", "--gen-batch-size", "16",
         "--draft-vocab-size", "512", "--epochs", "10", "--batch-size", "4", "--depth", "3",
-        "--lr", "3e-3", "--out", str(tmp / "head")])
+        "--lr", "3e-3", "--out", str(tmp / "head"), *extra_args])
     train_drafter(args)
     return str(tmp / "head"), [p["messages"] for p in prompts]

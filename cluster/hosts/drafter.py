@@ -12,6 +12,16 @@ from cluster.hosts.base import RoleHost, watch_model
 from protocol.enums import Role
 
 
+def cluster_seed_state(cfg: ClusterConfig) -> str:
+    """The seed state the drafters of ``cfg`` need (``""``, ``"hidden"`` or, for a fused EAGLE-3
+    head, ``"hidden:L1,L2,..."`` read from the head's config), which the prefill and verifier
+    hosts configure their workers with before any drafter runs."""
+    import drafter.proposers  # noqa: F401  (registers the built-in methods)
+    from drafter.proposer import seed_state_for
+
+    return seed_state_for(cfg.drafter.method, {"model": cfg.model, **cfg.drafter.method_kwargs})
+
+
 def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, ANN201
     """The proposer of ``cfg.drafter`` when its method needs more than its ``method_kwargs``,
     else None (the worker builds it from the registry).

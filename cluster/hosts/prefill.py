@@ -16,12 +16,14 @@ class PrefillHost(RoleHost):
 
     def build_worker(self):
         import drafter.proposers  # noqa: F401  (registers the built-in methods)
+        from cluster.hosts.drafter import cluster_seed_state
         from drafter.proposer import seed_state_kinds
         from prefill.worker import PrefillWorker
 
         _, runner, bm = loaded_runner(self.cfg)
         # which seed state PrefillDone carries per draft method (prefill/ cannot ask drafter/)
-        seeds = {**seed_state_kinds(), **self.cfg.prefill.seed_states}
+        seeds = {**seed_state_kinds(), self.cfg.drafter.method: cluster_seed_state(self.cfg),
+                 **self.cfg.prefill.seed_states}
         config = replace(self.cfg.prefill, instance_id=self.instance_id, seed_states=seeds)
         return PrefillWorker(config, self.mailbox, runner, bm)
 

@@ -16,7 +16,7 @@ class VerifierHost(RoleHost):
     def build_worker(self):
         import drafter.proposers  # noqa: F401  (registers the built-in methods)
         from decode.worker import VerifierWorker
-        from drafter.proposer import seed_state_of
+        from cluster.hosts.drafter import cluster_seed_state
 
         loaded, runner, bm = loaded_runner(self.cfg)
         v = self.cfg.verifier
@@ -25,7 +25,7 @@ class VerifierHost(RoleHost):
         config = replace(v, instance_id=self.instance_id,
                          incarnation=self.incarnation, max_model_len=max_len,
                          eos_token_ids=tuple(loaded.config.eos_token_ids),
-                         seed_state=v.seed_state or seed_state_of(v.draft_method))
+                         seed_state=v.seed_state or cluster_seed_state(self.cfg))
         worker = VerifierWorker(config, self.mailbox, runner, bm)
         self.mailbox.on_disconnect = worker.peer_disconnected  # called in the loop thread
         return worker

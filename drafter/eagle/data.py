@@ -23,7 +23,8 @@ from engine.runner import ModelRunner, SeqChunk
 
 @dataclass
 class Sample:
-    """``features`` [len(token_ids) - prompt_len, d] start at position ``prompt_len - 1``."""
+    """``features`` [len(token_ids) - prompt_len, width] start at position ``prompt_len - 1``
+    (width: hidden_size, or hidden_size per captured layer)."""
 
     name: str
     token_ids: list[int]
@@ -73,11 +74,14 @@ def chat_token_ids(tokenizer, prompts: list[dict]) -> list[list[int]]:  # noqa: 
 
 def generate_samples(model, config, prompts: list[list[int]], names: list[str], *,  # noqa: ANN001
                      max_new_tokens: int, batch_size: int = 64, block_size: int = 16,
-                     feature_dtype: torch.dtype = torch.bfloat16, progress=None) -> list[Sample]:
+                     feature_dtype: torch.dtype = torch.bfloat16, progress=None,
+                     hidden_layers: tuple[int, ...] | None = None) -> list[Sample]:
     """Greedy generations of ``model`` (engine.model.LlamaForCausalLM, ``config`` its
     ModelConfig) for token-id ``prompts``, up to ``max_new_tokens`` each or EOS, in
     continuous batches of up to ``batch_size`` sequences. ``progress(n_tokens)`` is called
-    after every step with the tokens it produced. Returns samples in prompt order.
+    after every step with the tokens it produced. ``hidden_layers``: the features are those
+    decoder layers' outputs side by side (EAGLE-3 fusion) instead of the final-norm state.
+    Returns samples in prompt order.
 
     Raises:
         ValueError: a prompt longer than the model's positions allow with its new tokens.
@@ -105,7 +109,7 @@ def generate_samples(model, config, prompts: list[list[int]], names: list[str], 
             tables = [blocks.allocate(per_seq) for _ in new]
             logits, hidden = runner.forward(
                 [SeqChunk(list(prompts[i]), 0, t) for i, t in zip(new, tables)],
-                logits="last", return_hidden=True)
+                logits="last", return_hidden=True, hidden_layers=hidden_layers)
             for i, t, lg, h in zip(new, tables, logits, hidden):
                 active[i] = {"table": t, "out": [int(lg[-1].argmax())],
                              "feats": [h[-1].to(feature_dtype)]}
@@ -123,7 +127,8 @@ def generate_samples(model, config, prompts: list[list[int]], names: list[str], 
         order = list(active)
         logits, hidden = runner.forward(
             [SeqChunk([active[i]["out"][-1]], len(prompts[i]) + len(active[i]["out"]) - 1,
-                      active[i]["table"]) for i in order], logits="all", return_hidden=True)
+                      active[i]["table"]) for i in order], logits="all", return_hidden=True,
+            hidden_layers=hidden_layers)
         for i, lg, h in zip(order, logits, hidden):
             active[i]["out"].append(int(lg[-1].argmax()))
             active[i]["feats"].append(h[-1].to(feature_dtype))

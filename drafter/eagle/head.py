@@ -8,6 +8,11 @@ of the token at ``s + 2``. Embedding and LM head are the target's, frozen; the h
 the rows of a draft vocabulary (EAGLE-3, arXiv 2503.01840, drafts over a reduced vocabulary):
 the LM head is the expensive part of a 1-layer head at a 49k vocabulary.
 
+With ``feature_layers`` (EAGLE-3's feature fusion) the true input at ``s`` is instead the
+outputs of those target decoder layers side by side (low, middle and high), each RMS-normed and
+fused by a linear layer (n*d -> d) into the d-wide state the rest of the head reads; predicted
+states (pass 2 on, and the chain while drafting) are the head's own d-wide outputs.
+
 Two entry points share the weights: :meth:`EagleHead.forward_passes` runs ``depth`` unrolled
 passes over whole sequences for training and evaluation (EAGLE-3's "training-time test": pass
 k sees the features pass k-1 predicted, as drafting does), and :meth:`EagleHead.extend` runs
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter.eagle.layer import DecoderLayer, RMSNorm
+from engine.hidden_layers import check_hidden_layers, hidden_seed_kind
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,20 @@ class EagleHeadConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     target: dict = field(default_factory=dict)
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
+
+    @property
+    def seed_state(self) -> str:
+        """The seed state kind the head reads (engine/hidden_layers.py)."""
+        return hidden_seed_kind(self.feature_layers)
+
+    @property
+    def seed_width(self) -> int:
+        """Width of one true seed-state row: hidden_size per feature layer."""
+        return self.hidden_size * max(1, len(self.feature_layers))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,14 +73,22 @@ class EagleHeadConfig:
 
     @classmethod
     def for_target(cls, target_config, draft_vocab_size: int = 0, num_layers: int = 1,
-                   target: dict | None = None) -> EagleHeadConfig:  # noqa: ANN001
-        """A head of the target's layer shape (``target_config``: engine.config.ModelConfig)."""
+                   target: dict | None = None,
+                   feature_layers: tuple[int, ...] = ()) -> EagleHeadConfig:  # noqa: ANN001
+        """A head of the target's layer shape (``target_config``: engine.config.ModelConfig).
+
+        Raises:
+            ValueError: ``feature_layers`` that are not distinct layers of the target.
+        """
         c = target_config
+        if feature_layers:
+            check_hidden_layers(tuple(feature_layers), c.num_layers)
         return cls(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                    head_dim=c.head_dim, intermediate_size=c.intermediate_size,
                    vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
                    num_layers=num_layers, rms_norm_eps=c.rms_norm_eps,
-                   rope_theta=c.rope_theta, target=dict(target or {}))
+                   rope_theta=c.rope_theta, target=dict(target or {}),
+                   feature_layers=tuple(feature_layers))
 
 
 @dataclass
@@ -99,6 +127,10 @@ class EagleHead(nn.Module):
         self.config = config
         d = config.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=False)
+        n_feat = len(config.feature_layers)
+        self.feature_norms = nn.ModuleList([RMSNorm(d, config.rms_norm_eps)
+                                            for _ in range(n_feat)])
+        self.fuse = nn.Linear(n_feat * d, d, bias=False) if n_feat else None
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(d, config.rms_norm_eps)
         n_draft = config.draft_vocab_size or config.vocab_size
@@ -139,6 +171,22 @@ class EagleHead(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def seed_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """True seed-state rows [..., seed_width] -> the d-wide states the head reads
+        (identity for an EAGLE-1 head; the norms and fusion layer with ``feature_layers``).
+
+        Raises:
+            ValueError: rows of another width.
+        """
+        c = self.config
+        if rows.shape[-1] != c.seed_width:
+            raise ValueError(f"seed rows are {rows.shape[-1]} wide, the head reads {c.seed_width}")
+        rows = rows.to(self.fc.weight.dtype)
+        if self.fuse is None:
+            return rows
+        parts = rows.split(c.hidden_size, dim=-1)
+        return self.fuse(torch.cat([n(p) for n, p in zip(self.feature_norms, parts)], dim=-1))
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] of predicted features [..., d]."""
         return features @ self.lm_head.T
@@ -154,7 +202,8 @@ class EagleHead(nn.Module):
         """``depth`` unrolled passes over a batch of sequences (EAGLE-3's training-time test).
 
         Args:
-            features: [B, S, d] the target's hidden states f_s at entries s = 0..S-1.
+            features: [B, S, seed_width] the target's seed states at entries s = 0..S-1
+                (f_s, or with ``feature_layers`` the fused layers' outputs).
             next_tokens: LongTensor [B, S], the token at s + 1 of each entry.
             positions: LongTensor [B, S] absolute positions (RoPE).
             depth: passes. Pass 1 reads the true features; pass k reads at entry s the feature
@@ -167,6 +216,7 @@ class EagleHead(nn.Module):
             feature at s + 1, whose LM-head argmax is the k-th draft of a chain started from
             true features up to entry s - k + 1. Row s < k - 1 of pass k has no such chain.
         """
+        features = self.seed_features(features)
         B, S, _ = features.shape
         dtype = features.dtype
         cos, sin = self._cos_sin(positions, dtype)  # [B, S, hd]
@@ -211,7 +261,8 @@ class EagleHead(nn.Module):
 
         Args:
             kv: the request's head KV; must end at ``start`` (an empty one starts there).
-            features: [n, d] feature of each entry (true, or predicted by the previous entry).
+            features: [n, d] state of each entry: a true one through :meth:`seed_features`,
+                or the one the previous entry predicted.
             next_tokens: LongTensor [n], the token after each entry's position.
 
         Returns:

@@ -179,6 +179,10 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
     ``train_windows``; returns a summary (steps, seconds, entries/s, last loss)."""
     from tqdm import tqdm
 
+    if head.config.feature_layers and (reg_weight or soft_weight):
+        raise ValueError("a fused-feature head (feature_layers) has no d-wide true feature to "
+                         "regress onto or to take target probabilities from: reg_weight and "
+                         "soft_weight must be 0 (EAGLE-3 trains on the token loss alone)")
     torch.manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))

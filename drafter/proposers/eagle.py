@@ -75,9 +75,26 @@ class EagleProposer(Proposer):
     def __init__(self, head: str | None = None, model: str | None = None,
                  dtype: str = "float32", head_module: EagleHead | None = None) -> None:
         self.head = head_module if head_module is not None else load_eagle_head(head, model, dtype)
-        self.seed_hidden_size = self.head.config.hidden_size  # the drafter checks row widths
+        self.seed_state = self.head.config.seed_state  # "hidden" or "hidden:L1,L2,L3"
+        self.seed_hidden_size = self.head.config.seed_width  # the drafter checks row widths
         self.states: dict[str, _HeadState] = {}
         self.num_recomputed_entries = 0
+
+    @classmethod
+    def seed_state_for(cls, kwargs: dict) -> str:
+        """The seed state a drafter built with ``kwargs`` needs: the head's (read from its
+        config.json, no weights loaded); ``"hidden"`` when no head can be found (the drafter
+        then fails at startup with the reason)."""
+        if kwargs.get("head_module") is not None:
+            return kwargs["head_module"].config.seed_state
+        try:
+            from drafter.eagle.checkpoint import read_head_config
+
+            path = kwargs.get("head") or _shipped_head_for(kwargs.get("model"))
+            return read_head_config(path).seed_state if path else cls.seed_state
+        except (OSError, ValueError) as err:
+            log.warning("EAGLE seed state: %s; assuming %r", err, cls.seed_state)
+            return cls.seed_state
 
     # -- interface -------------------------------------------------------------------------
 
@@ -88,7 +105,8 @@ class EagleProposer(Proposer):
         st = self.states.get(request_id)
         if st is None:
             return
-        rows = [r for r in hidden.detach().to(self.head.fc.weight.dtype)]
+        with torch.inference_mode():
+            rows = list(self.head.seed_features(hidden.detach()))
         if st.feats_start < 0 or not st.feats_start <= start_position <= st.feats_end:
             # the first states, or a gap: restart the request's head state from these
             self.states[request_id] = st = _HeadState(feats_start=start_position)
@@ -180,6 +198,12 @@ class EagleProposer(Proposer):
         keep = st.kv.length
         del st.entry_tokens[keep:]
         del st.outs[keep:]
+
+
+def _shipped_head_for(model: str | None) -> Path | None:
+    from engine.loader import model_identity
+
+    return shipped_head(model_identity(model, "float32", 16)["name"])
 
 
 def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32") -> EagleHead:

@@ -40,3 +40,32 @@ def test_ngram_tree_width_option(tiny_model_dir):
     args = build_parser().parse_args(["serve", "--model", tiny_model_dir, "--drafter", "ngram",
                                       "--ngram-tree-width", "1"])
     assert cluster_config(args).drafter.method_kwargs == {"tree_width": 1}
+
+
+def test_thread_plan_option_overrides_the_default_plan(tiny_model_dir):
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dir,
+                                      "--thread-plan", "verifier=1,drafter=2"])
+    threads = cluster_config(args).threads
+    assert threads["verifier"] == 1 and threads["drafter"] == 2
+    assert threads["gateway"] == 1 and threads["prefill"] >= 1  # the rest: the default plan
+    for bad in ("verifier=0", "cook=2", "verifier", "drafter=x"):
+        args = build_parser().parse_args(["serve", "--model", tiny_model_dir,
+                                          "--thread-plan", bad])
+        with pytest.raises(SystemExit, match="thread-plan"):
+            cluster_config(args)
+
+
+def test_the_cluster_learns_a_fused_heads_seed_state_from_its_config(tiny_model_dir,
+                                                                      tiny_fused_eagle_head,
+                                                                      tiny_eagle_head):
+    """The prefill and verifier hosts configure their workers with the seed state of the head
+    the drafters will load (read from its config.json, no weights): "hidden:1,0" for a fused
+    head, "hidden" for an EAGLE-1 head, "" for n-gram."""
+    from cluster.hosts.drafter import cluster_seed_state
+
+    for head, kind in ((tiny_fused_eagle_head[0], "hidden:1,0"), (tiny_eagle_head[0], "hidden")):
+        args = build_parser().parse_args(["serve", "--model", tiny_model_dir,
+                                          "--drafter", f"eagle:{head}"])
+        assert cluster_seed_state(cluster_config(args)) == kind
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dir, "--drafter", "ngram"])
+    assert cluster_seed_state(cluster_config(args)) == ""

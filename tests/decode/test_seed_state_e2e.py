@@ -165,9 +165,9 @@ def test_ngram_cluster_ships_no_seed_state_and_computes_none(tiny):
     for runner in (c.verifier.verify_step.runner, c.prefill.runner):
         forward = runner.forward
 
-        def spy(chunks, logits="all", return_hidden=False, _forward=forward):
+        def spy(chunks, logits="all", return_hidden=False, _forward=forward, **kw):
             asked.append(return_hidden)
-            return _forward(chunks, logits=logits, return_hidden=return_hidden)
+            return _forward(chunks, logits=logits, return_hidden=return_hidden, **kw)
 
         runner.forward = spy
     res = c.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
@@ -190,3 +190,46 @@ def test_seed_window_keeps_the_latest_contiguous_rows():
     assert w.rows_before(10) is None  # not aligned with that context: nothing to ship
     w.append(12, torch.ones(1, 1))  # a gap: only the new rows are kept
     assert (w.start, w.end) == (12, 13)
+
+
+def _reference_layers(model, cfg, tokens: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """Those decoder layers' outputs side by side [len(tokens), len(layers) * hidden], by
+    forward hooks on a plain forward (independent of the engine's own capture)."""
+    got: dict[int, torch.Tensor] = {}
+    hooks = [model.model.layers[i].register_forward_hook(
+        lambda _m, _i, out, i=i: got.__setitem__(i, out.detach().clone())) for i in layers]
+    try:
+        _reference_hidden(model, cfg, tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([got[i] for i in layers], dim=-1)
+
+
+def test_fused_layer_states_reach_the_drafter_exactly(tiny):
+    """A proposer whose instance asks for "hidden:1,0" (an EAGLE-3 fused head) gets, through
+    PrefillDone -> DraftSync and every VerifyCommit, rows of 2 x hidden: the outputs of decoder
+    layers 1 and 0 at those positions, equal to a separate plain forward's."""
+    model, cfg, refs = tiny
+    layers = (1, 0)
+    prop = RecordingProposer(PROMPTS, refs, hidden_size=2 * cfg.hidden_size)
+    prop.seed_state = "hidden:1,0"
+    c = InProcessCluster(model, cfg, num_speculative_tokens=3, num_kv_blocks=128, block_size=4,
+                         draft_method=RecordingProposer.name, proposer=prop,
+                         adaptive_drafts=False)
+    assert c.verifier.config.seed_state == "hidden:1,0"
+    dones = _tap(c.verifier, PrefillDone)
+    res = c.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.token_ids for r in res] == [ref[:MAX_TOKENS] for ref in refs]
+    assert c.verifier.stats.num_accepted_tokens > 0
+    assert all(tuple(d.seed_state.shape) == (1, 2 * cfg.hidden_size) for d in dones)
+    by_rid = {r.request_id: (p, r.token_ids) for p, r in zip(PROMPTS, res)}
+    assert {rid for rid, _, _ in prop.seen} == set(by_rid)
+    multi = 0
+    for rid, start, hidden in prop.seen:
+        prompt, out = by_rid[rid]
+        ref = _reference_layers(model, cfg, prompt + out, layers)
+        n = hidden.shape[0]
+        multi += n > 1
+        torch.testing.assert_close(hidden, ref[start:start + n], rtol=1e-9, atol=1e-9)
+    assert multi  # commits with accepted drafts carried several rows

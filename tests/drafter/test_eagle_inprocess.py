@@ -13,9 +13,11 @@ from engine.loader import load_model
 from protocol.messages import SamplingParams
 
 
+@pytest.mark.parametrize("head_fixture", ["tiny_eagle_head", "tiny_fused_eagle_head"])
 def test_float64_greedy_output_equals_plain_decode_with_drafts_accepted(tiny_model_dir,
-                                                                       tiny_eagle_head):
-    head_dir, messages = tiny_eagle_head
+                                                                       head_fixture, request):
+    """Both head kinds: EAGLE-1 (final-norm state) and EAGLE-3 fused layers ("hidden:1,0")."""
+    head_dir, messages = request.getfixturevalue(head_fixture)
     lm = load_model(tiny_model_dir, "float64")
     embed, lm_head = target_embeddings(tiny_model_dir)
     head = load_head(head_dir, embed, lm_head, target_identity(lm.name, lm.config, embed),

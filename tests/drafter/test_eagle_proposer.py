@@ -95,3 +95,45 @@ def test_a_gap_in_the_states_restarts_from_the_new_ones():
     assert prop.propose("r", ctx, 3) == _fresh(head, truth[5:9], 7, ctx, 3)
     prop.close("r")
     assert prop.propose("r", ctx, 3) == []
+
+
+def _fused_head(seed=0, layers=(3, 0, 5)):
+    torch.manual_seed(seed)
+    cfg = EagleHeadConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=8,
+                          intermediate_size=48, vocab_size=V, draft_vocab_size=30,
+                          feature_layers=layers)
+    head = EagleHead(cfg).double()
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    emb = torch.randn(V, D, dtype=torch.float64)
+    head.set_target_weights(emb, emb.clone(), torch.randperm(V)[:30])
+    return head.eval()
+
+
+def test_fused_head_reads_layer_rows_and_drafts_what_its_training_passes_predict():
+    """An EAGLE-3 fused head (feature_layers): its proposer declares "hidden:3,0,5", takes
+    rows of 3 x hidden only, and its incremental drafts equal the argmax chain of
+    ``forward_passes`` (the training / evaluation path) over the same true rows."""
+    head = _fused_head(2)
+    prop = EagleProposer(head_module=head)
+    assert prop.seed_state == "hidden:3,0,5" and prop.seed_hidden_size == 3 * D
+    assert EagleProposer.seed_state_for({"head_module": head}) == "hidden:3,0,5"
+    torch.manual_seed(9)
+    prompt = [3, 7, 1, 9, 4]
+    rows = torch.randn(6, 3 * D, dtype=torch.float64)  # true rows at positions 4 .. 9
+    tokens = prompt + [11, 2, 8, 5, 6, 13]  # context of 11 tokens: rows up to position 9
+    prop.open("r", tokens)
+    prop.observe_seed_state("r", len(prompt) - 1, rows)
+    drafts = prop.propose("r", tokens, 3)
+    # pass 1 over the true entries s = 4..9 (token s + 1 each) predicts the first draft
+    passes = head.forward_passes(rows[None], torch.tensor([tokens[5:11]]),
+                                 torch.arange(4, 10)[None], depth=1)
+    first = int(head.target_ids(head.logits(passes[0][0, -1]).argmax()))
+    assert drafts[0] == first
+    assert drafts == _fresh(head, rows, len(prompt) - 1, tokens, 3)
+    try:
+        prop.observe_seed_state("r", 10, torch.randn(1, D, dtype=torch.float64))
+    except ValueError as err:
+        assert "wide" in str(err)
+    else:
+        raise AssertionError("a final-norm row was accepted by a fused head")

@@ -85,3 +85,47 @@ def test_generated_samples_are_the_targets_greedy_outputs(trained, tiny_model_di
     assert logits[0][p - 1:-1].argmax(-1).tolist() == sample.token_ids[p:]
     torch.testing.assert_close(hidden[0][p - 1:-1].to(sample.features.dtype), sample.features,
                                atol=2e-2, rtol=2e-2)
+
+
+def test_fused_feature_head_trains_on_layer_outputs_and_records_its_seed_state(
+        tiny_model_dir, tmp_path):
+    """--feature-layers (EAGLE-3 fusion): the data carries those layers' outputs side by side
+    (equal to a plain forward's), the checkpoint names the seed state, and the head reads
+    rows of that width only."""
+    from engine.block_manager import BlockManager
+    from engine.kv_cache import KVCache
+    from engine.runner import ModelRunner, SeqChunk
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"name": f"p{i}", "prompt": f"Tell me about {t}."})
+                               + "\n" for i, t in enumerate(TOPICS[:6])))
+    out = tmp_path / "head"
+    args = build_parser().parse_args([
+        "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
+        "--heldout-fraction", "0.3", "--max-new-tokens", "8", "--gen-batch-size", "4",
+        "--draft-vocab-size", "128", "--epochs", "1", "--batch-size", "4", "--depth", "2",
+        "--eval-depth", "2", "--feature-layers", "1,0", "--out", str(out),
+        "--data", str(tmp_path / "data.pt")])
+    train_drafter(args)
+    cfg = read_head_config(out)
+    assert cfg.feature_layers == (1, 0) and cfg.seed_state == "hidden:1,0"
+    lm = load_model(tiny_model_dir)
+    d = lm.config.hidden_size
+    sample = torch.load(args.data, weights_only=False)["samples"]["train"][0]
+    assert sample.features.shape[1] == 2 * d
+    runner = ModelRunner(lm.model, lm.config, KVCache(lm.config, 16, 16, lm.model.dtype))
+    table = BlockManager(16, 16).allocate(8)
+    _, hidden = runner.forward([SeqChunk(sample.token_ids, 0, table)], logits="all",
+                               return_hidden=True, hidden_layers=(1, 0))
+    p = sample.prompt_len
+    torch.testing.assert_close(hidden[0][p - 1:-1].to(sample.features.dtype), sample.features,
+                               atol=2e-2, rtol=2e-2)
+    embed, lm_head = target_embeddings(tiny_model_dir)
+    head = load_head(out, embed, lm_head, target_identity(lm.name, lm.config, embed))
+    assert head.seed_features(torch.randn(3, 2 * d)).shape == (3, d)
+    with pytest.raises(ValueError, match="wide"):
+        head.seed_features(torch.randn(3, d))
+    with pytest.raises(SystemExit, match="feature-layers"):
+        train_drafter(build_parser().parse_args([
+            "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
+            "--feature-layers", "0,5", "--out", str(tmp_path / "x")]))

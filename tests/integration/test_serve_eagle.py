@@ -1,6 +1,8 @@
 """EAGLE drafting end to end through the Ray cluster (`--drafter eagle:PATH`, prefill,
 verifier, drafter and gateway in their own processes, seed state over ZMQ): chat output token
-ids equal plain greedy decoding and drafts are accepted."""
+ids equal plain greedy decoding and drafts are accepted. The head is an EAGLE-3 fused one (it
+reads decoder layers 1 and 0), so the prefill and verifier roles learn its seed state
+("hidden:1,0") from the head's config before the drafter starts."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def eagle_cluster(ray_session, tiny_model_dir, tiny_eagle_head):
-    head_dir, _ = tiny_eagle_head
+def eagle_cluster(ray_session, tiny_model_dir, tiny_fused_eagle_head):
+    head_dir, _ = tiny_fused_eagle_head
     method, kwargs = parse_drafter(f"eagle:{head_dir}", tiny_model_dir)
     cfg = ClusterConfig.create(model=tiny_model_dir, dtype="float32", num_speculative_tokens=3,
                                kv_cache_mb=32, port=0, max_model_len=1024,
@@ -32,8 +34,8 @@ def eagle_cluster(ray_session, tiny_model_dir, tiny_eagle_head):
 
 
 def test_served_eagle_equals_plain_greedy_with_drafts_accepted(eagle_cluster, tiny_model_dir,
-                                                               tiny_eagle_head):
-    _, messages = tiny_eagle_head
+                                                               tiny_fused_eagle_head):
+    _, messages = tiny_fused_eagle_head
     lm = load_model(tiny_model_dir, "float32")
     plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
                              eos_token_ids=lm.config.eos_token_ids)
