@@ -62,7 +62,8 @@ def bench_prompts(opts: BenchOptions) -> list[dict]:
 
 
 def _schedule(levels: list[int], kappa: int, repeats: int,
-              methods: Sequence[str] = ("ngram",)) -> list[tuple[int, int, System]]:
+              methods: Sequence[str] = ("ngram",),
+              served_only: Sequence[str] = ()) -> list[tuple[int, int, System]]:
     """(repeat, level, system) in run order: each repeat runs every level and system (each
     method's kappa > 0 systems among them), the order of levels and of systems rotated per
     repeat."""
@@ -70,7 +71,7 @@ def _schedule(levels: list[int], kappa: int, repeats: int,
     for r in range(repeats):
         lv = levels[r % len(levels):] + levels[:r % len(levels)]
         for level in lv:
-            systems = systems_for(kappa, level, methods)
+            systems = systems_for(kappa, level, methods, served_only)
             k = r % len(systems)
             out += [(r, level, s) for s in systems[k:] + systems[:k]]
     return out
@@ -126,6 +127,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     kappa = cfg.verifier.num_speculative_tokens
     drafters = list(opts.drafters or [cluster_drafter(cfg)])
     labels = [d.label for d in drafters]
+    served_only = [d.label for d in drafters if d.served_only]
+    inproc_labels = [label for label in labels if label not in served_only]
     model = model_name(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     bench_threads = cfg.threads.get("verifier", 2)
@@ -136,7 +139,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     prompt_ids = [chat_prompt_ids(tokenizer, p["messages"]) for p in prompts]
     synthetic = cfg.verifier.synthetic_acceptance  # the ablation harness (decode/synthetic.py)
     inproc = InProcessSystems(loaded, max(len(p) for p in prompt_ids), opts.max_tokens,
-                              methods={d.label: with_drafter(cfg, d) for d in drafters},
+                              methods={d.label: with_drafter(cfg, d) for d in drafters
+                                       if not d.served_only},
                               verifier_options={"verify_rule": cfg.verifier.verify_rule,
                                                 "synthetic_acceptance": synthetic})
     forward_cost = None
@@ -148,7 +152,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                                           context_len=ctx).as_dict()
     # in-process warm-up first: each method's proposer is built here, so a missing head or
     # draft model fails before any cluster starts
-    for label in labels:
+    for label in inproc_labels:
         inproc.run(prompt_ids[:1], kappa, 1, "warmup", label)
     inproc.run(prompt_ids[:1], 0, 1, "warmup")
     handles, started = _start_served(cfg, drafters, handle)
@@ -162,7 +166,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
             handles[label].set_num_speculative_tokens(kappa)
             run_openai(clients[label], model, prompts[:1], 4, "warmup")
         run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
-        schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels)
+        schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels, served_only)
         bar = tqdm(schedule, desc="bench", unit="run", disable=not opts.progress,
                    file=sys.stderr)
         for r, level, system in bar:
@@ -197,7 +201,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
               "profile": opts.profile, "verify_rule": cfg.verifier.verify_rule,
               "synthetic_acceptance": list(synthetic)}
     summary = summarize(config, runs,
-                        {c: systems_for(kappa, c, labels) for c in opts.concurrency},
+                        {c: systems_for(kappa, c, labels, served_only)
+                         for c in opts.concurrency},
                         forward_cost)
     write_outputs(summary, opts)
     return summary

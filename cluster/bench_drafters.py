@@ -1,6 +1,8 @@
 """``specmesh bench --drafters``: the draft methods one bench run compares, each a
-``--drafter`` form (``ngram``, ``eagle``, ``eagle:PATH``, ``draft-model:PATH``, ``auto``), and
-the cluster configuration of each (the bench's config with that method, in its own Ray
+``--drafter`` form (``ngram``, ``eagle``, ``eagle:PATH``, ``draft-model:PATH``, ``auto``),
+optionally with a thread plan of its served cluster after ``@`` (``eagle@verifier=1+drafter=1``:
+the same method again under another plan, served only, so that plans are compared in one run),
+and the cluster configuration of each (the bench's config with that method, in its own Ray
 namespace, so the methods' served clusters run side by side in one Ray session). No torch, no
 Ray."""
 
@@ -26,10 +28,17 @@ class BenchDrafter:
     spec: str
     method: str
     method_kwargs: dict = field(default_factory=dict, hash=False)
+    #: torch threads per role of its served cluster over the bench's plan (empty: the plan)
+    threads: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def served_only(self) -> bool:
+        """A thread-plan variant: in-process runs would repeat its method's."""
+        return bool(self.threads)
 
     def as_dict(self) -> dict:
         return {"label": self.label, "spec": self.spec, "method": self.method,
-                "method_kwargs": dict(self.method_kwargs)}
+                "method_kwargs": dict(self.method_kwargs), "threads": dict(self.threads)}
 
 
 def _label(method: str, kwargs: dict) -> str:
@@ -47,23 +56,28 @@ def parse_drafters(text: str, model: str | None = None) -> list[BenchDrafter]:
         SystemExit: an empty list, an unknown form (naming it and the forms accepted), or a
             method listed twice.
     """
+    from cluster.options import parse_thread_plan
+
     out: list[BenchDrafter] = []
     for part in (text or "").split(","):
         spec = part.strip()
         if not spec:
             continue
+        form, _, plan = spec.partition("@")
         try:
-            method, kwargs = parse_drafter(spec, model)
+            method, kwargs = parse_drafter(form, model)
+            threads = parse_thread_plan(plan.replace("+", ",")) if plan else {}
         except SystemExit as e:
             raise SystemExit(f"--drafters: {e}") from None
         for d in out:
-            if (d.method, d.method_kwargs) == (method, kwargs):
+            if (d.method, d.method_kwargs, d.threads) == (method, kwargs, threads):
                 raise SystemExit(f"--drafters: {spec!r} is the same method as {d.spec!r} "
                                  f"({d.label}); list each method once")
-        label = _label(method, kwargs)
+        suffix = "@" + "+".join(f"{r}={n}" for r, n in threads.items()) if threads else ""
+        label = _label(method, kwargs) + suffix
         if any(d.label == label for d in out):
-            label = spec
-        out.append(BenchDrafter(label, spec, method, kwargs))
+            label = form + suffix
+        out.append(BenchDrafter(label, spec, method, kwargs, threads))
     if not out:
         raise SystemExit("--drafters: no draft method given (e.g. ngram,eagle)")
     return out
@@ -88,5 +102,6 @@ def with_drafter(cfg: ClusterConfig, d: BenchDrafter, namespace: str | None = No
     given); everything else as it is."""
     out = replace(cfg, verifier=replace(cfg.verifier, draft_method=d.method),
                   drafter=replace(cfg.drafter, method=d.method,
-                                  method_kwargs=dict(d.method_kwargs)))
+                                  method_kwargs=dict(d.method_kwargs)),
+                  threads={**cfg.threads, **d.threads})
     return replace(out, namespace=namespace) if namespace else out

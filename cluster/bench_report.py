@@ -41,16 +41,17 @@ INPROCESS_PLAIN = "in-process k=0"
 
 
 def systems_for(kappa: int, concurrency: int, methods: Sequence[str] = ("ngram",),
-                ) -> list[System]:
+                served_only: Sequence[str] = ()) -> list[System]:
     """The systems of one concurrency level: specmesh served at kappa per draft method (its
-    label in the name, e.g. ``served k=4 eagle``) and at kappa = 0 once, the same in-process,
-    HF batched greedy, and at concurrency 1 HF with prompt lookup (HF does not batch it).
-    With kappa = 0 there are no per-method systems."""
+    label in the name, e.g. ``served k=4 eagle``) and at kappa = 0 once, the same in-process
+    (except for the ``served_only`` methods: thread-plan variants), HF batched greedy, and at
+    concurrency 1 HF with prompt lookup (HF does not batch it). With kappa = 0 there are no
+    per-method systems."""
     methods = list(methods) if kappa > 0 else []
     out = [System(f"served k={kappa} {m}", "served", kappa, SERVED_PLAIN, m) for m in methods]
     out.append(System(SERVED_PLAIN, "served", 0))
     out += [System(f"in-process k={kappa} {m}", "inprocess", kappa, INPROCESS_PLAIN, m)
-            for m in methods]
+            for m in methods if m not in served_only]
     out += [System(INPROCESS_PLAIN, "inprocess", 0), System(HF_BASELINE, "hf")]
     if concurrency == 1:
         out.append(System(f"hf prompt lookup k={max(kappa, 1)}", "hf", max(kappa, 1)))

@@ -69,6 +69,27 @@ def test_each_method_gets_its_own_config_and_namespace():
     assert actors.role_options(Role.VERIFIER, cfg)["namespace"] == actors.NAMESPACE
 
 
+def test_a_thread_plan_variant_is_the_same_method_served_under_another_plan():
+    """``eagle@verifier=1+drafter=1``: a served-only variant whose cluster runs that plan
+    (the rest of the bench's plan kept); no in-process twin; bad plans are refused."""
+    cfg = ClusterConfig.create(num_speculative_tokens=3)
+    base, variant = parse_drafters("eagle:/h,eagle:/h@verifier=1+drafter=1")
+    assert variant.label == "eagle:h@verifier=1+drafter=1" and variant.served_only
+    assert not base.served_only and base.threads == {}
+    t = with_drafter(cfg, variant, namespace_for(variant, 1)).threads
+    assert t == {**cfg.threads, "verifier": 1, "drafter": 1}
+    assert with_drafter(cfg, base).threads == cfg.threads
+    names = [s.name for s in systems_for(3, 1, [base.label, variant.label], [variant.label])]
+    assert "served k=3 eagle:h@verifier=1+drafter=1" in names
+    assert "in-process k=3 eagle:h@verifier=1+drafter=1" not in names
+    assert "in-process k=3 eagle:h" in names
+    sched = _schedule([1], 3, 1, [base.label, variant.label], [variant.label])
+    assert {s.name for _, _, s in sched} == set(names)
+    for bad in ("eagle@verifier=0", "eagle@cook=1", "ngram,ngram@drafter=1,ngram@drafter=1"):
+        with pytest.raises(SystemExit, match="--drafters"):
+            parse_drafters(bad)
+
+
 # -- schedule and report -----------------------------------------------------------------------
 
 
