@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from drafter.eagle.head import EagleHeadConfig
+    from drafter.eagle.config import EagleHeadConfig
 
 
 class RMSNorm(nn.Module):

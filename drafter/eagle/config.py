@@ -1,0 +1,69 @@
+"""Shape of an EAGLE head (drafter/eagle/head.py): the target's layer shape, the draft
+vocabulary, the target it was trained for and, for an EAGLE-3 fused head, the target layers whose
+outputs it reads (its seed state, engine/hidden_layers.py)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from engine.hidden_layers import check_hidden_layers, hidden_seed_kind
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    """Shape of a head. ``hidden_size``, heads and ``vocab_size`` follow the target;
+    ``draft_vocab_size`` rows of the target's LM head are kept (0: the whole vocabulary).
+    ``target`` names the model the head was trained for (see drafter/eagle/checkpoint.py)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int = 0
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    target: dict = field(default_factory=dict)
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
+
+    @property
+    def seed_state(self) -> str:
+        """The seed state kind the head reads (engine/hidden_layers.py)."""
+        return hidden_seed_kind(self.feature_layers)
+
+    @property
+    def seed_width(self) -> int:
+        """Width of one true seed-state row: hidden_size per feature layer."""
+        return self.hidden_size * max(1, len(self.feature_layers))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EagleHeadConfig:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def for_target(cls, target_config, draft_vocab_size: int = 0, num_layers: int = 1,
+                   target: dict | None = None,
+                   feature_layers: tuple[int, ...] = ()) -> EagleHeadConfig:  # noqa: ANN001
+        """A head of the target's layer shape (``target_config``: engine.config.ModelConfig).
+
+        Raises:
+            ValueError: ``feature_layers`` that are not distinct layers of the target.
+        """
+        c = target_config
+        if feature_layers:
+            check_hidden_layers(tuple(feature_layers), c.num_layers)
+        return cls(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                   head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+                   vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
+                   num_layers=num_layers, rms_norm_eps=c.rms_norm_eps,
+                   rope_theta=c.rope_theta, target=dict(target or {}),
+                   feature_layers=tuple(feature_layers))
