@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from decode.config import VerifierConfig
 from decode.worker import VerifierWorker
-from drafter.proposer import Proposer, seed_state_kinds, seed_state_of
+from drafter.proposer import Proposer, seed_state_for, seed_state_kinds
 from drafter.config import DrafterConfig
 from drafter.worker import DrafterWorker
 from engine.block_manager import BlockManager
@@ -76,7 +76,8 @@ class InProcessCluster:
 
         p_runner, p_bm = runner()
         v_runner, v_bm = runner()
-        seed = proposer.seed_state if proposer is not None else seed_state_of(draft_method)
+        seed = proposer.seed_state if proposer is not None else seed_state_for(
+            draft_method, (drafter_options or {}).get("method_kwargs"))
         self.prefill = PrefillWorker(
             PrefillConfig(chunk_size=prefill_chunk_size,
                           seed_states={**seed_state_kinds(), draft_method: seed}),
