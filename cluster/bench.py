@@ -131,7 +131,9 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     inproc_labels = [label for label in labels if label not in served_only]
     model = model_name(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
-    bench_threads = cfg.threads.get("verifier", 2)
+    # the in-process runs and HF: the most threads a role has (every core by default; a model
+    # drafter's plan gives the served verifier one fewer)
+    bench_threads = max(cfg.threads.values())
     torch.set_num_threads(bench_threads)  # HF and in-process run here
     hf_model = load_hf_model(cfg.model, cfg.dtype)
     eos = generation_eos_ids(hf_model)

@@ -3,8 +3,8 @@
 optionally with a thread plan of its served cluster after ``@`` (``eagle@verifier=1+drafter=1``:
 the same method again under another plan, served only, so that plans are compared in one run),
 and the cluster configuration of each (the bench's config with that method, in its own Ray
-namespace, so the methods' served clusters run side by side in one Ray session). No torch, no
-Ray."""
+namespace, so the methods' served clusters run side by side in one Ray session). Imports no
+torch and no Ray at load."""
 
 from __future__ import annotations
 
@@ -99,9 +99,18 @@ def namespace_for(d: BenchDrafter, index: int) -> str:
 def with_drafter(cfg: ClusterConfig, d: BenchDrafter, namespace: str | None = None,
                  ) -> ClusterConfig:
     """``cfg`` running method ``d`` on verifier and drafter (and in ``namespace`` when
-    given); everything else as it is."""
+    given), under ``d``'s thread plan over ``cfg``'s (``cfg``'s default plan becomes ``d``'s
+    method's default: a model drafter leaves the verifier one core fewer); everything else
+    as it is."""
+    from cluster.config import default_threads
+    from cluster.options import is_model_drafter
+
+    threads = cfg.threads
+    if threads == default_threads(model_drafter=is_model_drafter(cfg.drafter.method)):
+        # the default plan, not one the user set: each method gets its own default
+        threads = default_threads(model_drafter=is_model_drafter(d.method))
     out = replace(cfg, verifier=replace(cfg.verifier, draft_method=d.method),
                   drafter=replace(cfg.drafter, method=d.method,
                                   method_kwargs=dict(d.method_kwargs)),
-                  threads={**cfg.threads, **d.threads})
+                  threads={**threads, **d.threads})
     return replace(out, namespace=namespace) if namespace else out

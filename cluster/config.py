@@ -24,15 +24,23 @@ ROLES = tuple(r.value for r in Role)
 DEFAULT_NAMESPACE = "specmesh"
 
 
-def default_threads(num_cores: int | None = None) -> dict[str, int]:
+def default_threads(num_cores: int | None = None,
+                    model_drafter: bool = False) -> dict[str, int]:
     """Thread plan (DESIGN.md §11). The verifier runs a forward every step and gets every core.
     Prefill runs only when a request arrives, mostly while the verifier waits for that KV, so
     it gets every core too (measured on 2 cores, SmolLM2 fp32, 134-token prompt: 696 ms on one
     thread, 392-518 ms on two); the roles overlap only under concurrent load, where idle
     OpenMP threads do not spin (OMP_WAIT_POLICY=PASSIVE). The n-gram drafter and the gateway
-    are pure Python and get one."""
+    are pure Python and get one.
+
+    A model drafter (EAGLE head, draft model) computes while the verifier does, so with
+    ``model_drafter`` the verifier leaves it a core: n - 1 threads (measured, `specmesh bench
+    --drafters eagle,eagle@verifier=1,eagle@drafter=2`, 2 cores, SmolLM2 fp32, served EAGLE
+    tokens/s in two repeats: verifier 2 / drafter 1 7.2 and 8.4, verifier 1 / drafter 1 9.0
+    and 9.4, verifier 2 / drafter 2 8.4 and 8.8; benchmarks/bench_drafters.md)."""
     n = num_cores or os.cpu_count() or 2
-    return {Role.VERIFIER.value: n, Role.PREFILL.value: n,
+    verifier = max(1, n - 1) if model_drafter else n
+    return {Role.VERIFIER.value: verifier, Role.PREFILL.value: n,
             Role.DRAFTER.value: 1, Role.GATEWAY.value: 1}
 
 

@@ -146,11 +146,25 @@ def cluster_config(args: argparse.Namespace, **overrides):
         kw["stream_idle_timeout_s"] = args.stream_idle_timeout or None
     if args.threads:
         kw["threads"] = default_threads(args.threads)
+    elif is_model_drafter(method):
+        kw["threads"] = default_threads(model_drafter=True)
     if getattr(args, "thread_plan", None):
         kw["threads"] = {**kw.get("threads", default_threads()),
                          **parse_thread_plan(args.thread_plan)}
     kw.update(overrides)
     return ClusterConfig.create(**kw)
+
+
+def is_model_drafter(method: str) -> bool:
+    """Whether the registered ``method`` runs a model (its drafts cost forwards that compete
+    with the verifier's for the cores): see :attr:`drafter.proposer.Proposer.runs_a_model`."""
+    import drafter.proposers  # noqa: F401  (registers the built-in methods)
+    from drafter.proposer import get_proposer
+
+    try:
+        return bool(get_proposer(method).runs_a_model)
+    except KeyError:
+        return False
 
 
 def parse_thread_plan(text: str) -> dict[str, int]:

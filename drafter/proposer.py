@@ -39,6 +39,9 @@ class Proposer(ABC):
     #: drafter: drafter/draft_sampling.py) and returns the rows of unseeded sampled drafts;
     #: False: drafts are the same whatever the sampling (n-gram), one-hot for the verifier
     returns_draft_probs: ClassVar[bool] = False
+    #: whether drafting runs a model (torch forwards competing with the verifier's for the
+    #: cores): the cluster's default thread plan leaves such a drafter a core of its own
+    runs_a_model: ClassVar[bool] = False
     seed_hidden_size: int | None = None
 
     @abstractmethod

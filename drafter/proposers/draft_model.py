@@ -94,6 +94,7 @@ class DraftModelProposer(Proposer):
     name = "draft_model"
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     returns_draft_probs = True
+    runs_a_model = True
 
     def __init__(self, model: str | None = "smollm2", dtype: str = "float32",
                  device: Any = "cpu", *, num_blocks: int | None = None, block_size: int = 16,

@@ -71,6 +71,7 @@ class EagleProposer(Proposer):
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     seed_state = "hidden"
     returns_draft_probs = True
+    runs_a_model = True
 
     def __init__(self, head: str | None = None, model: str | None = None,
                  dtype: str = "float32", head_module: EagleHead | None = None) -> None:

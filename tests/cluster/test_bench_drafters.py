@@ -16,7 +16,7 @@ from cluster.bench_drafters import (
 from cluster.bench_render import markdown
 from cluster.bench_report import HF_BASELINE, summarize, systems_for
 from cluster.cli import main
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, default_threads
 from cluster.runs import RunResult
 from protocol.spec_stats import SpecStats
 from protocol.step_profile import StepProfile
@@ -77,8 +77,14 @@ def test_a_thread_plan_variant_is_the_same_method_served_under_another_plan():
     assert variant.label == "eagle:h@verifier=1+drafter=1" and variant.served_only
     assert not base.served_only and base.threads == {}
     t = with_drafter(cfg, variant, namespace_for(variant, 1)).threads
-    assert t == {**cfg.threads, "verifier": 1, "drafter": 1}
-    assert with_drafter(cfg, base).threads == cfg.threads
+    assert t == {**default_threads(model_drafter=True), "verifier": 1, "drafter": 1}
+    # a default plan follows each method's default: a model drafter leaves the verifier a core
+    assert with_drafter(cfg, base).threads == default_threads(model_drafter=True)
+    ngram = parse_drafters("ngram")[0]
+    assert with_drafter(with_drafter(cfg, base), ngram).threads == default_threads()
+    custom = ClusterConfig.create(num_speculative_tokens=3, threads={
+        "verifier": 3, "prefill": 1, "drafter": 1, "gateway": 1})
+    assert with_drafter(custom, base).threads == custom.threads  # a user's plan is kept
     names = [s.name for s in systems_for(3, 1, [base.label, variant.label], [variant.label])]
     assert "served k=3 eagle:h@verifier=1+drafter=1" in names
     assert "in-process k=3 eagle:h@verifier=1+drafter=1" not in names

@@ -42,6 +42,26 @@ def test_ngram_tree_width_option(tiny_model_dir):
     assert cluster_config(args).drafter.method_kwargs == {"tree_width": 1}
 
 
+def test_a_model_drafter_leaves_the_verifier_a_core_in_the_default_plan(tiny_model_dir,
+                                                                       tiny_eagle_head):
+    """Measured (benchmarks/bench_drafters.md): served EAGLE is fastest with the verifier on
+    n - 1 threads beside the drafter's one; the n-gram drafter (pure Python) leaves all n."""
+    from cluster.config import default_threads
+
+    n = default_threads()["verifier"]
+    ngram = cluster_config(build_parser().parse_args(["serve", "--model", tiny_model_dir,
+                                                      "--drafter", "ngram"]))
+    eagle = cluster_config(build_parser().parse_args(["serve", "--model", tiny_model_dir,
+                                                      "--drafter", f"eagle:{tiny_eagle_head[0]}"]))
+    assert ngram.threads["verifier"] == n
+    assert eagle.threads["verifier"] == max(1, n - 1) and eagle.threads["drafter"] == 1
+    assert eagle.threads["prefill"] == n
+    forced = cluster_config(build_parser().parse_args([
+        "serve", "--model", tiny_model_dir, "--drafter", f"eagle:{tiny_eagle_head[0]}",
+        "--thread-plan", "verifier=2"]))
+    assert forced.threads["verifier"] == 2
+
+
 def test_thread_plan_option_overrides_the_default_plan(tiny_model_dir):
     args = build_parser().parse_args(["serve", "--model", tiny_model_dir,
                                       "--thread-plan", "verifier=1,drafter=2"])
