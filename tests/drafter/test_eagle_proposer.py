@@ -10,10 +10,11 @@ from drafter.proposers.eagle import EagleProposer
 V, D = 40, 32
 
 
-def _head(seed=0):
+def _head(seed=0, feature_layers=()):
     torch.manual_seed(seed)
     cfg = EagleHeadConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=8,
-                          intermediate_size=48, vocab_size=V, draft_vocab_size=30)
+                          intermediate_size=48, vocab_size=V, draft_vocab_size=30,
+                          feature_layers=feature_layers)
     head = EagleHead(cfg).double()
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -97,24 +98,11 @@ def test_a_gap_in_the_states_restarts_from_the_new_ones():
     assert prop.propose("r", ctx, 3) == []
 
 
-def _fused_head(seed=0, layers=(3, 0, 5)):
-    torch.manual_seed(seed)
-    cfg = EagleHeadConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=8,
-                          intermediate_size=48, vocab_size=V, draft_vocab_size=30,
-                          feature_layers=layers)
-    head = EagleHead(cfg).double()
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    emb = torch.randn(V, D, dtype=torch.float64)
-    head.set_target_weights(emb, emb.clone(), torch.randperm(V)[:30])
-    return head.eval()
-
-
 def test_fused_head_reads_layer_rows_and_drafts_what_its_training_passes_predict():
     """An EAGLE-3 fused head (feature_layers): its proposer declares "hidden:3,0,5", takes
     rows of 3 x hidden only, and its incremental drafts equal the argmax chain of
     ``forward_passes`` (the training / evaluation path) over the same true rows."""
-    head = _fused_head(2)
+    head = _head(2, feature_layers=(3, 0, 5))
     prop = EagleProposer(head_module=head)
     assert prop.seed_state == "hidden:3,0,5" and prop.seed_hidden_size == 3 * D
     assert EagleProposer.seed_state_for({"head_module": head}) == "hidden:3,0,5"
