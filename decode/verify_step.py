@@ -19,6 +19,7 @@ from decode.verification import (
     get_rule,
     rule_name_for,
 )
+from engine.hidden_layers import is_hidden_seed, seed_state_layers
 from engine.runner import ModelRunner, SeqChunk
 from protocol.step_profile import StepProfile
 
@@ -60,10 +61,12 @@ class VerifyStep:
     def __init__(self, runner: ModelRunner, profile: StepProfile | None = None,
                  seed: int | None = None, verify_rule: str = "auto",
                  synthetic_acceptance: tuple[float, ...] = (),
-                 hidden_layers: tuple[int, ...] | None = None) -> None:
+                 seed_state: str = "") -> None:
         self.runner = runner
-        #: the decoder layers whose outputs the hidden rows carry (None: the final-norm state)
-        self.hidden_layers = hidden_layers
+        #: the decoder layers whose outputs the hidden rows carry (None: the final-norm state),
+        #: from the draft method's seed state (engine/hidden_layers.py)
+        self.hidden_layers = seed_state_layers(seed_state) if is_hidden_seed(seed_state) \
+            else None
         self.profile = profile or StepProfile()
         self._seed = seed
         self.verify_rule = check_verify_rule(verify_rule)

@@ -22,7 +22,7 @@ from decode.request import Request, RequestStatus
 from decode.scheduler import BlockAllocator, Scheduler
 from decode.stats import VerifierStats
 from decode.verify_step import VerifyStep
-from engine.hidden_layers import is_hidden_seed, seed_state_layers, seed_state_width
+from engine.hidden_layers import seed_state_width
 from engine.runner import ModelRunner
 from protocol.enums import FinishReason
 from protocol.errors import ProtocolError
@@ -60,11 +60,9 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self.kv = KVReceiver(runner.kv_cache)
         self.scheduler = Scheduler(config, block_manager)
         self.profile = StepProfile()
-        hidden_seed = is_hidden_seed(config.seed_state)
         self.verify_step = VerifyStep(runner, self.profile, verify_rule=config.verify_rule,
                                       synthetic_acceptance=config.synthetic_acceptance,
-                                      hidden_layers=seed_state_layers(config.seed_state)
-                                      if hidden_seed else None)
+                                      seed_state=config.seed_state)
         self.stats = VerifierStats(max_num_speculative_tokens=config.max_num_speculative_tokens)
         self.lifecycle = RequestLifecycle(self.scheduler, self.kv, self.stats, self.vocab_size,
                                           frozenset(config.eos_token_ids), self.send,
