@@ -2,8 +2,9 @@
 
 Steps: load the target through engine/; split the instruction prompts by prompt into train
 and held-out; generate the target's greedy outputs with their hidden states in continuous
-batches (drafter/eagle/data.py; cached in ``--data`` so training can be re-run, by either
-method); then per ``--method``:
+batches (drafter/eagle/data.py; ``--samples-per-prompt`` adds sampled continuations of each
+training prompt, labelled with the target's greedy tokens; cached in ``--data`` so training
+can be re-run, by either method); then per ``--method``:
 
 - ``eagle``: pick the draft vocabulary; train an EAGLE head (drafter/eagle/train.py, progress
   bar with loss and tokens/s); evaluate acceptance per draft position on the held-out prompts
@@ -45,6 +46,12 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--gen-batch-size", type=int, default=64)
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="continuations per training prompt: the greedy one, then N-1 sampled at "
+                        "--sample-temperature, each labelled with the target's greedy token at "
+                        "every position (held-out prompts: greedy only)")
+    p.add_argument("--sample-temperature", type=float, default=0.8,
+                   help="temperature of the sampled continuations")
     p.add_argument("--data", default=None,
                    help="cache file of generated samples (reused when it matches)")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
@@ -116,7 +123,8 @@ def feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
 
 def _data_key(args, model_name: str, names: list[str]) -> str:  # noqa: ANN001
     h = hashlib.sha256(json.dumps([model_name, args.dtype, args.max_new_tokens, names,
-                                   list(args.resolved_feature_layers)]).encode())
+                                   list(args.resolved_feature_layers), args.samples_per_prompt,
+                                   args.sample_temperature, args.seed]).encode())
     return h.hexdigest()[:16]
 
 
@@ -126,16 +134,24 @@ def _generate(lm, prompts: list[dict], args, label: str):  # noqa: ANN001, ANN20
     from drafter.eagle.data import chat_token_ids, generate_samples
 
     ids = chat_token_ids(lm.tokenizer, prompts)
+    names = [p["name"] for p in prompts]
+    temps = [0.0] * len(ids)
+    if label == "train" and args.samples_per_prompt > 1:  # sampled extra continuations
+        extra = args.samples_per_prompt - 1
+        ids += [x for x in ids for _ in range(extra)]
+        names += [f"{n}#{k}" for n in names for k in range(1, extra + 1)]
+        temps += [args.sample_temperature] * (len(ids) - len(temps))
     bar = tqdm(desc=f"generate {label}", unit="tok")
     t0 = time.perf_counter()
-    samples = generate_samples(lm.model, lm.config, ids, [p["name"] for p in prompts],
+    samples = generate_samples(lm.model, lm.config, ids, names,
                                max_new_tokens=args.max_new_tokens,
                                batch_size=args.gen_batch_size, progress=bar.update,
-                               hidden_layers=args.resolved_feature_layers or None)
+                               hidden_layers=args.resolved_feature_layers or None,
+                               temperatures=temps, seed=args.seed)
     bar.close()
     n = sum(s.num_output_tokens for s in samples)
-    print(f"{label}: {len(samples)} prompts, {n} output tokens in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"{label}: {len(prompts)} prompts, {len(samples)} continuations, {n} output tokens "
+          f"in {time.perf_counter() - t0:.0f} s", flush=True)
     return samples
 
 
@@ -168,6 +184,8 @@ def prepare(args: argparse.Namespace) -> dict:
     args.resolved_feature_layers = feature_layers(args.feature_layers, lm.config.num_layers)
     if args.resolved_feature_layers and args.method != "eagle":
         raise SystemExit("--feature-layers is for --method eagle")
+    if args.samples_per_prompt < 1 or args.sample_temperature <= 0:
+        raise SystemExit("--samples-per-prompt must be >= 1 and --sample-temperature > 0")
     prompts = _load_prompts(args.prompts, args.max_prompts)
     train_p, held_p = split_by_prompt(prompts, args.heldout_fraction, args.seed)
     sets = {"train": train_p, "heldout": held_p}

@@ -131,7 +131,7 @@ def collate(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         ids[b, : n - 1] = torch.tensor(s.token_ids[:-1])
         rows.append(torch.full((n - p,), b))
         cols.append(torch.arange(p - 1, n - 1))
-        labels.append(torch.tensor(s.token_ids[p:]))
+        labels.append(torch.tensor(s.label_ids[p:]))
         feats.append(s.features)
     return ids, torch.cat(rows), torch.cat(cols), torch.cat(labels), torch.cat(feats)
 

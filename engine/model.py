@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.block_manager import slot_mapping as _slot_mapping
 from engine.config import ModelConfig
+from engine.dense_kv import DenseBatch, DenseKVCache
 from engine.kv_cache import KVCache
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_plan import PagedAttentionPlan, plan_paged_attention
@@ -148,8 +149,8 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
+        meta: AttentionMetadata | DenseBatch,
+        kv_cache: KVCache | DenseKVCache,
         layer: int,
     ) -> torch.Tensor:
         """x [T, hidden], cos/sin [T, 1, D] -> [T, hidden]; writes this chunk's K/V of ``layer``."""
@@ -159,6 +160,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if isinstance(kv_cache, DenseKVCache):  # offline generation (engine/dense_kv.py)
+            out = kv_cache.attend(layer, q, k, v, meta, self.scaling)
+            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         kv_cache.write(layer, meta.slot_mapping, k, v)
 
         if meta._plan is None:  # whole prompts: causal attention within each chunk
@@ -259,8 +263,8 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
+        meta: AttentionMetadata | DenseBatch,
+        kv_cache: KVCache | DenseKVCache,
         return_hidden: bool = False,
         logits_indices: torch.Tensor | list[int] | None = None,
         hidden_layers: tuple[int, ...] | None = None,
@@ -270,7 +274,9 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: LongTensor [T], the chunks of all requests concatenated.
             positions: LongTensor [T], absolute position of each token.
-            meta: request boundaries, KV lengths, block tables and slots (sum(query_lens) == T).
+            meta: request boundaries, KV lengths, block tables and slots (sum(query_lens) == T);
+                a :class:`~engine.dense_kv.DenseBatch` with a ``DenseKVCache`` (offline
+                generation: contiguous per-sequence KV, not batch invariant).
             logits_indices: rows of the T tokens to compute logits for (default: all).
 
         Returns:

@@ -4,8 +4,11 @@ hidden states it computed on the way, generated in batches through specmesh's en
 One :class:`Sample` per prompt: ``token_ids`` = prompt + greedy output, and ``features`` =
 the target's final hidden states at positions ``prompt_len - 1 .. len(token_ids) - 2`` (the
 state at the last prompt position is what a prefill worker ships as seed state; each later
-one is what a verify forward computes). Generation is continuous batching over the engine's
-paged KV: finished sequences leave the batch and new prompts are prefilled into their room.
+one is what a verify forward computes). Generation is continuous batching through the
+engine's model over contiguous per-sequence KV (engine/dense_kv.py: offline, so no batch
+invariance is needed): finished sequences leave the batch and new prompts take their slots.
+Continuations may also be sampled, with the target's greedy token of every position kept as
+the label (more varied prefixes per prompt, same supervision).
 """
 
 from __future__ import annotations
@@ -16,24 +19,34 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner, SeqChunk
+from engine.dense_kv import DenseBatch, DenseKVCache
 
 
 @dataclass
 class Sample:
     """``features`` [len(token_ids) - prompt_len, width] start at position ``prompt_len - 1``
-    (width: hidden_size, or hidden_size per captured layer)."""
+    (width: hidden_size, or hidden_size per captured layer). ``target_ids`` (None when the
+    outputs are the target's greedy tokens themselves): for a sampled continuation, the
+    target's greedy choice at each output position, one per output token; the labels a head
+    learns (the drafter must guess the verifier's greedy token, whatever prefix led there)."""
 
     name: str
     token_ids: list[int]
     prompt_len: int
     features: torch.Tensor
+    target_ids: list[int] | None = None
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def label_ids(self) -> list[int]:
+        """``token_ids`` with each output token replaced by the target's greedy choice at
+        that position (equal to ``token_ids`` for a greedy sample)."""
+        if self.target_ids is None:
+            return self.token_ids
+        return self.token_ids[:self.prompt_len] + list(self.target_ids)
 
 
 def split_by_prompt(prompts: list[dict], heldout_fraction: float,
@@ -73,67 +86,88 @@ def chat_token_ids(tokenizer, prompts: list[dict]) -> list[list[int]]:  # noqa: 
 
 
 def generate_samples(model, config, prompts: list[list[int]], names: list[str], *,  # noqa: ANN001
-                     max_new_tokens: int, batch_size: int = 64, block_size: int = 16,
+                     max_new_tokens: int, batch_size: int = 64,
                      feature_dtype: torch.dtype = torch.bfloat16, progress=None,
-                     hidden_layers: tuple[int, ...] | None = None) -> list[Sample]:
-    """Greedy generations of ``model`` (engine.model.LlamaForCausalLM, ``config`` its
-    ModelConfig) for token-id ``prompts``, up to ``max_new_tokens`` each or EOS, in
-    continuous batches of up to ``batch_size`` sequences. ``progress(n_tokens)`` is called
-    after every step with the tokens it produced. ``hidden_layers``: the features are those
-    decoder layers' outputs side by side (EAGLE-3 fusion) instead of the final-norm state.
-    Returns samples in prompt order.
+                     hidden_layers: tuple[int, ...] | None = None,
+                     temperatures: list[float] | None = None, seed: int = 0) -> list[Sample]:
+    """Generations of ``model`` (engine.model.LlamaForCausalLM, ``config`` its ModelConfig)
+    for token-id ``prompts``, up to ``max_new_tokens`` each or EOS, in continuous batches of
+    up to ``batch_size`` sequences over a :class:`~engine.dense_kv.DenseKVCache` (one slot
+    per sequence; a finished one's slot takes the next prompt). ``progress(n_tokens)`` is
+    called after every step with the tokens it produced. ``hidden_layers``: the features are
+    those decoder layers' outputs side by side (EAGLE-3 fusion) instead of the final-norm
+    state. ``temperatures`` (one per prompt; None or 0: greedy): a prompt with T > 0 continues
+    with tokens sampled from softmax(logits / T) (a torch generator seeded with ``seed``) and
+    records the greedy token of every position as ``target_ids``. Returns samples in prompt
+    order.
 
     Raises:
-        ValueError: a prompt longer than the model's positions allow with its new tokens.
+        ValueError: a prompt longer than the model's positions allow with its new tokens, or
+            ``temperatures`` not one per prompt or negative.
     """
     limit = config.max_position_embeddings
     for ids in prompts:
         if len(ids) + max_new_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens "
                              f"exceeds max_position_embeddings {limit}")
+    temps = list(temperatures) if temperatures is not None else [0.0] * len(prompts)
+    if len(temps) != len(prompts) or any(t < 0 for t in temps):
+        raise ValueError("temperatures: one value >= 0 per prompt")
+    gen = torch.Generator().manual_seed(seed)
     longest = max(len(p) for p in prompts) + max_new_tokens
-    per_seq = -(-longest // block_size)
-    cache = KVCache(config, per_seq * batch_size, block_size, model.dtype, model.device)
-    blocks = BlockManager(cache.num_blocks, block_size)
-    runner = ModelRunner(model, config, cache)
+    slots = min(batch_size, len(prompts))
+    cache = DenseKVCache(config, slots, longest, model.dtype, model.device)
     eos = set(config.eos_token_ids)
     results: list[Sample | None] = [None] * len(prompts)
     pending = list(range(len(prompts)))[::-1]
+    free = list(range(slots))[::-1]
     active: dict[int, dict] = {}
+
+    def forward(order: list[int], chunks: list[list[int]], starts: list[int]):  # noqa: ANN202
+        batch = DenseBatch([active[i]["slot"] for i in order], starts, [len(c) for c in chunks])
+        cache.check(batch)
+        flat = [t for c in chunks for t in c]
+        pos = [p for c, s in zip(chunks, starts) for p in range(s, s + len(c))]
+        ends = torch.tensor([len(c) for c in chunks]).cumsum(0) - 1
+        with torch.inference_mode():
+            logits, hidden = model(torch.tensor(flat, device=model.device),
+                                   torch.tensor(pos, device=model.device), batch, cache,
+                                   return_hidden=True, logits_indices=ends.to(model.device),
+                                   hidden_layers=hidden_layers)
+        for i, lg, h in zip(order, logits.float(), hidden[ends]):
+            s = active[i]
+            greedy = int(lg.argmax())
+            token = greedy
+            if temps[i] > 0:
+                probs = torch.softmax(lg.double() / temps[i], dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=gen))
+            s["out"].append(token)
+            s["greedy"].append(greedy)
+            s["feats"].append(h.to(feature_dtype))
+        if progress:
+            progress(len(order))
+
     while pending or active:
         new = []
-        while pending and len(active) + len(new) < batch_size:
+        while pending and free:
             i = pending.pop()
+            active[i] = {"slot": free.pop(), "out": [], "greedy": [], "feats": []}
             new.append(i)
         if new:
-            tables = [blocks.allocate(per_seq) for _ in new]
-            logits, hidden = runner.forward(
-                [SeqChunk(list(prompts[i]), 0, t) for i, t in zip(new, tables)],
-                logits="last", return_hidden=True, hidden_layers=hidden_layers)
-            for i, t, lg, h in zip(new, tables, logits, hidden):
-                active[i] = {"table": t, "out": [int(lg[-1].argmax())],
-                             "feats": [h[-1].to(feature_dtype)]}
-            if progress:
-                progress(len(new))
+            forward(new, [list(prompts[i]) for i in new], [0] * len(new))
         done = [i for i, s in active.items()
                 if s["out"][-1] in eos or len(s["out"]) >= max_new_tokens]
         for i in done:
             s = active.pop(i)
-            blocks.free(s["table"])
+            free.append(s["slot"])
             results[i] = Sample(names[i], list(prompts[i]) + s["out"], len(prompts[i]),
-                                torch.stack(s["feats"]))
+                                torch.stack(s["feats"]),
+                                s["greedy"] if temps[i] > 0 else None)
         if not active:
             continue
         order = list(active)
-        logits, hidden = runner.forward(
-            [SeqChunk([active[i]["out"][-1]], len(prompts[i]) + len(active[i]["out"]) - 1,
-                      active[i]["table"]) for i in order], logits="all", return_hidden=True,
-            hidden_layers=hidden_layers)
-        for i, lg, h in zip(order, logits, hidden):
-            active[i]["out"].append(int(lg[-1].argmax()))
-            active[i]["feats"].append(h[-1].to(feature_dtype))
-        if progress:
-            progress(len(order))
+        forward(order, [[active[i]["out"][-1]] for i in order],
+                [len(prompts[i]) + len(active[i]["out"]) - 1 for i in order])
     # feats hold f_{p-1} .. f_{L-2}: one row per output token (the last one is never fed)
     return [s for s in results if s is not None]
 

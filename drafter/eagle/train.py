@@ -1,8 +1,8 @@
 """Training and evaluation of an EAGLE head on self-distilled samples (drafter/eagle/data.py).
 
 Entry ``s`` of a sample (positions ``prompt_len - 1 .. len - 3``) reads the target's feature
-``f_s`` and the token at ``s + 1``; its label is the token at ``s + 2`` (the target's greedy
-choice) as a draft-vocabulary index. The loss sums, over ``depth`` unrolled passes (EAGLE-3's
+``f_s`` and the token at ``s + 1``; its label is the target's greedy choice at ``s + 2`` (the
+token there, or for a sampled continuation ``Sample.label_ids``) as a draft-vocabulary index. The loss sums, over ``depth`` unrolled passes (EAGLE-3's
 training-time test, arXiv 2503.01840), the cross-entropy of pass k at the entries where a
 k-token chain exists, weighted ``pass_decay ** (k - 1)``, plus EAGLE-1's smooth-L1 regression
 of pass 1 onto ``f_{s+1}`` (arXiv 2401.15077). Acceptance at draft position k is the share of
@@ -28,7 +28,7 @@ IGNORE = -100
 def draft_vocabulary(samples: list[Sample], size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
     """The ``size`` most frequent output tokens of ``samples`` (ties by id), plus ``always``
     (e.g. EOS ids), as LongTensor [size] sorted by id."""
-    counts = Counter(t for s in samples for t in s.token_ids[s.prompt_len:])
+    counts = Counter(t for s in samples for t in s.label_ids[s.prompt_len:])
     chosen = [t for t in always][:size]
     for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
         if len(chosen) >= size:
@@ -61,12 +61,13 @@ def windows(samples: list[Sample], to_draft: torch.Tensor, max_len: int = 256) -
     out = []
     for s in samples:
         toks = torch.tensor(s.token_ids, dtype=torch.long)
+        targets = toks if s.target_ids is None else torch.tensor(s.label_ids, dtype=torch.long)
         p, n = s.prompt_len, len(s.token_ids)
         num_entries = n - p - 1  # entries s = p-1 .. n-3
         for lo in range(0, num_entries, max_len):
             hi = min(lo + max_len, num_entries)
             pos = torch.arange(p - 1 + lo, p - 1 + hi)
-            lab = to_draft[toks[pos + 2]]
+            lab = to_draft[targets[pos + 2]]
             out.append(Window(features=s.features[lo:hi + 1], next_tokens=toks[pos + 1],
                               labels=torch.where(lab < 0, IGNORE, lab), positions=pos))
     return out

@@ -129,3 +129,46 @@ def test_fused_feature_head_trains_on_layer_outputs_and_records_its_seed_state(
         train_drafter(build_parser().parse_args([
             "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
             "--feature-layers", "0,5", "--out", str(tmp_path / "x")]))
+
+
+def test_sampled_continuations_are_labelled_with_the_targets_greedy_tokens(
+        tiny_model_dir, tmp_path):
+    """--samples-per-prompt 3: each training prompt gets its greedy continuation and two
+    sampled ones; a sampled one's labels are the target's argmax at each position (a plain
+    forward over the sampled sequence), which is what the head's windows train on; held-out
+    prompts stay greedy only."""
+    from drafter.eagle.train import IGNORE, windows
+    from engine.block_manager import BlockManager
+    from engine.kv_cache import KVCache
+    from engine.runner import ModelRunner, SeqChunk
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"name": f"p{i}", "prompt": f"Tell me about {t}."})
+                               + "\n" for i, t in enumerate(TOPICS[:6])))
+    args = build_parser().parse_args([
+        "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
+        "--heldout-fraction", "0.3", "--max-new-tokens", "10", "--gen-batch-size", "4",
+        "--draft-vocab-size", "0", "--epochs", "1", "--batch-size", "4", "--depth", "2",
+        "--eval-depth", "2", "--samples-per-prompt", "3", "--sample-temperature", "1.5",
+        "--out", str(tmp_path / "head"), "--data", str(tmp_path / "data.pt")])
+    train_drafter(args)
+    samples = torch.load(args.data, weights_only=False)["samples"]
+    train, held = samples["train"], samples["heldout"]
+    base = [s.name for s in train if "#" not in s.name]
+    assert sorted(s.name for s in train) == sorted(
+        [n for b in base for n in (b, f"{b}#1", f"{b}#2")])
+    assert all(s.target_ids is None for s in held + [s for s in train if "#" not in s.name])
+    sampled = [s for s in train if "#" in s.name]
+    assert any(s.label_ids != s.token_ids for s in sampled)
+    lm = load_model(tiny_model_dir)
+    runner = ModelRunner(lm.model, lm.config, KVCache(lm.config, 16, 16, lm.model.dtype))
+    to_draft = torch.arange(lm.config.vocab_size)
+    for s in sampled:
+        p = s.prompt_len
+        logits = runner.forward([SeqChunk(s.token_ids, 0, BlockManager(16, 16).allocate(8))],
+                                logits="all")[0]
+        assert logits[p - 1:-1].argmax(-1).tolist() == s.target_ids
+        (w,) = windows([s], to_draft)
+        want = torch.tensor(s.target_ids[1:])  # entry s = p-1.. labels position s + 2
+        assert torch.equal(w.labels[w.labels != IGNORE], want)
+        assert torch.equal(w.next_tokens, torch.tensor(s.token_ids[p:-1]))  # sampled inputs
