@@ -42,7 +42,8 @@ def markdown(summary: dict) -> str:
     """A header (model, dtype, kappa, draft methods, thread plan, how the served clusters ran,
     and a loud line per output mismatch), then a table per concurrency level: system, tokens/s
     (median), ratio to HF, acceptance rate, mean accept length, acceptance per draft
-    position, share of verify steps with drafts, identical outputs (vs HF; kappa=K vs
+    position, share of verify steps with drafts, accepted drafts per verify step (all
+    steps), identical outputs (vs HF; kappa=K vs
     kappa=0), then the level's ratios; the step profiles and the step-cost check when the
     summary has them."""
     cfg = summary["config"]
@@ -66,8 +67,8 @@ def markdown(summary: dict) -> str:
     for level in summary["levels"].values():
         lines += [f"## concurrency {level['concurrency']} ({level['num_requests']} requests)",
                   "", "| system | tokens/s | x HF | acceptance | mean accept len | "
-                  "acceptance per position | steps with drafts | identical to HF | "
-                  "identical k=K vs k=0 |", "|---" * 9 + "|"]
+                  "acceptance per position | steps with drafts | accepted per step | "
+                  "identical to HF | identical k=K vs k=0 |", "|---" * 10 + "|"]
         for name, s in level["systems"].items():
             spec = s["kappa"] > 0 and s["kind"] != "hf"  # HF reports no spec stats
             lines.append(
@@ -76,6 +77,7 @@ def markdown(summary: dict) -> str:
                 f"{_num(s['mean_accept_len']) if spec else ''} | "
                 f"{_per_pos(s.get('acceptance_per_position') or []) if spec else ''} | "
                 f"{_num(s.get('verify_steps_with_drafts_share'), '.0%') if spec else ''} | "
+                f"{_num(s.get('accepted_per_step')) if spec else ''} | "
                 f"{_frac(s['identical_to_hf'])} | {_identical_k0(s)} |")
         lines.append("")
         lines += [f"- {k}: {v:.2f}x" for k, v in level["ratios"].items()]

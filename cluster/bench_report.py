@@ -78,6 +78,16 @@ def draft_step_share(profile: dict | None) -> float | None:
         if c.get("num_request_steps") else None
 
 
+def accepted_per_step(spec: SpecStats, profile: dict | None) -> float | None:
+    """Accepted drafts per verify step over all of the run's request-steps, drafts or not
+    (SGLang's accept length less its bonus token): what a drafter adds to every step, where
+    ``mean_accept_len`` (vLLM's) averages over the steps that had drafts only (None without
+    the verifier's step counters)."""
+    c = (profile or {}).get("counters", {})
+    return spec.num_accepted_tokens / c["num_request_steps"] \
+        if c.get("num_request_steps") else None
+
+
 def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str, list[RunResult]],
                      ) -> dict:
     """One system at one level: median and all tokens/s (completion tokens / wall seconds),
@@ -106,6 +116,7 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
            "accepted_per_pos": per_pos,
            "acceptance_per_position": acceptance_per_position(per_pos, spec.num_verify_steps),
            "verify_steps_with_drafts_share": draft_step_share(profile),
+           "accepted_per_step": accepted_per_step(spec, profile),
            "identical_to_hf": (same_outputs(first, hf[0])
                                if hf and system.name != HF_BASELINE else None),
            "identical_to_k0": identical_k0,

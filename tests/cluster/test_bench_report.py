@@ -159,14 +159,14 @@ def test_markdown_tables_and_profile():
     text = markdown(_summary())
     assert "## concurrency 1 (2 requests)" in text and "## concurrency 2 (2 requests)" in text
     assert ("| system | tokens/s | x HF | acceptance | mean accept len | acceptance per position "
-            "| steps with drafts | identical to HF |") in text
+            "| steps with drafts | accepted per step | identical to HF |") in text
     assert "- thread plan: served roles: verifier 2" in text
-    assert "| served k=2 ngram | 32.00 | 3.20 | 0.50 | 1.00 | 0.75 / 0.25 |  | 2/2 | 2/2 |" in text
-    assert ("| in-process k=2 ngram | 40.00 | 4.00 | 0.25 | 0.50 | 0.50 / 0.00 |  | 1/2 | "
+    assert "| served k=2 ngram | 32.00 | 3.20 | 0.50 | 1.00 | 0.75 / 0.25 |  |  | 2/2 | 2/2 |" in text
+    assert ("| in-process k=2 ngram | 40.00 | 4.00 | 0.25 | 0.50 | 0.50 / 0.00 |  |  | 1/2 | "
             "**1/2 MISMATCH** |") in text
     assert ("**OUTPUT MISMATCH at concurrency 1: in-process k=2 ngram differs from "
             "in-process k=0 on request(s) 1**") in text
-    assert "| hf generate | 10.00 | 1.00 |  |  |  |  |  |  |" in text
+    assert "| hf generate | 10.00 | 1.00 |  |  |  |  |  |  |  |" in text
     assert "### verifier step profile, concurrency 1" in text
     assert "| forward_with_drafts |" in text and "| steps with a usable tail |" in text
     assert "bound 1.1 x ratio 1.25" in text
@@ -184,3 +184,17 @@ def test_plot_writes_png(tmp_path):
     path = tmp_path / "bench.png"
     write_plot(_summary(), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accepted_per_step_counts_every_request_step():
+    """vLLM's mean accept length averages over steps with drafts; accepted_per_step over all
+    request-steps, so a drafter that rarely proposes is charged for its silent steps."""
+    from cluster.bench_report import accepted_per_step
+    from protocol.spec_stats import SpecStats
+
+    spec = SpecStats(num_draft_tokens=8, num_accepted_tokens=6, num_verify_steps=2)
+    prof = {"counters": {"num_request_steps": 20, "num_request_steps_with_drafts": 2}}
+    assert spec.mean_accept_len == 3.0
+    assert accepted_per_step(spec, prof) == pytest.approx(0.3)
+    assert accepted_per_step(spec, None) is None
+    assert accepted_per_step(spec, {"counters": {}}) is None
