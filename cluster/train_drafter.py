@@ -82,6 +82,9 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="weight of the smooth-L1 regression onto the target's next state "
                         "(default 0.5; 0 and not allowed with --feature-layers)")
     p.add_argument("--eval-depth", type=int, default=5)
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="eagle: dtype of the stored head weights (bfloat16 halves the file; "
+                        "the evaluation runs on the rounded weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -229,7 +232,7 @@ def train_drafter(args: argparse.Namespace) -> dict:
 
 
 def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
-    from drafter.eagle.checkpoint import save_head, target_identity
+    from drafter.eagle.checkpoint import round_weights, save_head, target_identity
     from drafter.eagle.head import EagleHead, EagleHeadConfig
     from drafter.eagle.train import acceptance, acceptance_report, draft_vocabulary, train, windows
 
@@ -257,6 +260,8 @@ def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
     summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size,
                     lr=args.lr, depth=args.depth, seed=args.seed,
                     soft_weight=args.soft_weight, reg_weight=reg_weight)
+    save_dtype = getattr(torch, args.save_dtype)
+    round_weights(head, save_dtype)  # evaluate what the checkpoint will hold
     evaluation = {}
     for label, ss in samples.items():
         if label == "train" or not ss:
@@ -266,6 +271,6 @@ def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
                              "mean_accepted_per_chain": sum(acc)}
         print(f"{label} ({len(ss)} prompts): {acceptance_report(acc)}", flush=True)
     training = training_record(prep, args, summary, evaluation)
-    out = save_head(head, args.out, training)
+    out = save_head(head, args.out, training, dtype=save_dtype)
     print(f"wrote {out} in {training['total_seconds'] / 60:.1f} min total", flush=True)
     return evaluation

@@ -164,7 +164,6 @@ class Attention(nn.Module):
             out = kv_cache.attend(layer, q, k, v, meta, self.scaling)
             return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         kv_cache.write(layer, meta.slot_mapping, k, v)
-
         if meta._plan is None:  # whole prompts: causal attention within each chunk
             out = torch.empty_like(q)
             offset = 0
@@ -274,9 +273,8 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: LongTensor [T], the chunks of all requests concatenated.
             positions: LongTensor [T], absolute position of each token.
-            meta: request boundaries, KV lengths, block tables and slots (sum(query_lens) == T);
-                a :class:`~engine.dense_kv.DenseBatch` with a ``DenseKVCache`` (offline
-                generation: contiguous per-sequence KV, not batch invariant).
+            meta: request boundaries, KV lengths, block tables and slots (sum(query_lens) == T),
+                or a DenseBatch with a DenseKVCache (engine/dense_kv.py, offline generation).
             logits_indices: rows of the T tokens to compute logits for (default: all).
 
         Returns:

@@ -56,13 +56,24 @@ def check_target(expected: dict, actual: dict, where: str) -> None:
                            f"(fingerprint {fa} vs {fe})")
 
 
-def save_head(head: EagleHead, path: str | Path, training: dict | None = None) -> Path:
-    """Write ``head`` (weights in float32) and its config to directory ``path``."""
+def round_weights(head: EagleHead, dtype: torch.dtype) -> None:
+    """Round the head's stored weights (its state dict) to ``dtype`` and back, in place: the
+    head then computes exactly what a checkpoint saved in ``dtype`` loads as."""
+    with torch.no_grad():
+        for t in head.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(t.to(dtype))
+
+
+def save_head(head: EagleHead, path: str | Path, training: dict | None = None,
+              dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``head`` (weights in ``dtype``, float32 or bfloat16: :func:`load_head` upcasts)
+    and its config to directory ``path``."""
     from safetensors.torch import save_file
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().float().contiguous() for k, v in head.state_dict().items()}
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
     tensors["draft_to_target"] = head.draft_to_target.detach().long().contiguous()
     save_file(tensors, str(out / WEIGHTS))
     meta = {"format": "specmesh-eagle-head/1", "config": head.config.to_dict(),

@@ -113,7 +113,7 @@ def generate_samples(model, config, prompts: list[list[int]], names: list[str], 
     temps = list(temperatures) if temperatures is not None else [0.0] * len(prompts)
     if len(temps) != len(prompts) or any(t < 0 for t in temps):
         raise ValueError("temperatures: one value >= 0 per prompt")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
     longest = max(len(p) for p in prompts) + max_new_tokens
     slots = min(batch_size, len(prompts))
     cache = DenseKVCache(config, slots, longest, model.dtype, model.device)
@@ -134,16 +134,21 @@ def generate_samples(model, config, prompts: list[list[int]], names: list[str], 
                                    torch.tensor(pos, device=model.device), batch, cache,
                                    return_hidden=True, logits_indices=ends.to(model.device),
                                    hidden_layers=hidden_layers)
-        for i, lg, h in zip(order, logits.float(), hidden[ends]):
+        logits = logits.float()
+        greedy = logits.argmax(-1).tolist()
+        tokens = list(greedy)
+        hot = [j for j, i in enumerate(order) if temps[i] > 0]
+        if hot:  # one batched draw for every sampled row
+            t = torch.tensor([temps[order[j]] for j in hot], device=logits.device)[:, None]
+            drawn = torch.multinomial(torch.softmax(logits[hot] / t, dim=-1), 1, generator=gen)
+            for j, token in zip(hot, drawn.view(-1).tolist()):
+                tokens[j] = token
+        feats = hidden[ends].to(feature_dtype)
+        for j, i in enumerate(order):
             s = active[i]
-            greedy = int(lg.argmax())
-            token = greedy
-            if temps[i] > 0:
-                probs = torch.softmax(lg.double() / temps[i], dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=gen))
-            s["out"].append(token)
-            s["greedy"].append(greedy)
-            s["feats"].append(h.to(feature_dtype))
+            s["out"].append(tokens[j])
+            s["greedy"].append(greedy[j])
+            s["feats"].append(feats[j])
         if progress:
             progress(len(order))
 

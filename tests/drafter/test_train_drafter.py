@@ -172,3 +172,50 @@ def test_sampled_continuations_are_labelled_with_the_targets_greedy_tokens(
         want = torch.tensor(s.target_ids[1:])  # entry s = p-1.. labels position s + 2
         assert torch.equal(w.labels[w.labels != IGNORE], want)
         assert torch.equal(w.next_tokens, torch.tensor(s.token_ids[p:-1]))  # sampled inputs
+
+
+def test_bfloat16_checkpoint_is_what_was_evaluated(tiny_model_dir, tmp_path):
+    """--save-dtype bfloat16 stores the head's weights in bf16 (half the file); the head is
+    rounded before its evaluation, so the stored weights are exactly the evaluated ones."""
+    from safetensors import safe_open
+
+    from drafter.eagle.checkpoint import round_weights, save_head
+    from drafter.eagle.head import EagleHead, EagleHeadConfig
+    from drafter.eagle.train import acceptance, windows
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"name": f"p{i}", "prompt": f"Tell me about {t}."})
+                               + "\n" for i, t in enumerate(TOPICS[:8])))
+    out = tmp_path / "head"
+    args = build_parser().parse_args([
+        "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
+        "--heldout-fraction", "0.4", "--max-new-tokens", "10", "--gen-batch-size", "4",
+        "--draft-vocab-size", "0", "--epochs", "2", "--batch-size", "4", "--depth", "2",
+        "--eval-depth", "3", "--save-dtype", "bfloat16", "--out", str(out),
+        "--data", str(tmp_path / "data.pt")])
+    evaluation = train_drafter(args)
+    with safe_open(str(out / "head.safetensors"), framework="pt") as st:
+        dtypes = {k: st.get_tensor(k).dtype for k in st.keys()}
+    assert dtypes.pop("draft_to_target") == torch.int64
+    assert set(dtypes.values()) == {torch.bfloat16}
+    lm = load_model(tiny_model_dir)
+    embed, lm_head = target_embeddings(tiny_model_dir)
+    target = target_identity(lm.name, lm.config, embed)
+    head = load_head(out, embed, lm_head, target)
+    held = torch.load(args.data, weights_only=False)["samples"]["heldout"]
+    to_draft = torch.full((lm.config.vocab_size,), -1, dtype=torch.long)
+    to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel())
+    assert acceptance(head, windows(held, to_draft), 3) == \
+        evaluation["heldout"]["acceptance_per_position"]
+    # the rounding is what makes stored == evaluated, bit for bit
+    torch.manual_seed(0)
+    fresh = EagleHead(EagleHeadConfig.for_target(lm.config, target=target))
+    fresh.set_target_weights(embed.float(), lm_head.float(), None)
+    for rounded in (False, True):
+        if rounded:
+            round_weights(fresh, torch.bfloat16)
+        save_head(fresh, tmp_path / f"h{rounded}", dtype=torch.bfloat16)
+        back = load_head(tmp_path / f"h{rounded}", embed, lm_head, target)
+        same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                      back.state_dict().values()))
+        assert same == rounded
