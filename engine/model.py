@@ -13,6 +13,7 @@ from engine.block_manager import slot_mapping as _slot_mapping
 from engine.config import ModelConfig
 from engine.dense_kv import DenseBatch, DenseKVCache
 from engine.kv_cache import KVCache
+from engine.linear import RowInvariantLinear
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_plan import PagedAttentionPlan, plan_paged_attention
 
@@ -139,10 +140,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = config.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self.q_proj = RowInvariantLinear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = RowInvariantLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = RowInvariantLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = RowInvariantLinear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
 
     def forward(
         self,
@@ -161,8 +162,7 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if isinstance(kv_cache, DenseKVCache):  # offline generation (engine/dense_kv.py)
-            out = kv_cache.attend(layer, q, k, v, meta, self.scaling)
-            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+            return self.o_proj(kv_cache.attend(layer, q, k, v, meta, self.scaling).flatten(1))
         kv_cache.write(layer, meta.slot_mapping, k, v)
         if meta._plan is None:  # whole prompts: causal attention within each chunk
             out = torch.empty_like(q)
@@ -187,9 +187,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = RowInvariantLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = RowInvariantLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -232,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Plain attribute, not a buffer: .to(dtype) must not round it (RoPE runs in float32).
