@@ -184,8 +184,9 @@ def test_a_method_whose_output_differs_from_kappa0_is_flagged_loudly():
     assert "| in-process k=3 eagle | 50.00 | 5.00 | 0.67 | 2.00 | 1.00 / 0.50 / 0.50 | 50% |" \
         in text
     assert "**1/2 MISMATCH** |" in text
+    # accepted per step (all request-steps) = mean accept len x share of steps with drafts
     assert "| served k=3 eagle | 40.00 | 4.00 | 0.75 | 2.25 | 1.00 / 0.75 / 0.50 | 50% | " \
-        "2/2 | 2/2 |" in text
+        "1.12 | 2/2 | 2/2 |" in text
     assert "drafters ngram, eagle" in text.splitlines()[0]
     assert ("- thread plan: served roles: verifier 2, prefill 2, drafter 1, gateway 1; "
             "bench process (in-process, HF): 2") in text
