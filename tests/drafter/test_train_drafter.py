@@ -15,6 +15,20 @@ TOPICS = ["rivers", "python lists", "the moon", "tea", "prime numbers", "bicycle
           "volcanoes", "poetry", "binary search", "clouds", "chess"]
 
 
+def _small_run(model_dir: str, tmp_path, num_topics: int, *options: str):  # noqa: ANN001, ANN202
+    """Parsed ``train-drafter`` args for a few-step eagle run on the tiny model over the first
+    ``num_topics`` prompts (output in tmp_path/head, data in tmp_path/data.pt); ``options``
+    are added to (and override) the common ones."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"name": f"p{i}", "prompt": f"Tell me about {t}."})
+                               + "\n" for i, t in enumerate(TOPICS[:num_topics])))
+    return build_parser().parse_args([
+        "train-drafter", "--model", model_dir, "--prompts", str(prompts),
+        "--heldout-fraction", "0.3", "--gen-batch-size", "4", "--batch-size", "4",
+        "--depth", "2", "--out", str(tmp_path / "head"), "--data", str(tmp_path / "data.pt"),
+        *options])
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train-drafter")
@@ -96,16 +110,11 @@ def test_fused_feature_head_trains_on_layer_outputs_and_records_its_seed_state(
     from engine.kv_cache import KVCache
     from engine.runner import ModelRunner, SeqChunk
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"name": f"p{i}", "prompt": f"Tell me about {t}."})
-                               + "\n" for i, t in enumerate(TOPICS[:6])))
     out = tmp_path / "head"
-    args = build_parser().parse_args([
-        "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
-        "--heldout-fraction", "0.3", "--max-new-tokens", "8", "--gen-batch-size", "4",
-        "--draft-vocab-size", "128", "--epochs", "1", "--batch-size", "4", "--depth", "2",
-        "--eval-depth", "2", "--feature-layers", "1,0", "--out", str(out),
-        "--data", str(tmp_path / "data.pt")])
+    args = _small_run(tiny_model_dir, tmp_path, 6, "--max-new-tokens", "8",
+                      "--draft-vocab-size", "128", "--epochs", "1", "--eval-depth", "2",
+                      "--feature-layers", "1,0")
+    prompts = tmp_path / "prompts.jsonl"
     train_drafter(args)
     cfg = read_head_config(out)
     assert cfg.feature_layers == (1, 0) and cfg.seed_state == "hidden:1,0"
@@ -142,15 +151,9 @@ def test_sampled_continuations_are_labelled_with_the_targets_greedy_tokens(
     from engine.kv_cache import KVCache
     from engine.runner import ModelRunner, SeqChunk
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"name": f"p{i}", "prompt": f"Tell me about {t}."})
-                               + "\n" for i, t in enumerate(TOPICS[:6])))
-    args = build_parser().parse_args([
-        "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
-        "--heldout-fraction", "0.3", "--max-new-tokens", "10", "--gen-batch-size", "4",
-        "--draft-vocab-size", "0", "--epochs", "1", "--batch-size", "4", "--depth", "2",
-        "--eval-depth", "2", "--samples-per-prompt", "3", "--sample-temperature", "1.5",
-        "--out", str(tmp_path / "head"), "--data", str(tmp_path / "data.pt")])
+    args = _small_run(tiny_model_dir, tmp_path, 6, "--max-new-tokens", "10",
+                      "--draft-vocab-size", "0", "--epochs", "1", "--eval-depth", "2",
+                      "--samples-per-prompt", "3", "--sample-temperature", "1.5")
     train_drafter(args)
     samples = torch.load(args.data, weights_only=False)["samples"]
     train, held = samples["train"], samples["heldout"]
@@ -183,16 +186,10 @@ def test_bfloat16_checkpoint_is_what_was_evaluated(tiny_model_dir, tmp_path):
     from drafter.eagle.head import EagleHead, EagleHeadConfig
     from drafter.eagle.train import acceptance, windows
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"name": f"p{i}", "prompt": f"Tell me about {t}."})
-                               + "\n" for i, t in enumerate(TOPICS[:8])))
     out = tmp_path / "head"
-    args = build_parser().parse_args([
-        "train-drafter", "--model", tiny_model_dir, "--prompts", str(prompts),
-        "--heldout-fraction", "0.4", "--max-new-tokens", "10", "--gen-batch-size", "4",
-        "--draft-vocab-size", "0", "--epochs", "2", "--batch-size", "4", "--depth", "2",
-        "--eval-depth", "3", "--save-dtype", "bfloat16", "--out", str(out),
-        "--data", str(tmp_path / "data.pt")])
+    args = _small_run(tiny_model_dir, tmp_path, 8, "--heldout-fraction", "0.4",
+                      "--max-new-tokens", "10", "--draft-vocab-size", "0", "--epochs", "2",
+                      "--eval-depth", "3", "--save-dtype", "bfloat16")
     evaluation = train_drafter(args)
     with safe_open(str(out / "head.safetensors"), framework="pt") as st:
         dtypes = {k: st.get_tensor(k).dtype for k in st.keys()}
