@@ -6,9 +6,9 @@ The serving path keeps its KV paged and reduces attention in fixed tiles
 costs a gather and copies of every request's KV per layer and step. Offline generation needs
 neither property: each sequence owns a slot, a contiguous ``[Hkv, max_len, D]`` strip of keys
 and one of values per layer, and a decode step attends with one masked
-``scaled_dot_product_attention`` over views of the slots (no gather, no copy). On this 2-core
-CPU a batch-64 decode step's attention costs about 3.4 ms per layer this way at 300 positions,
-against 8-20 ms for the paged reference.
+``scaled_dot_product_attention`` over views of the slots (no gather, no copy). Measured on an
+AVX2 2-core CPU: a batch-64 decode step's attention about 3.4 ms per layer at 300 positions
+against 8-20 ms for the paged reference; SmolLM2 self-distillation 166 vs 126 tok/s.
 
 Chunks of a forward (:class:`DenseBatch`): either one token each (a decode step: batched over
 slots) or several tokens (a prompt, or any chunk: attended one by one, causal aligned
@@ -71,8 +71,9 @@ class DenseKVCache:
     Memory: ``num_layers * 2 * num_slots * max_len * Hkv * D`` elements of ``dtype``.
 
     Raises:
-        ValueError: ``num_slots < 1`` or ``max_len < 1``, or (in :meth:`attend`) a chunk
-            outside its slot, or two chunks of one forward in the same slot.
+        ValueError: ``num_slots < 1`` or ``max_len < 1``, or (in :meth:`check`, which callers
+            run before a forward) a chunk outside its slot, or two chunks of one forward in
+            the same slot.
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int,

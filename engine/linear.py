@@ -8,9 +8,9 @@ others, while products of two or more rows agree row by row (measured: SmolLM2's
 ``down_proj`` on its own activations, every M from 2 to 17 against pairs). After rounding to
 bf16 such a bit flips greedy tokens at near-ties, so speculation's output drifted from plain
 decoding's. :class:`RowInvariantLinear` computes a one-row bf16 / fp16 input as two rows (the
-row twice) and keeps the first. Float32 keeps the one-row fast path (GEMV; a 2-row fp32 GEMM
-costs up to 3x on AVX2): its last-bit differences survive only in float32 logits and
-are far rarer at argmax; float64 is computed exactly alike either way in practice.
+row twice) and keeps the first. Float32 and float64 keep the one-row fast path (GEMV; a 2-row fp32 GEMM
+costs up to 3x on AVX2): float32's last-bit differences are far rarer at argmax than bf16's
+(no test or bench prompt has flipped), but they are not ruled out.
 """
 
 from __future__ import annotations

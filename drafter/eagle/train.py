@@ -61,7 +61,7 @@ def windows(samples: list[Sample], to_draft: torch.Tensor, max_len: int = 256) -
     out = []
     for s in samples:
         toks = torch.tensor(s.token_ids, dtype=torch.long)
-        targets = toks if s.target_ids is None else torch.tensor(s.label_ids, dtype=torch.long)
+        targets = torch.tensor(s.label_ids, dtype=torch.long)  # == toks for a greedy sample
         p, n = s.prompt_len, len(s.token_ids)
         num_entries = n - p - 1  # entries s = p-1 .. n-3
         for lo in range(0, num_entries, max_len):
