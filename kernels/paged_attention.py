@@ -115,17 +115,63 @@ def paged_attention_ref(
         qp[plan.token_batch, plan.token_row] = q
     # [B, Hkv, 1, G * q_pad, D]: query head h = kv_head * G + g
     qp = qp.view(b, q_pad, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, 1, rows, d)
-    scores = torch.matmul(qp.to(acc) * scale, k.transpose(-1, -2))  # [B, Hkv, nt, rows, tile]
+    qp = qp.to(acc) * scale
+    scores = torch.matmul(qp, k.transpose(-1, -2))  # [B, Hkv, nt, rows, tile]
+    pairs = None
+    if plan.path_tiles is not None:  # tree rows: the tiles holding their paths, in order
+        pairs = _PathTiles(plan, qp, k_cache, v_cache, g, q_pad, acc)
+        pairs.put(scores, torch.matmul(pairs.q, pairs.k.transpose(-1, -2)))
     scores = scores.view(b, hkv, n_tiles, g, q_pad, tile)
     scores.masked_fill_(~plan.tile_mask(q_pad), float("-inf"))
     e = scores.sub_(scores.amax(dim=(2, 5), keepdim=True)).exp_()
     # sums over positions: within a tile (fixed shape), then tile by tile in order (cumsum)
     den = e.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, G, q_pad]
-    num = torch.matmul(e.view(b, hkv, n_tiles, rows, tile), v).cumsum(2)[:, :, -1]
+    e = e.view(b, hkv, n_tiles, rows, tile)
+    num = torch.matmul(e, v)  # [B, Hkv, nt, rows, D]
+    if pairs is not None:
+        pairs.put(num, torch.matmul(pairs.take(e), pairs.v))
+    num = num.cumsum(2)[:, :, -1]
     out = num.view(b, hkv, g, q_pad, d) / den[..., None]
     out = out.permute(0, 3, 1, 2, 4).reshape(b, q_pad, h, d)
     out = out[plan.token_batch, plan.token_row] if padded else out.reshape(t, h, d)
     return out.to(q.dtype)
+
+
+class _PathTiles:
+    """The reference's (tree row, KV tile) pairs of ``plan.path_tiles``: each pair's query
+    heads and its tile's K/V with the row's path rows in order (where one-token decode steps
+    along the path would have written them), so the pair's scores and value product come from
+    the same values in the same places as in those steps. Products pad their rows to
+    MIN_MATMUL_ROWS with copies of the pair's first head (dropped after)."""
+
+    def __init__(self, plan: PagedAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, g: int, q_pad: int, acc: torch.dtype) -> None:
+        req, row, self.tile, slots = plan.path_tiles
+        key = ("path_rows", g, q_pad)
+        rows = plan._masks.get(key)
+        if rows is None:  # [P, max(G, MIN_MATMUL_ROWS)]: the pair's rows among G * q_pad
+            heads = torch.arange(max(g, MIN_MATMUL_ROWS), device=row.device)
+            rows = plan._masks[key] = heads.masked_fill(heads >= g, 0) * q_pad + row[:, None]
+        self.req, self.rows, self.g = req[:, None], rows, g
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+
+        def tiles(cache: torch.Tensor) -> torch.Tensor:  # [P, Hkv, tile, D]
+            x = cache.view(-1, hkv, d).index_select(0, slots)
+            return x.view(req.shape[0], -1, hkv, d).transpose(1, 2).to(acc)
+
+        self.k, self.v = tiles(k_cache), tiles(v_cache)
+        self.q = self.take(q)  # q [B, Hkv, 1, rows, D] -> [P, Hkv, G', D]
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The pairs' rows of ``x`` [B, Hkv, nt, rows, *] (their own tile; nt may be 1, then
+        broadcast) as [P, Hkv, G', *]."""
+        tile = self.tile[:, None] if x.shape[2] > 1 else 0
+        return x[self.req, :, tile, self.rows].transpose(1, 2)
+
+    def put(self, x: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the pairs' rows (the first G of ``values`` [P, Hkv, G', *]) into ``x``."""
+        x[self.req, :, self.tile[:, None], self.rows[:, :self.g]] = \
+            values[:, :, :self.g].transpose(1, 2)
 
 
 def paged_attention(
@@ -165,7 +211,7 @@ def _paged_attention_kernel(
     tables_ptr,  # int64 [B, n_blocks]
     token_batch_ptr,  # int [T]: request of each query token
     token_visible_ptr,  # int [T]: positions each query token sees (n - q + j + 1)
-    tree_mask_ptr,  # int32 [T, q_max]: chunk rows each query token sees (HAS_TREE only)
+    path_ptr,  # int32 [T, w]: chunk row each query token reads at chunk offset o (HAS_TREE)
     chunk_start_ptr,  # int32 [T]: position of the token's chunk row 0, n - q (HAS_TREE only)
     scale,
     stride_qt, stride_qh, stride_qd,
@@ -186,7 +232,8 @@ def _paged_attention_kernel(
 ):
     """One program per (query token, KV head): the GROUP query heads that read this KV head,
     over the token's visible positions in tiles of BLOCK_N, with an online softmax. With
-    HAS_TREE, positions inside the token's chunk count only where its mask row allows."""
+    HAS_TREE, chunk offset o reads chunk row path[o] (a tree row's path, at consecutive
+    positions as in one-token decode steps along it)."""
     tok = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     req = tl.load(token_batch_ptr + tok).to(tl.int64)
@@ -208,14 +255,14 @@ def _paged_attention_kernel(
     for start in range(0, n_vis, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < n_vis
-        if HAS_TREE:  # chunk rows past the root: only the token's ancestors (and itself)
+        src = pos
+        if HAS_TREE:  # the chunk part: the token's path rows, in depth order
             in_chunk = p_mask & (pos >= c_start)
-            anc = tl.load(tree_mask_ptr + tok * stride_mt + (pos - c_start), mask=in_chunk,
-                          other=1)
-            p_mask = p_mask & (anc != 0)
-        blk = tl.load(tables_ptr + req * stride_tb + pos // block_size, mask=p_mask,
+            row = tl.load(path_ptr + tok * stride_mt + (pos - c_start), mask=in_chunk, other=0)
+            src = tl.where(in_chunk, c_start + row, pos)
+        blk = tl.load(tables_ptr + req * stride_tb + src // block_size, mask=p_mask,
                       other=0).to(tl.int64)
-        off = (pos % block_size).to(tl.int64)
+        off = (src % block_size).to(tl.int64)
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks
                     + kvh * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
@@ -299,8 +346,8 @@ def paged_attention_triton(
     token_visible = plan.token_visible
     if token_visible is None:  # a plan built by hand: count each token's visible positions
         token_visible = plan.num_visible[plan.token_batch, plan.token_row]
-    has_tree = plan.token_tree_mask is not None
-    tree_rows = plan.token_tree_mask if has_tree else token_visible
+    has_tree = plan.token_path is not None
+    tree_rows = plan.token_path if has_tree else token_visible
     chunk_start = plan.token_chunk_start if has_tree else token_visible
     plan_tensors = (plan.token_batch, token_visible, plan.block_tables, tree_rows, chunk_start)
     if any(x.device != q.device for x in plan_tensors):

@@ -16,7 +16,13 @@ bool ``[q, q]`` ancestry mask over its own chunk, ``mask[j, c]`` = row ``j`` see
 chunk rows its mask allows (its ancestors and itself). A mask must be lower-triangular with a
 true diagonal and a true column 0 (the root, the last committed token, is every node's
 ancestor); a chain's mask is the lower triangle, and requests without one (None) take exactly
-the chain path above, bit for bit.
+the chain path above, bit for bit. Where those rows lie does not show in the result: row ``j``
+reads its path (the rows its mask allows, in order) as if they lay at consecutive positions
+``n - q, n - q + 1, ...``, as the one-token decode steps along that path would have written
+them. Reading them in place instead (a side branch's rows skip branch 0's, masked out) puts
+the same values in other places of a reduction and changes the last bit: enough to flip a
+near-tie, so output with tree speculation differed from output without it (bf16, seen on one
+of 12 held-out chat prompts).
 
 Tiling: the reference reduces positions in fixed tiles of :func:`tile_len` positions (the
 batch invariance of :mod:`kernels.paged_attention`); a plan pads every request's block table
@@ -25,7 +31,7 @@ to whole tiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -63,13 +69,17 @@ class PagedAttentionPlan:
     n_blocks: int
     token_visible: torch.Tensor | None = None
     block_size: int = 0
-    #: bool [B, q_max, q_max] chunk ancestry masks (None: no request has a tree); chains and
-    #: padding rows hold the lower triangle
-    tree_mask: torch.Tensor | None = None
-    #: int32 [T, q_max] (row of ``tree_mask`` per query token) and int32 [T] (``n - q``, the
-    #: position of the request's chunk row 0): what the Triton kernel reads; None without trees
-    token_tree_mask: torch.Tensor | None = None
+    #: token trees (None without any): ``token_path`` int32 [T, w], per query token the chunk
+    #: row it reads at chunk offset ``o`` (its ancestors, then itself, in depth order; the
+    #: identity for chain rows), and ``token_chunk_start`` int32 [T], the position of its
+    #: request's chunk row 0; what the Triton kernel reads
+    token_path: torch.Tensor | None = None
     token_chunk_start: torch.Tensor | None = None
+    #: the same for the reference: ``(request, row, tile, slots)``, long [P] x 3 and
+    #: [P * tile]: the (query row, KV tile) pairs where a tree row's path lies out of place,
+    #: and per slot of that tile the cache slot (``block * block_size + offset``) whose K/V
+    #: the row reads there (None: no such pair)
+    path_tiles: tuple[torch.Tensor, ...] | None = None
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def tile_mask(self, q_pad: int) -> torch.Tensor:
@@ -84,26 +94,9 @@ class PagedAttentionPlan:
                 nv = torch.cat([nv, nv.new_full((nv.shape[0], q_pad - self.q_max), 1 << 30)], 1)
             pos = torch.arange(n_tiles * tile, device=nv.device).view(n_tiles, tile)
             mask = pos[None, :, None, :] < nv[:, None, :, None]  # [B, n_tiles, q_pad, tile]
-            if self.tree_mask is not None:
-                mask = mask & self._tree_visible(pos, q_pad)
             mask = mask[:, None, :, None]
             self._masks[q_pad] = mask
         return mask
-
-    def _tree_visible(self, pos: torch.Tensor, q_pad: int) -> torch.Tensor:
-        """bool [B, n_tiles, q_pad, tile]: False where a position inside a request's chunk is
-        not an ancestor of the query row (rows past ``q_max`` see every chunk row)."""
-        tm = self.tree_mask
-        b, q_max = tm.shape[0], tm.shape[1]
-        if q_pad > q_max:
-            tm = torch.cat([tm, tm.new_ones((b, q_pad - q_max, q_max))], 1)
-        start = self.num_visible[:, 0] - 1  # n - q: chunk row 0's position
-        rel = pos.view(-1)[None, :] - start[:, None]  # [B, P]
-        in_chunk = (rel >= 0) & (rel < q_max)
-        cols = rel.clamp(0, q_max - 1)
-        anc = torch.gather(tm, 2, cols[:, None, :].expand(b, q_pad, -1))  # [B, q_pad, P]
-        ok = anc | ~in_chunk[:, None, :]
-        return ok.view(b, q_pad, *pos.shape).permute(0, 2, 1, 3)
 
 
 def _as_list(x: torch.Tensor | list[int], name: str) -> list[int]:
@@ -154,12 +147,22 @@ def plan_paged_attention(
             raise ValueError(f"request {b}: need 1 <= query_len <= kv_len, got {q}, {n}")
         if w * block_size < n:
             raise ValueError(f"request {b}: {w} blocks of {block_size} cannot hold {n} positions")
+    if tables is None:  # only the blocks a tile can reach, padded with a valid id
+        width = -(-max(n_lens) // tile_len(block_size)) * tile_len(block_size) // block_size
+        tables = torch.tensor([t[:width] + [t[0]] * (width - min(len(t), width))
+                               for t in block_tables], dtype=torch.long, device=device)
+    masks = _tree_masks(tree_masks, q_lens) if tree_masks is not None else None
+    if masks is None or all(m is None for m in masks):
+        return _chain_plan(q_lens, n_lens, tables, block_size, device)
+    return _tree_plan(q_lens, n_lens, tables, block_size, device, masks)
+
+
+def _chain_plan(q_lens: list[int], n_lens: list[int], tables: torch.Tensor, block_size: int,
+                device: str | torch.device) -> PagedAttentionPlan:
+    """The plan of a batch of chains (validated lengths; ``tables`` long [B, >= needed])."""
     tile = tile_len(block_size)
     n_blocks = -(-max(n_lens) // tile) * tile // block_size
-    if tables is None:
-        tables = torch.tensor([t[:n_blocks] + [t[0]] * (n_blocks - min(len(t), n_blocks))
-                               for t in block_tables], dtype=torch.long, device=device)
-    elif tables.shape[1] < n_blocks:  # pad to whole tiles (the padding is never visible)
+    if tables.shape[1] < n_blocks:  # pad to whole tiles (the padding is never visible)
         tables = torch.cat([tables, tables[:, :1].expand(-1, n_blocks - tables.shape[1])], 1)
     tables = tables[:, :n_blocks].contiguous()
     q_max = max(q_lens)
@@ -169,29 +172,70 @@ def plan_paged_attention(
     num_visible = (torch.tensor(n_lens) - torch.tensor(q_lens) + 1)[:, None] + \
         torch.arange(q_max)[None, :]
     token_visible = num_visible[token_batch, token_row].to(torch.int32)
-    tree_mask = token_tree_mask = token_chunk_start = None
-    if tree_masks is not None and any(m is not None for m in tree_masks):
-        tree_mask = _tree_mask(tree_masks, q_lens, q_max)
-        token_tree_mask = tree_mask[token_batch, token_row].to(torch.int32).to(device)
-        token_chunk_start = (torch.tensor(n_lens) - torch.tensor(q_lens))[token_batch]
-        token_chunk_start = token_chunk_start.to(torch.int32).to(device)
-        tree_mask = tree_mask.to(device)
     return PagedAttentionPlan(token_batch.to(device), token_row.to(device),
                               num_visible.to(device), tables, q_max, n_blocks,
-                              token_visible.to(device), block_size, tree_mask,
-                              token_tree_mask, token_chunk_start)
+                              token_visible.to(device), block_size)
 
 
-def _tree_mask(tree_masks: list[torch.Tensor | None], q_lens: list[int],
-               q_max: int) -> torch.Tensor:
-    """bool [B, q_max, q_max]: each request's validated mask (chains: the lower triangle) in
-    the top-left corner of a lower triangle."""
+def _tree_plan(q_lens: list[int], n_lens: list[int], tables: torch.Tensor, block_size: int,
+               device: str | torch.device,
+               masks: list[torch.Tensor | None]) -> PagedAttentionPlan:
+    """A batch with token trees: row ``j`` of a tree sees ``n - q + len(path_j)`` positions,
+    the last ``len(path_j)`` of them its path's rows (token_path for the kernel; for the
+    reference, the (row, KV tile) pairs whose tile holds path rows out of place, each with the
+    source position of every slot of that tile)."""
+    plan = _chain_plan(q_lens, n_lens, tables, block_size, device)
+    tile = tile_len(block_size)
+    num_visible = plan.num_visible.cpu().clone()
+    paths: list[list[int]] = []  # per query token, the chunk rows it reads, in order
+    pair_req, pair_row, pair_tile, pair_src = [], [], [], []
+    for b, (q, n, m) in enumerate(zip(q_lens, n_lens, masks)):
+        start = n - q
+        for j in range(q):
+            path = [c for c in range(j + 1) if m[j, c]] if m is not None else list(range(j + 1))
+            paths.append(path)
+            num_visible[b, j] = start + len(path)
+            if path == list(range(j + 1)):
+                continue  # a chain row: its path already lies in place
+            for t in range(start // tile, (start + len(path) - 1) // tile + 1):
+                src = list(range(t * tile, (t + 1) * tile))
+                for d, c in enumerate(path):
+                    if t * tile <= start + d < (t + 1) * tile:
+                        src[start + d - t * tile] = start + c
+                pair_req.append(b)
+                pair_row.append(j)
+                pair_tile.append(t)
+                pair_src.append(src)
+    width = max(q_lens)
+    token_path = torch.tensor([p + list(range(len(p), width)) for p in paths],
+                              dtype=torch.int32)
+    token_chunk_start = torch.tensor([n - q for q, n in zip(q_lens, n_lens)])
+    token_chunk_start = token_chunk_start.repeat_interleave(torch.tensor(q_lens))
+    tb, tr = plan.token_batch.cpu(), plan.token_row.cpu()
+    pairs = None
+    if pair_req:
+        src = torch.tensor(pair_src)
+        blocks = tables.cpu()[torch.tensor(pair_req)[:, None], src // block_size]
+        slots = (blocks * block_size + src % block_size).view(-1)
+        pairs = tuple(torch.tensor(x, dtype=torch.long).to(device)
+                      for x in (pair_req, pair_row, pair_tile)) + (slots.to(device),)
+    return replace(plan, num_visible=num_visible.to(device),
+                   token_visible=num_visible[tb, tr].to(torch.int32).to(device),
+                   token_path=token_path.to(device),
+                   token_chunk_start=token_chunk_start.to(torch.int32).to(device),
+                   path_tiles=pairs)
+
+
+def _tree_masks(tree_masks: list[torch.Tensor | None], q_lens: list[int],
+                ) -> list[torch.Tensor | None]:
+    """The validated masks (on the CPU), one per request."""
     if len(tree_masks) != len(q_lens):
         raise ValueError(f"need one tree mask (or None) per request, got {len(tree_masks)} "
                          f"for {len(q_lens)}")
-    out = torch.ones(q_max, q_max, dtype=torch.bool).tril().repeat(len(q_lens), 1, 1)
+    out: list[torch.Tensor | None] = []
     for b, (m, q) in enumerate(zip(tree_masks, q_lens)):
         if m is None:
+            out.append(None)
             continue
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (q, q):
             raise ValueError(f"request {b}: tree mask must be a bool [{q}, {q}] tensor, got "
@@ -200,7 +244,7 @@ def _tree_mask(tree_masks: list[torch.Tensor | None], q_lens: list[int],
         if bool(m.triu(1).any()) or not bool(m.diagonal().all()) or not bool(m[:, 0].all()):
             raise ValueError(f"request {b}: a tree mask must be lower-triangular with a true "
                              f"diagonal and root column (row j sees its ancestors and itself)")
-        out[b, :q, :q] = m
+        out.append(m)
     return out
 
 

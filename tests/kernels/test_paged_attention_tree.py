@@ -1,6 +1,7 @@
 """Token-tree masks (kernels/paged_attention_plan.py) in kernels/paged_attention.py: reference
 and Triton kernel (interpreted on CPU, and on CUDA when there is one) against a per-row oracle,
-chains untouched bit for bit."""
+chains untouched bit for bit, and every tree row bit for bit the row its root-to-node path
+computes when laid out as a plain chain (what one-token decode steps along that path compute)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,45 @@ def test_chain_rows_and_chain_masks_are_bit_identical():
     assert not torch.allclose(with_trees[:10], plain[:10])  # the mask does something
 
 
+def path_layout(batch: dict[str, Any], masks: list[torch.Tensor | None], b: int,
+                j: int) -> list[Any]:
+    """Arguments of a one-row batch: row ``j`` of request ``b`` with its path (the chunk rows
+    its mask allows, in order) copied to consecutive positions after the KV before the chunk,
+    in a copy of the cache; what a one-token decode step at the end of that path reads."""
+    ql, n = batch["query_lens"][b], batch["kv_lens"][b]
+    table, bs = batch["block_tables"][b], batch["k_cache"].shape[1]
+    start = n - ql
+    path = [c for c in range(ql) if masks[b][j, c]]
+    out = dict(batch)
+    for name in ("k_cache", "v_cache"):
+        cache = batch[name].clone()
+        rows = [cache[table[(start + c) // bs], (start + c) % bs].clone() for c in path]
+        for d, row in enumerate(rows):
+            cache[table[(start + d) // bs], (start + d) % bs] = row
+        out[name] = cache
+    t = sum(batch["query_lens"][:b]) + j
+    out.update(q=batch["q"][t:t + 1], block_tables=[table], query_lens=[1],
+               kv_lens=[start + len(path)])
+    return _args(out)
+
+
+def _tree_rows() -> list[tuple[int, int]]:
+    return [(b, j) for b, m in enumerate(MASKS) if m is not None for j in range(m.shape[0])]
+
+
+def test_tree_rows_equal_their_path_laid_out_as_a_chain():
+    """Row j of a tree reads its ancestors where they lie in the chunk (not consecutive: a
+    side branch skips the rows of branch 0); its result must still equal, bit for bit, the
+    one-row step over the same path laid out consecutively, or output with tree speculation
+    drifts from output without it (seen in bf16: 1 of 12 held-out chat prompts)."""
+    for name, batch in BATCHES.items():
+        out = paged_attention_ref(*_args(batch), tree_masks=MASKS)
+        for b, j in _tree_rows():
+            t = sum(batch["query_lens"][:b]) + j
+            alone = paged_attention_ref(*path_layout(batch, MASKS, b, j))
+            assert torch.equal(out[t], alone[0]), f"{name}: request {b} row {j}"
+
+
 @pytest.mark.parametrize("mask,match", [
     (torch.ones(3, 3, dtype=torch.bool), "lower-triangular"),
     (torch.eye(3, dtype=torch.bool), "root column"),
@@ -93,6 +133,10 @@ def interpreted(run_interpreted: Any) -> list[dict]:
         cases.append({"func": MOD + "paged_attention_triton", "args": _args(batch),
                       "kwargs": {"tree_masks": MASKS}})
         cases.append({"func": MOD + "paged_attention_triton", "args": _args(batch)})
+    for batch in BATCHES.values():
+        for b, j in _tree_rows():
+            cases.append({"func": MOD + "paged_attention_triton",
+                          "args": path_layout(batch, MASKS, b, j)})
     return run_interpreted(cases, timeout=300)
 
 
@@ -106,6 +150,18 @@ def test_interpreted_kernel_with_tree_masks_matches_reference(interpreted: list[
                                    **TOL[ref.dtype])
         # the chain request's rows do not change when a tree shares its launch
         assert torch.equal(tree["ok"][0][10:14], plain["ok"][0][10:14])
+
+
+def test_interpreted_kernel_tree_rows_equal_their_path_as_a_chain(interpreted: list[dict]):
+    rows = _tree_rows()
+    alone = iter(interpreted[2 * len(BATCHES):])
+    for i, name in enumerate(BATCHES):
+        tree = interpreted[2 * i]["ok"][0]
+        for b, j in rows:
+            one = next(alone)
+            assert "ok" in one, one.get("error")
+            t = sum(BATCHES[name]["query_lens"][:b]) + j
+            assert torch.equal(tree[t], one["ok"][0][0]), f"{name}: request {b} row {j}"
 
 
 @pytest.mark.gpu
