@@ -99,6 +99,20 @@ class PagedAttentionPlan:
         return mask
 
 
+def check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raises ValueError unless q [T, H, D] and k_cache == v_cache [blocks, block_size, Hkv,
+    D] agree in head_dim and dtype and H is a multiple of Hkv."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need q [T, H, D] and k_cache == v_cache [blocks, block_size, Hkv, D]"
+                         f", got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"head_dim {q.shape[2]} vs {k_cache.shape[3]}, or {q.shape[1]} query "
+                         f"heads not a multiple of {k_cache.shape[2]} KV heads")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+
+
 def _as_list(x: torch.Tensor | list[int], name: str) -> list[int]:
     if isinstance(x, torch.Tensor):
         if x.dim() != 1 or x.dtype not in _INT_DTYPES:
@@ -248,4 +262,5 @@ def _tree_masks(tree_masks: list[torch.Tensor | None], q_lens: list[int],
     return out
 
 
-__all__ = ["TILE_TOKENS", "PagedAttentionPlan", "plan_paged_attention", "tile_len"]
+__all__ = ["TILE_TOKENS", "PagedAttentionPlan", "check_tensors", "plan_paged_attention",
+           "tile_len"]
