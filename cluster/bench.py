@@ -144,7 +144,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                               methods={d.label: with_drafter(cfg, d) for d in drafters
                                        if not d.served_only},
                               verifier_options={"verify_rule": cfg.verifier.verify_rule,
-                                                "synthetic_acceptance": synthetic})
+                                                "synthetic_acceptance": synthetic,
+                                                "goodput_drafts": cfg.verifier.goodput_drafts})
     forward_cost = None
     if opts.profile and kappa > 0:
         from cluster.forward_cost import forward_cost_ratio

@@ -61,7 +61,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cluster = InProcessCluster(loaded.model, loaded.config,
                                num_speculative_tokens=args.num_speculative_tokens,
                                eos_token_ids=loaded.config.eos_token_ids,
-                               draft_method=method, proposer=proposer)
+                               draft_method=method, proposer=proposer,
+                               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on")
     t1 = time.perf_counter()
     (out,) = cluster.generate([prompt_ids], SamplingParams(max_tokens=args.max_tokens))
     dt = time.perf_counter() - t1

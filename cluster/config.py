@@ -79,7 +79,8 @@ class ClusterConfig:
     stream_idle_timeout_s: float | None = 120.0
     threads: dict[str, int] = field(default_factory=default_threads)
     namespace: str = DEFAULT_NAMESPACE
-    verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(max_num_seqs=32))
+    verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
+        max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(window=0,
                                                                          max_segment=0))

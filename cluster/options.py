@@ -53,6 +53,12 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "the ablation harness, every request's drafts accepted along "
                         "--synthetic-acceptance or --synthetic-mean-accept-len, not verified "
                         "(responses and metrics say so)")
+    p.add_argument("--goodput-drafts", default="on", choices=("on", "off"),
+                   help="on: each verify step carries the drafts that maximise committed "
+                        "tokens per second, from each request's measured acceptance and the "
+                        "measured cost of verify forwards (decode/goodput.py, SmartSpec arXiv "
+                        "2406.14066; none where verifying them costs more than they bring); "
+                        "off: every usable draft up to kappa")
     p.add_argument("--synthetic-acceptance", default=None, metavar="RATES",
                    help="with --verify-rule synthetic: per-position acceptance, a comma list "
                         "(e.g. 0.8,0.6,0.4: the share of steps accepting at least 1, 2, 3 "
@@ -136,6 +142,7 @@ def cluster_config(args: argparse.Namespace, **overrides):
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               draft_method=method, drafter_method_kwargs=method_kwargs,
               verify_rule=getattr(args, "verify_rule", "auto"),
+              goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
               **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0))
     if getattr(args, "port", None) is not None:

@@ -48,7 +48,12 @@ class VerifierConfig:
     transport's heartbeat timed out) and that has not come back within this long is lost: its
     requests are re-opened on another drafter (or run as plain decode) at once, not when the
     health check deregisters it; they go back to it when it is back. ``adaptive_drafts``: cap each request's drafts at one more than its recent mean
-    accept length (never changes the output, only the cost). ``draft_method`` is told to the
+    accept length (never changes the output, only the cost). ``goodput_drafts``: cap each step's
+    drafts where expected committed tokens per second of verify forward peak, from each
+    request's measured acceptance and the forward's measured cost per token count
+    (decode/goodput.py, SmartSpec arXiv 2406.14066; 0 drafts when verifying them costs more
+    than they bring; the cluster turns it on, off here so a bare worker verifies every draft
+    it is given). ``draft_method`` is told to the
     prefill worker so that it ships the right seed state. ``seed_state``: the seed state that
     method needs (``""`` none, ``"hidden"`` the target's final hidden states, which the verify
     forward then returns and DraftSync / VerifyCommit carry; the cluster fills it from the
@@ -85,6 +90,7 @@ class VerifierConfig:
     seed_state: str = ""
     eos_token_ids: tuple[int, ...] = ()
     adaptive_drafts: bool = True
+    goodput_drafts: bool = False
     verify_rule: str = "auto"
     synthetic_acceptance: tuple[float, ...] = ()
     max_tree_nodes: int = 0

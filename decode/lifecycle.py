@@ -243,7 +243,7 @@ class RequestLifecycle:
             self.stats.num_tree_verify_steps += 1
             self.stats.num_tree_side_branch_accepts += out.side_branch
         if out.num_draft_tokens:
-            self.scheduler.observe_accept(req, out.accept_len)
+            self.scheduler.observe_accept(req, out.accept_len, out.num_draft_tokens)
             req.observe_spec(start, len(committed), out.num_draft_tokens, out.accept_len)
         rows = None
         if out.hidden is not None and req.finish_reason is None and self.wants_hidden(req):
@@ -265,7 +265,8 @@ class RequestLifecycle:
         if req.drafter is not None and committed and notify_drafter:
             if self.send(req.drafter, VerifyCommit(
                     request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
-                    committed_token_ids=committed, seed_state=commit_buffer(seed_rows))):
+                    committed_token_ids=committed, seed_state=commit_buffer(seed_rows),
+                    num_drafts_wanted=self.scheduler.num_drafts(req))):
                 req.tail_in_flight = True  # (a failed send put the request on plain decode)
         self.stream(req)
 

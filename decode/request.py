@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from decode.config import INITIAL_ACCEPT_LEN_EMA
+from decode.goodput import Acceptance
 from decode.tail_buffer import TailBuffer
 from protocol.enums import FinishReason
 from protocol.messages import SamplingParams
@@ -62,6 +63,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     spec_steps: list[tuple[int, int, int, int]] = field(default_factory=list)
     accept_len_ema: float = INITIAL_ACCEPT_LEN_EMA
+    acceptance: Acceptance = field(default_factory=Acceptance)  # decode/goodput.py
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

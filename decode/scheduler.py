@@ -6,7 +6,8 @@ fewer than ``max_num_seqs`` are admitted; blocks are then allocated lazily as th
 out of that reservation, so a running request never runs out of KV. Each step the scheduler
 plans, per running request, the drafts to verify: its usable tail, capped by kappa
 (``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
-more than its recent accept length, and the whole batch by ``max_num_batched_tokens``. A
+more than its recent accept length, (``goodput_drafts``) by the step's goodput-maximising cap
+(decode/goodput.py), and the whole batch by ``max_num_batched_tokens``. A
 request whose tail holds a draft tree (one-hot drafts) gets a tree instead: its depth capped
 like a chain's length, its nodes by ``max_tree_nodes`` (default twice kappa, as vLLM / SGLang
 give trees a node budget of their own). It also
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
+from decode.goodput import DraftBudget
 from decode.request import Request, RequestStatus
 from protocol.messages import SamplingParams
 
@@ -73,6 +75,7 @@ class Scheduler:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.step_time_ema_s = 0.0
+        self.draft_budget = DraftBudget()
         self._prefill_turn = 0  # rotates the prefill peer that wins a tie
 
     # -- queue -----------------------------------------------------------------------------
@@ -202,10 +205,15 @@ class Scheduler:
         tokens will be written to."""
         budget = self.config.max_num_batched_tokens
         plans: list[PlannedRequest] = []
-        for req in running:
+        caps = [self.num_drafts(req) for req in running]
+        if self.config.goodput_drafts:
+            cap = self.draft_budget.cap([len(r.tail.usable(c)) for r, c in zip(running, caps)],
+                                        [r.acceptance.rate for r in running])
+            caps = [min(c, cap) for c in caps]
+        for req, k in zip(running, caps):
             if budget < 1:
                 break
-            k = min(self.num_drafts(req), budget - 1)
+            k = min(k, budget - 1)
             drafts = req.tail.usable(k)
             probs = req.tail.usable_probs(len(drafts))
             tree = None
@@ -231,9 +239,16 @@ class Scheduler:
         nodes = self.config.max_tree_nodes or 2 * req.num_speculative_tokens
         return max(min(nodes, req.num_remaining - 1), 0)
 
-    def observe_accept(self, req: Request, accept_len: int) -> None:
-        """Update ``req``'s accept-length EMA after a verify step that carried drafts."""
+    def observe_accept(self, req: Request, accept_len: int, num_drafts: int) -> None:
+        """Update ``req``'s accept-length EMA and acceptance after a verify step that carried
+        ``num_drafts`` drafts."""
         req.accept_len_ema += ACCEPT_LEN_EMA_WEIGHT * (accept_len - req.accept_len_ema)
+        req.acceptance.observe(accept_len, num_drafts)
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        """A verify forward over ``num_tokens`` query tokens took ``seconds`` (the cost model
+        of ``goodput_drafts``)."""
+        self.draft_budget.observe_forward(num_tokens, seconds)
 
     # -- waiting for tails -----------------------------------------------------------------
 

@@ -68,6 +68,7 @@ class VerifyStep:
         self.hidden_layers = seed_state_layers(seed_state) if is_hidden_seed(seed_state) \
             else None
         self.profile = profile or StepProfile()
+        self.last_forward_s = 0.0  # seconds of the latest verify forward
         self._seed = seed
         self.verify_rule = check_verify_rule(verify_rule)
         self._synthetic = SyntheticRule(synthetic_acceptance) if verify_rule == SYNTHETIC \
@@ -116,8 +117,9 @@ class VerifyStep:
                                                  hidden_layers=self.hidden_layers)
         else:
             logits = self.runner.forward(chunks, logits="all")  # per request [k_b + 1, vocab]
-        self.profile.observe("forward", time.perf_counter() - t0)
-        self.profile.observe(kind, time.perf_counter() - t0)
+        self.last_forward_s = time.perf_counter() - t0
+        self.profile.observe("forward", self.last_forward_s)
+        self.profile.observe(kind, self.last_forward_s)
         with self.profile.phase("verify"):
             outputs = self._verify(plan, logits)
             self._compact(plan, outputs)

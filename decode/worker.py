@@ -358,6 +358,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             eligible = sum(self.scheduler.num_drafts(p.request) > 0 for p in plan)
         hidden = any(self.lifecycle.wants_hidden(p.request) for p in plan)
         outputs = self.verify_step.run(plan, return_hidden=hidden)
+        self.scheduler.observe_forward(sum(1 + len(p.draft_token_ids) for p in plan),
+                                       self.verify_step.last_forward_s)
         with prof.phase("commit"):
             for p, out in zip(plan, outputs):
                 self.lifecycle.apply(p.request, out)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.config import DrafterConfig
+from drafter.config import RUN_AHEAD_STEPS, DrafterConfig
 from drafter.draft_sampling import DraftSampling
 from drafter.proposer import Proposer, get_proposer
 from drafter.seed_state import hidden_rows
@@ -65,6 +65,7 @@ class DraftState:
     exhausted: bool = False  # proposer found nothing for the current context
     news: bool = True  # synced or committed since the last segment: the verifier may wait
     commit_received_at: float | None = None  # perf_counter() of the last unanswered commit
+    num_drafts_wanted: int | None = None  # VerifyCommit's: the verifier's cap (None: kappa)
 
     @property
     def context(self) -> list[int]:
@@ -213,6 +214,7 @@ class DrafterWorker(MailboxWorker):
             st.probs.clear()
             st.num_sent = 0
         st.committed.extend(toks)
+        st.num_drafts_wanted = msg.num_drafts_wanted
         st.exhausted = False
         st.news = True
         st.commit_received_at = time.perf_counter()
@@ -256,7 +258,7 @@ class DrafterWorker(MailboxWorker):
         """Extend every request's path towards the window; returns tokens streamed."""
         sent = 0
         for st in list(self.requests.values()):
-            room = min(self.config.window - len(st.path), self.config.max_segment)
+            room = min(self._window(st) - len(st.path), self.config.max_segment)
             if self.proposer.max_drafts_per_call:
                 room = min(room, self.proposer.max_drafts_per_call)
             if room > 0 and not st.exhausted:
@@ -293,6 +295,14 @@ class DrafterWorker(MailboxWorker):
                 self.stats.num_draft_tokens_sent += len(seg)
                 sent += len(seg)
         return sent
+
+    def _window(self, st: DraftState) -> int:
+        """How far ``st``'s path may run past its committed prefix: the configured window or,
+        when the verifier said how many drafts it will verify, the same run-ahead multiple of
+        that (at least one draft, so a verifier that holds drafts back can still probe)."""
+        if st.num_drafts_wanted is None:
+            return self.config.window
+        return min(self.config.window, RUN_AHEAD_STEPS * max(st.num_drafts_wanted, 1))
 
     def _propose(self, st: DraftState, room: int) -> tuple[list[int], list]:
         """Up to ``room`` drafts for ``st`` and their rows: a proposer that samples

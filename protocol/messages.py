@@ -459,18 +459,24 @@ class DraftSync:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerifyCommit:
     """Verifier -> drafter: output tokens committed at positions
-    ``[pre_commit_len, pre_commit_len + len(committed_token_ids))``."""
+    ``[pre_commit_len, pre_commit_len + len(committed_token_ids))``.
+
+    ``num_drafts_wanted``: the most drafts the verifier will verify for this request in its
+    next steps (its kappa capped by the request's recent accept length); the drafter runs
+    ahead by a multiple of it instead of a multiple of kappa, so drafts that would never be
+    verified are not drafted. None: kappa."""
 
     request_id: str
     pre_commit_len: int
     committed_token_ids: list[int]
     seed_state: Buffer | None = None  # EAGLE family: [accept_len + 1, hidden_size]
+    num_drafts_wanted: NonNegInt | None = None
     TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> VerifyCommit:
         return cls(request_id="req-1", pre_commit_len=1, committed_token_ids=[5, 6, 7],
-                   seed_state=Buffer("float32", (3, 2), bytes(24)))
+                   seed_state=Buffer("float32", (3, 2), bytes(24)), num_drafts_wanted=2)
 
 
 @register(42)

@@ -165,7 +165,7 @@ def test_num_drafts_caps_by_kappa_remaining_tokens_and_accept_ema():
     req.output_token_ids = [7]
     req.accept_len_ema = 0.2  # drafts keep failing: verify at most one
     assert sched.num_drafts(req) == 1
-    sched.observe_accept(req, 4)
+    sched.observe_accept(req, 4, 4)
     assert req.accept_len_ema == pytest.approx(0.2 + ACCEPT_LEN_EMA_WEIGHT * 3.8)
     assert sched.num_drafts(req) == 3
     req.spec_enabled = False  # quarantined

@@ -1,0 +1,153 @@
+"""Goodput-aware draft budget: how many drafts a verify step should carry.
+
+SmartSpec (Liu et al., arXiv 2406.14066) picks each step's proposal length to maximise
+goodput, the committed tokens per second, from each request's measured acceptance and a model
+of the step's cost. Here:
+
+- acceptance: per request, the chance ``a`` that a draft is accepted once the drafts before it
+  were (the geometric model of Leviathan et al., arXiv 2211.17192), estimated as accepted
+  drafts / (accepted drafts + rejections) over decayed counts of the steps that carried
+  drafts. A request verified with ``k`` drafts then commits ``1 + a + a^2 + ... + a^k``
+  tokens on average (the bonus or recovered token included);
+- cost: ``T(N)``, the verify forward's seconds over ``N`` query tokens (the batch's rows), an
+  EMA per ``N`` measured, linear between the ``N`` seen and beyond them. Measured, not
+  assumed: a 2-row fp32 product can cost several times a one-row one on a CPU without bf16
+  (the GEMV / GEMM switch) while a 5-token bf16 forward costs ~1.07x a one-token one;
+- the step's cap ``k`` (one for the whole batch, as SmartSpec) maximises
+  ``sum_i E_i(min(k, d_i)) / T(sum_i 1 + min(k, d_i))`` over ``k = 0 .. max d_i``, ``d_i`` the
+  drafts request ``i`` could verify.
+
+Until the cost of both ends (no drafts, all drafts) has been measured the cap explores them;
+while it holds drafts back it still verifies one draft every :data:`PROBE_EVERY` steps, so a
+request whose drafter starts to match is noticed. The cap never changes the output, only the
+cost (greedy and sampled verification are exact with any number of drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Weight of the past in a request's acceptance counts, per step that carried drafts.
+ACCEPTANCE_DECAY = 0.8
+#: Weight of the newest measurement in the forward-time EMA of a token count.
+COST_EMA_WEIGHT = 0.2
+#: While the cap is 0 and some request has drafts, every this-many-th step verifies one.
+PROBE_EVERY = 8
+
+
+@dataclass
+class Acceptance:
+    """A request's draft acceptance: decayed counts of accepted drafts and of rejections
+    (a step that verified ``k`` drafts and accepted fewer). Starts optimistic (one accepted,
+    no rejection), as the accept-length EMA does, so drafts are tried first."""
+
+    accepted: float = 1.0
+    rejected: float = 0.0
+
+    def observe(self, accept_len: int, num_drafts: int) -> None:
+        """One verify step that carried ``num_drafts`` drafts, ``accept_len`` accepted."""
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + accept_len
+        self.rejected = ACCEPTANCE_DECAY * self.rejected + (accept_len < num_drafts)
+
+    @property
+    def rate(self) -> float:
+        """The chance a draft is accepted given the ones before it were, in [0, 1]."""
+        total = self.accepted + self.rejected
+        return self.accepted / total if total > 0 else 0.0
+
+
+def expected_tokens(rate: float, num_drafts: int) -> float:
+    """Mean tokens committed by a step verifying ``num_drafts`` drafts whose acceptance is
+    ``rate`` (geometric model): ``1 + rate + ... + rate^num_drafts``."""
+    return sum(rate ** j for j in range(num_drafts + 1))
+
+
+class ForwardCost:
+    """Seconds of a verify forward as a function of its query tokens ``N``: an EMA per ``N``
+    measured; :meth:`predict` interpolates linearly between them and extends the nearest
+    segment beyond them (never decreasing, never below the smallest measurement)."""
+
+    def __init__(self) -> None:
+        self._ema: dict[int, float] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One forward over ``num_tokens`` tokens took ``seconds``."""
+        old = self._ema.get(num_tokens)
+        self._ema[num_tokens] = seconds if old is None else \
+            old + COST_EMA_WEIGHT * (seconds - old)
+
+    def predict(self, num_tokens: int) -> float | None:
+        """Predicted seconds for ``num_tokens``, or None with fewer than two token counts
+        measured (and ``num_tokens`` not one of them)."""
+        if num_tokens in self._ema:
+            return self._ema[num_tokens]
+        if len(self._ema) < 2:
+            return None
+        ns = sorted(self._ema)
+        below = [n for n in ns if n < num_tokens]
+        above = [n for n in ns if n > num_tokens]
+        if below and above:
+            a, b = below[-1], above[0]
+        elif below:
+            a, b = below[-2], below[-1]
+        else:
+            a, b = above[0], above[1]
+        ta, tb = self._ema[a], self._ema[b]
+        slope = max((tb - ta) / (b - a), 0.0)
+        anchor, t = (b, tb) if b < num_tokens else (a, ta)  # the nearest measured point
+        return max(t + slope * (num_tokens - anchor), min(self._ema.values()))
+
+
+class DraftBudget:
+    """The goodput-maximising draft cap of each verify step (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.cost = ForwardCost()
+        self._held_back = 0  # steps in a row whose cap was 0 while drafts were there
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        self.cost.observe(num_tokens, seconds)
+
+    def cap(self, num_drafts: list[int], rates: list[float]) -> int:
+        """Most drafts any request verifies this step.
+
+        Args:
+            num_drafts: per running request, the drafts it could verify (its usable tail,
+                within its other caps).
+            rates: per request, its :attr:`Acceptance.rate`.
+        """
+        k_max = max(num_drafts, default=0)
+        if k_max == 0:
+            return 0
+        base = len(num_drafts)
+
+        def tokens(k: int) -> int:
+            return base + sum(min(k, d) for d in num_drafts)
+
+        # explore the two ends first: with both measured every k can be predicted
+        if self.cost.predict(tokens(k_max)) is None:
+            return k_max
+        if self.cost.predict(tokens(0)) is None:
+            return self._held(0)
+        best_k, best = 0, -1.0
+        for k in range(k_max + 1):
+            t = self.cost.predict(tokens(k))
+            gain = sum(expected_tokens(r, min(k, d)) for r, d in zip(rates, num_drafts))
+            if t is not None and t > 0 and gain / t > best:
+                best_k, best = k, gain / t
+        return self._held(best_k)
+
+    def _held(self, k: int) -> int:
+        """``k``, except every PROBE_EVERY-th step in a row held back to 0 verifies one."""
+        if k > 0:
+            self._held_back = 0
+            return k
+        self._held_back += 1
+        if self._held_back >= PROBE_EVERY:
+            self._held_back = 0
+            return 1
+        return 0
+
+
+__all__ = ["ACCEPTANCE_DECAY", "COST_EMA_WEIGHT", "PROBE_EVERY", "Acceptance", "DraftBudget",
+           "ForwardCost", "expected_tokens"]

@@ -1,0 +1,109 @@
+"""The goodput-aware draft cap (decode/goodput.py): acceptance estimates, the forward-cost
+model, and the cap it picks for costs measured on the machines of this project (fp32 on a CPU
+without bf16, where a 2-row product costs far more than a one-row one; bf16 where a 5-token
+forward costs ~1.07x a one-token one)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from decode.goodput import (
+    PROBE_EVERY,
+    Acceptance,
+    DraftBudget,
+    ForwardCost,
+    expected_tokens,
+)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_acceptance_rate_follows_what_the_verifier_saw():
+    a = Acceptance()
+    assert a.rate == 1.0  # optimistic start
+    for _ in range(20):
+        a.observe(0, 4)  # every draft rejected
+    assert a.rate < 0.05
+    for _ in range(20):
+        a.observe(4, 4)  # all accepted: no rejection counted
+    assert a.rate > 0.95
+    b = Acceptance()
+    for _ in range(40):
+        b.observe(1, 4)  # one of four, then a rejection: a = 1 / 2
+    assert b.rate == pytest.approx(0.5, abs=0.01)
+
+
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(1, 8)), max_size=30))
+def test_acceptance_rate_stays_a_probability(steps):
+    a = Acceptance()
+    for accepted, drafts in steps:
+        a.observe(min(accepted, drafts), drafts)
+        assert 0.0 <= a.rate <= 1.0
+
+
+def test_forward_cost_interpolates_and_extends():
+    c = ForwardCost()
+    assert c.predict(3) is None
+    c.observe(1, 0.10)
+    assert c.predict(1) == 0.10 and c.predict(5) is None
+    c.observe(5, 0.20)
+    assert c.predict(3) == pytest.approx(0.15)
+    assert c.predict(9) == pytest.approx(0.30)  # the last segment, extended
+    c.observe(1, 0.20)  # an EMA, not the last value
+    assert 0.10 < c.predict(1) < 0.20
+
+
+def test_forward_cost_never_predicts_below_its_cheapest_or_falling():
+    c = ForwardCost()
+    c.observe(4, 0.3)
+    c.observe(8, 0.2)  # noise: more tokens measured cheaper
+    assert c.predict(12) == pytest.approx(0.2)
+    assert c.predict(1) == pytest.approx(0.3)
+
+
+def _budget(costs: dict[int, float]) -> DraftBudget:
+    b = DraftBudget()
+    for n, t in costs.items():
+        b.observe_forward(n, t)
+    return b
+
+
+FP32_NO_BF16 = {1: 0.146, 2: 0.230, 5: 0.290}  # seconds per forward, batch 1
+BF16 = {1: 0.039, 2: 0.040, 5: 0.042}
+
+
+def test_cap_drops_drafts_that_do_not_pay_for_their_verification():
+    # an EAGLE-like acceptance of 0.3 on fp32 without bf16: 1.3 tokens for 1.6x the time
+    assert _budget(FP32_NO_BF16).cap([4], [0.3]) == 0
+    # the same drafts where a verify costs ~what a plain step does
+    assert _budget(BF16).cap([4], [0.3]) > 0
+    # drafts that are mostly accepted pay even on fp32
+    assert _budget(FP32_NO_BF16).cap([4], [0.9]) == 4
+
+
+def test_cap_explores_both_ends_before_it_predicts():
+    b = DraftBudget()
+    assert b.cap([3], [0.1]) == 3  # nothing measured: verify the drafts, learn their cost
+    b.observe_forward(4, 0.3)
+    assert b.cap([3], [0.1]) == 0  # the plain step's cost is still unknown
+    b.observe_forward(1, 0.1)
+    assert b.cap([3], [0.1]) == 0  # now measured: 3 drafts at 0.1 do not pay 3x
+
+
+def test_cap_is_zero_without_drafts_and_probes_while_holding_back():
+    b = _budget(FP32_NO_BF16)
+    assert b.cap([0, 0], [1.0, 1.0]) == 0
+    caps = [b.cap([4], [0.0]) for _ in range(3 * PROBE_EVERY)]
+    assert caps.count(1) == 3 and set(caps) == {0, 1}
+
+
+def test_cap_weighs_the_whole_batch():
+    b = _budget({2: 0.10, 4: 0.11, 10: 0.13})
+    # one request with good drafts is worth verifying even beside one with none
+    assert b.cap([4, 0], [0.9, 0.0]) == 4
