@@ -76,6 +76,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.step_time_ema_s = 0.0
         self.draft_budget = DraftBudget()
+        self.goodput_cap: int | None = None  # the latest step's goodput cap (None: off)
         self._prefill_turn = 0  # rotates the prefill peer that wins a tie
 
     # -- queue -----------------------------------------------------------------------------
@@ -198,6 +199,13 @@ class Scheduler:
             k = min(k, int(req.accept_len_ema + 0.5) + 1)  # all accepted -> may grow
         return max(k, 0)
 
+    def drafts_wanted(self, req: Request) -> int:
+        """What VerifyCommit tells ``req``'s drafter it will verify next: :meth:`num_drafts`,
+        within the latest goodput cap (0 while drafts are held back: the drafter then keeps
+        only a probe's worth)."""
+        k = self.num_drafts(req)
+        return k if self.goodput_cap is None else min(k, self.goodput_cap)
+
     def plan(self, running: list[Request]) -> list[PlannedRequest]:
         """The verify step's batch: every running request (in order) with its usable drafts,
         within ``max_num_batched_tokens`` (drafts are trimmed first; a request that does not
@@ -210,6 +218,7 @@ class Scheduler:
             cap = self.draft_budget.cap([len(r.tail.usable(c)) for r, c in zip(running, caps)],
                                         [r.acceptance.rate for r in running])
             caps = [min(c, cap) for c in caps]
+            self.goodput_cap = cap
         for req, k in zip(running, caps):
             if budget < 1:
                 break

@@ -462,7 +462,8 @@ class VerifyCommit:
     ``[pre_commit_len, pre_commit_len + len(committed_token_ids))``.
 
     ``num_drafts_wanted``: the most drafts the verifier will verify for this request in its
-    next steps (its kappa capped by the request's recent accept length); the drafter runs
+    next steps (its kappa capped by the request's recent accept length and the step's goodput
+    cap, decode/goodput.py); the drafter runs
     ahead by a multiple of it instead of a multiple of kappa, so drafts that would never be
     verified are not drafted. None: kappa."""
 

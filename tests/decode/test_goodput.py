@@ -107,3 +107,27 @@ def test_cap_weighs_the_whole_batch():
     b = _budget({2: 0.10, 4: 0.11, 10: 0.13})
     # one request with good drafts is worth verifying even beside one with none
     assert b.cap([4, 0], [0.9, 0.0]) == 4
+
+
+def test_drafter_runs_ahead_only_as_far_as_the_verifier_verifies():
+    """End to end (in-process cluster): drafts that keep failing shrink the verifier's
+    per-request cap, VerifyCommit carries it, and the drafter stops drafting a window of
+    2 x kappa per commit (8 here) that the verifier would never check; output unchanged."""
+    import torch
+    from helpers.models import tiny_llama
+    from helpers.proposers import GarbageProposer
+
+    from cluster.inprocess import InProcessCluster
+    from protocol.messages import SamplingParams
+
+    _, model, cfg = tiny_llama(seed=0, dtype=torch.float64, vocab_size=96)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3]]
+    outs = []
+    for k, proposer in ((0, None), (4, GarbageProposer(96))):
+        c = InProcessCluster(model, cfg, num_speculative_tokens=k, num_kv_blocks=64,
+                             block_size=4, proposer=proposer, goodput_drafts=True)
+        outs.append([o.token_ids for o in c.generate(prompts, SamplingParams(max_tokens=24))])
+    st = c.drafter.stats
+    assert outs[0] == outs[1]
+    assert c.verifier.stats.num_draft_tokens > 0
+    assert st.num_commits > 20 and st.num_draft_tokens_sent < 3.5 * st.num_commits

@@ -234,3 +234,23 @@ def test_speculative_tokens_for_caps_a_request_kappa():
     assert sched.speculative_tokens_for(50) == 6
     sched.num_speculative_tokens = 5  # the controller changed kappa
     assert sched.speculative_tokens_for(None) == 5
+
+
+def test_goodput_drafts_cap_the_plan_by_measured_cost_and_acceptance():
+    """goodput_drafts: the plan verifies no drafts where their measured acceptance does not
+    pay for the measured cost of verifying them, and every usable one where it does; the
+    per-request cap (num_drafts) is what VerifyCommit tells the drafter."""
+    for accepted, want in ((0, []), (4, [1, 2, 3, 4])):
+        sched = make_scheduler(num_blocks=16, goodput_drafts=True)
+        for n, t in ((1, 0.10), (5, 0.20)):  # a 5-token verify costs 2x a one-token step
+            sched.observe_forward(n, t)
+        req = running(make_request("a", max_tokens=20), sched, output=[9], drafts=[1, 2, 3, 4])
+        for _ in range(10):
+            sched.observe_accept(req, accepted, 4)
+        (plan,) = sched.plan([req])
+        assert plan.draft_token_ids == want
+    off = make_scheduler(num_blocks=16)  # off (a bare worker's default): every usable draft
+    req = running(make_request("a", max_tokens=20), off, output=[9], drafts=[1, 2, 3, 4])
+    req.acceptance.observe(0, 4)
+    (plan,) = off.plan([req])
+    assert plan.draft_token_ids == [1, 2, 3, 4]

@@ -110,3 +110,28 @@ def test_commits_for_endless_unknown_requests_leave_bounded_state():
     while got := _tails(v):  # a drain returns at most 4096 messages
         need += sum(isinstance(m, DraftNeedSync) for m in got)
     assert need == n
+
+
+def test_run_ahead_follows_the_drafts_the_verifier_wants():
+    """VerifyCommit.num_drafts_wanted: the path runs ahead by twice the verifier's cap (at
+    least one draft), not by the whole window; None: the window."""
+    from helpers.proposers import GarbageProposer
+
+    hub = InProcHub()
+    v = hub.mailbox("verifier-0")
+    d = DrafterWorker(DrafterConfig(window=8, max_segment=8), hub.mailbox("drafter-0"),
+                      GarbageProposer(999))
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2, 3],
+                                  committed_token_ids=[2], sampling=SamplingParams()))
+    d.step()
+    assert len(d.requests["r"].path) == 8  # no cap yet: the window
+    pre = 1
+    for wanted, run_ahead in ((1, 2), (0, 2), (3, 6), (None, 8)):
+        # a commit that disagrees with the path (token 999 is never drafted): a new path
+        v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=pre,
+                                         committed_token_ids=[999],
+                                         num_drafts_wanted=wanted))
+        pre += 1
+        d.step()
+        assert len(d.requests["r"].path) == run_ahead, wanted
+    _tails(v)
