@@ -273,9 +273,11 @@ class Scheduler:
         return self.config.tail_wait_fraction * self.step_time_ema_s
 
     def awaiting_tail(self, running: list[Request]) -> list[Request]:
-        """Running requests whose drafter owes them a tail that would add drafts this step."""
+        """Running requests whose drafter owes them a tail that would add drafts this step
+        (drafts it would verify: :meth:`drafts_wanted`, so no step waits for drafts the
+        goodput cap holds back)."""
         return [r for r in running if r.tail_in_flight and r.drafter is not None
-                and len(r.tail) < self.num_drafts(r)]
+                and len(r.tail) < self.drafts_wanted(r)]
 
     # -- peer choice -----------------------------------------------------------------------
 

@@ -254,3 +254,14 @@ def test_goodput_drafts_cap_the_plan_by_measured_cost_and_acceptance():
     req.acceptance.observe(0, 4)
     (plan,) = off.plan([req])
     assert plan.draft_token_ids == [1, 2, 3, 4]
+
+
+def test_no_tail_wait_for_drafts_the_goodput_cap_holds_back():
+    sched = make_scheduler(goodput_drafts=True, tail_wait_fraction=0.5)
+    req = running(make_request("a", max_tokens=20), sched, output=[1])
+    req.tail_in_flight = True
+    assert sched.awaiting_tail([req]) == [req]  # no cap measured yet: kappa's worth
+    sched.goodput_cap = 0  # the latest step held drafts back
+    assert sched.awaiting_tail([req]) == []
+    sched.goodput_cap = 2
+    assert sched.awaiting_tail([req]) == [req]
