@@ -215,10 +215,11 @@ class Scheduler:
         plans: list[PlannedRequest] = []
         caps = [self.num_drafts(req) for req in running]
         if self.config.goodput_drafts:
-            cap = self.draft_budget.cap([len(r.tail.usable(c)) for r, c in zip(running, caps)],
-                                        [r.acceptance.rate for r in running])
-            caps = [min(c, cap) for c in caps]
-            self.goodput_cap = cap
+            usable = [len(r.tail.usable(c)) for r, c in zip(running, caps)]
+            if any(usable):  # a step with no tails decides nothing about drafts
+                cap = self.draft_budget.cap(usable, [r.acceptance.rate for r in running])
+                caps = [min(c, cap) for c in caps]
+                self.goodput_cap = cap
         for req, k in zip(running, caps):
             if budget < 1:
                 break

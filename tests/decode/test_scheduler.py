@@ -265,3 +265,12 @@ def test_no_tail_wait_for_drafts_the_goodput_cap_holds_back():
     assert sched.awaiting_tail([req]) == []
     sched.goodput_cap = 2
     assert sched.awaiting_tail([req]) == [req]
+
+
+def test_a_step_without_tails_leaves_the_goodput_cap_alone():
+    """A step where no request has a tail yet must not read as 'drafts held back' (the
+    verifier would stop waiting for tails and tell drafters to stop running ahead)."""
+    sched = make_scheduler(goodput_drafts=True)
+    req = running(make_request("a", max_tokens=20), sched, output=[1])
+    sched.plan([req])
+    assert sched.goodput_cap is None and sched.drafts_wanted(req) == 4
