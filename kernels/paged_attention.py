@@ -89,11 +89,13 @@ def paged_attention_ref(
         raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
     if plan.block_size != block_size:
         raise ValueError(f"plan built for block size {plan.block_size}, cache has {block_size}")
-    b, g = plan.block_tables.shape[0], h // hkv
+    b, g, q_max = plan.block_tables.shape[0], h // hkv, plan.q_max
     tile = tile_len(block_size)
     n_tiles = plan.n_blocks * block_size // tile
-    q_pad = max(plan.q_max, -(-MIN_MATMUL_ROWS // g))
-    rows = g * q_pad
+    # per KV head, the query rows of its G heads (row gi * q_max + j: head gi, chunk row j),
+    # then zero rows up to MIN_MATMUL_ROWS
+    real = g * q_max
+    rows = max(real, MIN_MATMUL_ROWS)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     # each request's tiles, [B, Hkv, n_tiles, tile, D], in the accumulation dtype (one gather)
     def tiles(cache: torch.Tensor) -> torch.Tensor:
@@ -102,33 +104,32 @@ def paged_attention_ref(
         return x.to(dtype=acc, memory_format=torch.contiguous_format)
 
     k, v = tiles(k_cache), tiles(v_cache)
-    padded = not (q_pad == plan.q_max and t == b * q_pad)
-    if not padded:  # every request has q_max rows: no padding
-        qp = q.view(b, q_pad, h, d)
+    ragged = t != b * q_max
+    if not ragged:  # every request has q_max rows
+        qp = q.view(b, q_max, h, d)
     else:
-        qp = q.new_zeros((b, q_pad, h, d))
+        qp = q.new_zeros((b, q_max, h, d))
         qp[plan.token_batch, plan.token_row] = q
-    # [B, Hkv, 1, G * q_pad, D]: query head h = kv_head * G + g
-    qp = qp.view(b, q_pad, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, 1, rows, d)
-    qp = qp.to(acc) * scale
+    qp = qp.view(b, q_max, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, real, d)
+    if rows > real:
+        qp = torch.cat([qp, qp.new_zeros((b, hkv, rows - real, d))], 2)
+    qp = (qp.to(acc) * scale)[:, :, None]  # [B, Hkv, 1, rows, D]
     scores = torch.matmul(qp, k.transpose(-1, -2))  # [B, Hkv, nt, rows, tile]
     pairs = None
     if plan.path_tiles is not None:  # tree rows: the tiles holding their paths, in order
-        pairs = _PathTiles(plan, qp, k_cache, v_cache, g, q_pad, acc)
+        pairs = _PathTiles(plan, qp, k_cache, v_cache, g, acc)
         pairs.put(scores, torch.matmul(pairs.q, pairs.k.transpose(-1, -2)))
-    scores = scores.view(b, hkv, n_tiles, g, q_pad, tile)
-    scores.masked_fill_(~plan.tile_mask(q_pad), float("-inf"))
-    e = scores.sub_(scores.amax(dim=(2, 5), keepdim=True)).exp_()
+    scores.masked_fill_(~plan.row_mask(g, rows), float("-inf"))
+    e = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()
     # sums over positions: within a tile (fixed shape), then tile by tile in order (cumsum)
-    den = e.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, G, q_pad]
-    e = e.view(b, hkv, n_tiles, rows, tile)
+    den = e.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, rows]
     num = torch.matmul(e, v)  # [B, Hkv, nt, rows, D]
     if pairs is not None:
         pairs.put(num, torch.matmul(pairs.take(e), pairs.v))
     num = num.cumsum(2)[:, :, -1]
-    out = num.view(b, hkv, g, q_pad, d) / den[..., None]
-    out = out.permute(0, 3, 1, 2, 4).reshape(b, q_pad, h, d)
-    out = out[plan.token_batch, plan.token_row] if padded else out.reshape(t, h, d)
+    out = (num / den[..., None])[:, :, :real]
+    out = out.view(b, hkv, g, q_max, d).permute(0, 3, 1, 2, 4).reshape(b, q_max, h, d)
+    out = out[plan.token_batch, plan.token_row] if ragged else out.reshape(t, h, d)
     return out.to(q.dtype)
 
 
@@ -140,13 +141,14 @@ class _PathTiles:
     MIN_MATMUL_ROWS with copies of the pair's first head (dropped after)."""
 
     def __init__(self, plan: PagedAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, g: int, q_pad: int, acc: torch.dtype) -> None:
+                 v_cache: torch.Tensor, g: int, acc: torch.dtype) -> None:
         req, row, self.tile, slots = plan.path_tiles
-        key = ("path_rows", g, q_pad)
+        key = ("path_rows", g)
         rows = plan._masks.get(key)
-        if rows is None:  # [P, max(G, MIN_MATMUL_ROWS)]: the pair's rows among G * q_pad
+        if rows is None:  # [P, max(G, MIN_MATMUL_ROWS)]: the pair's rows among G * q_max
             heads = torch.arange(max(g, MIN_MATMUL_ROWS), device=row.device)
-            rows = plan._masks[key] = heads.masked_fill(heads >= g, 0) * q_pad + row[:, None]
+            rows = heads.masked_fill(heads >= g, 0) * plan.q_max + row[:, None]
+            plan._masks[key] = rows
         self.req, self.rows, self.g = req[:, None], rows, g
         hkv, d = k_cache.shape[2], k_cache.shape[3]
 

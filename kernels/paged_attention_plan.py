@@ -82,20 +82,21 @@ class PagedAttentionPlan:
     path_tiles: tuple[torch.Tensor, ...] | None = None
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def tile_mask(self, q_pad: int) -> torch.Tensor:
-        """bool [B, 1, n_tiles, 1, q_pad, tile]: which positions each padded query row sees
-        (rows past a request's own see everything: they are dropped)."""
-        mask = self._masks.get(q_pad)
+    def row_mask(self, g: int, rows: int) -> torch.Tensor:
+        """bool [B, 1, n_tiles, rows, tile]: which positions each query row of the
+        reference's layout sees (row ``gi * q_max + j`` is chunk row ``j`` of query head
+        ``gi`` of a KV head; rows from ``g * q_max`` on are padding and see everything, their
+        results are dropped)."""
+        key = ("rows", g, rows)
+        mask = self._masks.get(key)
         if mask is None:
             tile = tile_len(self.block_size)
             n_tiles = self.n_blocks * self.block_size // tile
-            nv = self.num_visible
-            if q_pad > self.q_max:
-                nv = torch.cat([nv, nv.new_full((nv.shape[0], q_pad - self.q_max), 1 << 30)], 1)
+            nv = self.num_visible.repeat(1, g)  # [B, g * q_max]
+            nv = torch.cat([nv, nv.new_full((nv.shape[0], rows - nv.shape[1]), 1 << 30)], 1)
             pos = torch.arange(n_tiles * tile, device=nv.device).view(n_tiles, tile)
-            mask = pos[None, :, None, :] < nv[:, None, :, None]  # [B, n_tiles, q_pad, tile]
-            mask = mask[:, None, :, None]
-            self._masks[q_pad] = mask
+            mask = pos[None, :, None, :] < nv[:, None, :, None]  # [B, n_tiles, rows, tile]
+            mask = self._masks[key] = mask[:, None]
         return mask
 
 
