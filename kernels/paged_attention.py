@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_attention_plan import (
+    MIN_MATMUL_ROWS,
     PagedAttentionPlan,
     check_tensors,
     plan_paged_attention,
@@ -47,10 +48,6 @@ from kernels.paged_attention_triton import (  # noqa: F401 (the kernel's entry, 
     paged_attention_triton,
 )
 
-#: Matmuls with fewer rows than this take another BLAS kernel (measured on this machine type:
-#: fp32 rows of an M <= 3 product differ in the last bit from the same rows in a larger M), so
-#: the reference pads the query rows of every KV head to at least this many.
-MIN_MATMUL_ROWS = 4
 
 
 def paged_attention_ref(
@@ -95,7 +92,7 @@ def paged_attention_ref(
     # per KV head, the query rows of its G heads (row gi * q_max + j: head gi, chunk row j),
     # then zero rows up to MIN_MATMUL_ROWS
     real = g * q_max
-    rows = max(real, MIN_MATMUL_ROWS)
+    rows = plan.num_rows(g)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     # each request's tiles, [B, Hkv, n_tiles, tile, D], in the accumulation dtype (one gather)
     def tiles(cache: torch.Tensor) -> torch.Tensor:
@@ -119,7 +116,7 @@ def paged_attention_ref(
     if plan.path_tiles is not None:  # tree rows: the tiles holding their paths, in order
         pairs = _PathTiles(plan, qp, k_cache, v_cache, g, acc)
         pairs.put(scores, torch.matmul(pairs.q, pairs.k.transpose(-1, -2)))
-    scores.masked_fill_(~plan.row_mask(g, rows), float("-inf"))
+    scores.masked_fill_(~plan.row_mask(g), float("-inf"))
     e = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()
     # sums over positions: within a tile (fixed shape), then tile by tile in order (cumsum)
     den = e.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, rows]

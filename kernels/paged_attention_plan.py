@@ -43,6 +43,11 @@ _INT_DTYPES = (torch.int32, torch.int64)
 #: whole tiles of exact zeros. A multiple of the block size near 64 (see :func:`tile_len`).
 TILE_TOKENS = 64
 
+#: Matmuls with fewer rows than this take another BLAS kernel (measured on this machine type:
+#: fp32 rows of an M <= 3 product differ in the last bit from the same rows in a larger M), so
+#: the reference pads the query rows of every KV head to at least this many.
+MIN_MATMUL_ROWS = 4
+
 
 def tile_len(block_size: int) -> int:
     """KV tile length (positions) of the reference for ``block_size``: the largest multiple of
@@ -82,12 +87,18 @@ class PagedAttentionPlan:
     path_tiles: tuple[torch.Tensor, ...] | None = None
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def row_mask(self, g: int, rows: int) -> torch.Tensor:
-        """bool [B, 1, n_tiles, rows, tile]: which positions each query row of the
-        reference's layout sees (row ``gi * q_max + j`` is chunk row ``j`` of query head
-        ``gi`` of a KV head; rows from ``g * q_max`` on are padding and see everything, their
-        results are dropped)."""
-        key = ("rows", g, rows)
+    def num_rows(self, g: int) -> int:
+        """Query rows per KV head in the reference's products: its ``g`` heads' chunk rows
+        (``g * q_max``), padded to :data:`MIN_MATMUL_ROWS`."""
+        return max(g * self.q_max, MIN_MATMUL_ROWS)
+
+    def row_mask(self, g: int) -> torch.Tensor:
+        """bool [B, 1, n_tiles, rows, tile] (rows = :meth:`num_rows`): which positions each
+        query row of the reference's layout sees (row ``gi * q_max + j`` is chunk row ``j``
+        of query head ``gi`` of a KV head; rows from ``g * q_max`` on are padding and see
+        everything, their results are dropped)."""
+        key = ("rows", g)
+        rows = self.num_rows(g)
         mask = self._masks.get(key)
         if mask is None:
             tile = tile_len(self.block_size)
@@ -263,5 +274,5 @@ def _tree_masks(tree_masks: list[torch.Tensor | None], q_lens: list[int],
     return out
 
 
-__all__ = ["TILE_TOKENS", "PagedAttentionPlan", "check_tensors", "plan_paged_attention",
-           "tile_len"]
+__all__ = ["MIN_MATMUL_ROWS", "TILE_TOKENS", "PagedAttentionPlan", "check_tensors",
+           "plan_paged_attention", "tile_len"]
