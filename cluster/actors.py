@@ -142,7 +142,7 @@ ACTORS = {role: _actor_class(host) for role, host in HOSTS.items()}
 
 def role_options(role: Role, cfg: ClusterConfig, num_gpus: float = 0) -> dict:
     """Ray options for a role actor: its resource, restart policy and CPU env plan."""
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(cfg.threads.get(role.value, 1)),
+    env = {"OMP_NUM_THREADS": str(cfg.threads.get(role.value, 1)),
            "TOKENIZERS_PARALLELISM": "false"}
     return {"num_cpus": 0, "num_gpus": num_gpus, "resources": {role.value: ROLE_RESOURCE_UNIT},
             "max_restarts": MAX_RESTARTS, "max_concurrency": MAX_CONCURRENCY,

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cluster.config import ROLES  # noqa: E402

@@ -26,12 +26,15 @@ DEFAULT_NAMESPACE = "specmesh"
 
 def default_threads(num_cores: int | None = None,
                     model_drafter: bool = False) -> dict[str, int]:
-    """Thread plan (DESIGN.md §11). The verifier runs a forward every step and gets every core.
-    Prefill runs only when a request arrives, mostly while the verifier waits for that KV, so
-    it gets every core too (measured on 2 cores, SmolLM2 fp32, 134-token prompt: 696 ms on one
-    thread, 392-518 ms on two); the roles overlap only under concurrent load, where idle
-    OpenMP threads do not spin (OMP_WAIT_POLICY=PASSIVE). The n-gram drafter and the gateway
-    are pure Python and get one.
+    """Thread plan (DESIGN.md §11). The verifier runs a forward every step and gets every core;
+    prefill gets one thread: on shared cores it runs while the verifier steps, and two OpenMP
+    teams of n threads on n cores stall each other at every barrier. Measured on 2 cores,
+    SmolLM2 bf16, served, 16 chat requests x 64 tokens, libgomp's default wait policy (spin,
+    then sleep): one at a time 26.2-28.2 s with prefill on 1 thread vs 30.3-31.6 s on 2; all
+    16 at once 5.0-5.4 s vs 10.6-13.0 s (`OMP_WAIT_POLICY=PASSIVE`, which kept the roles
+    from stalling each other before, costs the verifier's forward 2x: 44.6-45.2 s and
+    5.6-6.0 s; engine/openmp.py). The n-gram drafter and the gateway are pure Python and get
+    one.
 
     A model drafter (EAGLE head, draft model) computes while the verifier does, so with
     ``model_drafter`` the verifier leaves it a core: n - 1 threads (measured, `specmesh bench
@@ -40,7 +43,7 @@ def default_threads(num_cores: int | None = None,
     and 9.4, verifier 2 / drafter 2 8.4 and 8.8; benchmarks/bench_drafters.md)."""
     n = num_cores or os.cpu_count() or 2
     verifier = max(1, n - 1) if model_drafter else n
-    return {Role.VERIFIER.value: verifier, Role.PREFILL.value: n,
+    return {Role.VERIFIER.value: verifier, Role.PREFILL.value: 1,
             Role.DRAFTER.value: 1, Role.GATEWAY.value: 1}
 
 

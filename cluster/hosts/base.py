@@ -23,6 +23,7 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.health import HEARTBEAT_INTERVAL_S
 from cluster.loopback import role_address
+from engine.openmp import run_in_released_thread
 from protocol.enums import Role
 from protocol.messages import ModelIdentity
 from protocol.transport import IDLE_TIMEOUT_S, run_loop
@@ -41,7 +42,6 @@ class RoleHost(ABC):
     role: Role
 
     def __init__(self, instance_id: str, cfg: ClusterConfig) -> None:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.instance_id, self.cfg = instance_id, cfg
         self.incarnation = time.time_ns()
         self.num_calls = 0  # Ray method calls served: must not grow with generated tokens
@@ -58,7 +58,9 @@ class RoleHost(ABC):
                                   advertise_host=self.advertise_host, model=identity,
                                   draft_method=cfg.verifier.draft_method,
                                   incarnation=self.incarnation, on_hello=self.on_hello)
-        self.worker = self.build_worker()
+        # model loading's torch ops run in a thread that exits, so the loop thread's OpenMP
+        # team is the process's only one (engine/openmp.py: a second halves forward speed)
+        self.worker = run_in_released_thread(self.build_worker, f"{instance_id}-init")
         self.start()
 
     # -- for subclasses --------------------------------------------------------------------
