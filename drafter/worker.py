@@ -348,8 +348,10 @@ class DrafterWorker(MailboxWorker):
         return tensor_to_buffer(torch.stack(rows).to(torch.float32))
 
     def _has_work(self) -> bool:
-        w = self.config.window
-        return any(not s.exhausted and len(s.path) < w for s in self.requests.values())
+        """Some path may still grow: below its own run-ahead cap (:meth:`_window`, which the
+        verifier's ``num_drafts_wanted`` can set below the window) and not exhausted."""
+        return any(not s.exhausted and len(s.path) < self._window(s)
+                   for s in self.requests.values())
 
     def step(self, timeout_s: float = 0.0) -> int:
         """Ingest what arrived (waiting up to ``timeout_s`` for the first message), then draft."""

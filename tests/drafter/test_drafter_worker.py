@@ -135,3 +135,28 @@ def test_run_ahead_follows_the_drafts_the_verifier_wants():
         d.step()
         assert len(d.requests["r"].path) == run_ahead, wanted
     _tails(v)
+
+
+def test_a_path_at_its_run_ahead_cap_leaves_the_drafter_waiting_not_spinning():
+    """Seen served at 16 concurrent requests: with the verifier's cap (num_drafts_wanted)
+    below the window, every path stopped at its run-ahead while ``_has_work`` still measured
+    against the window, so each step polled with timeout 0 and the n-gram drafter burned a
+    core beside the verifier. Once every path is at its cap, a step waits for a message."""
+    from helpers.proposers import GarbageProposer
+
+    hub = InProcHub()
+    v = hub.mailbox("verifier-0")
+    d = DrafterWorker(DrafterConfig(window=8, max_segment=8), hub.mailbox("drafter-0"),
+                      GarbageProposer(999))
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2, 3],
+                                  committed_token_ids=[2], sampling=SamplingParams()))
+    d.step()
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1,
+                                     committed_token_ids=[999], num_drafts_wanted=1))
+    d.step()
+    assert len(d.requests["r"].path) == 2  # at its cap (two steps of one draft)
+    assert not d._has_work()
+    waits = []
+    d.ingest = lambda timeout_s=0.0: waits.append(timeout_s) or 0
+    d.step(0.25)
+    assert waits == [0.25]  # the caller's wait, not a zero-timeout poll
