@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cluster.loopback import use_loopback  # noqa: E402
