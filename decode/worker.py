@@ -14,6 +14,7 @@ import logging
 import time
 
 from decode.config import VerifierConfig
+from decode.core_sharing import CoreSharing
 from decode.drafter_loss import DrafterLoss
 from decode.kv_receiver import KVReceiver
 from decode.lifecycle import RequestLifecycle
@@ -87,6 +88,9 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         #: prefill peers a send failed to (refused our Hello, no channel) -> the error; not
         #: given new transfers until the roster drops them or they restart
         self.unreachable_prefill: dict[str, str] = {}
+        #: the forward's threads while a prefill on the same cores runs (decode/core_sharing.py;
+        #: set by the role host; None: left as they are)
+        self.core_sharing: CoreSharing | None = None
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -357,6 +361,9 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             # before the commit: a request that finishes in this step was still eligible
             eligible = sum(self.scheduler.num_drafts(p.request) > 0 for p in plan)
         hidden = any(self.lifecycle.wants_hidden(p.request) for p in plan)
+        if self.core_sharing is not None:
+            self.core_sharing.before_forward(sum(r.status is RequestStatus.PREFILLING
+                                                 for r in self.lifecycle.requests.values()))
         outputs = self.verify_step.run(plan, return_hidden=hidden)
         self.scheduler.observe_forward(sum(1 + len(p.draft_token_ids) for p in plan),
                                        self.verify_step.last_forward_s)

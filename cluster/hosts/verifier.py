@@ -4,6 +4,7 @@ the prefill workers and drafters of the roster."""
 from __future__ import annotations
 
 from dataclasses import replace
+from urllib.parse import urlsplit
 
 from cluster.hosts.base import RoleHost, loaded_runner, peers_of
 from protocol.enums import Role
@@ -12,9 +13,13 @@ from protocol.zmq_transport import PeerInfo
 
 class VerifierHost(RoleHost):
     role = Role.VERIFIER
+    _on_cpu = False  # the model's device is the CPU (set when the worker is built)
 
     def build_worker(self):
+        import torch
+
         import drafter.proposers  # noqa: F401  (registers the built-in methods)
+        from decode.core_sharing import CoreSharing
         from decode.worker import VerifierWorker
         from cluster.hosts.drafter import cluster_seed_state
 
@@ -27,6 +32,9 @@ class VerifierHost(RoleHost):
                          eos_token_ids=tuple(loaded.config.eos_token_ids),
                          seed_state=v.seed_state or cluster_seed_state(self.cfg))
         worker = VerifierWorker(config, self.mailbox, runner, bm)
+        self._on_cpu = loaded.model.device.type == "cpu"
+        worker.core_sharing = CoreSharing(self.cfg.threads.get(self.role.value, 1),
+                                          torch.set_num_threads)
         self.mailbox.on_disconnect = worker.peer_disconnected  # called in the loop thread
         return worker
 
@@ -57,6 +65,9 @@ class VerifierHost(RoleHost):
         for r in prefill:
             self._prefill_incarnation(r["instance_id"], r.get("incarnation"))
         self.connect_only(prefill + drafters)
+        if self.worker.core_sharing is not None:  # a prefill on this node's CPU shares its cores
+            self.worker.core_sharing.shared = self._on_cpu and any(
+                endpoint_host(r["endpoint"]) == self.advertise_host for r in prefill)
         self.worker.set_roster([r["instance_id"] for r in prefill],
                                [r["instance_id"] for r in drafters])
 
@@ -89,3 +100,8 @@ class VerifierHost(RoleHost):
         out["kv_cache_usage"] = 1 - bm.num_free_blocks / bm.num_blocks  # as the metric
         out["requests"] = self.worker.lifecycle.views()
         return out
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of a ZMQ endpoint ``tcp://HOST:PORT`` ("" when it has none)."""
+    return urlsplit(endpoint).hostname or ""

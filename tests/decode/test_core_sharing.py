@@ -1,0 +1,86 @@
+"""The verify forward's threads while a prefill on the same cores is in flight
+(decode/core_sharing.py) and how the verifier host decides that prefill shares its cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.hosts.verifier import VerifierHost, endpoint_host
+from cluster.inprocess import InProcessCluster
+from decode.core_sharing import CoreSharing
+from helpers.models import tiny_llama
+from protocol.messages import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 5, 6], [9, 9, 9, 9], [12, 13, 14], [3, 4, 3, 4, 3]]
+SP = SamplingParams(max_tokens=12)
+
+
+def test_one_thread_only_while_shared_and_a_prefill_is_in_flight():
+    calls: list[int] = []
+    cs = CoreSharing(4, calls.append, shared=True)
+    assert [cs.before_forward(n) for n in (0, 2, 1, 1, 0, 0, 3)] == [4, 1, 1, 1, 4, 4, 1]
+    assert calls == [1, 4, 1]  # set only on a change
+    assert cs.num_switches == 3
+    alone = CoreSharing(4, calls.append)  # prefill elsewhere: the plan's threads always
+    assert alone.threads_for(5) == 4 and alone.before_forward(5) == 4
+
+
+def test_threads_must_be_positive():
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        CoreSharing(0, lambda n: None)
+
+
+def test_the_verifier_yields_cores_during_the_ramp_and_output_is_unchanged():
+    """Four prompts at once: prefill runs them one per turn, so the first steps run while
+    others still await KV (one thread), the rest with the plan's threads; tokens identical."""
+    _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
+    want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
+                                                  num_kv_blocks=64, block_size=4)
+            .generate(PROMPTS, SP)]
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
+    calls: list[int] = []
+    c.verifier.core_sharing = CoreSharing(2, calls.append, shared=True)
+    got = [r.token_ids for r in c.generate(PROMPTS, SP)]
+    assert got == want
+    assert calls[0] == 1 and calls[-1] == 2  # yielded during the ramp, then back
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.core_sharing = CoreSharing(2, lambda n: None)
+
+    def set_roster(self, prefill, drafters) -> None:
+        self.roster = (prefill, drafters)
+
+
+def _host(on_cpu: bool) -> VerifierHost:
+    host = object.__new__(VerifierHost)  # only what apply_roster reads
+    host._on_cpu, host.advertise_host, host.worker = on_cpu, "10.0.0.5", _Worker()
+    host.connect_only = lambda peers: None
+    return host
+
+
+def _prefill(host: str) -> dict:
+    return {"instance_id": f"prefill-{host}", "role": "prefill", "incarnation": 1,
+            "endpoint": f"tcp://{host}:5555"}
+
+
+@pytest.mark.parametrize("on_cpu, prefill_hosts, shared", [
+    (True, ["10.0.0.5"], True),  # same node, CPU: shared cores
+    (True, ["10.0.0.7", "10.0.0.5"], True),
+    (True, ["10.0.0.7"], False),  # prefill on another node
+    (False, ["10.0.0.5"], False),  # the verifier computes on a GPU
+    (True, [], False),
+])
+def test_the_host_marks_cores_shared_by_a_prefill_on_its_node_and_cpu(on_cpu, prefill_hosts,
+                                                                        shared):
+    host = _host(on_cpu)
+    host.apply_roster([_prefill(h) for h in prefill_hosts])
+    assert host.worker.core_sharing.shared is shared
+
+
+def test_endpoint_host():
+    assert endpoint_host("tcp://127.0.0.1:5555") == "127.0.0.1"
+    assert endpoint_host("tcp://[::1]:5555") == "::1"
+    assert endpoint_host("not an endpoint") == ""
