@@ -112,9 +112,9 @@ def test_commits_for_endless_unknown_requests_leave_bounded_state():
     assert need == n
 
 
-def test_run_ahead_follows_the_drafts_the_verifier_wants():
-    """VerifyCommit.num_drafts_wanted: the path runs ahead by twice the verifier's cap (at
-    least one draft), not by the whole window; None: the window."""
+def _synced_garbage_drafter():
+    """(verifier mailbox, drafter with window 8 that drafts token 999 only) after one DraftSync
+    of request "r" and one step."""
     from helpers.proposers import GarbageProposer
 
     hub = InProcHub()
@@ -124,6 +124,13 @@ def test_run_ahead_follows_the_drafts_the_verifier_wants():
     v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2, 3],
                                   committed_token_ids=[2], sampling=SamplingParams()))
     d.step()
+    return v, d
+
+
+def test_run_ahead_follows_the_drafts_the_verifier_wants():
+    """VerifyCommit.num_drafts_wanted: the path runs ahead by twice the verifier's cap (at
+    least one draft), not by the whole window; None: the window."""
+    v, d = _synced_garbage_drafter()
     assert len(d.requests["r"].path) == 8  # no cap yet: the window
     pre = 1
     for wanted, run_ahead in ((1, 2), (0, 2), (3, 6), (None, 8)):
@@ -142,15 +149,7 @@ def test_a_path_at_its_run_ahead_cap_leaves_the_drafter_waiting_not_spinning():
     below the window, every path stopped at its run-ahead while ``_has_work`` still measured
     against the window, so each step polled with timeout 0 and the n-gram drafter burned a
     core beside the verifier. Once every path is at its cap, a step waits for a message."""
-    from helpers.proposers import GarbageProposer
-
-    hub = InProcHub()
-    v = hub.mailbox("verifier-0")
-    d = DrafterWorker(DrafterConfig(window=8, max_segment=8), hub.mailbox("drafter-0"),
-                      GarbageProposer(999))
-    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2, 3],
-                                  committed_token_ids=[2], sampling=SamplingParams()))
-    d.step()
+    v, d = _synced_garbage_drafter()
     v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1,
                                      committed_token_ids=[999], num_drafts_wanted=1))
     d.step()
