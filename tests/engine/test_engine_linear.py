@@ -1,10 +1,11 @@
 """RowInvariantLinear (engine/linear.py): nn.Linear's parameters and results, with one-row
-bf16 / fp16 inputs computed as two rows."""
+bf16 / fp16 inputs computed as two rows, and inference on prepacked oneDNN weights."""
 
 import pytest
 import torch
 from torch import nn
 
+from engine import onednn
 from engine.linear import RowInvariantLinear
 
 
@@ -23,3 +24,68 @@ def test_same_parameters_and_results_as_nn_linear(dtype):
         assert torch.equal(one, plain(torch.cat([x[:1], x[:1]]))[:1])
     else:
         assert torch.equal(one, plain(x[:1]))
+
+
+needs_onednn = pytest.mark.skipif(not onednn.enabled(), reason="torch without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_inference_runs_on_a_prepacked_weight_whose_rows_do_not_depend_on_the_call(dtype, bias):
+    torch.manual_seed(0)
+    # in_features 1536 / 2048: sizes where a one-row oneDNN call takes a kernel whose last
+    # bits differ (measured); the two-row rule must hide it
+    for n_in, n_out in [(64, 48), (1536, 576), (2048, 320)]:
+        ours = RowInvariantLinear(n_in, n_out, bias=bias).to(dtype)
+        x = torch.randn(33, n_in).to(dtype)
+        with torch.no_grad():
+            full = ours(x)
+            assert ours._packed is not None  # the prepacked path is the one under test
+            for rows in (1, 2, 3, 5, 16):
+                assert torch.equal(ours(x[:rows]), full[:rows]), (n_in, rows)
+            plain = torch.nn.functional.linear(x.double(), ours.weight.double(),
+                                               None if ours.bias is None else ours.bias.double())
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(full.double(), plain, rtol=tol, atol=tol)
+
+
+@needs_onednn
+def test_the_pack_follows_the_weight():
+    torch.manual_seed(0)
+    ours = RowInvariantLinear(32, 16, bias=True).to(torch.bfloat16)
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        before = ours(x)
+        other = nn.Linear(32, 16, bias=True).to(torch.bfloat16)
+        ours.load_state_dict(other.state_dict())  # in-place copy: same tensors, new versions
+        after = ours(x)
+        assert not torch.equal(before, after)
+        torch.testing.assert_close(after.float(), other(x).float(), rtol=2e-2, atol=2e-2)
+        ours.weight.mul_(0)  # an in-place update repacks too
+        assert torch.equal(ours(x), ours.bias.expand(4, 16))
+        ours.float()  # another dtype: a new pack of the new tensor
+        assert ours(x.float()).dtype == torch.float32 and ours._packed.dtype == torch.float32
+
+
+@needs_onednn
+def test_training_and_the_switch_keep_nn_linear(monkeypatch):
+    torch.manual_seed(0)
+    plain = nn.Linear(24, 8)
+    ours = RowInvariantLinear(24, 8)
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 24)
+    ours(x).sum().backward()  # autograd: F.linear, gradients flow
+    assert ours.weight.grad is not None and ours._packed is None
+    monkeypatch.setattr(onednn, "_switch", False)
+    with torch.no_grad():
+        assert torch.equal(ours(x), plain(x)) and ours._packed is None
+    monkeypatch.setattr(onednn, "_switch", True)
+    with torch.no_grad():
+        assert ours(x).shape == (5, 8) and ours._packed is not None
+    onednn.set_enabled(False)
+    try:
+        with torch.no_grad():  # switched off after packing: F.linear again
+            assert torch.equal(ours(x), plain(x))
+    finally:
+        onednn.set_enabled(True)

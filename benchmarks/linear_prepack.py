@@ -1,0 +1,83 @@
+"""What prepacked oneDNN weights buy (engine/onednn.py): one SmolLM2 forward through the
+engine with every linear product on its prepacked weight (``packed``) against ``F.linear``
+(``eager``), switched in one process and interleaved; Hugging Face's own forward (eager, with
+its KV cache) at the same shape as a reference. Prints the median and min of 15 runs per case
+(ms), eager/packed and HF/packed, for one decode token, a 5-token verify chunk and a batch of
+16 decode tokens.
+
+    python benchmarks/linear_prepack.py [bfloat16|float32] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from engine import onednn
+from engine.kv_cache import KVCache
+from engine.loader import load_model
+from engine.runner import ModelRunner, SeqChunk
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dtype", nargs="?", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=250, help="tokens of KV before the step")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from cluster.bench_hf import load_hf_model
+
+    loaded = load_model(None, dtype=args.dtype)
+    model, cfg = loaded.model, loaded.config
+    hf = load_hf_model(None, args.dtype)
+    bs, ctx = 16, args.context
+    per_seq = -(-(ctx + 8) // bs)
+    cache = KVCache(cfg, per_seq * 16 + 4, bs, dtype=args.dtype)
+    runner = ModelRunner(model, cfg, cache)
+
+    def ours(q_len: int, batch: int):
+        chunks = [SeqChunk([100 + i] * q_len, ctx, list(range(i * per_seq, (i + 1) * per_seq)))
+                  for i in range(batch)]
+        return lambda: runner.forward(chunks, logits="last")
+
+    def theirs(q_len: int, batch: int):
+        with torch.no_grad():
+            pkv = hf(torch.full((batch, ctx), 100), use_cache=True).past_key_values
+        mask = torch.ones(batch, ctx + q_len, dtype=torch.long)
+
+        def step():
+            with torch.no_grad():
+                hf(torch.full((batch, q_len), 100), attention_mask=mask, past_key_values=pkv,
+                   use_cache=True)
+            pkv.crop(ctx)
+        return step
+
+    print(f"SmolLM2 {args.dtype}, {args.threads} threads, context {ctx}, "
+          f"median (min) of {args.repeats} runs, ms")
+    for q_len, batch in [(1, 1), (5, 1), (1, 16)]:
+        cases = {"packed": ours(q_len, batch), "eager": ours(q_len, batch),
+                 "hf": theirs(q_len, batch)}
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for rep in range(args.repeats + 2):
+            for name, fn in cases.items():
+                onednn.set_enabled(name != "eager")
+                t0 = time.perf_counter()
+                fn()
+                if rep >= 2:  # two warm-up rounds
+                    times[name].append(time.perf_counter() - t0)
+        onednn.set_enabled(True)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        low = {k: min(v) * 1e3 for k, v in times.items()}
+        print(f"q_len {q_len} batch {batch:2d}: packed {med['packed']:6.1f} ({low['packed']:.1f})"
+              f"  eager {med['eager']:6.1f} ({low['eager']:.1f})  hf {med['hf']:6.1f} "
+              f"({low['hf']:.1f})  eager/packed {med['eager'] / med['packed']:.2f}  "
+              f"hf/packed {med['hf'] / med['packed']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

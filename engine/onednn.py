@@ -1,0 +1,83 @@
+"""Linear layers on prepacked oneDNN weights (CPU): the weight-prepacking torch inductor's
+``freezing`` does for CPU inference, without compiling the model.
+
+``F.linear`` on CPU hands oneDNN / MKL the plain row-major weight on every call, and the
+library reorders it into its blocked layout each time. For the decode-size products of a small
+model that reorder is most of the cost: SmolLM2-135M's 211 products per one-token step took
+17 ms eager against 8 ms prepacked (bf16, 2 threads, AVX-512 bf16; the 49152-wide LM head
+2.5 ms against 0.7 ms; fp32 LM head 7.2 ms against 2.2 ms; benchmarks/linear_prepack.py).
+
+Results are row-invariant as the verify forward needs (DESIGN.md §11): a row's output does
+not depend on how many rows the call has, for 2 rows and up, nor on the thread count; a
+one-row call may take another kernel (gemv) whose last bits differ, so one-row inputs run as
+two rows (the row twice), as :class:`engine.linear.RowInvariantLinear` already did for bf16.
+Prepacked fp32 results are not bit-equal to eager ``F.linear`` (another accumulation order),
+only consistent with themselves.
+
+:func:`pack` checks the property on random rows before a pack is used and returns None where
+the op is missing or the check fails; the caller then stays on ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: Dtypes packed for oneDNN (float64 and float16 stay on F.linear).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+#: Batch-size hint of the pack: the decode steps the engine runs most.
+_PACK_BATCH_HINT = 2
+#: Rows of the pack-time check: every count below is compared with its rows in the largest.
+_CHECK_ROWS = (2, 3, 5, 9)
+_CHECK_ALL = 17
+#: ``SPECMESH_PREPACKED_LINEAR=0`` in a process's environment keeps every product on F.linear.
+ENV_SWITCH = "SPECMESH_PREPACKED_LINEAR"
+_AVAILABLE = bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn,
+                                                                     "_linear_pointwise")
+_switch = os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def enabled() -> bool:
+    """Prepacked products are in use: torch has oneDNN and the switch is on."""
+    return _AVAILABLE and _switch
+
+
+def set_enabled(flag: bool) -> None:
+    """Turn prepacked products on or off in this process (A/B measurement; tests)."""
+    global _switch
+    _switch = bool(flag)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] @ weight.T (+ bias) -> [M, out] on a weight from :func:`pack`; M == 1 runs
+    as two rows (row invariance, see the module docstring)."""
+    if x.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x]), packed, bias,
+                                                  "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The oneDNN blocked copy of ``weight`` [out, in] (same dtype, CPU), or None: not a
+    packed dtype, not on CPU, the op missing, or rows computed in calls of different sizes
+    disagree on a random check (then F.linear stays in use). Costs one copy of the weight's
+    memory."""
+    if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" or not enabled():
+        return None
+    w = weight.detach()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(_CHECK_ALL, w.shape[1], generator=gen).to(w.dtype)
+        b = None if bias is None else bias.detach()
+        full = linear(x, packed, b)
+        for rows in (1, *_CHECK_ROWS):
+            if not torch.equal(linear(x[:rows], packed, b), full[:rows]):
+                return None
+    except (RuntimeError, NotImplementedError):  # op missing or dtype unsupported here
+        return None
+    return packed
+
+
+__all__ = ["ENV_SWITCH", "PACKED_DTYPES", "enabled", "linear", "pack", "set_enabled"]
