@@ -54,7 +54,7 @@ def main() -> None:
             with torch.no_grad():
                 hf(torch.full((batch, q_len), 100), attention_mask=mask, past_key_values=pkv,
                    use_cache=True)
-            pkv.crop(ctx)
+            pkv.crop(-q_len)
         return step
 
     print(f"SmolLM2 {args.dtype}, {args.threads} threads, context {ctx}, "
