@@ -38,23 +38,18 @@ class RowInvariantLinear(nn.Linear):
     ``nn.Linear``.
     """
 
-    _packed: torch.Tensor | None = None
-    _pack_key: tuple | None = None
+    _pack_cache: onednn.PackCache | None = None
 
-    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        w, b = self.weight, self.bias
-        if (not onednn.enabled() or x.dim() != 2 or x.dtype != w.dtype or x.device.type != "cpu"
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
-            return None
-        key = (w.data_ptr(), w._version, w.dtype, w.shape,
-               None if b is None else (b.data_ptr(), b._version))
-        if key != self._pack_key:
-            self._packed, self._pack_key = onednn.pack(w, b), key
-        return self._packed
+    @property
+    def _packed(self) -> torch.Tensor | None:
+        """The current oneDNN pack of the weight (None before first use or where unused)."""
+        return None if self._pack_cache is None else self._pack_cache.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] -> [M, out_features]."""
-        packed = self._packed_weight(x)
+        if self._pack_cache is None:
+            self._pack_cache = onednn.PackCache()
+        packed = self._pack_cache.get(x, self.weight, self.bias)
         if packed is not None:
             return onednn.linear(x, packed, self.bias)
         if x.dim() == 2 and x.shape[0] == 1 and x.dtype in PADDED_DTYPES:

@@ -80,4 +80,29 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None
     return packed
 
 
-__all__ = ["ENV_SWITCH", "PACKED_DTYPES", "enabled", "linear", "pack", "set_enabled"]
+class PackCache:
+    """One weight's pack, kept while the weight (and bias) stay the same tensors at the same
+    version and dtype: a new tensor, an in-place update (``load_state_dict``, an optimizer
+    step) or another dtype packs again."""
+
+    def __init__(self) -> None:
+        self.packed: torch.Tensor | None = None
+        self._key: tuple | None = None
+
+    def get(self, x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The pack to compute ``x`` [M, in] with, or None where ``F.linear`` must: switched
+        off, not a 2-D CPU input of the weight's dtype, or autograd recording."""
+        if (not enabled() or x.dim() != 2 or x.dtype != weight.dtype
+                or x.device.type != "cpu"
+                or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+            return None
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape,
+               None if bias is None else (bias.data_ptr(), bias._version))
+        if key != self._key:
+            self.packed, self._key = pack(weight, bias), key
+        return self.packed
+
+
+__all__ = ["ENV_SWITCH", "PACKED_DTYPES", "PackCache", "enabled", "linear", "pack",
+           "set_enabled"]

@@ -29,6 +29,8 @@ from torch import nn
 
 from drafter.eagle.config import EagleHeadConfig
 from drafter.eagle.layer import DecoderLayer, RMSNorm
+from engine import onednn
+from engine.linear import RowInvariantLinear
 
 
 @dataclass
@@ -60,17 +62,20 @@ class HeadKV:
 class EagleHead(nn.Module):
     """Trainable parameters: ``fc`` (2d -> d), ``layers``, ``norm``. Frozen buffers set by
     :meth:`set_target_weights`: ``embed`` [vocab, d] and ``lm_head`` [draft_vocab, d] with
-    ``draft_to_target`` [draft_vocab] (target token id of each draft-vocabulary row)."""
+    ``draft_to_target`` [draft_vocab] (target token id of each draft-vocabulary row).
+    Inference runs its products on prepacked oneDNN weights (engine/onednn.py)."""
+
+    _lm_head_pack: onednn.PackCache | None = None
 
     def __init__(self, config: EagleHeadConfig) -> None:
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.fc = RowInvariantLinear(2 * d, d, bias=False)
         n_feat = len(config.feature_layers)
         self.feature_norms = nn.ModuleList([RMSNorm(d, config.rms_norm_eps)
                                             for _ in range(n_feat)])
-        self.fuse = nn.Linear(n_feat * d, d, bias=False) if n_feat else None
+        self.fuse = RowInvariantLinear(n_feat * d, d, bias=False) if n_feat else None
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(d, config.rms_norm_eps)
         n_draft = config.draft_vocab_size or config.vocab_size
@@ -129,6 +134,12 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] of predicted features [..., d]."""
+        if features.dim() == 2:  # inference rows: the LM head's prepacked product
+            if self._lm_head_pack is None:
+                self._lm_head_pack = onednn.PackCache()
+            packed = self._lm_head_pack.get(features, self.lm_head)
+            if packed is not None:
+                return onednn.linear(features, packed, None)
         return features @ self.lm_head.T
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.linear import RowInvariantLinear
+
 if TYPE_CHECKING:
     from drafter.eagle.config import EagleHeadConfig
 
@@ -39,13 +41,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, hd = c.hidden_size, c.head_dim
         self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, hd
-        self.q_proj = nn.Linear(d, c.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * hd, d, bias=False)
-        self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+        self.q_proj = RowInvariantLinear(d, c.num_heads * hd, bias=False)
+        self.k_proj = RowInvariantLinear(d, c.num_kv_heads * hd, bias=False)
+        self.v_proj = RowInvariantLinear(d, c.num_kv_heads * hd, bias=False)
+        self.o_proj = RowInvariantLinear(c.num_heads * hd, d, bias=False)
+        self.gate_proj = RowInvariantLinear(d, c.intermediate_size, bias=False)
+        self.up_proj = RowInvariantLinear(d, c.intermediate_size, bias=False)
+        self.down_proj = RowInvariantLinear(c.intermediate_size, d, bias=False)
         self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
 
