@@ -13,14 +13,21 @@ of the step's cost. Here:
   EMA per ``N`` measured, linear between the ``N`` seen and beyond them. Measured, not
   assumed: a 2-row fp32 product can cost several times a one-row one on a CPU without bf16
   (the GEMV / GEMM switch) while a 5-token bf16 forward costs ~1.07x a one-token one;
-- the step's cap ``k`` (one for the whole batch, as SmartSpec) maximises
-  ``sum_i E_i(min(k, d_i)) / T(sum_i 1 + min(k, d_i))`` over ``k = 0 .. max d_i``, ``d_i`` the
-  drafts request ``i`` could verify.
+- the step's caps, per request (SmartSpec picks one proposal length for the whole batch; a
+  batch-wide cap makes requests whose drafts fail hold back a request whose drafts match, or
+  verify their own failing drafts beside it). The ``j``-th draft of request ``i`` adds
+  ``a_i^j`` expected tokens, falling with ``j``; the step takes the ``n`` drafts of largest
+  gain that maximise ``(B + their gains) / T(B + n)`` (``B`` requests, ``d_i`` drafts request
+  ``i`` could verify), which is a prefix of every request's drafts. The decision is kept as
+  the smallest gain taken (:class:`DraftCaps`): a request's cap is how many of its drafts
+  reach it, which also tells a request without a tail this step how many its drafter should
+  have ready.
 
-Until the cost of both ends (no drafts, all drafts) has been measured the cap explores them;
-while it holds drafts back it still verifies one draft every :data:`PROBE_EVERY` steps, so a
-request whose drafter starts to match is noticed. The cap never changes the output, only the
-cost (greedy and sampled verification are exact with any number of drafts).
+Until the cost of both ends (no drafts, all drafts) has been measured the caps explore them;
+while they hold every draft back they still verify one draft per request every
+:data:`PROBE_EVERY` steps, so a request whose drafter starts to match is noticed. The caps never
+change the output, only the cost (greedy and sampled verification are exact with any number of
+drafts).
 """
 
 from __future__ import annotations
@@ -98,56 +105,87 @@ class ForwardCost:
         return max(t + slope * (num_tokens - anchor), min(self._ema.values()))
 
 
+@dataclass(frozen=True)
+class DraftCaps:
+    """One step's draft decision: drafts whose expected gain is at least ``min_gain`` are
+    verified (``min_gain`` 0: every draft; infinity: none), or one draft per request on a
+    probe step."""
+
+    min_gain: float
+    probe: bool = False
+
+    def cap(self, rate: float, limit: int) -> int:
+        """Drafts (at most ``limit``) a request of acceptance ``rate`` verifies: the ``j``
+        with ``rate ** j >= min_gain``."""
+        if self.probe:
+            return min(1, limit)
+        k = 0
+        while k < limit and rate ** (k + 1) >= self.min_gain:
+            k += 1
+        return k
+
+
+#: Verify every draft (exploring the cost of a step with all of them).
+ALL_DRAFTS = DraftCaps(0.0)
+#: Verify none.
+NO_DRAFTS = DraftCaps(float("inf"))
+
+
 class DraftBudget:
-    """The goodput-maximising draft cap of each verify step (see the module doc)."""
+    """The goodput-maximising draft caps of each verify step (see the module doc)."""
 
     def __init__(self) -> None:
         self.cost = ForwardCost()
-        self._held_back = 0  # steps in a row whose cap was 0 while drafts were there
+        self._held_back = 0  # steps in a row that held every draft back while drafts were there
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
 
-    def cap(self, num_drafts: list[int], rates: list[float]) -> int:
-        """Most drafts any request verifies this step.
+    def decide(self, num_drafts: list[int], rates: list[float]) -> DraftCaps:
+        """This step's caps.
 
         Args:
             num_drafts: per running request, the drafts it could verify (its usable tail,
                 within its other caps).
             rates: per request, its :attr:`Acceptance.rate`.
         """
-        k_max = max(num_drafts, default=0)
-        if k_max == 0:
-            return 0
+        if not any(num_drafts):
+            return NO_DRAFTS
         base = len(num_drafts)
-
-        def tokens(k: int) -> int:
-            return base + sum(min(k, d) for d in num_drafts)
-
-        # explore the two ends first: with both measured every k can be predicted
-        if self.cost.predict(tokens(k_max)) is None:
-            return k_max
-        if self.cost.predict(tokens(0)) is None:
-            return self._held(0)
-        best_k, best = 0, -1.0
-        for k in range(k_max + 1):
-            t = self.cost.predict(tokens(k))
-            gain = sum(expected_tokens(r, min(k, d)) for r, d in zip(rates, num_drafts))
+        total = base + sum(num_drafts)
+        # explore the two ends first: with both measured every size can be predicted
+        if self.cost.predict(total) is None:
+            return ALL_DRAFTS
+        if self.cost.predict(base) is None:
+            return self._held(NO_DRAFTS)
+        gains = sorted((r ** j for r, d in zip(rates, num_drafts) for j in range(1, d + 1)),
+                       reverse=True)
+        best_n, best, gain = 0, -1.0, float(base)
+        for n in range(len(gains) + 1):
+            if n:
+                gain += gains[n - 1]
+            t = self.cost.predict(base + n)
             if t is not None and t > 0 and gain / t > best:
-                best_k, best = k, gain / t
-        return self._held(best_k)
+                best_n, best = n, gain / t
+        return self._held(DraftCaps(gains[best_n - 1]) if best_n else NO_DRAFTS)
 
-    def _held(self, k: int) -> int:
-        """``k``, except every PROBE_EVERY-th step in a row held back to 0 verifies one."""
-        if k > 0:
+    def cap(self, num_drafts: list[int], rates: list[float]) -> int:
+        """The most drafts any request verifies this step (:meth:`decide`)."""
+        caps = self.decide(num_drafts, rates)
+        return max((caps.cap(r, d) for r, d in zip(rates, num_drafts)), default=0)
+
+    def _held(self, caps: DraftCaps) -> DraftCaps:
+        """``caps``, except every PROBE_EVERY-th step in a row that holds every draft back
+        verifies one per request."""
+        if caps is not NO_DRAFTS:
             self._held_back = 0
-            return k
+            return caps
         self._held_back += 1
         if self._held_back >= PROBE_EVERY:
             self._held_back = 0
-            return 1
-        return 0
+            return DraftCaps(float("inf"), probe=True)
+        return caps
 
 
-__all__ = ["ACCEPTANCE_DECAY", "COST_EMA_WEIGHT", "PROBE_EVERY", "Acceptance", "DraftBudget",
-           "ForwardCost", "expected_tokens"]
+__all__ = ["ACCEPTANCE_DECAY", "ALL_DRAFTS", "COST_EMA_WEIGHT", "NO_DRAFTS", "PROBE_EVERY",
+           "Acceptance", "DraftBudget", "DraftCaps", "ForwardCost", "expected_tokens"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
-from decode.goodput import DraftBudget
+from decode.goodput import DraftBudget, DraftCaps
 from decode.request import Request, RequestStatus
 from protocol.messages import SamplingParams
 
@@ -76,7 +76,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.step_time_ema_s = 0.0
         self.draft_budget = DraftBudget()
-        self.goodput_cap: int | None = None  # the latest step's goodput cap (None: off)
+        # the latest step's goodput decision (None: off, or no step with tails yet)
+        self.goodput_caps: DraftCaps | None = None
         self._prefill_turn = 0  # rotates the prefill peer that wins a tie
 
     # -- queue -----------------------------------------------------------------------------
@@ -201,10 +202,11 @@ class Scheduler:
 
     def drafts_wanted(self, req: Request) -> int:
         """What VerifyCommit tells ``req``'s drafter it will verify next: :meth:`num_drafts`,
-        within the latest goodput cap (0 while drafts are held back: the drafter then keeps
-        only a probe's worth)."""
+        within its cap under the latest goodput decision (0 while its drafts are held back:
+        the drafter then keeps only a probe's worth)."""
         k = self.num_drafts(req)
-        return k if self.goodput_cap is None else min(k, self.goodput_cap)
+        caps = self.goodput_caps
+        return k if caps is None else caps.cap(req.acceptance.rate, k)
 
     def plan(self, running: list[Request]) -> list[PlannedRequest]:
         """The verify step's batch: every running request (in order) with its usable drafts,
@@ -217,9 +219,10 @@ class Scheduler:
         if self.config.goodput_drafts:
             usable = [len(r.tail.usable(c)) for r, c in zip(running, caps)]
             if any(usable):  # a step with no tails decides nothing about drafts
-                cap = self.draft_budget.cap(usable, [r.acceptance.rate for r in running])
-                caps = [min(c, cap) for c in caps]
-                self.goodput_cap = cap
+                rates = [r.acceptance.rate for r in running]
+                decision = self.draft_budget.decide(usable, rates)
+                caps = [decision.cap(rate, c) for rate, c in zip(rates, caps)]
+                self.goodput_caps = decision
         for req, k in zip(running, caps):
             if budget < 1:
                 break
@@ -276,7 +279,7 @@ class Scheduler:
     def awaiting_tail(self, running: list[Request]) -> list[Request]:
         """Running requests whose drafter owes them a tail that would add drafts this step
         (drafts it would verify: :meth:`drafts_wanted`, so no step waits for drafts the
-        goodput cap holds back)."""
+        goodput caps hold back)."""
         return [r for r in running if r.tail_in_flight and r.drafter is not None
                 and len(r.tail) < self.drafts_wanted(r)]
 

@@ -101,12 +101,26 @@ def test_cap_is_zero_without_drafts_and_probes_while_holding_back():
     assert b.cap([0, 0], [1.0, 1.0]) == 0
     caps = [b.cap([4], [0.0]) for _ in range(3 * PROBE_EVERY)]
     assert caps.count(1) == 3 and set(caps) == {0, 1}
+    # a probe verifies one draft of every request that has some
+    probes = [b.decide([4, 2], [0.0, 0.0]) for _ in range(PROBE_EVERY)]
+    assert [c.cap(0.0, 4) for c in probes] == [0] * (PROBE_EVERY - 1) + [1]
 
 
 def test_cap_weighs_the_whole_batch():
     b = _budget({2: 0.10, 4: 0.11, 10: 0.13})
     # one request with good drafts is worth verifying even beside one with none
     assert b.cap([4, 0], [0.9, 0.0]) == 4
+
+
+def test_caps_take_the_drafts_of_largest_gain_per_request():
+    b = _budget({3: 0.040, 5: 0.041, 7: 0.042, 9: 0.043, 15: 0.080})
+    caps = b.decide([4, 4, 4], [0.95, 0.6, 0.02])
+    # the matching request verifies all its drafts, the middling one its first few, the
+    # failing one none: a prefix of each request's drafts
+    assert [caps.cap(r, 4) for r in (0.95, 0.6, 0.02)] == [4, 2, 0]
+    assert b.cap([4, 4, 4], [0.95, 0.6, 0.02]) == 4
+    # a request without a tail this step is told the cap its acceptance earns
+    assert caps.cap(0.95, 3) == 3 and caps.cap(0.02, 4) == 0
 
 
 def test_drafter_runs_ahead_only_as_far_as_the_verifier_verifies():

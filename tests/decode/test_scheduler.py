@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from decode.config import ACCEPT_LEN_EMA_WEIGHT, VerifierConfig
+from decode.goodput import NO_DRAFTS, DraftCaps
 from decode.request import Request, RequestStatus
 from decode.scheduler import Scheduler
 from engine.block_manager import BlockManager
@@ -261,9 +262,9 @@ def test_no_tail_wait_for_drafts_the_goodput_cap_holds_back():
     req = running(make_request("a", max_tokens=20), sched, output=[1])
     req.tail_in_flight = True
     assert sched.awaiting_tail([req]) == [req]  # no cap measured yet: kappa's worth
-    sched.goodput_cap = 0  # the latest step held drafts back
+    sched.goodput_caps = NO_DRAFTS  # the latest step held drafts back
     assert sched.awaiting_tail([req]) == []
-    sched.goodput_cap = 2
+    sched.goodput_caps = DraftCaps(0.5)  # this request's drafts (rate 1.0 so far) pay
     assert sched.awaiting_tail([req]) == [req]
 
 
@@ -273,4 +274,21 @@ def test_a_step_without_tails_leaves_the_goodput_cap_alone():
     sched = make_scheduler(goodput_drafts=True)
     req = running(make_request("a", max_tokens=20), sched, output=[1])
     sched.plan([req])
-    assert sched.goodput_cap is None and sched.drafts_wanted(req) == 4
+    assert sched.goodput_caps is None and sched.drafts_wanted(req) == 4
+
+
+def test_goodput_caps_are_per_request():
+    """A request whose drafts match keeps verifying them beside one whose drafts fail (a
+    batch-wide cap would hold both back, or verify both), and each drafter is told its own
+    request's cap."""
+    sched = make_scheduler(goodput_drafts=True)
+    for n, t in {2: 0.040, 4: 0.041, 6: 0.042, 10: 0.060}.items():  # bf16-like costs
+        sched.observe_forward(n, t)
+    good = running(make_request("good", max_tokens=20), sched, output=[1], drafts=[5, 6, 7, 8])
+    bad = running(make_request("bad", max_tokens=20), sched, output=[1], drafts=[5, 6, 7, 8])
+    for _ in range(10):
+        good.acceptance.observe(4, 4)
+        bad.acceptance.observe(0, 4)
+    plans = sched.plan([good, bad])
+    assert [len(p.draft_token_ids) for p in plans] == [4, 0]
+    assert sched.drafts_wanted(good) == 4 and sched.drafts_wanted(bad) == 0
