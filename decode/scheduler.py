@@ -6,7 +6,7 @@ fewer than ``max_num_seqs`` are admitted; blocks are then allocated lazily as th
 out of that reservation, so a running request never runs out of KV. Each step the scheduler
 plans, per running request, the drafts to verify: its usable tail, capped by kappa
 (``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
-more than its recent accept length, (``goodput_drafts``) by the step's goodput-maximising cap
+more than its recent accept length, (``goodput_drafts``) by its goodput-maximising cap this step
 (decode/goodput.py), and the whole batch by ``max_num_batched_tokens``. A
 request whose tail holds a draft tree (one-hot drafts) gets a tree instead: its depth capped
 like a chain's length, its nodes by ``max_tree_nodes`` (default twice kappa, as vLLM / SGLang
