@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
-from decode.goodput import DraftBudget, DraftCaps, expected_tokens
+from decode.goodput import DraftBudget, DraftCaps
 from decode.request import Request, RequestStatus
 from protocol.messages import SamplingParams
 
@@ -272,21 +272,9 @@ class Scheduler:
         else:
             self.step_time_ema_s += STEP_TIME_EMA_WEIGHT * (seconds - self.step_time_ema_s)
 
-    def tail_wait_budget_s(self, awaited: list[Request] | None = None,
-                           batch_size: int = 1) -> float:
-        """Longest a step may wait for tails in flight, seconds: ``tail_wait_fraction`` of one
-        verify step, and with ``goodput_drafts`` no longer than the drafts it waits for are
-        worth. Waiting w seconds delays all ``batch_size`` requests of the step, about
-        ``batch_size * w / step_time`` tokens, for the expected tokens the ``awaited``
-        requests' missing drafts add (``E(a, wanted) - E(a, in tail)``, geometric model). At
-        one request that rarely binds; with 16 requests and drafts at 0.3 acceptance it cuts
-        the wait to a few percent of a step."""
-        budget = self.config.tail_wait_fraction * self.step_time_ema_s
-        if not (self.config.goodput_drafts and awaited):
-            return budget
-        worth = sum(expected_tokens(r.acceptance.rate, self.drafts_wanted(r))
-                    - expected_tokens(r.acceptance.rate, len(r.tail)) for r in awaited)
-        return min(budget, self.step_time_ema_s * max(worth, 0.0) / max(batch_size, 1))
+    def tail_wait_budget_s(self) -> float:
+        """Longest a step may wait for tails in flight: a fraction of one verify step."""
+        return self.config.tail_wait_fraction * self.step_time_ema_s
 
     def awaiting_tail(self, running: list[Request]) -> list[Request]:
         """Running requests whose drafter owes them a tail that would add drafts this step

@@ -311,14 +311,11 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             block_table=req.block_table, draft_method=self.config.draft_method))
 
     def _wait_for_tails(self, running: list[Request]) -> None:
-        """Give tails in flight the scheduler's budget (at most a fraction of one step, and
-        no more than the awaited drafts are worth) to arrive."""
+        """Give tails in flight the scheduler's budget (a fraction of one step) to arrive."""
+        deadline = time.monotonic() + self.scheduler.tail_wait_budget_s()
         silent = self.silent_drafters()
-        batch = len(running)
         running = [r for r in running if r.drafter not in silent]
-        awaited = self.scheduler.awaiting_tail(running)
-        deadline = time.monotonic() + self.scheduler.tail_wait_budget_s(awaited, batch)
-        if awaited and deadline > time.monotonic():
+        if self.scheduler.awaiting_tail(running) and deadline > time.monotonic():
             self.stats.num_tail_waits += 1
         while self.scheduler.awaiting_tail(running):
             left = deadline - time.monotonic()

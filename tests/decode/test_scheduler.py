@@ -203,30 +203,6 @@ def test_plan_trims_drafts_to_the_token_budget_and_defers_what_does_not_fit():
     assert sum(p.num_tokens for p in plans) <= 17
 
 
-def test_tail_wait_is_no_longer_than_the_awaited_drafts_are_worth():
-    """With goodput drafts a step waits for a tail only as long as its drafts pay for
-    delaying the whole batch: one request with good drafts gets the whole fraction of a step;
-    one request at 0.3 acceptance among 16 gets a few percent of it."""
-    sched = make_scheduler(goodput_drafts=True, tail_wait_fraction=0.25)
-    sched.observe_step_time(0.1)
-    req = running(make_request("a", max_tokens=40), sched, output=[1])
-    req.tail_in_flight = True
-    for _ in range(10):
-        req.acceptance.observe(4, 4)
-    assert sched.tail_wait_budget_s([req], batch_size=1) == pytest.approx(0.025)
-    low = running(make_request("b", max_tokens=40), sched, output=[1])
-    low.tail_in_flight = True
-    for _ in range(30):
-        low.acceptance.observe(1, 4)  # a ~ 0.5, and falling
-        low.acceptance.observe(0, 4)
-    worth = sum(low.acceptance.rate ** j for j in range(1, sched.drafts_wanted(low) + 1))
-    assert 0 < sched.tail_wait_budget_s([low], batch_size=16) == pytest.approx(0.1 * worth / 16)
-    assert sched.tail_wait_budget_s([low], batch_size=16) < 0.1 * 0.05
-    off = make_scheduler(goodput_drafts=False, tail_wait_fraction=0.25)
-    off.observe_step_time(0.1)
-    assert off.tail_wait_budget_s([low], batch_size=16) == pytest.approx(0.025)
-
-
 def test_tail_wait_budget_and_awaiting_tail():
     sched = make_scheduler(tail_wait_fraction=0.5)
     assert sched.tail_wait_budget_s() == 0.0  # no step measured yet
