@@ -16,6 +16,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype
+from engine.linear import prepack
 from engine.model import LlamaForCausalLM
 from engine.weights_cache import (
     cache_dir,
@@ -164,6 +165,7 @@ def load_model(
     config = with_generation_eos(ModelConfig.from_hf(hf_config), path)
     ours = build_model(config, state, model_dtype(dtype), device)
     del hf_model, state
+    prepack(ours)  # CPU: oneDNN weight packs now, not on the first request
     if tokenizer is None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)

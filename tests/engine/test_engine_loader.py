@@ -35,3 +35,18 @@ def test_bad_arguments():
         load_model(None, dtype="int8")
     with pytest.raises(FileNotFoundError):
         load_model("/nonexistent/model/dir")
+
+
+@pytest.mark.skipif(not __import__("engine.onednn").onednn.enabled(), reason="no oneDNN")
+def test_a_loaded_cpu_model_is_prepacked_before_its_first_forward(tmp_path):
+    """Packing every weight (engine/onednn.py) costs ~0.4 s on SmolLM2: load_model pays it,
+    not the first request."""
+    from engine.linear import RowInvariantLinear
+
+    hf, _, _ = tiny_llama(seed=5, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "tiny")
+    linears = lambda m: [x for x in m.modules() if isinstance(x, RowInvariantLinear)]  # noqa: E731
+    fp32 = load_model(str(tmp_path / "tiny"), dtype="float32").model
+    assert linears(fp32) and all(x._packed is not None for x in linears(fp32))
+    fp64 = load_model(str(tmp_path / "tiny"), dtype="float64").model  # F.linear there
+    assert all(x._packed is None for x in linears(fp64))
