@@ -9,10 +9,11 @@ others, while products of two or more rows agree row by row (measured: SmolLM2's
 bf16 such a bit flips greedy tokens at near-ties, so speculation's output drifted from plain
 decoding's. :class:`RowInvariantLinear` computes a one-row bf16 / fp16 input as two rows (the
 row twice) and keeps the first. On F.linear, float32 and float64 keep the one-row fast path
-(GEMV; a 2-row fp32 GEMM costs up to 3x on AVX2): float32's last-bit differences are far rarer at argmax than bf16's (no
-test or bench prompt has flipped), but they are not ruled out. Inference on CPU in float32
-and bf16 runs on prepacked oneDNN weights instead (engine/onednn.py), where one-row inputs
-also run as two rows, which rules them out for float32 too.
+(GEMV; a 2-row fp32 GEMM costs up to 3x on AVX2): float32's last-bit differences are far
+rarer at argmax than bf16's (no test or bench prompt has flipped), but they are not ruled out.
+Inference on CPU in float32 and bf16 runs on prepacked oneDNN weights instead
+(engine/onednn.py), where one-row inputs also run as two rows, which rules them out for
+float32 too.
 """
 
 from __future__ import annotations
@@ -38,17 +39,17 @@ class RowInvariantLinear(nn.Linear):
     ``nn.Linear``.
     """
 
-    _pack_cache: onednn.PackCache | None = None
+    def __init__(self, *args, **kwargs) -> None:  # nn.Linear's arguments
+        super().__init__(*args, **kwargs)
+        self._pack_cache = onednn.PackCache()
 
     @property
     def _packed(self) -> torch.Tensor | None:
         """The current oneDNN pack of the weight (None before first use or where unused)."""
-        return None if self._pack_cache is None else self._pack_cache.packed
+        return self._pack_cache.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] -> [M, out_features]."""
-        if self._pack_cache is None:
-            self._pack_cache = onednn.PackCache()
         packed = self._pack_cache.get(x, self.weight, self.bias)
         if packed is not None:
             return onednn.linear(x, packed, self.bias)
@@ -65,8 +66,6 @@ def prepack(model: nn.Module) -> int:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RowInvariantLinear):
-                if module._pack_cache is None:
-                    module._pack_cache = onednn.PackCache()
                 w = module.weight
                 probe = torch.empty(2, module.in_features, dtype=w.dtype, device=w.device)
                 packed += module._pack_cache.get(probe, w, module.bias) is not None

@@ -81,26 +81,30 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None
 
 
 class PackCache:
-    """One weight's pack, kept while the weight (and bias) stay the same tensors at the same
-    version and dtype: a new tensor, an in-place update (``load_state_dict``, an optimizer
-    step) or another dtype packs again."""
+    """One weight's pack, kept while the weight (and bias) keep their storage and version: a
+    new tensor, an in-place update (``load_state_dict``, an optimizer step) or another dtype
+    packs again. It holds the packed tensors' storages, so a new tensor cannot take their
+    address while the pack is in use."""
 
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
         self._key: tuple | None = None
+        self._held: tuple = ()
 
     def get(self, x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """The pack to compute ``x`` [M, in] with, or None where ``F.linear`` must: switched
-        off, not a 2-D CPU input of the weight's dtype, or autograd recording."""
-        if (not enabled() or x.dim() != 2 or x.dtype != weight.dtype
-                or x.device.type != "cpu"
+        off, not a 2-D CPU input of the weight's dtype, or autograd recording. Called on every
+        product, so it checks no more than it must."""
+        if (not (_AVAILABLE and _switch) or x.dim() != 2 or x.dtype != weight.dtype
+                or not x.is_cpu
                 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
             return None
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape,
-               None if bias is None else (bias.data_ptr(), bias._version))
+        key = (weight.data_ptr(), weight._version) if bias is None else \
+            (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version)
         if key != self._key:
             self.packed, self._key = pack(weight, bias), key
+            self._held = (weight.detach(),) if bias is None else (weight.detach(), bias.detach())
         return self.packed
 
 

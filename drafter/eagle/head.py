@@ -65,11 +65,10 @@ class EagleHead(nn.Module):
     ``draft_to_target`` [draft_vocab] (target token id of each draft-vocabulary row).
     Inference runs its products on prepacked oneDNN weights (engine/onednn.py)."""
 
-    _lm_head_pack: onednn.PackCache | None = None
-
     def __init__(self, config: EagleHeadConfig) -> None:
         super().__init__()
         self.config = config
+        self._lm_head_pack = onednn.PackCache()  # of the frozen lm_head buffer
         d = config.hidden_size
         self.fc = RowInvariantLinear(2 * d, d, bias=False)
         n_feat = len(config.feature_layers)
@@ -135,8 +134,6 @@ class EagleHead(nn.Module):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] of predicted features [..., d]."""
         if features.dim() == 2:  # inference rows: the LM head's prepacked product
-            if self._lm_head_pack is None:
-                self._lm_head_pack = onednn.PackCache()
             packed = self._lm_head_pack.get(features, self.lm_head)
             if packed is not None:
                 return onednn.linear(features, packed, None)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import onednn
 from engine.kv_cache import KVCache
+from engine.linear import RowInvariantLinear
 from engine.loader import load_model, model_identity_fields
 from engine.runner import ModelRunner, SeqChunk
 from helpers.models import tiny_llama
@@ -37,16 +39,17 @@ def test_bad_arguments():
         load_model("/nonexistent/model/dir")
 
 
-@pytest.mark.skipif(not __import__("engine.onednn").onednn.enabled(), reason="no oneDNN")
+def _linears(model: torch.nn.Module) -> list[RowInvariantLinear]:
+    return [m for m in model.modules() if isinstance(m, RowInvariantLinear)]
+
+
+@pytest.mark.skipif(not onednn.enabled(), reason="no oneDNN")
 def test_a_loaded_cpu_model_is_prepacked_before_its_first_forward(tmp_path):
     """Packing every weight (engine/onednn.py) costs ~0.4 s on SmolLM2: load_model pays it,
     not the first request."""
-    from engine.linear import RowInvariantLinear
-
     hf, _, _ = tiny_llama(seed=5, dtype=torch.float32)
     hf.save_pretrained(tmp_path / "tiny")
-    linears = lambda m: [x for x in m.modules() if isinstance(x, RowInvariantLinear)]  # noqa: E731
     fp32 = load_model(str(tmp_path / "tiny"), dtype="float32").model
-    assert linears(fp32) and all(x._packed is not None for x in linears(fp32))
+    assert _linears(fp32) and all(x._packed is not None for x in _linears(fp32))
     fp64 = load_model(str(tmp_path / "tiny"), dtype="float64").model  # F.linear there
-    assert all(x._packed is None for x in linears(fp64))
+    assert all(x._packed is None for x in _linears(fp64))
