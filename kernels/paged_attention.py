@@ -21,7 +21,10 @@ Entry points, one signature:
 - :func:`paged_attention_ref`: plain torch, the source of truth (any device);
 - :func:`paged_attention_triton`: the Triton kernel (:mod:`kernels.paged_attention_triton`;
   CUDA tensors, or CPU under ``TRITON_INTERPRET=1``, set before triton is imported);
-- :func:`paged_attention`: the launcher (CUDA or interpreter → kernel, else the reference).
+- :func:`kernels.cpu_attention.paged_attention_cpu`: compiled C++ for the CPU (built on first
+  use; equal to the reference up to float rounding, batch invariant by construction);
+- :func:`paged_attention`: the launcher (CUDA or interpreter → Triton kernel; CPU → the C++
+  kernel when it could be built, else the reference).
 
 Shapes: ``q`` [T, H, D] (T = sum(query_lens)); ``k_cache``/``v_cache`` [num_blocks,
 block_size, Hkv, D]; ``block_tables`` int [B, max_blocks] (entries past a request's last block
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_attention
 from kernels.paged_attention_plan import (
     MIN_MATMUL_ROWS,
     PagedAttentionPlan,
@@ -179,13 +183,17 @@ def paged_attention(
     plan: PagedAttentionPlan | None = None,
     tree_masks: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else
-    :func:`paged_attention_ref`. Arguments, result and errors as the reference (plus the
-    kernel's, see :func:`paged_attention_triton`)."""
+    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``); on the
+    CPU the compiled kernel of :mod:`kernels.cpu_attention` where it is available for q's
+    dtype; else :func:`paged_attention_ref`. Arguments, result and errors as the reference
+    (plus the kernels', see :func:`paged_attention_triton`)."""
     kernel = _triton_entry()
     if kernel is not None and (q.is_cuda or _interpret_mode()):
         return kernel(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale, plan,
                       tree_masks)
+    if cpu_attention.supports(q):
+        return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, block_tables, query_lens,
+                                                 kv_lens, scale, plan, tree_masks)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale,
                                plan, tree_masks)
 

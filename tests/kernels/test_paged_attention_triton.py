@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from kernels import cpu_attention
+from kernels.cpu_attention import paged_attention_cpu
 from kernels.paged_attention import (
     _kernel_is_interpreted,
     paged_attention,
@@ -311,13 +313,19 @@ def test_cpu_tensors_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> Non
             fn(*_small())
 
 
-def test_launcher_on_cpu_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launcher_on_cpu_runs_no_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without TRITON_INTERPRET the CPU launcher runs the compiled CPU kernel, or the reference
+    where that is off (kernels/cpu_attention.py; its own tests are test_cpu_attention.py)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def fail(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the kernel must not run on CPU without TRITON_INTERPRET")
 
     monkeypatch.setattr(pa, "paged_attention_triton", fail)
+    expect = paged_attention_cpu(*_small()) if cpu_attention.supports(_small()[0]) \
+        else paged_attention_ref(*_small())
+    assert torch.equal(paged_attention(*_small()), expect)
+    monkeypatch.setenv("SPECMESH_CPU_ATTENTION", "0")
     assert torch.equal(paged_attention(*_small()), paged_attention_ref(*_small()))
 
 

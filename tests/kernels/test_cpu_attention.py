@@ -1,0 +1,139 @@
+"""Tests of the compiled CPU paged attention (kernels/cpu_attention.py, .cpp): equal to a
+float64 SDPA oracle on odd shapes (every code path: head_dim 64 and 128 with 1 to 14 query
+heads per KV head, and the generic loops), rows batch invariant bit for bit (alone, in a longer
+chunk, in a padded batch; lengths around its 16-position blocks and its 512-position splits,
+and any thread count), token-tree rows equal to
+their path laid out as a chain, the launcher's choice, and the build's errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_paged_attention import SHAPES, TOL, _case, _oracle
+from test_paged_attention_tree import BATCHES, MASKS, _tree_rows, oracle, path_layout
+from test_paged_attention_triton import TOL as TREE_TOL
+from test_paged_attention_triton import _args
+
+from kernels import cpu_attention
+from kernels.paged_attention import paged_attention, paged_attention_ref
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+                                reason="no C++ compiler to build the CPU attention kernel")
+
+attend = cpu_attention.paged_attention_cpu
+
+KERNEL_SHAPES = SHAPES + [
+    # h, hkv, d, block_size, q_lens, kv_lens: the register paths (d 64 / 128, groups of 4 heads
+    # and a remainder) and the generic one (d 48)
+    (14, 1, 128, 16, [5, 1, 2], [97, 16, 33]),
+    (8, 2, 64, 8, [1, 4], [15, 48]),
+    (3, 3, 48, 5, [3, 1], [31, 1]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+def test_equals_sdpa_oracle(shape, dtype):
+    h, hkv, d, bs, q_lens, kv_lens = shape
+    q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, dtype)
+    out = attend(q, k, v, tables, q_lens, kv_lens, d ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = _oracle(q, k, v, tables, q_lens, kv_lens, d ** -0.5)
+    assert (out.double() - ref).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", KERNEL_SHAPES + [
+    (9, 3, 64, 16, [5, 5, 5], [63, 64, 65]), (9, 3, 64, 16, [5, 1], [700, 300]),
+    (9, 3, 64, 16, [3, 3], [17, 34]), (9, 3, 64, 16, [5, 3], [514, 1025])])
+def test_rows_are_batch_invariant(shape, dtype):
+    """Row j of a chunk == that row computed alone (what a one-token decode step at its position
+    computes), bit for bit, and each request alone == the same request inside the batch."""
+    h, hkv, d, bs, q_lens, kv_lens = shape
+    q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, dtype, seed=3)
+    out = attend(q, k, v, tables, q_lens, kv_lens, d ** -0.5)
+    off = 0
+    for ql, n, t in zip(q_lens, kv_lens, tables):
+        for j in range(ql):
+            alone = attend(q[off + j:off + j + 1], k, v, [t], [1], [n - ql + j + 1], d ** -0.5)
+            assert torch.equal(alone[0], out[off + j]), (ql, n, j)
+        assert torch.equal(attend(q[off:off + ql], k, v, [t], [ql], [n], d ** -0.5),
+                           out[off:off + ql])
+        off += ql
+
+
+def test_thread_count_does_not_change_results():
+    h, hkv, d, bs, q_lens, kv_lens = 9, 3, 64, 16, [5, 1, 3], [1300, 47, 129]
+    q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, torch.bfloat16, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attend(q, k, v, tables, q_lens, kv_lens, 0.125)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(attend(q, k, v, tables, q_lens, kv_lens, 0.125), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tree_masks_match_the_oracle_and_keep_chains():
+    for batch in BATCHES.values():
+        out = attend(*_args(batch), tree_masks=MASKS)
+        torch.testing.assert_close(out.double(), oracle(batch, MASKS), **TREE_TOL[out.dtype])
+        plain = attend(*_args(batch))
+        assert torch.equal(out[10:14], plain[10:14])  # request 1, the chain
+
+
+def test_tree_rows_equal_their_path_laid_out_as_a_chain():
+    for name, batch in BATCHES.items():
+        out = attend(*_args(batch), tree_masks=MASKS)
+        for b, j in _tree_rows():
+            t = sum(batch["query_lens"][:b]) + j
+            alone = attend(*path_layout(batch, MASKS, b, j))
+            assert torch.equal(out[t], alone[0]), f"{name}: request {b} row {j}"
+
+
+def test_launcher_takes_the_kernel_on_cpu_and_the_switch_turns_it_off(monkeypatch):
+    h, hkv, d, bs, q_lens, kv_lens = SHAPES[0]
+    q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, torch.bfloat16)
+    args = (q, k, v, tables, q_lens, kv_lens, 0.125)
+    kernel, ref = attend(*args), paged_attention_ref(*args)
+    assert not torch.equal(kernel, ref)  # they round differently, so the choice shows
+    assert torch.equal(paged_attention(*args), kernel)
+    monkeypatch.setenv("SPECMESH_CPU_ATTENTION", "0")
+    assert not cpu_attention.available()
+    assert torch.equal(paged_attention(*args), ref)
+
+
+def test_unsupported_dtype_is_refused_and_left_to_the_reference():
+    q, k, v, tables = _case(4, 2, 16, 4, [1], [5], torch.float16)
+    assert not cpu_attention.supports(q)
+    with pytest.raises(ValueError, match="CPU attention kernel takes"):
+        attend(q, k, v, tables, [1], [5], 0.25)
+    torch.testing.assert_close(paged_attention(q, k, v, tables, [1], [5], 0.25),
+                               paged_attention_ref(q, k, v, tables, [1], [5], 0.25))
+
+
+def test_build_failure_is_a_clear_error_and_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SPECMESH_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="building the CPU attention kernel failed"):
+        cpu_attention.build()
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "_failed", None)
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_attention"):
+        assert cpu_attention.library() is None
+    assert "using the torch reference" in caplog.text
+    q, k, v, tables = _case(4, 2, 16, 4, [1], [5], torch.float32)
+    assert torch.equal(paged_attention(q, k, v, tables, [1], [5], 0.25),
+                       paged_attention_ref(q, k, v, tables, [1], [5], 0.25))
+
+
+def test_built_library_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECMESH_KERNEL_CACHE", str(tmp_path))
+    first = cpu_attention.build()
+    assert first.parent == tmp_path and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_attention.build() == first and first.stat().st_mtime_ns == stamp
