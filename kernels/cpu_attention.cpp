@@ -153,6 +153,15 @@ inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+// Rows are read through the block table, so the hardware sees short strided runs: fetch the
+// row kAhead positions ahead (each row is 16 * nc elements).
+constexpr int64_t kAhead = 32;
+template <typename S>
+inline void prefetch_row(const S* row, int nc) {
+  const char* b = reinterpret_cast<const char*>(row);
+  for (size_t at = 0; at < 16 * nc * sizeof(S); at += 64) __builtin_prefetch(b + at);
+}
+
 // Lane trees of 16 vectors at once: r[j] = hsum(v[j]) for j < 16, with the same additions as
 // lane_sum (so a position's score does not depend on whether it was reduced in a block of 16
 // or alone).
@@ -190,6 +199,7 @@ void attend_heads16(const float* qf, const S* const* krow, const S* const* vrow,
   for (int h = 0; h < GB; ++h)
     for (int c = 0; c < NC; ++c) qv[h][c] = load16(qf + (h * NC + c) * 16);
   auto product = [&](int64_t p, f32x16* part, int64_t part_stride) {
+    if (p + kAhead < n) prefetch_row(krow[p + kAhead], NC);
     f32x16 k[NC];
     for (int c = 0; c < NC; ++c) k[c] = load16(krow[p] + 16 * c);
     for (int h = 0; h < GB; ++h) {
@@ -222,6 +232,7 @@ void attend_heads16(const float* qf, const S* const* krow, const S* const* vrow,
   }
   f32x16 acc[GB][NC] = {};
   for (p = 0; p < n; ++p) {
+    if (p + kAhead < n) prefetch_row(vrow[p + kAhead], NC);
     f32x16 v[NC];
     for (int c = 0; c < NC; ++c) v[c] = load16(vrow[p] + 16 * c);
     for (int h = 0; h < GB; ++h) {
