@@ -146,13 +146,15 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                               verifier_options={"verify_rule": cfg.verifier.verify_rule,
                                                 "synthetic_acceptance": synthetic,
                                                 "goodput_drafts": cfg.verifier.goodput_drafts})
-    forward_cost = None
+    forward_cost: dict[str, dict] = {}  # per concurrency: its batch's forward cost ratio
     if opts.profile and kappa > 0:
         from cluster.forward_cost import forward_cost_ratio
 
         ctx = min(200, loaded.config.max_position_embeddings - kappa - 1)
-        forward_cost = forward_cost_ratio(loaded.model, loaded.config, kappa,
-                                          context_len=ctx).as_dict()
+        for level in opts.concurrency:
+            forward_cost[str(level)] = forward_cost_ratio(
+                loaded.model, loaded.config, kappa, context_len=ctx, batch=level,
+                repeats=15 if level <= 4 else 7).as_dict()
     # in-process warm-up first: each method's proposer is built here, so a missing head or
     # draft model fails before any cluster starts
     for label in inproc_labels:
@@ -206,7 +208,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     summary = summarize(config, runs,
                         {c: systems_for(kappa, c, labels, served_only)
                          for c in opts.concurrency},
-                        forward_cost)
+                        forward_cost or None)
     write_outputs(summary, opts)
     return summary
 
@@ -234,4 +236,4 @@ def _without_profiles(summary: dict) -> dict:
         systems = {n: {k: v for k, v in s.items() if k not in ("profile", "step_cost")}
                    for n, s in lv["systems"].items()}
         levels[key] = dict(lv, systems=systems)
-    return dict(summary, levels=levels, forward_cost=None)
+    return dict(summary, levels=levels, forward_cost=None, forward_cost_by_level=None)

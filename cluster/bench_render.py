@@ -83,11 +83,12 @@ def markdown(summary: dict) -> str:
         lines += [f"- {k}: {v:.2f}x" for k, v in level["ratios"].items()]
         lines.append("")
         lines += profile_markdown(level)
-    if summary.get("forward_cost"):
-        fc = summary["forward_cost"]
-        lines += [f"forward cost ({fc['num_tokens']}-token / 1-token forward after "
-                  f"{fc['context_len']} tokens): {fc['multi_ms']:.2f} / {fc['single_ms']:.2f} ms "
-                  f"= {fc['ratio']:.2f}x", ""]
+    costs = summary.get("forward_cost_by_level") or (
+        {"1": summary["forward_cost"]} if summary.get("forward_cost") else {})
+    for fc in costs.values():
+        lines += [f"forward cost, batch {fc.get('batch', 1)} ({fc['num_tokens']}-token / "
+                  f"1-token forward per request after {fc['context_len']} tokens): "
+                  f"{fc['multi_ms']:.2f} / {fc['single_ms']:.2f} ms = {fc['ratio']:.2f}x", ""]
     return "\n".join(lines)
 
 

@@ -158,26 +158,32 @@ def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[
 
 
 def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
-              systems: dict[int, list[System]], forward_cost: dict | None = None) -> dict:
+              systems: dict[int, list[System]],
+              forward_cost: dict[str, dict] | None = None) -> dict:
     """The whole bench: ``config`` (model, dtype, kappa, drafters, max_tokens, num_prompts,
-    repeats, threads, ...), per level :func:`summarize_level`, the measured forward cost
-    (:meth:`cluster.forward_cost.ForwardCost.as_dict`), for every profiled kappa > 0 system
-    its step-cost check against that ratio, and ``mismatches``: every level's speculative
-    systems whose output differs from kappa = 0 (empty when every method is exact)."""
+    repeats, threads, ...), per level :func:`summarize_level`, the measured forward cost per
+    level (``forward_cost``: concurrency as a string -> the
+    :meth:`cluster.forward_cost.ForwardCost.as_dict` of a batch that size), for every
+    profiled kappa > 0 system its step-cost check against its level's ratio, and
+    ``mismatches``: every level's speculative systems whose output differs from kappa = 0
+    (empty when every method is exact). ``forward_cost`` in the result is the smallest
+    level's (batch 1 where the bench ran concurrency 1), ``forward_cost_by_level`` all."""
     levels = {}
+    by_level = forward_cost or {}
     for level, level_runs in runs.items():
         lv = summarize_level(level, level_runs, systems[level])
         plain_of = {s.name: s.plain for s in systems[level]}
+        cost = by_level.get(str(level))
         for name, s in lv["systems"].items():
             if s.get("profile_raw") and s["kappa"] > 0:
                 plain = lv["systems"].get(plain_of.get(name) or "", {}).get("profile_raw")
                 s["step_cost"] = step_cost_check(s["profile_raw"],
-                                                 forward_cost["ratio"] if forward_cost else None,
-                                                 plain)
+                                                 cost["ratio"] if cost else None, plain)
         levels[str(level)] = lv
     mismatches = [m for lv in levels.values() for m in lv["mismatches"]]
-    return {"config": config, "forward_cost": forward_cost, "levels": levels,
-            "mismatches": mismatches}
+    first = by_level[min(by_level, key=int)] if by_level else None
+    return {"config": config, "forward_cost": first, "forward_cost_by_level": by_level or None,
+            "levels": levels, "mismatches": mismatches}
 
 
 def mismatch_lines(summary: dict) -> list[str]:

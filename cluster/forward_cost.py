@@ -2,8 +2,10 @@
 (DESIGN.md §11: the ratio decides what speculation can gain; it differs by dtype and CPU).
 
 :func:`forward_cost_ratio` times our engine's forward of ``kappa + 1`` tokens and of one token
-after the same cached context, interleaved, and returns the medians and their ratio. The
-bench prints it next to the measured time of verify steps with and without drafts.
+per request after the same cached context, for a batch of requests, interleaved, and returns
+the medians and their ratio. The bench measures it at each concurrency it runs (a batch that
+size) and prints it next to the measured time of verify steps with and without drafts: at
+batch 16 the ratio is that of 80 rows to 16, not of 5 to 1.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """Median milliseconds of a 1-token and a (kappa+1)-token forward after ``context_len``
-    cached tokens; ``ratio`` = multi / single."""
+    """Median milliseconds of a forward of 1 token and of (kappa+1) tokens per request, for
+    ``batch`` requests each after ``context_len`` cached tokens; ``ratio`` = multi / single."""
 
     context_len: int
     num_tokens: int
     single_ms: float
     multi_ms: float
+    batch: int = 1
 
     @property
     def ratio(self) -> float:
@@ -29,17 +32,19 @@ class ForwardCost:
 
     def as_dict(self) -> dict:
         return {"context_len": self.context_len, "num_tokens": self.num_tokens,
-                "single_ms": self.single_ms, "multi_ms": self.multi_ms, "ratio": self.ratio}
+                "batch": self.batch, "single_ms": self.single_ms, "multi_ms": self.multi_ms,
+                "ratio": self.ratio}
 
 
 def forward_cost_ratio(model, config, num_speculative_tokens: int, context_len: int = 200,
-                       repeats: int = 15, block_size: int = 16) -> ForwardCost:
-    """Time 1-token vs ``num_speculative_tokens + 1``-token forwards of ``model`` (an
-    ``engine.model.LlamaForCausalLM``) after a ``context_len``-token prefix, interleaved,
-    ``repeats`` times each after one warm-up.
+                       repeats: int = 15, block_size: int = 16, batch: int = 1) -> ForwardCost:
+    """Time forwards of 1 vs ``num_speculative_tokens + 1`` tokens per request of ``model``
+    (an ``engine.model.LlamaForCausalLM``) for ``batch`` requests, each after its own
+    ``context_len``-token prefix, interleaved, ``repeats`` times each after one warm-up.
 
     Raises:
-        ValueError: ``num_speculative_tokens < 1`` or a context longer than the model allows.
+        ValueError: ``num_speculative_tokens < 1``, ``batch < 1``, or a context longer than
+            the model allows.
     """
     import torch
 
@@ -48,26 +53,33 @@ def forward_cost_ratio(model, config, num_speculative_tokens: int, context_len: 
 
     if num_speculative_tokens < 1:
         raise ValueError("num_speculative_tokens must be >= 1")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     k1 = num_speculative_tokens + 1
     if context_len + k1 > config.max_position_embeddings:
         raise ValueError(f"context {context_len} + {k1} exceeds the model's positions")
     num_blocks = -(-(context_len + k1) // block_size)
-    runner = ModelRunner(model, config, KVCache(config, num_blocks, block_size, model.dtype,
-                                                model.device))
-    table = list(range(num_blocks))
+    runner = ModelRunner(model, config, KVCache(config, num_blocks * batch, block_size,
+                                                model.dtype, model.device))
+    tables = [list(range(b * num_blocks, (b + 1) * num_blocks)) for b in range(batch)]
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, config.vocab_size, (context_len + k1,), generator=gen).tolist()
-    runner.prefill(prompt[:context_len], table)
+    prompts = [torch.randint(0, config.vocab_size, (context_len + k1,), generator=gen).tolist()
+               for _ in range(batch)]
+    for prompt, table in zip(prompts, tables):
+        runner.prefill(prompt[:context_len], table)
     single, multi = [], []
 
-    def timed(ids: list[int]) -> float:
+    def timed(n: int) -> float:
+        chunks = [SeqChunk(p[context_len:context_len + n], context_len, t)
+                  for p, t in zip(prompts, tables)]
         t0 = time.perf_counter()
-        runner.forward([SeqChunk(ids, context_len, table)], logits="all")
+        runner.forward(chunks, logits="all")
         return (time.perf_counter() - t0) * 1e3
 
-    timed(prompt[context_len:context_len + 1])
-    timed(prompt[context_len:])
+    timed(1)
+    timed(k1)
     for _ in range(repeats):
-        single.append(timed(prompt[context_len:context_len + 1]))
-        multi.append(timed(prompt[context_len:]))
-    return ForwardCost(context_len, k1, statistics.median(single), statistics.median(multi))
+        single.append(timed(1))
+        multi.append(timed(k1))
+    return ForwardCost(context_len, k1, statistics.median(single), statistics.median(multi),
+                       batch)

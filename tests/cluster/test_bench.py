@@ -70,7 +70,8 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
         assert "profile" in level["systems"]["served k=3 ngram"]
         assert "forward" in level["systems"]["in-process k=3 eagle:tiny-head"]["profile"][
             "phases"]
-    assert summary["forward_cost"]["ratio"] > 0
+    assert summary["forward_cost"]["ratio"] > 0 and summary["forward_cost"]["batch"] == 1
+    assert summary["forward_cost_by_level"]["2"]["batch"] == 2
     md = out_md.read_text()
     assert "## concurrency 1" in md and "## concurrency 2" in md
     assert "| system | tokens/s | x HF | acceptance | mean accept len |" in md

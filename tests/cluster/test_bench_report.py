@@ -125,9 +125,11 @@ def _fake_runs(level: int) -> dict:
 def _summary() -> dict:
     config = {"model": "tiny", "dtype": "float32", "kappa": 2, "max_tokens": 8,
               "num_prompts": 2, "repeats": 2, "threads": {"verifier": 2}}
-    fc = {"context_len": 200, "num_tokens": 3, "single_ms": 4.0, "multi_ms": 5.0, "ratio": 1.25}
+    fc = {"context_len": 200, "num_tokens": 3, "batch": 1, "single_ms": 4.0, "multi_ms": 5.0,
+          "ratio": 1.25}
+    fc2 = dict(fc, batch=2, single_ms=5.0, multi_ms=10.0, ratio=2.0)
     return summarize(config, {1: _fake_runs(1), 2: _fake_runs(2)},
-                     {1: systems_for(2, 1), 2: systems_for(2, 2)}, fc)
+                     {1: systems_for(2, 1), 2: systems_for(2, 2)}, {"1": fc, "2": fc2})
 
 
 def test_summarize_medians_ratios_identity():
@@ -153,6 +155,11 @@ def test_summarize_medians_ratios_identity():
     assert (lv["systems"]["in-process k=2 ngram"]["step_cost"]["without_drafts_from"]
             == "own plain steps")
     assert "hf prompt lookup k=2" not in s["levels"]["2"]["systems"]
+    # each level's steps are held to the forward cost of a batch that size
+    spec2 = s["levels"]["2"]["systems"]["served k=2 ngram"]
+    assert spec2["step_cost"]["forward_cost_ratio"] == pytest.approx(2.0)
+    assert spec2["step_cost"]["bound_ms"] == pytest.approx(1.1 * 2.0 * 4.0)
+    assert s["forward_cost"]["batch"] == 1 and set(s["forward_cost_by_level"]) == {"1", "2"}
 
 
 def test_markdown_tables_and_profile():
@@ -170,7 +177,8 @@ def test_markdown_tables_and_profile():
     assert "### verifier step profile, concurrency 1" in text
     assert "| forward_with_drafts |" in text and "| steps with a usable tail |" in text
     assert "bound 1.1 x ratio 1.25" in text
-    assert "= 1.25x" in text  # the forward-cost line
+    assert "forward cost, batch 1 (3-token / 1-token forward per request" in text
+    assert "= 1.25x" in text and "forward cost, batch 2" in text and "= 2.00x" in text
 
 
 def test_same_outputs_prefers_token_ids():
