@@ -18,6 +18,7 @@
 // chunk row token_path[t, p - chunk_start], i.e. position chunk_start + that row).
 #include <cmath>
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -188,13 +189,13 @@ inline f32x16 hsum16(const f32x16* v) {
                            i32x16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
-// GB query heads (of one KV head) of one work item, float path with head_dim = 16 * NC
-// (float32 and bfloat16 caches): the scores position by position (a 16-lane product over the
-// head dimension, chunk by chunk, then the lane tree), softmax weights, and the value product
-// position by position in order.
+// Scores of GB query heads of one row (of one KV head) at positions [a, b) of a split, a a
+// multiple of 16, b <= n (the positions the row sees in the split): a 16-lane product over the
+// head dimension, chunk by chunk, then the lane tree, 16 positions at a time (hsum16) and the
+// rest one by one (hsum, the same additions).
 template <typename S, int NC, int GB>
-void attend_heads16(const float* qf, const S* const* krow, const S* const* vrow, int64_t n,
-                    float* w, int64_t w_stride, float* acc_out, float* max_out, float* den_out) {
+void scores16(const float* qf, const S* const* krow, int64_t a, int64_t b, int64_t n, float* w,
+              int64_t w_stride) {
   f32x16 qv[GB][NC];
   for (int h = 0; h < GB; ++h)
     for (int c = 0; c < NC; ++c) qv[h][c] = load16(qf + (h * NC + c) * 16);
@@ -208,8 +209,8 @@ void attend_heads16(const float* qf, const S* const* krow, const S* const* vrow,
       part[h * part_stride] = acc;
     }
   };
-  int64_t p = 0;
-  for (; p + kLanes <= n; p += kLanes) {  // scores, 16 positions at a time
+  int64_t p = a;
+  for (; p + kLanes <= b; p += kLanes) {
     f32x16 part[GB][kLanes];
     for (int j = 0; j < kLanes; ++j) product(p + j, &part[0][j], kLanes);
     for (int h = 0; h < GB; ++h) {
@@ -217,21 +218,21 @@ void attend_heads16(const float* qf, const S* const* krow, const S* const* vrow,
       std::memcpy(w + h * w_stride + p, &r, sizeof r);
     }
   }
-  for (; p < n; ++p) {
+  for (; p < b; ++p) {
     f32x16 part[GB];
     product(p, part, 1);
     for (int h = 0; h < GB; ++h) w[h * w_stride + p] = hsum(part[h]);
   }
-  for (int h = 0; h < GB; ++h) {
-    float* s = w + h * w_stride;
-    float m = s[0];
-    for (int64_t i = 1; i < n; ++i) m = s[i] > m ? s[i] : m;
-    for (int64_t i = 0; i < n; ++i) s[i] = exp_neg(s[i] - m);
-    max_out[h] = m;
-    den_out[h] = weight_sum(s, n);
-  }
-  f32x16 acc[GB][NC] = {};
-  for (p = 0; p < n; ++p) {
+}
+
+// Value product of GB heads of one row over positions [a, b), position by position in order,
+// continuing the running sums in acc (GB x head_dim floats).
+template <typename S, int NC, int GB>
+void values16(const float* w, int64_t w_stride, const S* const* vrow, int64_t a, int64_t b,
+              int64_t n, float* acc_mem) {
+  f32x16 acc[GB][NC];
+  std::memcpy(acc, acc_mem, sizeof acc);
+  for (int64_t p = a; p < b; ++p) {
     if (p + kAhead < n) prefetch_row(vrow[p + kAhead], NC);
     f32x16 v[NC];
     for (int c = 0; c < NC; ++c) v[c] = load16(vrow[p] + 16 * c);
@@ -240,26 +241,83 @@ void attend_heads16(const float* qf, const S* const* krow, const S* const* vrow,
       for (int c = 0; c < NC; ++c) acc[h][c] = fma16(wp, v[c], acc[h][c]);
     }
   }
-  std::memcpy(acc_out, acc, sizeof acc);
+  std::memcpy(acc_mem, acc, sizeof acc);
 }
 
-// One work item of the float path with head_dim = 16 * NC: its G query heads in groups of
-// at most 4 (what fits in registers).
+// Both phases over a row's G heads in groups of at most 4 (what fits in registers).
 template <typename S, int NC>
-void attend_item16(const float* qf, const S* const* krow, const S* const* vrow, int64_t n,
-                   int64_t g, float* w, int64_t w_stride, float* acc_out, float* max_out,
-                   float* den_out) {
+void scores_row16(const float* qf, int64_t g, const S* const* krow, int64_t a, int64_t b,
+                  int64_t n, float* w, int64_t w_stride) {
   for (int64_t h = 0; h < g; h += 4) {
     const float* q = qf + h * 16 * NC;
     float* wh = w + h * w_stride;
-    float *a = acc_out + h * 16 * NC, *m = max_out + h, *l = den_out + h;
     switch (g - h < 4 ? g - h : 4) {
-      case 1: attend_heads16<S, NC, 1>(q, krow, vrow, n, wh, w_stride, a, m, l); break;
-      case 2: attend_heads16<S, NC, 2>(q, krow, vrow, n, wh, w_stride, a, m, l); break;
-      case 3: attend_heads16<S, NC, 3>(q, krow, vrow, n, wh, w_stride, a, m, l); break;
-      default: attend_heads16<S, NC, 4>(q, krow, vrow, n, wh, w_stride, a, m, l); break;
+      case 1: scores16<S, NC, 1>(q, krow, a, b, n, wh, w_stride); break;
+      case 2: scores16<S, NC, 2>(q, krow, a, b, n, wh, w_stride); break;
+      case 3: scores16<S, NC, 3>(q, krow, a, b, n, wh, w_stride); break;
+      default: scores16<S, NC, 4>(q, krow, a, b, n, wh, w_stride); break;
     }
   }
+}
+
+template <typename S, int NC>
+void values_row16(const float* w, int64_t w_stride, int64_t g, const S* const* vrow, int64_t a,
+                  int64_t b, int64_t n, float* acc) {
+  for (int64_t h = 0; h < g; h += 4) {
+    const float* wh = w + h * w_stride;
+    float* ah = acc + h * 16 * NC;
+    switch (g - h < 4 ? g - h : 4) {
+      case 1: values16<S, NC, 1>(wh, w_stride, vrow, a, b, n, ah); break;
+      case 2: values16<S, NC, 2>(wh, w_stride, vrow, a, b, n, ah); break;
+      case 3: values16<S, NC, 3>(wh, w_stride, vrow, a, b, n, ah); break;
+      default: values16<S, NC, 4>(wh, w_stride, vrow, a, b, n, ah); break;
+    }
+  }
+}
+
+// Positions per split of a row: a row that sees more is attended in splits of this many
+// positions (work items of their own, so one long row keeps every thread busy), merged in
+// order (flash-decoding's rescaling, arXiv 2307.08691 §3.3). The splits depend only on how
+// many positions the row sees, never on the thread count; a row with one split takes its
+// result unchanged (the merge multiplies by exp(0) = 1 and adds to 0).
+constexpr int64_t kSplit = 512;
+
+// Positions per tile: a work item with several rows (a verify chunk) runs every row over one
+// tile of positions before the next tile, so each K/V row comes from memory once and from the
+// L1 cache for the other rows. A row's arithmetic is that of the row alone.
+constexpr int64_t kTile = 64;
+
+// The rows [0, rows) of one work item (float path, head_dim = 16 * NC): row r sees n[r]
+// positions of the split, its K/V rows at krow[r][p] / vrow[r][p]; its G heads' queries at
+// qf + r * g * 16 * NC. Writes per row and head the max score, the weight sum and the
+// unnormalised value product.
+template <typename S, int NC>
+void attend_rows16(const float* qf, int64_t rows, int64_t g, const S* const* const* krow,
+                   const S* const* const* vrow, const int64_t* n, float* w, float* acc,
+                   float* max_out, float* den_out) {
+  const int64_t d = 16 * NC, w_stride = kSplit;
+  int64_t n_max = 0;
+  for (int64_t r = 0; r < rows; ++r) n_max = std::max(n_max, n[r]);
+  for (int64_t a = 0; a < n_max; a += kTile)
+    for (int64_t r = 0; r < rows; ++r)
+      if (a < n[r])
+        scores_row16<S, NC>(qf + r * g * d, g, krow[r], a, std::min(a + kTile, n[r]), n[r],
+                            w + r * g * w_stride, w_stride);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < g; ++h) {
+      float* s = w + (r * g + h) * w_stride;
+      float m = s[0];
+      for (int64_t i = 1; i < n[r]; ++i) m = s[i] > m ? s[i] : m;
+      for (int64_t i = 0; i < n[r]; ++i) s[i] = exp_neg(s[i] - m);
+      max_out[r * g + h] = m;
+      den_out[r * g + h] = weight_sum(s, n[r]);
+    }
+  std::fill(acc, acc + rows * g * d, 0.0f);
+  for (int64_t a = 0; a < n_max; a += kTile)
+    for (int64_t r = 0; r < rows; ++r)
+      if (a < n[r])
+        values_row16<S, NC>(w + r * g * w_stride, w_stride, g, vrow[r], a,
+                            std::min(a + kTile, n[r]), n[r], acc + r * g * d);
 }
 
 // The generic work item (any head_dim, any accumulation type): the same arithmetic in loops.
@@ -284,12 +342,6 @@ void attend_item(const A* qf, const S* const* krow, const S* const* vrow, int64_
   }
 }
 
-// Positions per split of a row: a row that sees more is attended in splits of this many
-// positions (work items of their own, so one long row keeps every thread busy), merged in
-// order (flash-decoding's rescaling, arXiv 2307.08691 §3.3). The splits depend only on how
-// many positions the row sees, never on the thread count; a row with one split takes its
-// result unchanged (the merge multiplies by exp(0) = 1 and adds to 0).
-constexpr int64_t kSplit = 512;
 
 template <typename S, typename A>
 void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_t* block_tables,
@@ -301,70 +353,120 @@ void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_
   std::vector<int64_t> first(num_tokens + 1, 0);  // row t's splits: [first[t], first[t+1])
   for (int64_t t = 0; t < num_tokens; ++t)
     first[t + 1] = first[t] + (token_visible[t] + kSplit - 1) / kSplit;
+  // work units: (first row, end row, split) of one request's rows that see that split; a
+  // request's rows are consecutive
+  struct Unit {
+    int64_t begin, end, split;
+  };
+  std::vector<Unit> units;
+  for (int64_t t = 0; t < num_tokens;) {
+    int64_t e = t, most = 0;
+    while (e < num_tokens && token_batch[e] == token_batch[t]) most = std::max<int64_t>(
+        most, token_visible[e++]);
+    for (int64_t sp = 0; sp * kSplit < most; ++sp) units.push_back({t, e, sp});
+    t = e;
+  }
   const int64_t splits = first[num_tokens];
-  // per (split, KV head): its heads' max score, weight sum and unnormalised value product
+  // per (row split, KV head): its heads' max score, weight sum and unnormalised value product
   std::vector<A> part_max(splits * hkv * g), part_den(splits * hkv * g),
       part_acc(splits * hkv * g * d);
   const A sc = static_cast<A>(scale);
   constexpr bool kFloat = std::is_same<A, float>::value;
+  const int64_t num_units = static_cast<int64_t>(units.size());
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<A> qf(g * d), w(g * kSplit);
-    std::vector<const S*> krow(kSplit), vrow(kSplit);
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < splits * hkv; ++item) {
-      const int64_t sp = item / hkv, kh = item % hkv;
-      const int64_t t = std::upper_bound(first.begin(), first.end(), sp) - first.begin() - 1;
-      const int64_t p0 = (sp - first[t]) * kSplit;
-      const int64_t n = std::min<int64_t>(token_visible[t] - p0, kSplit);
-      const int64_t* table = block_tables + token_batch[t] * table_width;
-      const int64_t start = token_chunk_start ? token_chunk_start[t] : token_visible[t];
-      for (int64_t i = 0; i < n; ++i) {  // where position p0 + i's K/V lie
-        const int64_t p = p0 + i;
-        int64_t pos = p < start ? p : start + token_path[t * path_width + (p - start)];
-        int64_t off = ((table[pos / block_size] * block_size + pos % block_size) * hkv + kh) * d;
-        krow[i] = k_cache + off;
-        vrow[i] = v_cache + off;
+    std::vector<A> qf, w, acc, mx, den;
+    std::vector<const S*> krow, vrow;
+    std::vector<const S* const*> kr, vr;
+    std::vector<int64_t> rows_t, n;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_units * hkv; ++item) {
+      const Unit& u = units[item / hkv];
+      const int64_t kh = item % hkv, p0 = u.split * kSplit;
+      rows_t.clear();
+      n.clear();
+      for (int64_t t = u.begin; t < u.end; ++t)
+        if (token_visible[t] > p0) {
+          rows_t.push_back(t);
+          n.push_back(std::min<int64_t>(token_visible[t] - p0, kSplit));
+        }
+      const int64_t rows = static_cast<int64_t>(rows_t.size());
+      const int64_t* table = block_tables + token_batch[u.begin] * table_width;
+      // where each row's positions p0 + i lie: chains share one list, tree rows differ past
+      // their chunk start
+      const bool tree = token_chunk_start != nullptr;
+      const int64_t lists = tree ? rows : 1;
+      krow.resize(lists * kSplit);
+      vrow.resize(lists * kSplit);
+      for (int64_t l = 0; l < lists; ++l) {
+        const int64_t t = rows_t[l];
+        const int64_t start = tree ? token_chunk_start[t] : INT64_MAX;
+        const int64_t count = tree ? n[l] : *std::max_element(n.begin(), n.end());
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t p = p0 + i;
+          const int64_t pos = p < start ? p : start + token_path[t * path_width + (p - start)];
+          const int64_t off =
+              ((table[pos / block_size] * block_size + pos % block_size) * hkv + kh) * d;
+          krow[l * kSplit + i] = k_cache + off;
+          vrow[l * kSplit + i] = v_cache + off;
+        }
       }
-      for (int64_t h = 0; h < g; ++h)
-        for (int64_t i = 0; i < d; ++i)
-          qf[h * d + i] = static_cast<A>(load(q, (t * num_heads + kh * g + h) * d + i)) * sc;
-      A* m = &part_max[item * g];
-      A* l = &part_den[item * g];
-      A* acc = &part_acc[item * g * d];
+      kr.resize(rows);
+      vr.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        kr[r] = &krow[(tree ? r : 0) * kSplit];
+        vr[r] = &vrow[(tree ? r : 0) * kSplit];
+      }
+      qf.resize(rows * g * d);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < g; ++h)
+          for (int64_t i = 0; i < d; ++i)
+            qf[(r * g + h) * d + i] =
+                static_cast<A>(load(q, (rows_t[r] * num_heads + kh * g + h) * d + i)) * sc;
+      w.resize(rows * g * kSplit);
+      acc.resize(rows * g * d);
+      mx.resize(rows * g);
+      den.resize(rows * g);
+      bool done = false;
       if constexpr (kFloat) {
-        if (d == 64)
-          attend_item16<S, 4>(qf.data(), krow.data(), vrow.data(), n, g, w.data(), kSplit, acc,
-                              m, l);
-        else if (d == 128)
-          attend_item16<S, 8>(qf.data(), krow.data(), vrow.data(), n, g, w.data(), kSplit, acc,
-                              m, l);
-        else
-          attend_item(qf.data(), krow.data(), vrow.data(), n, g, d, w.data(), kSplit, acc, m,
-                      l);
-      } else {
-        attend_item(qf.data(), krow.data(), vrow.data(), n, g, d, w.data(), kSplit, acc, m, l);
+        if (d == 64 || d == 128) {
+          (d == 64 ? attend_rows16<S, 4> : attend_rows16<S, 8>)(
+              qf.data(), rows, g, kr.data(), vr.data(), n.data(), w.data(), acc.data(),
+              mx.data(), den.data());
+          done = true;
+        }
+      }
+      if (!done)
+        for (int64_t r = 0; r < rows; ++r)
+          attend_item(&qf[r * g * d], kr[r], vr[r], n[r], g, d, &w[r * g * kSplit], kSplit,
+                      &acc[r * g * d], &mx[r * g], &den[r * g]);
+      for (int64_t r = 0; r < rows; ++r) {  // this split's partial results of each row
+        const int64_t at = ((first[rows_t[r]] + u.split) * hkv + kh) * g;
+        std::copy(&mx[r * g], &mx[r * g] + g, &part_max[at]);
+        std::copy(&den[r * g], &den[r * g] + g, &part_den[at]);
+        std::copy(&acc[r * g * d], &acc[r * g * d] + g * d, &part_acc[at * d]);
       }
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < num_tokens * hkv; ++item) {  // merge the splits in order
       const int64_t t = item / hkv, kh = item % hkv;
+      acc.resize(d);
       for (int64_t h = 0; h < g; ++h) {
         A big = part_max[(first[t] * hkv + kh) * g + h];
         for (int64_t sp = first[t] + 1; sp < first[t + 1]; ++sp)
           big = std::max(big, part_max[(sp * hkv + kh) * g + h]);
-        A den = 0;
-        A* a = &qf[0];  // this thread's scratch, d values
+        A total = 0;
+        A* a = acc.data();
         std::fill(a, a + d, A(0));
         for (int64_t sp = first[t]; sp < first[t + 1]; ++sp) {
           const int64_t at = (sp * hkv + kh) * g + h;
           const A f = exp_neg(part_max[at] - big);
-          den = fmaa(f, part_den[at], den);
+          total = fmaa(f, part_den[at], total);
           const A* pa = &part_acc[at * d];
           for (int64_t i = 0; i < d; ++i) a[i] = fmaa(f, pa[i], a[i]);
         }
         S* o = out + (t * num_heads + kh * g + h) * d;
-        for (int64_t i = 0; i < d; ++i) store(o, i, a[i] / den);
+        for (int64_t i = 0; i < d; ++i) store(o, i, a[i] / total);
       }
     }
   }
