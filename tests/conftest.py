@@ -14,6 +14,16 @@ from cluster.loopback import use_loopback  # noqa: E402
 use_loopback()  # the embedded test Ray stays on 127.0.0.1; must precede every `import ray`
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_attention_kernel():
+    """Build the compiled CPU attention (kernels/cpu_attention.py) once, before any test
+    starts role processes, so they load it from the cache instead of all compiling it at
+    once (tests/kernels/test_cpu_attention.py fails where it cannot be built)."""
+    from kernels import cpu_attention
+
+    cpu_attention.library()
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """SmolLM2's tokenizer. The model files are a test dependency, never a reason to skip:
