@@ -173,7 +173,8 @@ def paged_attention_cpu(
 
     Raises:
         ValueError: see :func:`plan_paged_attention`; shapes or dtypes that do not match, a
-            dtype the kernel lacks, or a plan for another batch or block size.
+            dtype the kernel lacks, a plan for another batch or block size, or a block id
+            outside the cache (the compiled code reads through the ids unchecked).
         RuntimeError: the kernel is not available (:func:`available`).
     """
     check_tensors(q, k_cache, v_cache)
@@ -192,9 +193,15 @@ def paged_attention_cpu(
         raise ValueError(f"q has {t} rows, the plan has {plan.token_batch.numel()}")
     if plan.block_size != block_size:
         raise ValueError(f"plan built for block size {plan.block_size}, cache has {block_size}")
+    tables = plan.block_tables.contiguous()
+    num_blocks = k_cache.shape[0]
+    if plan._masks.get("cpu_blocks_checked") != num_blocks:  # once per plan, not per layer
+        if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+            raise ValueError(f"block table ids must lie in [0, {num_blocks}), got "
+                             f"[{int(tables.min())}, {int(tables.max())}]")
+        plan._masks["cpu_blocks_checked"] = num_blocks
     q = q.contiguous()
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    tables = plan.block_tables.contiguous()
     path = plan.token_path.contiguous() if plan.token_path is not None else None
     start = plan.token_chunk_start.contiguous() if plan.token_chunk_start is not None else None
     out = torch.empty_like(q)

@@ -146,3 +146,10 @@ def test_built_library_is_reused(monkeypatch, tmp_path):
     assert first.parent == tmp_path and first.exists()
     stamp = first.stat().st_mtime_ns
     assert cpu_attention.build() == first and first.stat().st_mtime_ns == stamp
+
+
+def test_block_ids_outside_the_cache_are_a_clear_error():
+    q, k, v, tables = _case(4, 2, 16, 4, [1], [5], torch.float32)
+    for bad in (k.shape[0], -1):
+        with pytest.raises(ValueError, match="block table ids must lie in"):
+            attend(q, k, v, [[tables[0][0], bad]], [1], [5], 0.25)
