@@ -39,11 +39,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.paged_attention_plan import (
-    PagedAttentionPlan,
-    check_tensors,
-    plan_paged_attention,
-)
+from kernels.paged_attention_plan import PagedAttentionPlan, check_block_ids, resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +80,15 @@ def cache_dir() -> Path:
     return Path(base) / "specmesh" / "kernels"
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler is there to build the kernel (``$CXX``, g++ or c++)."""
+    return _compiler() is not None
+
+
 def build() -> Path:
     """Compile the kernel (once per source, flags, compiler and CPU) and return the library's
     path.
@@ -91,7 +96,7 @@ def build() -> Path:
     Raises:
         RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
     """
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    cxx = _compiler()
     if not cxx:
         raise RuntimeError("no C++ compiler (g++ / $CXX) to build the CPU attention kernel")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -177,29 +182,18 @@ def paged_attention_cpu(
             outside the cache (the compiled code reads through the ids unchecked).
         RuntimeError: the kernel is not available (:func:`available`).
     """
-    check_tensors(q, k_cache, v_cache)
     if q.dtype not in _ENTRIES or q.device.type != "cpu":
         raise ValueError(f"the CPU attention kernel takes CPU {sorted(map(str, _ENTRIES))}, "
                          f"got {q.dtype} on {q.device}")
     lib = library()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is not available: {_failed or 'disabled'}")
+    plan = resolve_plan(q, k_cache, v_cache, block_tables, query_lens, kv_lens, plan,
+                        tree_masks)
+    check_block_ids(plan, k_cache.shape[0])
     t, h, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
-    if plan is None:
-        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device,
-                                    tree_masks)
-    if plan.token_batch.numel() != t:
-        raise ValueError(f"q has {t} rows, the plan has {plan.token_batch.numel()}")
-    if plan.block_size != block_size:
-        raise ValueError(f"plan built for block size {plan.block_size}, cache has {block_size}")
     tables = plan.block_tables.contiguous()
-    num_blocks = k_cache.shape[0]
-    if plan._masks.get("cpu_blocks_checked") != num_blocks:  # once per plan, not per layer
-        if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
-            raise ValueError(f"block table ids must lie in [0, {num_blocks}), got "
-                             f"[{int(tables.min())}, {int(tables.max())}]")
-        plan._masks["cpu_blocks_checked"] = num_blocks
     q = q.contiguous()
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     path = plan.token_path.contiguous() if plan.token_path is not None else None
@@ -213,5 +207,5 @@ def paged_attention_cpu(
     return out
 
 
-__all__ = ["available", "build", "cache_dir", "enabled", "library", "paged_attention_cpu",
-           "supports"]
+__all__ = ["available", "build", "cache_dir", "enabled", "has_compiler", "library",
+           "paged_attention_cpu", "supports"]

@@ -42,8 +42,7 @@ from kernels import cpu_attention
 from kernels.paged_attention_plan import (
     MIN_MATMUL_ROWS,
     PagedAttentionPlan,
-    check_tensors,
-    plan_paged_attention,
+    resolve_plan,
     tile_len,
 )
 from kernels.paged_attention_triton import (  # noqa: F401 (the kernel's entry, re-exported)
@@ -80,16 +79,10 @@ def paged_attention_ref(
         ValueError: see :func:`plan_paged_attention`; shapes or dtypes that do not match, or
             ``T != sum(query_lens)``.
     """
-    check_tensors(q, k_cache, v_cache)
+    plan = resolve_plan(q, k_cache, v_cache, block_tables, query_lens, kv_lens, plan,
+                        tree_masks)
     _, block_size, hkv, d = k_cache.shape
-    if plan is None:
-        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device,
-                                    tree_masks)
     t, h, _ = q.shape
-    if plan.token_batch.numel() != t:
-        raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
-    if plan.block_size != block_size:
-        raise ValueError(f"plan built for block size {plan.block_size}, cache has {block_size}")
     b, g, q_max = plan.block_tables.shape[0], h // hkv, plan.q_max
     tile = tile_len(block_size)
     n_tiles = plan.n_blocks * block_size // tile

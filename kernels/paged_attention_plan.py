@@ -125,6 +125,45 @@ def check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
 
 
+def resolve_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor | list[list[int]],
+                 query_lens: torch.Tensor | list[int], kv_lens: torch.Tensor | list[int],
+                 plan: PagedAttentionPlan | None,
+                 tree_masks: list[torch.Tensor | None] | None) -> PagedAttentionPlan:
+    """The common preamble of every paged-attention entry point: :func:`check_tensors`, then
+    ``plan`` (or one built from the lengths, tables and masks), checked against q's rows and
+    the cache's block size.
+
+    Raises:
+        ValueError: as :func:`check_tensors` and :func:`plan_paged_attention`; a plan whose
+            rows are not q's or built for another block size.
+    """
+    check_tensors(q, k_cache, v_cache)
+    block_size = k_cache.shape[1]
+    if plan is None:
+        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device,
+                                    tree_masks)
+    if plan.token_batch.numel() != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows, query_lens sum to "
+                         f"{plan.token_batch.numel()}")
+    if plan.block_size != block_size:
+        raise ValueError(f"plan built for block size {plan.block_size}, cache has {block_size}")
+    return plan
+
+
+def check_block_ids(plan: PagedAttentionPlan, num_blocks: int) -> None:
+    """Raises ValueError unless every id of ``plan.block_tables`` lies in ``[0, num_blocks)``
+    (what code that reads through the ids unchecked needs); checked once per plan and cache
+    size, not in every layer."""
+    if plan._masks.get("block_ids_checked") == num_blocks:
+        return
+    tables = plan.block_tables
+    if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+        raise ValueError(f"block_tables hold ids outside [0, {num_blocks}) (got "
+                         f"[{int(tables.min())}, {int(tables.max())}])")
+    plan._masks["block_ids_checked"] = num_blocks
+
+
 def _as_list(x: torch.Tensor | list[int], name: str) -> list[int]:
     if isinstance(x, torch.Tensor):
         if x.dim() != 1 or x.dtype not in _INT_DTYPES:

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention_plan import PagedAttentionPlan, check_tensors, plan_paged_attention
+from kernels.paged_attention_plan import PagedAttentionPlan, check_block_ids, resolve_plan
 from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -144,20 +144,16 @@ def paged_attention_triton(
         RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
             imported (the kernel was already decorated for compilation).
     """
-    check_tensors(q, k_cache, v_cache)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel supports float16/bfloat16/float32/float64, got {q.dtype}")
     devices = {q.device, k_cache.device, v_cache.device}
     if len(devices) != 1:
         raise ValueError(f"q, k_cache, v_cache are on different devices: "
                          f"{sorted(map(str, devices))}")
+    plan = resolve_plan(q, k_cache, v_cache, block_tables, query_lens, kv_lens, plan,
+                        tree_masks)
     num_blocks, block_size, hkv, d = k_cache.shape
-    if plan is None:
-        plan = plan_paged_attention(query_lens, kv_lens, block_tables, block_size, q.device,
-                                    tree_masks)
     t, h, _ = q.shape
-    if plan.token_batch.numel() != t:
-        raise ValueError(f"q has {t} rows, query_lens sum to {plan.token_batch.numel()}")
     token_visible = plan.token_visible
     if token_visible is None:  # a plan built by hand: count each token's visible positions
         token_visible = plan.num_visible[plan.token_batch, plan.token_row]
@@ -170,9 +166,7 @@ def paged_attention_triton(
                          f"{sorted({str(x.device) for x in plan_tensors})}")
     check_runnable(q.is_cuda, _paged_attention_kernel)
     if not q.is_cuda:
-        if plan.block_tables.numel() and not (
-                0 <= int(plan.block_tables.min()) and int(plan.block_tables.max()) < num_blocks):
-            raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
+        check_block_ids(plan, num_blocks)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0 or h == 0:
         return out

@@ -2,27 +2,22 @@
 float64 SDPA oracle on odd shapes (every code path: head_dim 64 and 128 with 1 to 14 query
 heads per KV head, and the generic loops), rows batch invariant bit for bit (alone, in a longer
 chunk, in a padded batch; lengths around its 16-position blocks and its 512-position splits,
-and any thread count), token-tree rows equal to
-their path laid out as a chain, the launcher's choice, and the build's errors."""
+and any thread count), the launcher's choice, and the build's errors. Token trees (rows equal
+to their path laid out as a chain): test_paged_attention_tree.py, over both CPU
+implementations."""
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 
 import pytest
 import torch
 from test_paged_attention import SHAPES, TOL, _case, _oracle
-from test_paged_attention_tree import BATCHES, MASKS, _tree_rows, oracle, path_layout
-from test_paged_attention_triton import TOL as TREE_TOL
-from test_paged_attention_triton import _args
 
 from kernels import cpu_attention
 from kernels.paged_attention import paged_attention, paged_attention_ref
 
-HAS_COMPILER = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
-pytestmark = pytest.mark.skipif(not HAS_COMPILER,
+pytestmark = pytest.mark.skipif(not cpu_attention.has_compiler(),
                                 reason="no C++ compiler to build the CPU attention kernel")
 
 
@@ -86,23 +81,6 @@ def test_thread_count_does_not_change_results():
         torch.set_num_threads(threads)
 
 
-def test_tree_masks_match_the_oracle_and_keep_chains():
-    for batch in BATCHES.values():
-        out = attend(*_args(batch), tree_masks=MASKS)
-        torch.testing.assert_close(out.double(), oracle(batch, MASKS), **TREE_TOL[out.dtype])
-        plain = attend(*_args(batch))
-        assert torch.equal(out[10:14], plain[10:14])  # request 1, the chain
-
-
-def test_tree_rows_equal_their_path_laid_out_as_a_chain():
-    for name, batch in BATCHES.items():
-        out = attend(*_args(batch), tree_masks=MASKS)
-        for b, j in _tree_rows():
-            t = sum(batch["query_lens"][:b]) + j
-            alone = attend(*path_layout(batch, MASKS, b, j))
-            assert torch.equal(out[t], alone[0]), f"{name}: request {b} row {j}"
-
-
 def test_launcher_takes_the_kernel_on_cpu_and_the_switch_turns_it_off(monkeypatch):
     h, hkv, d, bs, q_lens, kv_lens = SHAPES[0]
     q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, torch.bfloat16)
@@ -151,5 +129,5 @@ def test_built_library_is_reused(monkeypatch, tmp_path):
 def test_block_ids_outside_the_cache_are_a_clear_error():
     q, k, v, tables = _case(4, 2, 16, 4, [1], [5], torch.float32)
     for bad in (k.shape[0], -1):
-        with pytest.raises(ValueError, match="block table ids must lie in"):
+        with pytest.raises(ValueError, match="block_tables hold ids outside"):
             attend(q, k, v, [[tables[0][0], bad]], [1], [5], 0.25)

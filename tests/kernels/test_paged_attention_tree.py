@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_paged_attention_triton import TOL, _args, make_batch
 
+from kernels import cpu_attention
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.paged_attention_plan import plan_paged_attention
 
@@ -60,20 +61,30 @@ BATCHES = {name: make_batch(*c[:6], dtype=c[6], seed=7 + i) for i, (name, c) in
            enumerate(CASES.items())}
 
 
-def test_reference_matches_the_oracle_with_tree_masks():
+#: the CPU implementations: the torch reference and the compiled kernel (its own tests are in
+#: test_cpu_attention.py; a machine with a compiler must build it)
+IMPLS = [pytest.param(paged_attention_ref, id="reference"),
+         pytest.param(cpu_attention.paged_attention_cpu, id="compiled",
+                      marks=pytest.mark.skipif(not cpu_attention.has_compiler(),
+                                               reason="no C++ compiler"))]
+
+
+@pytest.mark.parametrize("attend", IMPLS)
+def test_matches_the_oracle_with_tree_masks(attend):
     for batch in BATCHES.values():
-        out = paged_attention_ref(*_args(batch), tree_masks=MASKS)
+        out = attend(*_args(batch), tree_masks=MASKS)
         torch.testing.assert_close(out.double(), oracle(batch, MASKS), **TOL[out.dtype])
 
 
-def test_chain_rows_and_chain_masks_are_bit_identical():
+@pytest.mark.parametrize("attend", IMPLS)
+def test_chain_rows_and_chain_masks_are_bit_identical(attend):
     batch = BATCHES["f32-bs4"]
-    plain = paged_attention_ref(*_args(batch))
-    with_trees = paged_attention_ref(*_args(batch), tree_masks=MASKS)
+    plain = attend(*_args(batch))
+    with_trees = attend(*_args(batch), tree_masks=MASKS)
     rows = slice(10, 14)  # request 1, the chain
     assert torch.equal(with_trees[rows], plain[rows])
     chain_mask = [torch.ones(q, q, dtype=torch.bool).tril() for q in batch["query_lens"]]
-    assert torch.equal(paged_attention_ref(*_args(batch), tree_masks=chain_mask), plain)
+    assert torch.equal(attend(*_args(batch), tree_masks=chain_mask), plain)
     assert not torch.allclose(with_trees[:10], plain[:10])  # the mask does something
 
 
@@ -103,16 +114,17 @@ def _tree_rows() -> list[tuple[int, int]]:
     return [(b, j) for b, m in enumerate(MASKS) if m is not None for j in range(m.shape[0])]
 
 
-def test_tree_rows_equal_their_path_laid_out_as_a_chain():
+@pytest.mark.parametrize("attend", IMPLS)
+def test_tree_rows_equal_their_path_laid_out_as_a_chain(attend):
     """Row j of a tree reads its ancestors where they lie in the chunk (not consecutive: a
     side branch skips the rows of branch 0); its result must still equal, bit for bit, the
     one-row step over the same path laid out consecutively, or output with tree speculation
     drifts from output without it (seen in bf16: 1 of 12 held-out chat prompts)."""
     for name, batch in BATCHES.items():
-        out = paged_attention_ref(*_args(batch), tree_masks=MASKS)
+        out = attend(*_args(batch), tree_masks=MASKS)
         for b, j in _tree_rows():
             t = sum(batch["query_lens"][:b]) + j
-            alone = paged_attention_ref(*path_layout(batch, MASKS, b, j))
+            alone = attend(*path_layout(batch, MASKS, b, j))
             assert torch.equal(out[t], alone[0]), f"{name}: request {b} row {j}"
 
 
