@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     import torch
 
     from drafter.draft_sampling import DraftSampling
+
+
+@dataclass
+class ProposeCall:
+    """One request's part of :meth:`Proposer.propose_many`: up to ``num_tokens`` drafts
+    continuing ``context_token_ids``, drafted for the sampling ``how`` (None: as
+    :meth:`Proposer.propose` drafts)."""
+
+    request_id: str
+    context_token_ids: list[int]
+    num_tokens: int
+    how: DraftSampling | None = None
 
 
 class Proposer(ABC):
@@ -61,6 +74,22 @@ class Proposer(ABC):
         ``how.with_probs``), else None. The default drafts with :meth:`propose` (rows None)."""
         drafts = self.propose(request_id, context_token_ids, num_tokens)
         return drafts, [None] * len(drafts)
+
+    def propose_many(self, calls: list[ProposeCall]
+                     ) -> list[tuple[list[int], list[torch.Tensor | None]]]:
+        """Drafts and rows (as :meth:`propose_sampled` returns them) for several requests in
+        one call, in the order of ``calls``. The default answers them one by one; a model
+        drafter overrides it to run one batched forward for all of them (the verifier's
+        continuous batch is the drafter's batch too)."""
+        out = []
+        for c in calls:
+            if c.how is None:
+                drafts = self.propose(c.request_id, c.context_token_ids, c.num_tokens)
+                out.append((drafts, [None] * len(drafts)))
+            else:
+                out.append(self.propose_sampled(c.request_id, c.context_token_ids,
+                                                c.num_tokens, c.how))
+        return out
 
     @classmethod
     def seed_state_for(cls, kwargs: dict) -> str:

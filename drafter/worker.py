@@ -21,7 +21,7 @@ import torch
 
 from drafter.config import RUN_AHEAD_STEPS, DrafterConfig
 from drafter.draft_sampling import DraftSampling
-from drafter.proposer import Proposer, get_proposer
+from drafter.proposer import ProposeCall, Proposer, get_proposer
 from drafter.seed_state import hidden_rows
 from engine.frames import tensor_to_buffer
 from engine.sampling import GREEDY, sampling_mode
@@ -255,20 +255,26 @@ class DrafterWorker(MailboxWorker):
     # -- drafting --------------------------------------------------------------------------
 
     def draft(self) -> int:
-        """Extend every request's path towards the window; returns tokens streamed."""
+        """Extend every request's path towards the window (one :meth:`Proposer.propose_many`
+        call for all of them); returns tokens streamed."""
         sent = 0
-        for st in list(self.requests.values()):
+        wants = []
+        for st in self.requests.values():
             room = min(self._window(st) - len(st.path), self.config.max_segment)
             if self.proposer.max_drafts_per_call:
                 room = min(room, self.proposer.max_drafts_per_call)
             if room > 0 and not st.exhausted:
-                with self.profile.phase("propose"):
-                    new, rows = self._propose(st, room)
+                wants.append((st, room))
+        if wants:
+            with self.profile.phase("propose"):
+                results = self._propose_all(wants)
+            for (st, room), (new, rows) in zip(wants, results):
                 if new:
                     st.path.extend(new[:room])
                     st.probs.extend(rows[:room])
                 else:
                     st.exhausted = True  # until the next commit changes the context
+        for st in list(self.requests.values()):
             if st.num_sent < len(st.path) or st.news:
                 # An empty segment tells a verifier waiting for a tail that none is coming.
                 seg = st.path[st.num_sent:]
@@ -304,29 +310,39 @@ class DrafterWorker(MailboxWorker):
             return self.config.window
         return min(self.config.window, RUN_AHEAD_STEPS * max(st.num_drafts_wanted, 1))
 
-    def _propose(self, st: DraftState, room: int) -> tuple[list[int], list]:
-        """Up to ``room`` drafts for ``st`` and their rows: a proposer that samples
-        (``returns_draft_probs``) drafts a sampled request the way it samples
-        (drafter/draft_sampling.py); every other draft is deterministic (row None)."""
+    def _propose_all(self, wants: list[tuple[DraftState, int]]) -> list[tuple[list[int], list]]:
+        """Up to ``room`` drafts for each ``(st, room)`` and their rows, in order: a proposer
+        that samples (``returns_draft_probs``) drafts a sampled request the way it samples
+        (drafter/draft_sampling.py, rows checked one per draft); every other draft is
+        deterministic (row None). A tree proposer's segment at the committed prefix is a
+        tree, asked for on its own; the rest go to the proposer in one ``propose_many``."""
         p = self.proposer
-        if p.returns_draft_probs and st.sampling is not None \
-                and sampling_mode(st.sampling) != GREEDY:
-            how = DraftSampling(st.sampling, len(st.committed) + len(st.path),
-                                self._generator(), self.config.draft_probs)
-            new, rows = p.propose_sampled(st.request_id, st.context, room, how)
-            if len(rows) != len(new):
-                raise ValueError(f"{type(p).__name__} returned {len(rows)} rows for "
-                                 f"{len(new)} drafts")
-            return new, list(rows)
-        if p.draft_shape == "tree" and not st.path and st.num_sent == 0:
-            # the segment at the committed prefix: a tree, whose branch 0 is the path
-            tokens, parents = p.propose_tree(st.request_id, st.context, room)
-            new = first_branch(tokens, parents)
-            if len(new) < len(tokens):
-                st.tree = (list(tokens), list(parents))
-            return new, [None] * len(new)
-        new = p.propose(st.request_id, st.context, room)
-        return new, [None] * len(new)
+        out: list[tuple[list[int], list] | None] = [None] * len(wants)
+        calls, where = [], []
+        for j, (st, room) in enumerate(wants):
+            if p.draft_shape == "tree" and not st.path and st.num_sent == 0:
+                # the segment at the committed prefix: a tree, whose branch 0 is the path
+                tokens, parents = p.propose_tree(st.request_id, st.context, room)
+                new = first_branch(tokens, parents)
+                if len(new) < len(tokens):
+                    st.tree = (list(tokens), list(parents))
+                out[j] = (new, [None] * len(new))
+                continue
+            how = None
+            if p.returns_draft_probs and st.sampling is not None \
+                    and sampling_mode(st.sampling) != GREEDY:
+                how = DraftSampling(st.sampling, len(st.committed) + len(st.path),
+                                    self._generator(), self.config.draft_probs)
+            calls.append(ProposeCall(st.request_id, st.context, room, how))
+            where.append(j)
+        if calls:
+            for j, call, (new, rows) in zip(where, calls, p.propose_many(calls)):
+                rows = list(rows) if call.how is not None else [None] * len(new)
+                if len(rows) != len(new):
+                    raise ValueError(f"{type(p).__name__} returned {len(rows)} rows for "
+                                     f"{len(new)} drafts")
+                out[j] = (list(new), rows)
+        return out  # type: ignore[return-value]
 
     def _generator(self) -> torch.Generator:
         """The drafter's randomness for unseeded sampled drafts (created on first use)."""

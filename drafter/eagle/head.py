@@ -35,28 +35,63 @@ from engine.linear import RowInvariantLinear
 
 @dataclass
 class HeadKV:
-    """One request's head KV: per layer keys/values [nkv, n, hd] at entry positions
-    ``[start, start + n)`` (``start``: the first entry's absolute position)."""
+    """One request's head KV: per layer keys/values at entry positions ``[start, start + n)``
+    (``start``: the first entry's absolute position), held in buffers ``[nkv, capacity, hd]``
+    that grow by doubling, so appending an entry copies only that entry and a rollback
+    copies nothing."""
 
     start: int = 0
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    n: int = 0
+    key_buffers: list[torch.Tensor] = field(default_factory=list)
+    value_buffers: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def length(self) -> int:
-        return 0 if not self.keys else int(self.keys[0].shape[1])
+        return self.n
 
     @property
     def end(self) -> int:
         """Absolute position after the last entry."""
-        return self.start + self.length
+        return self.start + self.n
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer the keys [nkv, n, hd] (views)."""
+        return [k[:, :self.n] for k in self.key_buffers]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Per layer the values [nkv, n, hd] (views)."""
+        return [v[:, :self.n] for v in self.value_buffers]
+
+    def write(self, layer: int, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``layer``'s keys/values ``[nkv, m, hd]`` of the entries after the current
+        ``n`` and return that layer's keys and values up to them ([nkv, n + m, hd] views).
+        :meth:`commit` then counts the m entries (after every layer is written)."""
+        m = k.shape[1]
+        need = self.n + m
+        if layer == len(self.key_buffers):  # first entries of this layer
+            cap = max(64, need)
+            self.key_buffers.append(k.new_empty((k.shape[0], cap, k.shape[2])))
+            self.value_buffers.append(v.new_empty((v.shape[0], cap, v.shape[2])))
+        kb, vb = self.key_buffers[layer], self.value_buffers[layer]
+        if need > kb.shape[1]:  # grow by doubling: amortised one copy per entry
+            cap = max(need, 2 * kb.shape[1])
+            kb = torch.cat([kb[:, :self.n], kb.new_empty((kb.shape[0], cap - self.n, kb.shape[2]))], 1)
+            vb = torch.cat([vb[:, :self.n], vb.new_empty((vb.shape[0], cap - self.n, vb.shape[2]))], 1)
+            self.key_buffers[layer], self.value_buffers[layer] = kb, vb
+        kb[:, self.n:need] = k
+        vb[:, self.n:need] = v
+        return kb[:, :need], vb[:, :need]
+
+    def commit(self, m: int) -> None:
+        """Count ``m`` entries written to every layer by :meth:`write`."""
+        self.n += m
 
     def truncate(self, end: int) -> None:
         """Keep entries at positions ``< end``."""
-        keep = max(end - self.start, 0)
-        if keep < self.length:
-            self.keys = [k[:, :keep] for k in self.keys]
-            self.values = [v[:, :keep] for v in self.values]
+        self.n = min(self.n, max(end - self.start, 0))
 
 
 class EagleHead(nn.Module):
@@ -219,33 +254,61 @@ class EagleHead(nn.Module):
         Raises:
             ValueError: ``kv`` does not end at ``start``.
         """
-        if kv.length == 0:
-            kv.start = start
-            kv.keys, kv.values = [], []
-        elif kv.end != start:
-            raise ValueError(f"head KV ends at {kv.end}, entries start at {start}")
-        n = features.shape[0]
+        return self.extend_many([(kv, features, next_tokens, start)])[0]
+
+    @torch.inference_mode()
+    def extend_many(self, items: list[tuple[HeadKV, torch.Tensor, torch.Tensor, int]]
+                    ) -> list[torch.Tensor]:
+        """:meth:`extend` for several requests at once: ``items`` are ``(kv, features [n_i,
+        d], next_tokens [n_i], start_i)``, one per request (distinct ``kv``). The products
+        (fusion, projections, MLP) run once over all ``sum(n_i)`` rows, so their weights are
+        read once per call instead of once per request; attention runs per request over its
+        own KV. Each row's result does not depend on the other requests (row-invariant
+        products, engine/linear.py).
+
+        Returns:
+            per item the predicted features [n_i, d].
+
+        Raises:
+            ValueError: a ``kv`` that does not end at its ``start``, or one listed twice.
+        """
+        if len({id(it[0]) for it in items}) != len(items):
+            raise ValueError("extend_many: a request's KV is listed twice")
+        for kv, _, _, start in items:
+            if kv.length and kv.end != start:
+                raise ValueError(f"head KV ends at {kv.end}, entries start at {start}")
+        if not items:
+            return []
         dtype = self.fc.weight.dtype
-        pos = torch.arange(start, start + n, device=features.device)
-        cos, sin = self._cos_sin(pos, dtype)
-        x = self.fc(torch.cat([self.embed[next_tokens], features.to(dtype)], dim=-1))
-        past = kv.length
+        sizes = [int(f.shape[0]) for _, f, _, _ in items]
+        device = items[0][1].device
+        pos = torch.cat([torch.arange(s, s + n, device=device)
+                         for (_, _, _, s), n in zip(items, sizes)])
+        cos, sin = self._cos_sin(pos, dtype)  # [T, hd]
+        feats = torch.cat([f.to(dtype) for _, f, _, _ in items])
+        toks = torch.cat([t.reshape(-1) for _, _, t, _ in items])
+        x = self.fc(torch.cat([self.embed[toks], feats], dim=-1))  # [T, d]
+        for kv, _, _, start in items:
+            if kv.length == 0:
+                kv.start, kv.n = start, 0
         for li, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x, cos, sin)
-            if li < len(kv.keys):
-                k = torch.cat([kv.keys[li], k], dim=1)
-                v = torch.cat([kv.values[li], v], dim=1)
-                kv.keys[li], kv.values[li] = k, v
-            else:
-                kv.keys.append(k)
-                kv.values.append(v)
-            total = past + n
-            mask = (torch.arange(total, device=x.device)[None, :]
-                    <= (past + torch.arange(n, device=x.device))[:, None])
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                  enable_gqa=layer.nh != layer.nkv)
-            x = layer.finish(x, attn)
-        return self.norm(x)
+            q, k, v = layer.qkv(x, cos, sin)  # [nh, T, hd], [nkv, T, hd]
+            parts, lo = [], 0
+            for (kv, _, _, _), n in zip(items, sizes):
+                keys, vals = kv.write(li, k[:, lo:lo + n], v[:, lo:lo + n])
+                past = kv.n
+                mask = None
+                if n > 1:  # row i sees entries up to past + i
+                    mask = (torch.arange(past + n, device=device)[None, :]
+                            <= (past + torch.arange(n, device=device))[:, None])
+                parts.append(F.scaled_dot_product_attention(
+                    q[:, lo:lo + n], keys, vals, attn_mask=mask,
+                    enable_gqa=layer.nh != layer.nkv))
+                lo += n
+            x = layer.finish(x, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        for (kv, _, _, _), n in zip(items, sizes):
+            kv.commit(n)
+        return list(self.norm(x).split(sizes))
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -23,7 +23,7 @@ import torch
 
 from drafter.draft_sampling import DraftSampling, target_space_logits
 from drafter.eagle.head import EagleHead, HeadKV
-from drafter.proposer import Proposer, register_proposer
+from drafter.proposer import ProposeCall, Proposer, register_proposer
 from engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,18 @@ class _HeadState:
     @property
     def feats_end(self) -> int:
         return self.feats_start + len(self.feats)
+
+
+@dataclass
+class _Cursor:
+    """One request's progress through a :meth:`EagleProposer.propose_many` call: ``s`` the
+    position of the next head entry."""
+
+    call: ProposeCall
+    st: _HeadState
+    L: int
+    s: int
+    num_drafts: int = 0  # drafts made so far in this call
 
 
 @register_proposer
@@ -138,12 +150,61 @@ class EagleProposer(Proposer):
 
     def _draft(self, request_id: str, context_token_ids: list[int], num_tokens: int,
                how: DraftSampling | None) -> tuple[list[int], list[torch.Tensor | None]]:
-        st = self.states.get(request_id)
-        ctx = context_token_ids
+        return self.propose_many([ProposeCall(request_id, context_token_ids, num_tokens,
+                                              how)])[0]
+
+    def propose_many(self, calls: list[ProposeCall]
+                     ) -> list[tuple[list[int], list[torch.Tensor | None]]]:
+        """Drafts for several requests with one head forward per round for all of them
+        (:meth:`EagleHead.extend_many`) and one LM-head product per draft depth for the
+        greedy ones: the head's weights are read once per round, not once per request.
+        Each request's drafts are those :meth:`propose` / :meth:`propose_sampled` give it
+        alone (the head's products are row-invariant)."""
+        out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in calls]
+        live: dict[int, _Cursor] = {}
+        for i, call in enumerate(calls):
+            cur = self._cursor(call)
+            if cur is not None:
+                live[i] = cur
+        with torch.inference_mode():
+            # catch up: per request its true states in one batch, then the chain over known
+            # tokens; each round takes every request's next piece
+            while True:
+                work = {}
+                for i, cur in list(live.items()):
+                    piece = self._catch_up_piece(cur)
+                    if piece is False:  # nothing to draft from
+                        del live[i]
+                    elif piece is not None:
+                        work[i] = piece
+                if not work:
+                    break
+                self._extend_many(live, work)
+            while live:
+                picks = self._pick_many(live)
+                work = {}
+                for i, cur in list(live.items()):
+                    tok, row = picks[i]
+                    cur.num_drafts += 1
+                    out[i][0].append(tok)
+                    out[i][1].append(row)
+                    if len(out[i][0]) == cur.call.num_tokens:
+                        del live[i]
+                    else:
+                        work[i] = (cur.st.last_g[None], [tok], cur.s)
+                        cur.s += 1
+                if work:
+                    self._extend_many(live, work)
+        return out
+
+    def _cursor(self, call: ProposeCall) -> _Cursor | None:
+        """Where a request's drafting starts: its head entries that no longer match the
+        context dropped; None when it cannot draft."""
+        st = self.states.get(call.request_id)
+        ctx = call.context_token_ids
         L = len(ctx)
-        if st is None or st.feats_start < 0 or num_tokens <= 0 or L - 2 < st.feats_start:
-            return [], []
-        # entries whose token is no longer the context's are gone
+        if st is None or st.feats_start < 0 or call.num_tokens <= 0 or L - 2 < st.feats_start:
+            return None
         s0 = st.kv.start if st.kv.length else st.feats_start
         agree = 0
         for i, t in enumerate(st.entry_tokens):
@@ -152,30 +213,48 @@ class EagleProposer(Proposer):
             agree += 1
         if agree < len(st.entry_tokens):
             self._truncate(st, s0 + agree)
-        with torch.inference_mode():
-            # catch up: true states in one batch, then the chain over known tokens
-            s = st.kv.end if st.kv.length else st.feats_start
-            true_hi = min(st.feats_end, L - 1)
-            if s < true_hi:
-                feats = torch.stack(st.feats[s - st.feats_start:true_hi - st.feats_start])
-                self._extend(st, feats, ctx[s + 1:true_hi + 1], s)
-                s = true_hi
-            while s <= L - 2:
-                if st.last_g is None:
-                    return [], []
-                self._extend(st, st.last_g[None], [ctx[s + 1]], s)
-                s += 1
-            drafts: list[int] = []
-            rows: list[torch.Tensor | None] = []
-            for _ in range(num_tokens):
-                tok, row = self._pick(st.last_g, how, len(drafts))
-                drafts.append(tok)
-                rows.append(row)
-                if len(drafts) == num_tokens:
-                    break
-                self._extend(st, st.last_g[None], [tok], s)
-                s += 1
-        return drafts, rows
+        return _Cursor(call, st, L, st.kv.end if st.kv.length else st.feats_start)
+
+    @staticmethod
+    def _catch_up_piece(cur: _Cursor) -> tuple | bool | None:
+        """The request's next catch-up extend ``(features, tokens, start)``, None when it is
+        caught up, False when it cannot draft (no predicted state to chain from)."""
+        st, ctx, s = cur.st, cur.call.context_token_ids, cur.s
+        true_hi = min(st.feats_end, cur.L - 1)
+        if s < true_hi:
+            cur.s = true_hi
+            return (torch.stack(st.feats[s - st.feats_start:true_hi - st.feats_start]),
+                    ctx[s + 1:true_hi + 1], s)
+        if s <= cur.L - 2:
+            if st.last_g is None:
+                return False
+            cur.s = s + 1
+            return st.last_g[None], [ctx[s + 1]], s
+        return None
+
+    def _extend_many(self, live: dict[int, _Cursor], work: dict) -> None:
+        keys = list(work)
+        items = [(live[i].st.kv, work[i][0], torch.tensor(work[i][1], dtype=torch.long),
+                  work[i][2]) for i in keys]
+        for i, g in zip(keys, self.head.extend_many(items)):
+            st = live[i].st
+            st.entry_tokens.extend(work[i][1])
+            st.outs.extend(g)
+
+    def _pick_many(self, live: dict[int, _Cursor]) -> dict[int, tuple[int, torch.Tensor | None]]:
+        """Each live request's next draft from its last predicted state: the greedy ones by
+        one batched argmax, the others one by one (their sampling rule)."""
+        picks = {}
+        greedy = [i for i, cur in live.items() if cur.call.how is None
+                  or cur.call.how.mode == GREEDY]
+        if greedy:
+            g = torch.stack([live[i].st.last_g for i in greedy])
+            ids = self.head.target_ids(self.head.logits(g).argmax(-1)).tolist()
+            picks.update({i: (int(t), None) for i, t in zip(greedy, ids)})
+        for i, cur in live.items():
+            if i not in picks:
+                picks[i] = self._pick(cur.st.last_g, cur.call.how, cur.num_drafts)
+        return picks
 
     def rollback(self, request_id: str, num_context_tokens: int) -> None:
         st = self.states.get(request_id)
@@ -186,11 +265,6 @@ class EagleProposer(Proposer):
         self.states.pop(request_id, None)
 
     # -- internals -------------------------------------------------------------------------
-
-    def _extend(self, st: _HeadState, feats: torch.Tensor, tokens: list[int], start: int) -> None:
-        g = self.head.extend(st.kv, feats, torch.tensor(tokens, dtype=torch.long), start)
-        st.entry_tokens.extend(tokens)
-        st.outs.extend(g)
 
     def _truncate(self, st: _HeadState, end: int) -> None:
         if st.kv.length == 0 or end >= st.kv.end:

@@ -159,3 +159,44 @@ def test_a_path_at_its_run_ahead_cap_leaves_the_drafter_waiting_not_spinning():
     d.ingest = lambda timeout_s=0.0: waits.append(timeout_s) or 0
     d.step(0.25)
     assert waits == [0.25]  # the caller's wait, not a zero-timeout poll
+
+
+def test_one_propose_many_call_drafts_for_every_request():
+    """The worker hands every request that wants drafts to the proposer in one call (a model
+    drafter batches them), and each request's segment carries that call's drafts."""
+    from drafter.proposer import ProposeCall, Proposer
+
+    class Counting(Proposer):
+        name = "counting-test"
+
+        def __init__(self):
+            self.batches = []
+
+        def open(self, request_id, context_token_ids):
+            pass
+
+        def propose(self, request_id, context_token_ids, num_tokens):
+            raise AssertionError("the worker should call propose_many")
+
+        def propose_many(self, calls: list[ProposeCall]):
+            self.batches.append([c.request_id for c in calls])
+            return [([len(c.context_token_ids)] * c.num_tokens, [None] * c.num_tokens)
+                    for c in calls]
+
+        def rollback(self, request_id, num_context_tokens):
+            pass
+
+        def close(self, request_id):
+            pass
+
+    hub = InProcHub()
+    v = hub.mailbox("verifier-0")
+    prop = Counting()
+    d = DrafterWorker(DrafterConfig(window=2, max_segment=2), hub.mailbox("drafter-0"), prop)
+    for i in range(3):
+        v.send("drafter-0", DraftSync(request_id=f"r{i}", prompt_token_ids=[1] * (i + 2),
+                                      committed_token_ids=[3], sampling=SamplingParams()))
+    d.step()
+    assert prop.batches == [["r0", "r1", "r2"]]
+    segs = {s.request_id: s.draft_token_ids for s in _tails(v)}
+    assert segs == {f"r{i}": [i + 3, i + 3] for i in range(3)}

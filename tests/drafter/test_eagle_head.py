@@ -87,3 +87,44 @@ def test_target_weights_of_the_wrong_shape_are_refused():
     head = _head()
     with pytest.raises(ValueError, match="do not fit"):
         head.set_target_weights(torch.zeros(49, 32), torch.zeros(49, 32))
+
+
+def test_extend_many_equals_extend_per_request():
+    """Several requests' entries in one call (mixed lengths, empty and long KVs) give each
+    request what extending it alone gives, and leave each KV as extending alone does."""
+    head = _head(4)
+    torch.manual_seed(4)
+    sizes, starts = [1, 5, 1, 3], [0, 7, 2, 11]
+    pre = [0, 2, 90, 0]  # entries already held (90: past the buffer's first capacity)
+    one, many, items = [], [], []
+    for n, s, p in zip(sizes, starts, pre):
+        kv_a, kv_b = HeadKV(), HeadKV()
+        if p:
+            f, t = torch.randn(p, 32, dtype=torch.float64), torch.randint(0, 50, (p,))
+            head.extend(kv_a, f, t, s - p)
+            head.extend(kv_b, f, t, s - p)
+        f, t = torch.randn(n, 32, dtype=torch.float64), torch.randint(0, 50, (n,))
+        one.append((head.extend(kv_a, f, t, s), kv_a))
+        items.append((kv_b, f, t, s))
+        many.append(kv_b)
+    got = head.extend_many(items)
+    for (want, kv_a), g, kv_b in zip(one, got, many):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+        assert (kv_b.start, kv_b.end) == (kv_a.start, kv_a.end)
+        for ka, kb in zip(kv_a.keys + kv_a.values, kv_b.keys + kv_b.values):
+            torch.testing.assert_close(kb, ka, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="listed twice"):
+        head.extend_many([items[0], items[0]])
+
+
+def test_head_kv_grows_and_truncates_without_losing_entries():
+    head = _head(5)
+    feats = torch.randn(150, 32, dtype=torch.float64)
+    toks = torch.randint(0, 50, (150,))
+    whole = head.extend(HeadKV(), feats, toks, 0)
+    kv = HeadKV()
+    parts = [head.extend(kv, feats[i:i + 1], toks[i:i + 1], i) for i in range(150)]
+    torch.testing.assert_close(torch.cat(parts), whole)
+    kv.truncate(40)
+    assert kv.length == 40 and kv.keys[0].shape[1] == 40
+    torch.testing.assert_close(head.extend(kv, feats[40:], toks[40:], 40), whole[40:])

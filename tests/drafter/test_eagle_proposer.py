@@ -125,3 +125,42 @@ def test_fused_head_reads_layer_rows_and_drafts_what_its_training_passes_predict
         assert "wide" in str(err)
     else:
         raise AssertionError("a final-norm row was accepted by a fused head")
+
+
+def test_propose_many_equals_each_request_alone():
+    """One batched call for several requests (different prompts, seed states and drafts
+    wanted; one with nothing to draft from) drafts what each gets alone, through a commit."""
+    from drafter.proposer import ProposeCall
+
+    head = _head(4)
+    torch.manual_seed(9)
+    reqs = {f"r{i}": ([int(x) for x in torch.randint(0, V, (3 + 2 * i,))],
+                      torch.randn(8, D, dtype=torch.float64)) for i in range(4)}
+    batched = EagleProposer(head_module=head)
+    alone = {rid: EagleProposer(head_module=head) for rid in reqs}
+    for rid, (ctx, truth) in reqs.items():
+        for p in (batched, alone[rid]):
+            p.open(rid, ctx)
+            if rid != "r3":  # r3 has no seed state: no drafts
+                p.observe_seed_state(rid, len(ctx) - 2, truth[:1])
+    wanted = {"r0": 1, "r1": 4, "r2": 2, "r3": 3}
+    ctxs = {rid: ctx for rid, (ctx, _) in reqs.items()}
+    for _ in range(3):  # draft, commit one accepted + bonus, draft on
+        calls = [ProposeCall(rid, ctxs[rid], wanted[rid]) for rid in reqs]
+        got = batched.propose_many(calls)
+        for call, (drafts, rows) in zip(calls, got):
+            assert drafts == alone[call.request_id].propose(call.request_id,
+                                                             call.context_token_ids,
+                                                             call.num_tokens)
+            assert rows == [None] * len(drafts)
+            assert (len(drafts) == call.num_tokens) == (call.request_id != "r3")
+        for (rid, (ctx, truth)), (drafts, _) in zip(reqs.items(), got):
+            if not drafts:
+                continue
+            n = len(ctxs[rid])
+            bonus = (drafts[1] + 1) % V if len(drafts) > 1 else drafts[0]
+            new = drafts[:1] + ([bonus] if len(drafts) > 1 else [])
+            for p in (batched, alone[rid]):
+                p.rollback(rid, n + 1)
+                p.observe_seed_state(rid, n - 1, truth[n - len(ctx) + 1:n - len(ctx) + 1 + len(new)])
+            ctxs[rid] = ctxs[rid] + new
