@@ -14,11 +14,13 @@ import time
 
 import torch
 
+from drafter.eagle.head import EagleHead
 from drafter.proposer import ProposeCall
 from drafter.proposers.eagle import EagleProposer, load_eagle_head
 
 
-def _proposer(head, batch: int, context: int) -> tuple[EagleProposer, dict[str, list[int]]]:  # noqa: ANN001
+def _proposer(head: EagleHead, batch: int,
+              context: int) -> tuple[EagleProposer, dict[str, list[int]]]:
     prop = EagleProposer(head_module=head)
     ctxs = {}
     for r in range(batch):
