@@ -27,9 +27,11 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
     else None (the worker builds it from the registry).
 
     ``eagle``: ``method_kwargs`` may hold ``head`` (a checkpoint dir; default: the head shipped
-    for the target) and ``dtype`` of the head (float32); only the target's embedding and LM
-    head are read from ``cfg.model``'s weights, and a head trained for another target is
-    refused (:class:`~drafter.eagle.checkpoint.HeadMismatch`).
+    for the target) and ``dtype`` of the head (default: the cluster's, so a bfloat16 cluster
+    drafts with bfloat16 weights: half the bytes per draft, which the drafter's core otherwise
+    pulls through the memory bus the verifier's forward is bound by); only the target's
+    embedding and LM head are read from ``cfg.model``'s weights, and a head trained for another
+    target is refused (:class:`~drafter.eagle.checkpoint.HeadMismatch`).
 
     ``draft_model``: ``method_kwargs`` holds ``model`` (the draft model's path) and optionally
     ``dtype`` / ``device`` (default: the cluster's) and further
@@ -46,7 +48,7 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
 
         kwargs = dict(cfg.drafter.method_kwargs)
         return EagleProposer(head=kwargs.get("head"), model=kwargs.get("model", cfg.model),
-                             dtype=kwargs.get("dtype", "float32"))
+                             dtype=kwargs.get("dtype", cfg.dtype))
     if cfg.drafter.method != "draft_model":
         return None
     from drafter.proposers.draft_model import build_draft_model_proposer

@@ -164,3 +164,19 @@ def test_propose_many_equals_each_request_alone():
                 p.rollback(rid, n + 1)
                 p.observe_seed_state(rid, n - 1, truth[n - len(ctx) + 1:n - len(ctx) + 1 + len(new)])
             ctxs[rid] = ctxs[rid] + new
+
+
+def test_drafter_host_runs_the_head_in_the_cluster_dtype(tiny_model_dir, tmp_path):
+    """The drafter role's EAGLE head takes the cluster's dtype unless method_kwargs name one."""
+    from cluster.config import ClusterConfig
+    from cluster.hosts.drafter import build_proposer
+    from helpers.eagle_heads import save_random_head
+
+    head = save_random_head(tiny_model_dir, tmp_path / "head")
+    for dtype, kwargs, want in [("bfloat16", {}, torch.bfloat16),
+                                ("float32", {}, torch.float32),
+                                ("bfloat16", {"dtype": "float32"}, torch.float32)]:
+        cfg = ClusterConfig.create(model=tiny_model_dir, dtype=dtype, device="cpu",
+                                   draft_method="eagle",
+                                   drafter_method_kwargs={"head": head, **kwargs})
+        assert build_proposer(cfg).head.fc.weight.dtype == want
