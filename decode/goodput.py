@@ -19,9 +19,11 @@ of the step's cost. Here:
   ``a_i^j`` expected tokens, falling with ``j``; the step takes the ``n`` drafts of largest
   gain that maximise ``(B + their gains) / T(B + n)`` (``B`` requests, ``d_i`` drafts request
   ``i`` could verify), which is a prefix of every request's drafts. The decision is kept as
-  the smallest gain taken (:class:`DraftCaps`): a request's cap is how many of its drafts
-  reach it, which also tells a request without a tail this step how many its drafter should
-  have ready.
+  a gain threshold (:class:`DraftCaps`): what one more draft would cost in expected tokens at
+  the chosen point, kept between the last gain taken and the first left out. A request's cap
+  is how many of its drafts reach it, which also tells a request without a tail this step
+  how many its drafter should have ready (so the threshold must not drop a draft that still
+  pays when the request's rate slips after a rejection).
 
 Until the cost of both ends (no drafts, all drafts) has been measured the caps explore them;
 while they hold every draft back they still verify one draft per request every
@@ -32,6 +34,7 @@ drafts).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 #: Weight of the past in a request's acceptance counts, per step that carried drafts.
@@ -167,7 +170,28 @@ class DraftBudget:
             t = self.cost.predict(base + n)
             if t is not None and t > 0 and gain / t > best:
                 best_n, best = n, gain / t
-        return self._held(DraftCaps(gains[best_n - 1]) if best_n else NO_DRAFTS)
+        if not best_n:
+            return self._held(NO_DRAFTS)
+        return self._held(DraftCaps(self._threshold(gains, best_n, base)))
+
+    def _threshold(self, gains: list[float], n: int, base: int) -> float:
+        """The ``min_gain`` of a decision that takes the ``n`` largest of ``gains``
+        (descending): what one more draft would cost in expected tokens at that point,
+        ``G * (T(base + n + 1) / T(base + n) - 1)`` with ``G`` the step's expected tokens,
+        kept inside ``(gains[n], gains[n - 1]]`` so that it takes exactly those ``n`` at the
+        rates it was decided with.
+
+        The caps are applied later, to rates that moved: after a rejection a request's rate
+        drops, and with the threshold at the last draft taken (as before) a request verified
+        with 1 draft at rate 0.30 was capped to 0 at 0.24, told its drafter it wanted none, and
+        no step waited for its tail again, so no step decided anew (a served EAGLE drafter had
+        drafts on 27% of steps against 96% in-process). The marginal cost is the threshold
+        the decision rests on: a draft is dropped only when it no longer pays for itself."""
+        taken = base + sum(gains[:n])
+        t_n, t_next = self.cost.predict(base + n), self.cost.predict(base + n + 1)
+        marginal = taken * max(t_next / t_n - 1.0, 0.0) if t_n and t_next else gains[n - 1]
+        floor = math.nextafter(gains[n], math.inf) if n < len(gains) else 0.0
+        return min(gains[n - 1], max(marginal, floor))
 
     def cap(self, num_drafts: list[int], rates: list[float]) -> int:
         """The most drafts any request verifies this step (:meth:`decide`)."""

@@ -123,6 +123,25 @@ def test_caps_take_the_drafts_of_largest_gain_per_request():
     assert caps.cap(0.95, 3) == 3 and caps.cap(0.02, 4) == 0
 
 
+def test_a_rate_that_slips_after_the_decision_keeps_drafts_that_still_pay():
+    """Caps decided at one rate are applied to the next one (what VerifyCommit tells the
+    drafter): a rejection that lowers a request's rate a little must not cap it to 0 while
+    its first draft still pays for its verification, or no step waits for its tail again."""
+    b = _budget({1: 0.0180, 2: 0.0185, 3: 0.0200, 5: 0.0215})
+    caps = b.decide([4], [0.3])
+    assert caps.cap(0.3, 4) == 1  # one draft pays at 0.3 (the second, 0.09, does not)
+    assert caps.cap(0.24, 4) == 1  # after a rejection: still worth its ~8% cost
+    assert caps.cap(0.05, 4) == 0  # not worth the extra forward time any more
+    # the threshold reproduces the decision at the rates it was made with
+    for rates in ([0.95, 0.6, 0.02], [0.5, 0.5], [0.3]):
+        for costs in (BF16, FP32_NO_BF16, {3: 0.040, 5: 0.041, 7: 0.042, 9: 0.043, 15: 0.08}):
+            d = _budget(costs).decide([4] * len(rates), rates)
+            gains = sorted((r ** j for r in rates for j in range(1, 5)), reverse=True)
+            taken = sum(d.cap(r, 4) for r in rates)
+            assert all(g >= d.min_gain for g in gains[:taken])
+            assert all(g < d.min_gain for g in gains[taken:])
+
+
 def test_drafter_runs_ahead_only_as_far_as_the_verifier_verifies():
     """End to end (in-process cluster): drafts that keep failing shrink the verifier's
     per-request cap, VerifyCommit carries it, and the drafter stops drafting a window of
