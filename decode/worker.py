@@ -311,14 +311,15 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             block_table=req.block_table, draft_method=self.config.draft_method))
 
     def _wait_for_tails(self, running: list[Request]) -> None:
-        """Give tails in flight the scheduler's budget (a fraction of one step) to arrive."""
-        deadline = time.monotonic() + self.scheduler.tail_wait_budget_s()
+        """Give tails in flight the scheduler's budget (at most a fraction of one step, and
+        what the next draft is worth: re-read as drafts arrive) to arrive."""
+        start = time.monotonic()
         silent = self.silent_drafters()
-        running = [r for r in running if r.drafter not in silent]
-        if self.scheduler.awaiting_tail(running) and deadline > time.monotonic():
+        waiting = [r for r in running if r.drafter not in silent]
+        if self.scheduler.awaiting_tail(waiting) and self.scheduler.tail_wait_budget_s(running, waiting) > 0:
             self.stats.num_tail_waits += 1
-        while self.scheduler.awaiting_tail(running):
-            left = deadline - time.monotonic()
+        while self.scheduler.awaiting_tail(waiting):
+            left = start + self.scheduler.tail_wait_budget_s(running, waiting) - time.monotonic()
             env = self.mailbox.recv(left) if left > 0 else None
             if env is None:
                 return

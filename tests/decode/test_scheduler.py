@@ -203,6 +203,28 @@ def test_plan_trims_drafts_to_the_token_budget_and_defers_what_does_not_fit():
     assert sum(p.num_tokens for p in plans) <= 17
 
 
+def test_tail_wait_budget_is_what_the_next_draft_is_worth():
+    """With goodput caps a step waits for a draft no longer than its expected gain pays for
+    (w < T * g / E): long for a first draft, briefly for a second, little in a batch."""
+    from decode.goodput import Acceptance
+
+    sched = make_scheduler(tail_wait_fraction=0.5, goodput_drafts=True)
+    sched.observe_step_time(0.020)
+    one = running(make_request("one", kappa=4), sched, output=[1])
+    one.acceptance = Acceptance(accepted=0.4, rejected=0.6)  # rate 0.4
+    one.tail_in_flight = True
+    assert sched.tail_wait_budget_s([one]) == pytest.approx(0.020 * 0.4 / 1.0)
+    one.tail.add(1, [7], one.output_token_ids, base_committed_len=1)  # its first draft came
+    assert sched.tail_wait_budget_s([one]) == pytest.approx(0.020 * 0.16 / 1.4)
+    batch = [one] + [running(make_request(f"b{i}", kappa=4), sched, output=[1])
+                     for i in range(15)]
+    assert sched.tail_wait_budget_s(batch) == pytest.approx(0.020 * 0.16 / 16.4)
+    one.acceptance = Acceptance()  # optimistic start (rate 1): the fixed cap bounds it
+    assert sched.tail_wait_budget_s([one]) == pytest.approx(0.010)
+    one.tail_in_flight = False  # nothing owed: no wait
+    assert sched.tail_wait_budget_s([one]) == 0.0
+
+
 def test_tail_wait_budget_and_awaiting_tail():
     sched = make_scheduler(tail_wait_fraction=0.5)
     assert sched.tail_wait_budget_s() == 0.0  # no step measured yet
