@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
-from decode.goodput import DraftBudget, DraftCaps
+from decode.goodput import DraftBudget, DraftCaps, expected_tokens
 from decode.request import Request, RequestStatus
 from protocol.messages import SamplingParams
 
@@ -293,12 +293,10 @@ class Scheduler:
         awaited = self.awaiting_tail(running if waiting is None else waiting)
         if not awaited:
             return 0.0
-        expected = float(len(running))
-        for r in running:
-            have = len(r.tail.usable(self.drafts_wanted(r)))
-            expected += sum(r.acceptance.rate ** j for j in range(1, have + 1))
-        gain = max(r.acceptance.rate ** (len(r.tail.usable(self.drafts_wanted(r))) + 1)
-                   for r in awaited)
+        have = {id(r): len(r.tail.usable(self.drafts_wanted(r))) for r in running}
+        expected = len(running) + sum(expected_tokens(r.acceptance.rate, have[id(r)]) - 1
+                                      for r in running)
+        gain = max(r.acceptance.rate ** (have[id(r)] + 1) for r in awaited)
         return min(cap, self.step_time_ema_s * gain / expected)
 
     def awaiting_tail(self, running: list[Request]) -> list[Request]:

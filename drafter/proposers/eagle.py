@@ -64,7 +64,6 @@ class _Cursor:
     st: _HeadState
     L: int
     s: int
-    num_drafts: int = 0  # drafts made so far in this call
 
 
 @register_proposer
@@ -181,11 +180,10 @@ class EagleProposer(Proposer):
                     break
                 self._extend_many(live, work)
             while live:
-                picks = self._pick_many(live)
+                picks = self._pick_many(live, {i: len(out[i][0]) for i in live})
                 work = {}
                 for i, cur in list(live.items()):
                     tok, row = picks[i]
-                    cur.num_drafts += 1
                     out[i][0].append(tok)
                     out[i][1].append(row)
                     if len(out[i][0]) == cur.call.num_tokens:
@@ -241,9 +239,11 @@ class EagleProposer(Proposer):
             st.entry_tokens.extend(work[i][1])
             st.outs.extend(g)
 
-    def _pick_many(self, live: dict[int, _Cursor]) -> dict[int, tuple[int, torch.Tensor | None]]:
-        """Each live request's next draft from its last predicted state: the greedy ones by
-        one batched argmax, the others one by one (their sampling rule)."""
+    def _pick_many(self, live: dict[int, _Cursor], made: dict[int, int]
+                   ) -> dict[int, tuple[int, torch.Tensor | None]]:
+        """Each live request's next draft from its last predicted state (``made``: drafts it
+        got so far in this call): the greedy ones by one batched argmax, the others one by
+        one (their sampling rule)."""
         picks = {}
         greedy = [i for i, cur in live.items() if cur.call.how is None
                   or cur.call.how.mode == GREEDY]
@@ -253,7 +253,7 @@ class EagleProposer(Proposer):
             picks.update({i: (int(t), None) for i, t in zip(greedy, ids)})
         for i, cur in live.items():
             if i not in picks:
-                picks[i] = self._pick(cur.st.last_g, cur.call.how, cur.num_drafts)
+                picks[i] = self._pick(cur.st.last_g, cur.call.how, made[i])
         return picks
 
     def rollback(self, request_id: str, num_context_tokens: int) -> None:
