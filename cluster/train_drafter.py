@@ -77,6 +77,10 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16,
                    help="windows (eagle) or whole samples (draft-model) per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--autocast", choices=["none", "bfloat16"], default="none",
+                   help="eagle: run the training products in bfloat16 under torch.autocast "
+                        "(float32 weights and optimizer; ~2.3x the entries/s on a CPU with "
+                        "AVX-512 bf16)")
     p.add_argument("--soft-weight", type=float, default=0.0,
                    help="weight of the target-distribution (soft) cross-entropy vs the argmax")
     p.add_argument("--reg-weight", type=float, default=None,
@@ -260,7 +264,8 @@ def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
           flush=True)
     summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size,
                     lr=args.lr, depth=args.depth, seed=args.seed,
-                    soft_weight=args.soft_weight, reg_weight=reg_weight)
+                    soft_weight=args.soft_weight, reg_weight=reg_weight,
+                    autocast_dtype=None if args.autocast == "none" else getattr(torch, args.autocast))
     save_dtype = getattr(torch, args.save_dtype)
     round_weights(head, save_dtype)  # evaluate what the checkpoint will hold
     evaluation = {}

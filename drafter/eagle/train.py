@@ -174,10 +174,16 @@ def acceptance_report(acc: list[float]) -> str:
 def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_size: int,
           lr: float, depth: int, seed: int = 0, warmup_steps: int = 20,
           pass_decay: float = 0.8, reg_weight: float = 0.5, soft_weight: float = 0.0,
+          autocast_dtype: torch.dtype | None = None,
           log=None,  # noqa: ANN001
           progress: bool = True) -> dict:
     """AdamW with linear warm-up and cosine decay over ``epochs`` (may be fractional) of
-    ``train_windows``; returns a summary (steps, seconds, entries/s, last loss)."""
+    ``train_windows``; returns a summary (steps, seconds, entries/s, last loss).
+
+    ``autocast_dtype`` (e.g. ``torch.bfloat16``): mixed precision, the forward and backward
+    products run in that dtype under ``torch.autocast`` while the weights, the optimizer state
+    and the loss stay in the head's dtype (2.4x the entries/s of float32 on an AVX-512 bf16
+    CPU with 2 threads)."""
     from tqdm import tqdm
 
     if head.config.feature_layers and (reg_weight or soft_weight):
@@ -213,9 +219,11 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
             feats, toks, labels, pos, valid = collate(order[lo:lo + batch_size], dtype)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            loss, ces = loss_fn(head, feats, toks, labels, pos, valid, depth,
-                                pass_decay=pass_decay, reg_weight=reg_weight,
-                                soft_weight=soft_weight)
+            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                                enabled=autocast_dtype is not None):
+                loss, ces = loss_fn(head, feats, toks, labels, pos, valid, depth,
+                                    pass_decay=pass_decay, reg_weight=reg_weight,
+                                    soft_weight=soft_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -233,4 +241,5 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
     head.eval()
     secs = time.perf_counter() - t0
     return {"steps": step, "seconds": round(secs, 1), "entries_per_s": round(entries / secs, 1),
-            "last_loss": round(loss_val, 4), "epochs": epochs}
+            "last_loss": round(loss_val, 4), "epochs": epochs,
+            "autocast": str(autocast_dtype).replace("torch.", "") if autocast_dtype else None}
