@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.bench_stats import snapshot_delta, verifier_snapshot
+from cluster.bench_stats import snapshot_delta, verifier_snapshot, with_drafter_profiles
 from cluster.runs import RunResult
 
 #: Extra KV blocks per request beyond prompt + max_tokens + kappa + 1 (partial blocks, slack).
@@ -113,4 +113,6 @@ class InProcessSystems:
     @staticmethod
     def _snapshot(c) -> dict:
         stats = vars(c.verifier.stats)
-        return verifier_snapshot({**stats, "profile": c.verifier.profile.as_dict()})
+        return with_drafter_profiles(
+            verifier_snapshot({**stats, "profile": c.verifier.profile.as_dict()}),
+            [c.drafter.profile.as_dict()])

@@ -103,7 +103,8 @@ def profile_markdown(level: dict) -> list[str]:
     phases: list[str] = []
     for s in profiled.values():
         phases += [p for p in s["profile"]["phases"] if p not in phases]
-    lines = [f"### verifier step profile, concurrency {level['concurrency']} (p50 / mean ms)",
+    lines = [f"### verifier step profile, concurrency {level['concurrency']} (p50 / mean ms; "
+             "rows named `drafter …` are the drafter's phases)",
              "", "| phase | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for p in phases:
         cells = []

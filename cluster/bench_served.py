@@ -6,16 +6,20 @@ per-position accepts and profile."""
 
 from __future__ import annotations
 
-from cluster.bench_stats import merge_snapshots, snapshot_delta, verifier_snapshot
+from cluster.bench_stats import (merge_snapshots, snapshot_delta, verifier_snapshot,
+                                 with_drafter_profiles)
 from cluster.runs import RunResult, run_openai_concurrent
 
 
 def served_snapshot(handle) -> dict:
-    """The summed counters and step profiles of the cluster's verifiers (one Ray call each)."""
+    """The summed counters and step profiles of the cluster's verifiers, with the drafters'
+    step profiles under ``drafter <phase>`` (one Ray call each)."""
     import ray
 
     stats = ray.get([a.stats.remote() for a in handle.verifiers()])
-    return merge_snapshots([verifier_snapshot(s) for s in stats])
+    drafted = ray.get([a.stats.remote() for a in handle.drafters()])
+    return with_drafter_profiles(merge_snapshots([verifier_snapshot(s) for s in stats]),
+                                 [d.get("profile") or {} for d in drafted])
 
 
 def run_served(handle, client, model: str, prompts: list[dict], max_tokens: int, kappa: int,

@@ -22,6 +22,22 @@ def verifier_snapshot(worker_stats: dict) -> dict:
             "profile": worker_stats.get("profile") or {"phases": {}, "counters": {}}}
 
 
+#: Prefix of the drafter's phases and counters in a bench snapshot's profile.
+DRAFTER_PREFIX = "drafter "
+
+
+def with_drafter_profiles(snapshot: dict, drafter_profiles: list[dict]) -> dict:
+    """``snapshot`` with the drafters' step profiles (``StepProfile.as_dict()``) summed into its
+    profile, every phase and counter named ``"drafter <name>"``: e.g. ``drafter
+    commit_to_tail``, how long a VerifyCommit takes to turn into the next DraftTailStream."""
+    profile = snapshot["profile"]
+    for d in drafter_profiles:
+        profile = profile_sum(profile, {
+            "phases": {DRAFTER_PREFIX + k: v for k, v in d.get("phases", {}).items()},
+            "counters": {DRAFTER_PREFIX + k: v for k, v in d.get("counters", {}).items()}})
+    return {**snapshot, "profile": profile}
+
+
 def merge_snapshots(snaps: list[dict]) -> dict:
     """The sum of several verifiers' snapshots (a cluster with more than one verifier)."""
     out = verifier_snapshot({})

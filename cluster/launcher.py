@@ -72,6 +72,9 @@ class ClusterHandle:
     def verifiers(self) -> list:
         return [a for iid, a in self.actors.items() if iid.startswith(Role.VERIFIER.value)]
 
+    def drafters(self) -> list:
+        return [a for iid, a in self.actors.items() if iid.startswith(Role.DRAFTER.value)]
+
     def stats(self) -> dict[str, dict]:
         return {iid: ray.get(a.stats.remote()) for iid, a in self.actors.items()}
 

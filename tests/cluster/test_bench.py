@@ -68,14 +68,19 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
         assert s["spec_stats"]["num_draft_tokens"] > 0
         assert len(s["acceptance_per_position"]) == 3
         assert "profile" in level["systems"]["served k=3 ngram"]
-        assert "forward" in level["systems"]["in-process k=3 eagle:tiny-head"]["profile"][
-            "phases"]
+        phases = level["systems"]["in-process k=3 eagle:tiny-head"]["profile"]["phases"]
+        assert "forward" in phases
+        # the drafter's own phases ride along: served (Ray stats) and in-process
+        assert phases["drafter commit_to_tail"]["count"] > 0
+        assert level["systems"]["served k=3 ngram"]["profile"]["phases"][
+            "drafter propose"]["count"] > 0
     assert summary["forward_cost"]["ratio"] > 0 and summary["forward_cost"]["batch"] == 1
     assert summary["forward_cost_by_level"]["2"]["batch"] == 2
     md = out_md.read_text()
     assert "## concurrency 1" in md and "## concurrency 2" in md
     assert "| system | tokens/s | x HF | acceptance | mean accept len |" in md
     assert "| in-process k=0 |" in md and "verifier step profile" in md
+    assert "| drafter commit_to_tail |" in md
     assert "- thread plan: served roles: verifier" in md
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out

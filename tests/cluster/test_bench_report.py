@@ -206,3 +206,21 @@ def test_accepted_per_step_counts_every_request_step():
     assert accepted_per_step(spec, prof) == pytest.approx(0.3)
     assert accepted_per_step(spec, None) is None
     assert accepted_per_step(spec, {"counters": {}}) is None
+
+
+def test_drafter_profiles_join_the_snapshot_under_their_prefix():
+    from cluster.bench_stats import verifier_snapshot, with_drafter_profiles
+    from protocol.step_profile import StepProfile
+
+    v, d1, d2 = StepProfile(), StepProfile(), StepProfile()
+    v.observe("forward", 0.02)
+    d1.observe("commit_to_tail", 0.003)
+    d2.observe("commit_to_tail", 0.001)
+    d2.count("run_ahead_tokens", 4)
+    snap = with_drafter_profiles(verifier_snapshot({"profile": v.as_dict()}),
+                                 [d1.as_dict(), d2.as_dict()])
+    phases = snap["profile"]["phases"]
+    assert set(phases) == {"forward", "drafter commit_to_tail"}
+    assert phases["drafter commit_to_tail"]["count"] == 2
+    assert abs(phases["drafter commit_to_tail"]["mean_ms"] - 2.0) < 1e-9
+    assert snap["profile"]["counters"] == {"drafter run_ahead_tokens": 4}
