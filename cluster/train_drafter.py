@@ -29,7 +29,8 @@ import torch
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 DEFAULT_TRAIN_PROMPTS = (PROMPTS_DIR / "drafter_train.jsonl", PROMPTS_DIR / "drafter_train_extra.jsonl",
-                         PROMPTS_DIR / "drafter_train_more.jsonl")
+                         PROMPTS_DIR / "drafter_train_more.jsonl",
+                         PROMPTS_DIR / "drafter_train_code.jsonl")
 
 
 def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
