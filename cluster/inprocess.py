@@ -8,10 +8,11 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import drafter.proposers  # noqa: F401  (registers the built-in methods)
 from decode.config import VerifierConfig
 from decode.worker import VerifierWorker
-from drafter.proposer import Proposer, seed_state_for, seed_state_kinds
 from drafter.config import DrafterConfig
+from drafter.proposer import Proposer, seed_state_for, seed_state_kinds
 from drafter.worker import DrafterWorker
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
@@ -23,8 +24,6 @@ from protocol.enums import FinishReason
 from protocol.messages import GenerateRequest, SamplingParams, TokenStream
 from protocol.spec_stats import SpecStats
 from protocol.transport import InProcHub
-
-import drafter.proposers  # noqa: F401  (registers the built-in methods)
 
 VERIFIER = "verifier-0"
 
@@ -93,8 +92,11 @@ class InProcessCluster:
             self.hub.mailbox(VERIFIER), v_runner, v_bm,
             prefill_peers=["prefill-0"], drafter_peers=["drafter-0"])
         w = window or DrafterConfig.default_window(num_speculative_tokens)
+        # branches hide drafting latency from a verifier that runs meanwhile; stepped in turn
+        # here, the drafter's whole window is ready before every verify step: off by default
+        d_opts = {"num_branches": 0, **(drafter_options or {})}
         self.drafter = DrafterWorker(DrafterConfig(method=draft_method, window=w, max_segment=w,
-                                                   **(drafter_options or {})),
+                                                   **d_opts),
                                      self.hub.mailbox("drafter-0"), proposer)
         self.client = self.hub.mailbox("gateway-0")
         self._ids = itertools.count()

@@ -46,6 +46,12 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "else ngram), ngram, eagle, eagle:PATH (a head from specmesh "
                         "train-drafter), draft-model:PATH (a model with the target's tokenizer)")
     add_ngram_tree_option(p)
+    p.add_argument("--draft-branches", type=int, default=4, metavar="N",
+                   help="a model drafter (eagle) prepares, while the verifier runs, the next "
+                        "draft after each of its N likeliest tokens other than its own at the "
+                        "first two positions of its path (DraftBranches, SSD arXiv "
+                        "2603.03251): a commit whose bonus token is one of them has its next "
+                        "draft at once; 0: off")
     p.add_argument("--verify-rule", default="auto", choices=VERIFY_RULES,
                    help="verification of sampled requests without a seed: auto (standard "
                         "rejection sampling) or block (block verification, arXiv 2403.10444); "
@@ -144,7 +150,8 @@ def cluster_config(args: argparse.Namespace, **overrides):
               verify_rule=getattr(args, "verify_rule", "auto"),
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
               **synthetic_settings(args),
-              max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0))
+              max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0),
+              num_branches=getattr(args, "draft_branches", 4))
     if getattr(args, "port", None) is not None:
         kw["port"] = args.port
     if getattr(args, "host", None):

@@ -24,6 +24,7 @@ from protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
 from protocol.errors import ProtocolError
 from protocol.messages import (
     Buffer,
+    DraftBranches,
     DraftClose,
     DraftSync,
     DraftTailStream,
@@ -153,6 +154,33 @@ class RequestLifecycle:
             # wait would end just before the useful tail arrives
             req.tail_in_flight = False
 
+    def add_branches(self, peer: str, msg: DraftBranches) -> None:
+        """Keep a DraftBranches message with its request's tail (decode/tail_buffer.py); for
+        an unknown, not running or reassigned request it is counted and dropped. Branches are
+        not the drafter's answer to a commit: a wait for its tail goes on.
+
+        Raises:
+            ProtocolError: a candidate or continuation token outside the vocabulary, or a
+                ``base_committed_len`` past what the verifier has committed.
+        """
+        req = self.requests.get(msg.request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or req.drafter != peer:
+            self.stats.num_dropped_tails += 1
+            return
+        rid = req.request_id
+        if any(t < 0 or t >= self.vocab_size
+               for t in [*msg.token_ids, *(x for c in msg.continuations for x in c)]):
+            raise ProtocolError("branch token id out of vocabulary", request_id=rid)
+        if msg.base_committed_len > req.committed_len:
+            raise ProtocolError(f"branches made on {msg.base_committed_len} committed tokens, "
+                                f"the verifier committed {req.committed_len}", request_id=rid)
+        try:
+            self.stats.num_branch_candidates += req.tail.add_branches(
+                msg.position, list(msg.token_ids), [list(c) for c in msg.continuations],
+                req.output_token_ids, base_committed_len=msg.base_committed_len)
+        except ValueError as err:
+            raise ProtocolError(f"bad branches: {err}", request_id=rid) from None
+
     def drop_draft(self, req: Request) -> None:
         """``req`` runs without its drafter from now on (the drafter closed it): no tail is
         owed, none is waited for."""
@@ -261,7 +289,9 @@ class RequestLifecycle:
         if req.finish_reason is not None:
             self.finish(req, req.finish_reason)
             return
+        hits = req.tail.stats.num_branch_hits
         req.tail.on_commit(req.output_token_ids)
+        self.stats.num_branch_hits += req.tail.stats.num_branch_hits - hits
         if req.drafter is not None and committed and notify_drafter:
             if self.send(req.drafter, VerifyCommit(
                     request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),

@@ -30,6 +30,8 @@ class VerifierStats(SpecStats):
     num_drafters_lost: int = 0  # sends to a drafter that failed (not draining, unreachable)
     num_tree_verify_steps: int = 0  # request steps verified as a token tree
     num_tree_side_branch_accepts: int = 0  # ... whose accepted path left branch 0
+    num_branch_candidates: int = 0  # DraftBranches candidates kept with a tail
+    num_branch_hits: int = 0  # commits that took a prepared branch as the next tail
     kv_transfer_bytes: int = 0
     ttft_seconds_total: float = 0.0
     num_ttft: int = 0

@@ -26,6 +26,14 @@ as a chain, so the drafter's later chain segments continue it as before. A commi
 tree only when the committed tokens follow a path in it, and then keeps the subtree below that
 path (re-rooted at the new committed length); any other commit drops it. Trees carry no draft
 probabilities (one-hot drafts). Chains without a tree behave exactly as before.
+
+Branches (DraftBranches, the speculation cache of SSD / Saguaro, arXiv 2603.03251): drafts the
+drafter prepared for outcomes other than its path, keyed by output position and candidate
+token. They are kept only when they hang on the stretch of the drafter's path the buffer holds
+consistent. A commit that follows the path up to a branch position and commits a candidate
+there makes that candidate's continuation the tail at once (a new path, as if a segment drafted
+on the new committed prefix had arrived); any other change of the path drops the branches past
+it, and every commit drops those it passed.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ class TailStats:
     num_gap_segments: int = 0  # segments dropped because they left a hole after the tail
     num_duplicate_tokens: int = 0  # already buffered or already committed, and equal
     num_replaced_tokens: int = 0  # buffered tokens superseded by a newer, different segment
+    num_branch_candidates: int = 0  # DraftBranches candidates kept
+    num_branch_hits: int = 0  # commits whose outcome a kept branch had prepared
 
 
 class TailBuffer:
@@ -59,6 +69,8 @@ class TailBuffer:
         self.path_end = committed_len  # [origin, path_end)
         self._rejected = False  # path_end is where a commit disagreed with the path
         self.tree: DraftTree | None = None  # a draft tree rooted at the committed prefix
+        #: output position -> {candidate token: drafts after it} (DraftBranches)
+        self.branches: dict[int, dict[int, list[int]]] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -77,6 +89,42 @@ class TailBuffer:
         self.origin = self.path_end = committed_len
         self._rejected = False
         self.tree = None
+        self.branches.clear()
+
+    def add_branches(self, position: int, token_ids: list[int], continuations: list[list[int]],
+                     committed: list[int], *, base_committed_len: int) -> int:
+        """Keep a DraftBranches message's continuations (see the module doc): only when the
+        drafter's path up to ``position`` is the stretch the buffer holds consistent
+        (``base_committed_len >= origin``, ``committed_len <= position <= path_end``) and no
+        buffered path token at ``position`` is a candidate. Returns the candidates kept (0:
+        stale, the message is dropped whole).
+
+        Raises:
+            ValueError: ``position < base_committed_len``, or continuations that are not one
+                non-empty list per candidate.
+        """
+        if position < base_committed_len or len(continuations) != len(token_ids) \
+                or any(not c for c in continuations):
+            raise ValueError(f"bad branches: position {position}, base_committed_len "
+                             f"{base_committed_len}, {len(token_ids)} candidates, "
+                             f"{len(continuations)} continuations")
+        if self.start != len(committed):
+            self.reset(len(committed))
+        own = self.tokens[position - self.start] if position < self.end else None
+        if base_committed_len < self.origin or not self.start <= position <= self.path_end \
+                or own in token_ids:
+            self.stats.num_stale_tokens += sum(len(c) for c in continuations)
+            return 0
+        kept = self.branches.setdefault(position, {})
+        for tok, cont in zip(token_ids, continuations):
+            kept[int(tok)] = [int(t) for t in cont]
+        self.stats.num_branch_candidates += len(token_ids)
+        return len(token_ids)
+
+    def _drop_branches_after(self, pos: int) -> None:
+        """The path changed at output position ``pos``: branches hung past it are stale."""
+        for p in [p for p in self.branches if p > pos]:
+            del self.branches[p]
 
     def add_tree(self, start_pos: int, draft_token_ids: list[int], parents: list[int],
                  committed: list[int], *, base_committed_len: int) -> int:
@@ -170,6 +218,7 @@ class TailBuffer:
                 self.stats.num_replaced_tokens += len(self.tokens) - i
                 del self.tokens[i:]
                 del self.probs[i:]
+                self._drop_branches_after(self.start + i)
                 break
             self.stats.num_duplicate_tokens += 1
             if self.probs[i] is None:
@@ -186,6 +235,7 @@ class TailBuffer:
         is usable."""
         self.path_end = min(self.path_end, pos)
         self._rejected = True
+        self._drop_branches_after(pos)
 
     def on_commit(self, committed: list[int]) -> None:
         """Advance past newly committed tokens; on the first disagreement drop the whole tail
@@ -195,6 +245,8 @@ class TailBuffer:
         if self.tree is not None and new_len > self.start:
             node = self.tree.follow(committed[self.start:new_len])
             self.tree = None if node is None else self.tree.subtree(node) or None
+        if self.branches:
+            self._take_branch(committed)
         n = min(new_len - self.start, len(self.tokens))
         for i in range(n):
             if self.tokens[i] != committed[self.start + i]:
@@ -207,6 +259,29 @@ class TailBuffer:
         del self.tokens[: max(new_len - self.start, 0)]
         del self.probs[: max(new_len - self.start, 0)]
         self.start = new_len
+
+    def _take_branch(self, committed: list[int]) -> None:
+        """Before a commit is applied: where it first leaves the buffered path (or passes its
+        end), a kept branch for the committed token there becomes the path (that token, then
+        its continuation). Branches the commit passed are dropped."""
+        new_len = len(committed)
+        i = 0
+        while i < len(self.tokens) and self.start + i < new_len \
+                and self.tokens[i] == committed[self.start + i]:
+            i += 1
+        q = self.start + i
+        cont = self.branches.get(q, {}).get(committed[q]) if q < new_len else None
+        if cont is not None:
+            self.stats.num_branch_hits += 1
+            del self.tokens[i:]
+            del self.probs[i:]
+            self.tokens += [committed[q], *cont]
+            self.probs += [None] * (1 + len(cont))
+            self.origin, self.path_end, self._rejected = new_len, self.end, False
+            self.branches.clear()
+            return
+        for p in [p for p in self.branches if p < new_len]:
+            del self.branches[p]
 
     def usable(self, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` drafts for the next verify step (positions from committed_len)."""

@@ -29,6 +29,7 @@ from protocol.enums import FinishReason
 from protocol.errors import ProtocolError
 from protocol.messages import (
     Abort,
+    DraftBranches,
     DraftClose,
     DraftNeedSync,
     DraftSync,
@@ -191,6 +192,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
           transfer makes the request RUNNING with its first token committed.
         - PrefillCancelAck (prefill): a CANCELLING request's blocks are freed.
         - DraftTailStream (drafter): merged into the request's tail buffer.
+        - DraftBranches (drafter): kept with the request's tail buffer.
         - DraftNeedSync (drafter): the request is re-opened with DraftSync.
         - DraftClose (drafter: it dropped the request, e.g. full): the request runs as plain
           decode; no tail is waited for.
@@ -201,13 +203,15 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         ``num_ignored_messages``; so is anything else (:attr:`num_dropped_messages`).
         """
         msg, peer = env.msg, env.peer
-        if isinstance(msg, (DraftTailStream, DraftNeedSync, DraftClose)):
+        if isinstance(msg, (DraftTailStream, DraftBranches, DraftNeedSync, DraftClose)):
             self._heard_from_drafter(peer)
         try:
             if isinstance(msg, ProtocolError):
                 self._on_protocol_error(msg)
             elif isinstance(msg, DraftTailStream):
                 self.lifecycle.add_tail(peer, msg)
+            elif isinstance(msg, DraftBranches):
+                self.lifecycle.add_branches(peer, msg)
             elif isinstance(msg, KVFrame):
                 self.lifecycle.on_transfer(self.kv.on_frame(peer, msg))
             elif isinstance(msg, PrefillDone):

@@ -15,7 +15,10 @@ class DrafterConfig:
     ``draft_probs``: send the rows of drafts a model drafter samples for unseeded sampled
     requests (DraftTailStream.draft_probs; the rejection and block rules use them; off for a
     rule that does not, e.g. synthetic acceptance). ``seed``: seeds the drafter's generator for
-    those samples (None: a fresh one)."""
+    those samples (None: a fresh one). ``num_branches``: candidates per position for which a
+    proposer that prepares branches (:meth:`drafter.proposer.Proposer.propose_branches`)
+    drafts ahead of the commit, at the first ``branch_positions`` positions of the path, once
+    its run-ahead is full (0: none)."""
 
     method: str = "ngram"
     window: int = 8
@@ -24,6 +27,12 @@ class DrafterConfig:
     method_kwargs: dict = field(default_factory=dict)
     draft_probs: bool = True
     seed: int | None = None
+    num_branches: int = 4
+    branch_positions: int = 2
+
+    def __post_init__(self) -> None:
+        if self.num_branches < 0 or self.branch_positions < 0:
+            raise ValueError("num_branches and branch_positions must be >= 0")
 
     @staticmethod
     def default_window(num_speculative_tokens: int) -> int:

@@ -25,6 +25,18 @@ class ProposeCall:
     how: DraftSampling | None = None
 
 
+@dataclass
+class BranchCall:
+    """One request's part of :meth:`Proposer.propose_branches`: likely tokens at the position
+    after ``context_token_ids`` other than ``path_token_id`` (the drafter's own draft there),
+    up to ``num_candidates`` of them."""
+
+    request_id: str
+    context_token_ids: list[int]
+    path_token_id: int
+    num_candidates: int
+
+
 class Proposer(ABC):
     """One draft method. The drafter worker owns the per-request token state; a proposer only
     answers ``propose`` for a context and keeps whatever private per-request state it needs
@@ -112,6 +124,15 @@ class Proposer(ABC):
         and after each VerifyCommit (``accept_len + 1`` rows, ending at the same place).
         Only for methods whose ``seed_state`` is not empty; the default ignores them. May
         raise ValueError for states it cannot use: the drafter then asks for a DraftSync."""
+
+    def propose_branches(self, calls: list[BranchCall]) -> list[dict[int, list[int]]]:
+        """Drafts prepared for verification outcomes other than the path (the speculation
+        cache of SSD / Saguaro, arXiv 2603.03251; the drafter sends them as DraftBranches while
+        the verifier runs its forward): per call ``{candidate token: the drafts after it}``,
+        at most ``num_candidates`` candidates, never ``path_token_id``, greedy one-hot drafts.
+        The default prepares none: a method that drafts in microseconds (n-gram) gains
+        nothing from it."""
+        return [{} for _ in calls]
 
     #: what the method drafts: "chain" (one path) or "tree" (several branches from the same
     #: context: :meth:`propose_tree`; the drafter worker asks for a tree for the segment at the

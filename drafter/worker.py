@@ -5,6 +5,14 @@ flight were accepted (PEARL-style run-ahead), and leaves as DraftTailStream delt
 VerifyCommit that agrees with the path keeps it; one that disagrees truncates the path to the
 longest common prefix (the proposer rolls back) and drafting resumes after the commit.
 
+Branches (the speculation cache of SSD / Saguaro, arXiv 2603.03251): once every path is as
+long as its run-ahead allows, a proposer that prepares them drafts, for the first positions of
+the path, the next draft after each likely token other than the path's, and the worker sends
+them as DraftBranches. The verifier keeps them; a commit whose bonus token is one of them
+makes its continuation the tail at once, with no wait for this worker. Here such a commit
+starts the path from that continuation (re-sent as a fresh segment, which also covers a
+verifier that never got the branches).
+
 Trees: a proposer whose ``draft_shape`` is "tree" is asked for a tree only for the segment at
 the committed prefix (an empty path); the segment carries the whole tree (``parents``) and its
 branch 0 becomes the path, which later segments extend as chains. A commit that leaves branch 0
@@ -21,7 +29,7 @@ import torch
 
 from drafter.config import RUN_AHEAD_STEPS, DrafterConfig
 from drafter.draft_sampling import DraftSampling
-from drafter.proposer import ProposeCall, Proposer, get_proposer
+from drafter.proposer import BranchCall, ProposeCall, Proposer, get_proposer
 from drafter.seed_state import hidden_rows
 from engine.frames import tensor_to_buffer
 from engine.sampling import GREEDY, sampling_mode
@@ -29,6 +37,7 @@ from engine.token_tree import first_branch
 from protocol.errors import ProtocolError
 from protocol.messages import (
     Buffer,
+    DraftBranches,
     DraftClose,
     DraftNeedSync,
     DraftSync,
@@ -66,6 +75,8 @@ class DraftState:
     news: bool = True  # synced or committed since the last segment: the verifier may wait
     commit_received_at: float | None = None  # perf_counter() of the last unanswered commit
     num_drafts_wanted: int | None = None  # VerifyCommit's: the verifier's cap (None: kappa)
+    #: output position -> {candidate: drafts after it} sent as DraftBranches ({}: none made)
+    branches: dict[int, dict[int, list[int]]] = field(default_factory=dict)
 
     @property
     def context(self) -> list[int]:
@@ -83,6 +94,8 @@ class DrafterStats:
     num_protocol_errors: int = 0
     num_dropped_messages: int = 0  # for unknown / closed requests
     num_refused_full: int = 0  # DraftSyncs answered DraftClose("drafter full")
+    num_branch_candidates_sent: int = 0
+    num_branch_hits: int = 0  # commits whose bonus token had a branch sent for it
 
 
 class DrafterWorker(MailboxWorker):
@@ -203,16 +216,27 @@ class DrafterWorker(MailboxWorker):
         lcp = 0
         while lcp < len(toks) and lcp < len(st.path) and st.path[lcp] == toks[lcp]:
             lcp += 1
+        branch = None
+        if lcp == len(toks) - 1:  # the bonus token left the path: did we prepare it?
+            branch = st.branches.get(n_committed + lcp, {}).get(toks[lcp])
         if lcp == len(toks):  # the commit agrees with our path: keep the rest of it
             del st.path[:lcp]
             del st.probs[:lcp]
             st.num_sent = max(st.num_sent - lcp, 0)
+            end = n_committed + len(toks)
+            st.branches = {p: b for p, b in st.branches.items() if p >= end}
         else:
             self.stats.num_path_truncations += 1
             self.proposer.rollback(st.request_id, len(st.prompt_token_ids) + n_committed + lcp)
             st.path.clear()
             st.probs.clear()
             st.num_sent = 0
+            st.branches = {}
+            if branch:  # the verifier's tail is this branch: continue it (sent again, fresh)
+                self.stats.num_branch_hits += 1
+                self.profile.count("branch_hits")
+                st.path.extend(branch)
+                st.probs.extend([None] * len(branch))
         st.committed.extend(toks)
         st.num_drafts_wanted = msg.num_drafts_wanted
         st.exhausted = False
@@ -302,6 +326,49 @@ class DrafterWorker(MailboxWorker):
                 sent += len(seg)
         return sent
 
+    def prepare_branches(self) -> int:
+        """Branches for every request whose path has no room left to grow (see the module
+        doc): greedy requests, the first ``branch_positions`` positions of the path already
+        sent, each position once per path; one :meth:`Proposer.propose_branches` call for
+        all. Returns the candidates sent."""
+        n, pos_cap = self.config.num_branches, self.config.branch_positions
+        if not n or not pos_cap or type(self.proposer).propose_branches is Proposer.propose_branches:
+            return 0
+        calls, where = [], []
+        for st in self.requests.values():
+            if st.sampling is not None and sampling_mode(st.sampling) != GREEDY:
+                continue
+            if not st.exhausted and len(st.path) < self._window(st):
+                continue  # still drafting its path
+            base = len(st.committed)
+            for j in range(min(pos_cap, st.num_sent)):
+                if base + j in st.branches:
+                    continue
+                st.branches[base + j] = {}
+                calls.append(BranchCall(st.request_id, self._context_upto(st, j), st.path[j], n))
+                where.append((st, base + j))
+        if not calls:
+            return 0
+        sent = 0
+        with self.profile.phase("branches"):
+            results = self.proposer.propose_branches(calls)
+        for (st, pos), got in zip(where, results):
+            got = {int(t): list(c) for t, c in got.items() if c and t != st.path[pos - len(st.committed)]}
+            if not got:
+                continue
+            st.branches[pos] = got
+            self.send(st.verifier, DraftBranches(
+                request_id=st.request_id, base_committed_len=len(st.committed), position=pos,
+                token_ids=list(got), continuations=list(got.values())))
+            sent += len(got)
+        self.stats.num_branch_candidates_sent += sent
+        return sent
+
+    @staticmethod
+    def _context_upto(st: DraftState, j: int) -> list[int]:
+        """The request's context through the first ``j`` path tokens."""
+        return st.prompt_token_ids + st.committed + st.path[:j]
+
     def _window(self, st: DraftState) -> int:
         """How far ``st``'s path may run past its committed prefix: the configured window or,
         when the verifier said how many drafts it will verify, the same run-ahead multiple of
@@ -370,9 +437,13 @@ class DrafterWorker(MailboxWorker):
                    for s in self.requests.values())
 
     def step(self, timeout_s: float = 0.0) -> int:
-        """Ingest what arrived (waiting up to ``timeout_s`` for the first message), then draft."""
+        """Ingest what arrived (waiting up to ``timeout_s`` for the first message), then draft;
+        with every path full, prepare branches (:meth:`prepare_branches`)."""
         if self._has_work():
             timeout_s = 0.0
         self.ingest(timeout_s)
-        return self.draft()
+        sent = self.draft()
+        if not self._has_work():
+            self.prepare_branches()
+        return sent
 

@@ -24,6 +24,7 @@ from protocol.messages import (
     REGISTRY,
     Abort,
     Buffer,
+    DraftBranches,
     DraftClose,
     DraftNeedSync,
     DraftSync,
@@ -54,6 +55,7 @@ __all__ = [
     "buffer_nbytes",
     "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
-    "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftClose",
+    "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftBranches",
+    "DraftClose",
     "DraftNeedSync",
 ]

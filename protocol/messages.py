@@ -16,14 +16,15 @@ those, nested registered messages and :class:`Buffer` (an out-of-band binary fra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 # 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges;
 # 4: SamplingParams.min_p (sampled and seeded requests); 5: TokenStream.offset;
-# 6: HelloAck carries the acceptor's identity (protocol version, model, draft method)
-PROTOCOL_VERSION = 6
+# 6: HelloAck carries the acceptor's identity (protocol version, model, draft method);
+# 7: DraftBranches (drafter -> verifier)
+PROTOCOL_VERSION = 7
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -540,11 +541,44 @@ class DraftNeedSync:
         return cls(request_id="req-1", reason="commit at 9 but drafter holds 4 tokens")
 
 
+@register(45)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftBranches:
+    """Drafter -> verifier: drafts prepared for verification outcomes other than its path
+    (the speculation cache of SSD / Saguaro, arXiv 2603.03251, kept at the verifier).
+
+    "If you commit my path up to ``position`` and then commit ``token_ids[i]`` at
+    ``position`` (instead of my path's token there), my drafts after it are
+    ``continuations[i]``." The verifier keeps them with the request's tail; the commit that
+    matches turns that continuation into the tail at once, as if a segment drafted on the new
+    committed prefix had arrived, so no round trip to the drafter is waited for. Any other
+    commit drops them. ``base_committed_len`` is the drafter's committed length when it made
+    them; the path up to ``position`` is the one its DraftTailStream segments carried. One-hot
+    drafts only (no draft_probs).
+
+    Decoding refuses (ProtocolError) ``position < base_committed_len``, a continuation count
+    that is not the candidate count, an empty continuation, and repeated candidates.
+    """
+
+    request_id: str
+    base_committed_len: NonNegInt
+    position: NonNegInt
+    token_ids: list[TokenId]
+    continuations: list[list[TokenId]]
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftBranches:
+        return cls(request_id="req-1", base_committed_len=4, position=4, token_ids=[11, 12],
+                   continuations=[[13, 14], [15]])
+
+
 __all__ = [
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
     "Range", "NonNegInt", "TokenId",
     "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
-    "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftClose",
+    "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftBranches",
+    "DraftClose",
     "DraftNeedSync",
 ]

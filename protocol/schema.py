@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from protocol.errors import ProtocolError
-from protocol.messages import REGISTRY, Buffer, DraftTailStream, Range, buffer_nbytes
+from protocol.messages import REGISTRY, Buffer, DraftBranches, DraftTailStream, Range, buffer_nbytes
 
 #: Deepest nesting of registered messages inside one message (the top level is depth 0).
 MAX_DEPTH = 8
@@ -366,7 +366,21 @@ def _check_draft_tail(m: DraftTailStream) -> str:
     return ""
 
 
+def _check_draft_branches(m: DraftBranches) -> str:
+    if m.position < m.base_committed_len:
+        return (f"position {m.position} < base_committed_len {m.base_committed_len} (a branch "
+                "hangs at or after the drafter's committed prefix)")
+    if len(m.continuations) != len(m.token_ids):
+        return f"{len(m.continuations)} continuations for {len(m.token_ids)} candidates"
+    if any(not c for c in m.continuations):
+        return "an empty continuation"
+    if len(set(m.token_ids)) != len(m.token_ids):
+        return "repeated candidate tokens"
+    return ""
+
+
 #: message class -> check of the decoded message returning an error ("" when valid)
 CROSS_FIELD_CHECKS: dict[type, Callable[[Any], str]] = {
     DraftTailStream: _check_draft_tail,
+    DraftBranches: _check_draft_branches,
 }

@@ -248,5 +248,50 @@ class EagleHead(nn.Module):
             kv.commit(n)
         return list(self.norm(x).split(sizes))
 
+    @torch.inference_mode()
+    def peek_many(self, items: list[tuple[HeadKV, int, torch.Tensor, torch.Tensor]]
+                  ) -> list[torch.Tensor]:
+        """Sibling entries, without writing any KV: per item ``(kv, end, features [m, d],
+        next_tokens [m])``, m entries all at position ``end``, each attending to ``kv``'s
+        entries before ``end`` and to itself only (one level of a token tree): what
+        :meth:`extend` would predict for each of them alone on ``kv`` cut at ``end``. The
+        products run once over every item's rows, as in :meth:`extend_many`.
+
+        Returns:
+            per item the predicted features [m, d].
+
+        Raises:
+            ValueError: an ``end`` outside ``(kv.start, kv.end]`` (no entry before it).
+        """
+        for kv, end, _, _ in items:
+            if not kv.length or not kv.start < end <= kv.end:
+                raise ValueError(f"peek at {end} on a head KV holding [{kv.start}, {kv.end})")
+        if not items:
+            return []
+        dtype = self.fc.weight.dtype
+        sizes = [int(f.shape[0]) for _, _, f, _ in items]
+        device = items[0][2].device
+        pos = torch.cat([torch.full((m,), end, dtype=torch.long, device=device)
+                         for (_, end, _, _), m in zip(items, sizes)])
+        cos, sin = self._cos_sin(pos, dtype)
+        feats = torch.cat([f.to(dtype) for _, _, f, _ in items])
+        toks = torch.cat([t.reshape(-1) for _, _, _, t in items])
+        x = self.fc(torch.cat([self.embed[toks], feats], dim=-1))
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, cos, sin)
+            parts, lo = [], 0
+            for (kv, end, _, _), m in zip(items, sizes):
+                past = end - kv.start
+                keys = torch.cat([kv.keys[li][:, :past], k[:, lo:lo + m]], dim=1)
+                vals = torch.cat([kv.values[li][:, :past], v[:, lo:lo + m]], dim=1)
+                mask = torch.cat([torch.ones(m, past, dtype=torch.bool, device=device),
+                                  torch.eye(m, dtype=torch.bool, device=device)], dim=1)
+                parts.append(F.scaled_dot_product_attention(
+                    q[:, lo:lo + m], keys, vals, attn_mask=mask,
+                    enable_gqa=layer.nh != layer.nkv))
+                lo += m
+            x = layer.finish(x, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        return list(self.norm(x).split(sizes))
+
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -23,7 +23,7 @@ import torch
 
 from drafter.draft_sampling import DraftSampling, target_space_logits
 from drafter.eagle.head import EagleHead, HeadKV
-from drafter.proposer import ProposeCall, Proposer, register_proposer
+from drafter.proposer import BranchCall, ProposeCall, Proposer, register_proposer
 from engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
@@ -255,6 +255,41 @@ class EagleProposer(Proposer):
             if i not in picks:
                 picks[i] = self._pick(cur.st.last_g, cur.call.how, made[i])
         return picks
+
+    def propose_branches(self, calls: list[BranchCall]) -> list[dict[int, list[int]]]:
+        """Per call, the head's most likely tokens at the position after the context other
+        than the path's (its LM head's top ``num_candidates + 1`` from the state that drafted
+        the path token), each with the one draft the head makes after it: the candidates are
+        read as sibling entries on the request's head KV (:meth:`EagleHead.peek_many`), all
+        requests in one pass. A request whose head KV does not reach the context is skipped."""
+        out: list[dict[int, list[int]]] = [{} for _ in calls]
+        head = self.head
+        items, where = [], []
+        with torch.inference_mode():
+            for i, call in enumerate(calls):
+                st = self.states.get(call.request_id)
+                ctx = call.context_token_ids
+                s = len(ctx) - 2  # the entry whose output drafted the token after ctx
+                if st is None or call.num_candidates <= 0 or not st.kv.length \
+                        or not st.kv.start <= s < st.kv.end \
+                        or st.entry_tokens[:s + 1 - st.kv.start] != ctx[st.kv.start + 1:s + 2]:
+                    continue
+                g = st.outs[s - st.kv.start]
+                top = head.target_ids(head.logits(g[None])[0].topk(
+                    min(call.num_candidates + 1, head.lm_head.shape[0])).indices).tolist()
+                cands = [t for t in top if t != call.path_token_id][:call.num_candidates]
+                items.append((st.kv, s + 1, g[None].expand(len(cands), -1),
+                              torch.tensor(cands, dtype=torch.long)))
+                where.append((i, cands))
+            if not items:
+                return out
+            preds = head.peek_many(items)
+            nxt = head.target_ids(head.logits(torch.cat(preds)).argmax(-1)).tolist()
+        lo = 0
+        for i, cands in where:
+            out[i] = {c: [nxt[lo + j]] for j, c in enumerate(cands)}
+            lo += len(cands)
+        return out
 
     def rollback(self, request_id: str, num_context_tokens: int) -> None:
         st = self.states.get(request_id)

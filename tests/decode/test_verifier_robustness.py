@@ -3,9 +3,9 @@ requests, oversized or out-of-vocabulary prompts, a full queue, a quarantined dr
 
 import pytest
 import torch
+from helpers.models import tiny_llama
 
 from cluster.inprocess import InProcessCluster
-from helpers.models import tiny_llama
 from protocol.messages import (
     Abort,
     DraftTailStream,
@@ -108,6 +108,52 @@ def test_garbage_from_drafter_quarantines_only_that_request(model):
     assert got["g0"] == want[0] and got["g1"] == want[1]
     assert c.verifier.stats.num_protocol_errors == 1
     assert c.verifier.stats.num_ignored_messages == 1
+
+
+def _branch_frames(**fields):
+    """Frames of a DraftBranches message whose header carries ``fields`` as given."""
+    import msgpack
+
+    from protocol.codec import encode
+    from protocol.messages import DraftBranches
+
+    frames = encode(DraftBranches(request_id="x", base_committed_len=1, position=1,
+                                  token_ids=[1], continuations=[[2]]))
+    tag, body = msgpack.unpackb(frames[0], raw=False)
+    body.update(fields)
+    return [msgpack.packb([tag, body])]
+
+
+@pytest.mark.parametrize("bad", [
+    {"token_ids": [10_000]},  # outside the vocabulary (checked by the verifier)
+    {"continuations": [[2, 10_000]]},
+    {"base_committed_len": 500, "position": 500},  # more than the verifier ever committed
+    {"continuations": [[]]},
+    {"position": 0},  # before the drafter's own prefix
+], ids=["oov-candidate", "oov-continuation", "future-base", "empty", "position-before-base"])
+def test_bad_branches_are_a_protocol_error_and_the_request_continues_plain(model, bad):
+    m, cfg = model
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=32, block_size=4)
+    sp = SamplingParams(max_tokens=10)
+    ref = InProcessCluster(m, cfg, num_speculative_tokens=0, num_kv_blocks=32, block_size=4)
+    want = ref.generate([[5, 6, 7]], sp)[0].token_ids
+    c.client.send("verifier-0", GenerateRequest(request_id="g0", prompt_token_ids=[5, 6, 7],
+                                              sampling=sp))
+    for _ in range(3):
+        c.prefill.step()
+        c.verifier.step()
+    c.drafter.mailbox.send_frames("verifier-0", _branch_frames(request_id="g0", **bad))
+    c.verifier.step()  # must not raise
+    assert c.verifier.stats.num_protocol_errors == 1
+    assert c.verifier.requests["g0"].drafter is None  # quarantined: plain decode from now on
+    got = []
+    for _ in range(40):
+        c.drafter.step()
+        c.prefill.step()
+        c.verifier.step()
+        got += [t for e in c.client.drain() if isinstance(e.msg, TokenStream)
+                for t in e.msg.token_ids]
+    assert got == want and c.verifier.stats.num_finished == 1
 
 
 def _tail_frames(**fields):

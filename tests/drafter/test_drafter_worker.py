@@ -200,3 +200,54 @@ def test_one_propose_many_call_drafts_for_every_request():
     assert prop.batches == [["r0", "r1", "r2"]]
     segs = {s.request_id: s.draft_token_ids for s in _tails(v)}
     assert segs == {f"r{i}": [i + 3, i + 3] for i in range(3)}
+
+
+def test_branches_prepared_once_the_path_is_full_and_taken_by_the_commit():
+    """Once its path is full the worker sends DraftBranches for the path's first positions;
+    a commit whose bonus token is a prepared candidate starts the path from its continuation
+    (re-sent as a fresh segment), any other commit drops them."""
+    from protocol.messages import DraftBranches
+    from tests.helpers.proposers import BranchOracleProposer
+
+    prompt, ref = [5, 6, 7], [20, 21, 22, 23, 24, 25]
+    hub = InProcHub()
+    v = hub.mailbox("verifier-0")
+    prop = BranchOracleProposer([prompt], [ref], vocab_size=100)
+    d = DrafterWorker(DrafterConfig(window=2, max_segment=2), hub.mailbox("drafter-0"), prop)
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=prompt,
+                                  committed_token_ids=[ref[0]], sampling=SamplingParams()))
+    d.step()
+    d.step()  # the path cannot grow (the proposer has nothing after 22): branches now
+    msgs = [e.msg for e in v.drain()]
+    seg = next(m for m in msgs if isinstance(m, DraftTailStream))
+    assert seg.draft_token_ids == [22]  # the wrong draft (21 + 1); nothing after it
+    (br,) = [m for m in msgs if isinstance(m, DraftBranches)]
+    assert (br.base_committed_len, br.position, br.token_ids, br.continuations) == \
+        (1, 1, [21], [[22]])
+    d.step()  # nothing new: branches are prepared once per position
+    assert prop.num_branch_calls == 1 and not [e for e in v.drain()]
+    # the verifier rejected draft 22 and committed its bonus 21: the branch's continuation
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1, committed_token_ids=[21]))
+    d.step()
+    st = d.requests["r"]
+    assert d.stats.num_branch_hits == 1 and st.path[0] == 22
+    fresh = [e.msg for e in v.drain() if isinstance(e.msg, DraftTailStream)]
+    assert fresh[0].start_pos == fresh[0].base_committed_len == 2
+    assert fresh[0].draft_token_ids[0] == 22
+    # a bonus no branch was made for: no hit, the branches are gone
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=2, committed_token_ids=[99]))
+    d.step()
+    assert d.stats.num_branch_hits == 1 and all(p >= 3 for p in st.branches)
+
+
+def test_no_branches_for_a_method_without_them_or_when_off():
+    hub = InProcHub()
+    v = hub.mailbox("verifier-0")
+    d = DrafterWorker(DrafterConfig(window=2, max_segment=2), hub.mailbox("drafter-0"))
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2, 3, 1, 2],
+                                  committed_token_ids=[3], sampling=SamplingParams()))
+    for _ in range(3):
+        d.step()
+    from protocol.messages import DraftBranches
+
+    assert not [e for e in v.drain() if isinstance(e.msg, DraftBranches)]

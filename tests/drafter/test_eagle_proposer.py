@@ -168,9 +168,10 @@ def test_propose_many_equals_each_request_alone():
 
 def test_drafter_host_runs_the_head_in_the_cluster_dtype(tiny_model_dir, tmp_path):
     """The drafter role's EAGLE head takes the cluster's dtype unless method_kwargs name one."""
+    from helpers.eagle_heads import save_random_head
+
     from cluster.config import ClusterConfig
     from cluster.hosts.drafter import build_proposer
-    from helpers.eagle_heads import save_random_head
 
     head = save_random_head(tiny_model_dir, tmp_path / "head")
     for dtype, kwargs, want in [("bfloat16", {}, torch.bfloat16),
@@ -180,3 +181,39 @@ def test_drafter_host_runs_the_head_in_the_cluster_dtype(tiny_model_dir, tmp_pat
                                    draft_method="eagle",
                                    drafter_method_kwargs={"head": head, **kwargs})
         assert build_proposer(cfg).head.fc.weight.dtype == want
+
+
+def test_branches_are_the_heads_next_likeliest_tokens_and_what_it_drafts_after_them():
+    """propose_branches at a path position: the head's top tokens there other than the path's,
+    each with the draft the proposer itself makes on the context extended by that token (the
+    sibling entries read the KV as the chain would); nothing is written to the head's state."""
+    head = _head(2)
+    torch.manual_seed(6)
+    prompt = [3, 7, 1, 9, 4, 2]
+    truth = torch.randn(8, D, dtype=torch.float64)
+    p0 = len(prompt) - 2
+    prop = EagleProposer(head_module=head)
+    prop.open("r", prompt)
+    prop.observe_seed_state("r", p0, truth[:1])
+    path = prop.propose("r", prompt, 3)
+    st = prop.states["r"]
+    entries, n = list(st.entry_tokens), st.kv.length
+    from drafter.proposer import BranchCall
+
+    calls = [BranchCall("r", prompt + path[:j], path[j], 3) for j in range(2)]
+    out = prop.propose_branches(calls)
+    assert st.entry_tokens == entries and st.kv.length == n  # a peek writes nothing
+    for j, got in enumerate(out):
+        ctx = prompt + path[:j]
+        g = st.outs[len(ctx) - 2 - st.kv.start]
+        order = head.target_ids(head.logits(g[None])[0].argsort(descending=True)).tolist()
+        assert order[0] == path[j]  # greedy: the path's token is the top one
+        assert list(got) == order[1:4]
+        for c, cont in got.items():
+            alone = EagleProposer(head_module=head)
+            alone.open("r", prompt)
+            alone.observe_seed_state("r", p0, truth[:1])
+            assert cont == alone.propose("r", ctx + [c], 1), (j, c)
+    # a request whose head KV does not reach the context, or an unknown one: no branches
+    assert prop.propose_branches([BranchCall("r", prompt + path + [5, 5], 1, 3),
+                                  BranchCall("x", prompt, 1, 3)]) == [{}, {}]

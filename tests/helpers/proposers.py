@@ -71,3 +71,32 @@ class TreeOracleProposer(OracleProposer):
         tokens = self._wrong(right) + right
         parents = list(range(-1, k - 1)) + [-1] + list(range(k, 2 * k - 1))
         return tokens, parents
+
+
+class BranchOracleProposer(OracleProposer):
+    """Drafts one wrong token (the known next token + 1) and nothing after it, and prepares
+    branches whose only candidate is the known next token with the known token after it: each
+    commit's bonus token is a prepared branch, so every accepted draft comes from one."""
+
+    name = "branch-oracle-test"
+
+    def __init__(self, prompts, refs, vocab_size):
+        super().__init__(prompts, refs)
+        self.vocab_size = vocab_size
+        self.num_branch_calls = 0
+
+    def propose(self, request_id, context_token_ids, num_tokens):
+        n = len(context_token_ids)
+        for seq in self.seqs:
+            if seq[:n] == context_token_ids:
+                return [(seq[n] + 1) % self.vocab_size] if n < len(seq) else []
+        return []
+
+    def propose_branches(self, calls):
+        self.num_branch_calls += 1
+        out = []
+        for call in calls:
+            true = super().propose(call.request_id, call.context_token_ids, 2)
+            ok = len(true) == 2 and true[0] != call.path_token_id
+            out.append({true[0]: [true[1]]} if ok else {})
+        return out
