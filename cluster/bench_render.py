@@ -118,6 +118,10 @@ def profile_markdown(level: dict) -> list[str]:
     lines.append("| request-steps with a usable tail | " + " | ".join(
         _num(profiled[n]["profile"]["request_steps_with_tail_share"], ".0%")
         for n in names) + " |")
+    hits = {n: profiled[n]["profile"].get("branch_hit_share") for n in names}
+    if any(h is not None for h in hits.values()):
+        lines.append("| commits whose next draft was a prepared branch | " + " | ".join(
+            _num(hits[n], ".0%") for n in names) + " |")
     lines.append("")
     for n in names:
         c = profiled[n].get("step_cost")

@@ -141,7 +141,9 @@ def profile_summary(profile: dict) -> dict:
                            "count": phases[n]["count"]} for n in names},
             "steps_with_tail_share": share("num_steps_with_drafts", "num_steps"),
             "request_steps_with_tail_share": share("num_request_steps_with_drafts",
-                                                   "num_request_steps_spec_eligible")}
+                                                   "num_request_steps_spec_eligible"),
+            # the drafter's commits whose bonus token it had prepared a branch for
+            "branch_hit_share": share(DRAFTER_PREFIX + "branch_hits", DRAFTER_PREFIX + "commits")}
 
 
 def step_cost_check(profile: dict, forward_cost_ratio: float | None,

@@ -192,6 +192,7 @@ class DrafterWorker(MailboxWorker):
                                                      "does not hold"))
             return
         self.stats.num_commits += 1
+        self.profile.count("commits")
         toks = list(msg.committed_token_ids)
         pre = msg.pre_commit_len
         hidden = None
