@@ -93,10 +93,11 @@ class TailBuffer:
 
     def add_branches(self, position: int, token_ids: list[int], continuations: list[list[int]],
                      committed: list[int], *, base_committed_len: int) -> int:
-        """Keep a DraftBranches message's continuations (see the module doc): only when the
-        drafter's path up to ``position`` is the stretch the buffer holds consistent
-        (``base_committed_len >= origin``, ``committed_len <= position <= path_end``) and no
-        buffered path token at ``position`` is a candidate. Returns the candidates kept (0:
+        """Keep a DraftBranches message's continuations (see the module doc): only when
+        ``position`` is not committed yet and the drafter's path up to it is its committed
+        prefix (``position == base_committed_len``) or the stretch the buffer holds consistent
+        (``base_committed_len >= origin``, ``position <= path_end``), and no buffered path
+        token at ``position`` is a candidate. Returns the candidates kept (0:
         stale, the message is dropped whole).
 
         Raises:
@@ -111,8 +112,9 @@ class TailBuffer:
         if self.start != len(committed):
             self.reset(len(committed))
         own = self.tokens[position - self.start] if position < self.end else None
-        if base_committed_len < self.origin or not self.start <= position <= self.path_end \
-                or own in token_ids:
+        on_path = position == base_committed_len or (  # at the drafter's committed prefix
+            base_committed_len >= self.origin and position <= self.path_end)
+        if not on_path or position < self.start or own in token_ids:
             self.stats.num_stale_tokens += sum(len(c) for c in continuations)
             return 0
         kept = self.branches.setdefault(position, {})

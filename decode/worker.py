@@ -62,6 +62,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self.kv = KVReceiver(runner.kv_cache)
         self.scheduler = Scheduler(config, block_manager)
         self.profile = StepProfile()
+        #: envelopes received between a forward and its commit that wait for the next ingest
+        self._deferred: list[Envelope] = []
         self.verify_step = VerifyStep(runner, self.profile, verify_rule=config.verify_rule,
                                       synthetic_acceptance=config.synthetic_acceptance,
                                       seed_state=config.seed_state)
@@ -314,6 +316,31 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
             block_table=req.block_table, draft_method=self.config.draft_method))
 
+    def ingest(self, timeout_s: float = 0.0) -> int:
+        """Handle the envelopes :meth:`_ingest_drafts_before_commit` deferred, in their order,
+        then every queued one (waiting up to ``timeout_s`` for the first when none was)."""
+        n = 0
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            t0 = time.perf_counter()
+            for env in deferred:
+                self.handle(env)
+            n = len(deferred)
+            self.profile.observe("ingest", time.perf_counter() - t0)
+            timeout_s = 0.0
+        return n + super().ingest(timeout_s)
+
+    def _ingest_drafts_before_commit(self) -> None:
+        """Tails and branches that arrived during the forward, applied before its commit: a
+        branch the drafter prepared for this very commit must be in place when it lands. The
+        first other envelope, and everything after it, waits for the next ingest (handled in
+        the order received; nothing else changes a request between forward and commit)."""
+        while (env := self.mailbox.recv(0.0)) is not None:
+            if not self._deferred and isinstance(env.msg, (DraftTailStream, DraftBranches)):
+                self.handle(env)
+            else:
+                self._deferred.append(env)
+
     def _wait_for_tails(self, running: list[Request]) -> None:
         """Give tails in flight the scheduler's budget (at most a fraction of one step, and
         what the next draft is worth: re-read as drafts arrive) to arrive."""
@@ -373,6 +400,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self.scheduler.observe_forward(sum(1 + len(p.draft_token_ids) for p in plan),
                                        self.verify_step.last_forward_s)
         with prof.phase("commit"):
+            self._ingest_drafts_before_commit()
             for p, out in zip(plan, outputs):
                 self.lifecycle.apply(p.request, out)
         self._count_step(plan, eligible)
