@@ -52,6 +52,9 @@ DRAFTER_FULL = "drafter full"
 #: for ever new unknown ids must not grow the drafter's state (the oldest are forgotten: at
 #: worst one more DraftNeedSync for such an id)
 MAX_ASKED_SYNC = 4096
+#: most branch candidates (head rows) one prepare_branches call drafts: 16 rows of an EAGLE
+#: head for SmolLM2 take about 2 ms on one core, the most a commit arriving meanwhile waits
+MAX_BRANCH_ROWS = 16
 from protocol.step_profile import StepProfile
 from protocol.transport import Envelope, Mailbox, MailboxWorker
 
@@ -116,6 +119,7 @@ class DrafterWorker(MailboxWorker):
         self.stats = DrafterStats()
         self.profile = StepProfile()
         self._gen: torch.Generator | None = None
+        self._branches_pending = False  # prepare_branches left work for the next step
 
     # -- message handling ------------------------------------------------------------------
 
@@ -328,33 +332,40 @@ class DrafterWorker(MailboxWorker):
         return sent
 
     def prepare_branches(self) -> int:
-        """Branches for every request whose path has no room left to grow (see the module
-        doc): greedy requests, the first ``branch_positions`` positions of the path already
-        sent, each position once per path; one :meth:`Proposer.propose_branches` call for
-        all. Returns the candidates sent."""
+        """Branches for requests whose path has no room left to grow (see the module doc):
+        greedy requests, the first ``branch_positions`` positions of the path already sent
+        (every request's first position before any second one), each position once per path;
+        one :meth:`Proposer.propose_branches` call of at most :data:`MAX_BRANCH_ROWS`
+        candidates, so a commit that arrives meanwhile waits little; the rest is left for
+        the next step (``_branches_pending``). Returns the candidates sent."""
         n, pos_cap = self.config.num_branches, self.config.branch_positions
-        if not n or not pos_cap or type(self.proposer).propose_branches is Proposer.propose_branches:
+        self._branches_pending = False
+        if not n or not pos_cap or \
+                type(self.proposer).propose_branches is Proposer.propose_branches:
             return 0
         calls, where = [], []
-        for st in self.requests.values():
-            if st.sampling is not None and sampling_mode(st.sampling) != GREEDY:
-                continue
-            if not st.exhausted and len(st.path) < self._window(st):
-                continue  # still drafting its path
-            base = len(st.committed)
-            for j in range(min(pos_cap, st.num_sent)):
-                if base + j in st.branches:
+        ready = [st for st in self.requests.values()
+                 if (st.sampling is None or sampling_mode(st.sampling) == GREEDY)
+                 and (st.exhausted or len(st.path) >= self._window(st))]
+        for j in range(pos_cap):
+            for st in ready:
+                pos = len(st.committed) + j
+                if j >= st.num_sent or pos in st.branches:
                     continue
-                st.branches[base + j] = {}
+                if len(calls) * n >= MAX_BRANCH_ROWS:
+                    self._branches_pending = True
+                    break
+                st.branches[pos] = {}
                 calls.append(BranchCall(st.request_id, self._context_upto(st, j), st.path[j], n))
-                where.append((st, base + j))
+                where.append((st, pos))
         if not calls:
             return 0
         sent = 0
         with self.profile.phase("branches"):
             results = self.proposer.propose_branches(calls)
         for (st, pos), got in zip(where, results):
-            got = {int(t): list(c) for t, c in got.items() if c and t != st.path[pos - len(st.committed)]}
+            own = st.path[pos - len(st.committed)]
+            got = {int(t): list(c) for t, c in got.items() if c and t != own}
             if not got:
                 continue
             st.branches[pos] = got
@@ -440,7 +451,7 @@ class DrafterWorker(MailboxWorker):
     def step(self, timeout_s: float = 0.0) -> int:
         """Ingest what arrived (waiting up to ``timeout_s`` for the first message), then draft;
         with every path full, prepare branches (:meth:`prepare_branches`)."""
-        if self._has_work():
+        if self._has_work() or self._branches_pending:
             timeout_s = 0.0
         self.ingest(timeout_s)
         sent = self.draft()
