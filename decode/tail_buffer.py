@@ -111,9 +111,9 @@ class TailBuffer:
                              f"{len(continuations)} continuations")
         if self.start != len(committed):
             self.reset(len(committed))
-        own = self.tokens[position - self.start] if position < self.end else None
         on_path = position == base_committed_len or (  # at the drafter's committed prefix
             base_committed_len >= self.origin and position <= self.path_end)
+        own = self.tokens[position - self.start] if self.start <= position < self.end else None
         if not on_path or position < self.start or own in token_ids:
             self.stats.num_stale_tokens += sum(len(c) for c in continuations)
             return 0

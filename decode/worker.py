@@ -337,7 +337,11 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         the order received; nothing else changes a request between forward and commit)."""
         while (env := self.mailbox.recv(0.0)) is not None:
             if not self._deferred and isinstance(env.msg, (DraftTailStream, DraftBranches)):
-                self.handle(env)
+                try:
+                    self.handle(env)
+                except Exception:  # noqa: BLE001 - a draft hint must never cost the commit
+                    log.exception("verifier: %s from %s failed before a commit",
+                                  type(env.msg).__name__, env.peer)
             else:
                 self._deferred.append(env)
 

@@ -81,3 +81,15 @@ def test_stale_or_misplaced_branches_are_dropped_and_bad_ones_refused():
         tb.add_branches(2, [7], [[1]], committed, base_committed_len=3)
     tb.reset(3)
     assert tb.branches == {}
+
+
+def test_branches_that_arrive_after_their_commit_are_stale():
+    """Made at the drafter's committed prefix (position == base) but reaching the verifier
+    after it committed past that position: dropped, whatever the buffer holds."""
+    tb, committed = _buffer_with_path()
+    committed = committed + [1, 2, 3]
+    tb.on_commit(committed)
+    tb.add(5, [4, 5], committed, base_committed_len=5)
+    for pos in (2, 3, 4):
+        assert tb.add_branches(pos, [9], [[90]], committed, base_committed_len=pos) == 0
+    assert tb.branches == {} and tb.usable(8) == [4, 5]
