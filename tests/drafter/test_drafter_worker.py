@@ -254,27 +254,52 @@ def test_no_branches_for_a_method_without_them_or_when_off():
 
 
 def test_branch_work_is_split_so_a_commit_never_waits_long():
-    """At most MAX_BRANCH_ROWS candidates per propose_branches call: five requests at 4
+    """At most MAX_BRANCH_ROWS candidates per propose_branches call: four requests at 8
     candidates each take two calls, the second in the next step without waiting."""
     from drafter.worker import MAX_BRANCH_ROWS
     from protocol.messages import DraftBranches
     from tests.helpers.proposers import BranchOracleProposer
 
     assert MAX_BRANCH_ROWS == 16
-    prompts = [[5, 6, i] for i in range(5)]
-    refs = [[20 + i, 30 + i, 40 + i] for i in range(5)]
+    prompts = [[5, 6, i] for i in range(4)]
+    refs = [[20 + i, 30 + i, 40 + i] for i in range(4)]
     hub = InProcHub()
     v = hub.mailbox("verifier-0")
     prop = BranchOracleProposer(prompts, refs, vocab_size=100)
-    d = DrafterWorker(DrafterConfig(window=2, max_segment=2, num_branches=4),
+    d = DrafterWorker(DrafterConfig(window=2, max_segment=2, num_branches=8),
                       hub.mailbox("drafter-0"), prop)
     for i, (p, r) in enumerate(zip(prompts, refs)):
         v.send("drafter-0", DraftSync(request_id=f"r{i}", prompt_token_ids=p,
                                       committed_token_ids=[r[0]], sampling=SamplingParams()))
     d.step()
-    d.step()  # paths full: the first 4 requests' branches
+    d.step()  # paths full: the first 2 requests' branches
     assert prop.num_branch_calls == 1 and d._branches_pending
-    d.step(timeout_s=5.0)  # does not block: the fifth request's branches
+    d.step(timeout_s=5.0)  # does not block: the other 2 requests' branches
     assert prop.num_branch_calls == 2 and not d._branches_pending
     got = {e.msg.request_id for e in v.drain() if isinstance(e.msg, DraftBranches)}
-    assert got == {f"r{i}" for i in range(5)}
+    assert got == {f"r{i}" for i in range(4)}
+
+
+def test_no_branches_while_the_drafter_holds_many_requests():
+    from drafter.worker import MAX_BRANCH_REQUESTS
+    from protocol.messages import DraftBranches
+    from tests.helpers.proposers import BranchOracleProposer
+
+    n = MAX_BRANCH_REQUESTS + 1
+    prompts = [[5, 6, i] for i in range(n)]
+    refs = [[20 + i, 30 + i, 40 + i] for i in range(n)]
+    hub = InProcHub()
+    v = hub.mailbox("verifier-0")
+    prop = BranchOracleProposer(prompts, refs, vocab_size=100)
+    d = DrafterWorker(DrafterConfig(window=2, max_segment=2), hub.mailbox("drafter-0"), prop)
+    for i, (p, r) in enumerate(zip(prompts, refs)):
+        v.send("drafter-0", DraftSync(request_id=f"r{i}", prompt_token_ids=p,
+                                      committed_token_ids=[r[0]], sampling=SamplingParams()))
+    for _ in range(3):
+        d.step()
+    assert prop.num_branch_calls == 0
+    assert not [e for e in v.drain() if isinstance(e.msg, DraftBranches)]
+    v.send("drafter-0", DraftClose(request_id="r0"))  # back to MAX_BRANCH_REQUESTS: branches
+    d.step()
+    d.step()
+    assert prop.num_branch_calls == 1
