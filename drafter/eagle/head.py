@@ -217,15 +217,12 @@ class EagleHead(nn.Module):
                 raise ValueError(f"head KV ends at {kv.end}, entries start at {start}")
         if not items:
             return []
-        dtype = self.fc.weight.dtype
         sizes = [int(f.shape[0]) for _, f, _, _ in items]
         device = items[0][1].device
         pos = torch.cat([torch.arange(s, s + n, device=device)
                          for (_, _, _, s), n in zip(items, sizes)])
-        cos, sin = self._cos_sin(pos, dtype)  # [T, hd]
-        feats = torch.cat([f.to(dtype) for _, f, _, _ in items])
-        toks = torch.cat([t.reshape(-1) for _, _, t, _ in items])
-        x = self.fc(torch.cat([self.embed[toks], feats], dim=-1))  # [T, d]
+        x, cos, sin = self._entry_inputs([f for _, f, _, _ in items],
+                                         [t for _, _, t, _ in items], pos)
         for kv, _, _, start in items:
             if kv.length == 0:
                 kv.start, kv.n = start, 0
@@ -248,6 +245,16 @@ class EagleHead(nn.Module):
             kv.commit(n)
         return list(self.norm(x).split(sizes))
 
+    def _entry_inputs(self, features: list[torch.Tensor], next_tokens: list[torch.Tensor],
+                      positions: torch.Tensor):  # noqa: ANN202
+        """The fused inputs ``x`` [T, d] of entries (states and next tokens of every item, in
+        order) and the RoPE ``cos, sin`` [T, hd] of their ``positions`` [T]."""
+        dtype = self.fc.weight.dtype
+        cos, sin = self._cos_sin(positions, dtype)
+        feats = torch.cat([f.to(dtype) for f in features])
+        toks = torch.cat([t.reshape(-1) for t in next_tokens])
+        return self.fc(torch.cat([self.embed[toks], feats], dim=-1)), cos, sin
+
     @torch.inference_mode()
     def peek_many(self, items: list[tuple[HeadKV, int, torch.Tensor, torch.Tensor]]
                   ) -> list[torch.Tensor]:
@@ -268,15 +275,12 @@ class EagleHead(nn.Module):
                 raise ValueError(f"peek at {end} on a head KV holding [{kv.start}, {kv.end})")
         if not items:
             return []
-        dtype = self.fc.weight.dtype
         sizes = [int(f.shape[0]) for _, _, f, _ in items]
         device = items[0][2].device
         pos = torch.cat([torch.full((m,), end, dtype=torch.long, device=device)
                          for (_, end, _, _), m in zip(items, sizes)])
-        cos, sin = self._cos_sin(pos, dtype)
-        feats = torch.cat([f.to(dtype) for _, _, f, _ in items])
-        toks = torch.cat([t.reshape(-1) for _, _, _, t in items])
-        x = self.fc(torch.cat([self.embed[toks], feats], dim=-1))
+        x, cos, sin = self._entry_inputs([f for _, _, f, _ in items],
+                                         [t for _, _, _, t in items], pos)
         for li, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, cos, sin)
             parts, lo = [], 0
