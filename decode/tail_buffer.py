@@ -247,30 +247,35 @@ class TailBuffer:
         if self.tree is not None and new_len > self.start:
             node = self.tree.follow(committed[self.start:new_len])
             self.tree = None if node is None else self.tree.subtree(node) or None
-        if self.branches:
-            self._take_branch(committed)
         n = min(new_len - self.start, len(self.tokens))
-        for i in range(n):
-            if self.tokens[i] != committed[self.start + i]:
-                self.stats.num_stale_tokens += len(self.tokens) - i
-                self._cut_path(self.start + i)
-                self.start = new_len
-                self.tokens.clear()
-                self.probs.clear()
-                return
+        i = self._agreeing(committed, 0, n)
+        if self.branches and self._take_branch(committed, i):
+            n = min(new_len - self.start, len(self.tokens))
+            i = self._agreeing(committed, i + 1, n)  # the branch's token agrees by its key
+        if i < n:
+            self.stats.num_stale_tokens += len(self.tokens) - i
+            self._cut_path(self.start + i)
+            self.start = new_len
+            self.tokens.clear()
+            self.probs.clear()
+            return
         del self.tokens[: max(new_len - self.start, 0)]
         del self.probs[: max(new_len - self.start, 0)]
         self.start = new_len
 
-    def _take_branch(self, committed: list[int]) -> None:
-        """Before a commit is applied: where it first leaves the buffered path (or passes its
-        end), a kept branch for the committed token there becomes the path (that token, then
-        its continuation). Branches the commit passed are dropped."""
-        new_len = len(committed)
-        i = 0
-        while i < len(self.tokens) and self.start + i < new_len \
-                and self.tokens[i] == committed[self.start + i]:
+    def _agreeing(self, committed: list[int], i: int, n: int) -> int:
+        """The first buffered index from ``i`` (below ``n``) whose token differs from the
+        committed one at its position; ``n`` when none does."""
+        while i < n and self.tokens[i] == committed[self.start + i]:
             i += 1
+        return i
+
+    def _take_branch(self, committed: list[int], i: int) -> bool:
+        """Before a commit is applied, ``i`` the buffered index where it first leaves the path
+        (or the path's end): a kept branch for the committed token there becomes the path
+        (that token, then its continuation); returns whether one did. Branches the commit
+        passed are dropped."""
+        new_len = len(committed)
         q = self.start + i
         cont = self.branches.get(q, {}).get(committed[q]) if q < new_len else None
         if cont is not None:
@@ -281,9 +286,10 @@ class TailBuffer:
             self.probs += [None] * (1 + len(cont))
             self.origin, self.path_end, self._rejected = new_len, self.end, False
             self.branches.clear()
-            return
+            return True
         for p in [p for p in self.branches if p < new_len]:
             del self.branches[p]
+        return False
 
     def usable(self, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` drafts for the next verify step (positions from committed_len)."""
