@@ -1,6 +1,7 @@
 """``--drafter``: which draft method a cluster runs, as a user names it.
 
-``ngram`` (prompt lookup), ``eagle`` (the EAGLE head shipped for the target), ``eagle:PATH``
+``ngram`` (prompt lookup; ``ngram:min=1+max=4+width=2`` sets its shortest and longest suffix
+match and its tree width, any subset of the three), ``eagle`` (the EAGLE head shipped for the target), ``eagle:PATH``
 (a head trained with ``specmesh train-drafter``), ``draft-model:PATH`` (a standalone draft
 model with the target's tokenizer), or ``auto`` (the default: the shipped EAGLE head when the
 target has one, else n-gram).
@@ -8,7 +9,10 @@ target has one, else n-gram).
 
 from __future__ import annotations
 
-DRAFTER_CHOICES = "auto | ngram | eagle[:PATH] | draft-model:PATH"
+DRAFTER_CHOICES = "auto | ngram[:min=N+max=N+width=N] | eagle[:PATH] | draft-model:PATH"
+
+#: ``ngram:KEY=N`` keys -> NgramProposer arguments
+NGRAM_KEYS = {"min": "min_ngram", "max": "max_ngram", "width": "tree_width"}
 
 
 def shipped_head_for(model: str | None):  # noqa: ANN201
@@ -53,8 +57,8 @@ def _parse_drafter(spec: str, model: str | None) -> tuple[str, dict]:
     kind, sep, path = spec.partition(":")
     if kind == "auto" and not sep:
         return ("eagle", {}) if shipped_head_for(model) is not None else ("ngram", {})
-    if kind == "ngram" and not sep:
-        return "ngram", {}
+    if kind == "ngram":
+        return "ngram", _ngram_kwargs(path) if sep else {}
     if kind == "eagle":
         if sep and not path:
             raise SystemExit("--drafter eagle:PATH needs the head's directory after the colon")
@@ -65,3 +69,32 @@ def _parse_drafter(spec: str, model: str | None) -> tuple[str, dict]:
                              "(a Hugging Face dir or .gguf with the target's tokenizer)")
         return "draft_model", {"model": path}
     raise SystemExit(f"--drafter {spec!r}: expected {DRAFTER_CHOICES}")
+
+
+def _ngram_kwargs(text: str) -> dict:
+    """``"min=1+width=4"`` -> ``{"min_ngram": 1, "tree_width": 4}``.
+
+    Raises:
+        SystemExit: an unknown key, a value that is not a positive integer, or min > max.
+    """
+    out: dict = {}
+    for item in text.split("+"):
+        key, eq, value = item.strip().partition("=")
+        if key not in NGRAM_KEYS or not eq:
+            raise SystemExit(f"--drafter ngram:{text}: expected KEY=N joined by '+', KEY one of "
+                             f"{', '.join(NGRAM_KEYS)} (e.g. ngram:min=1+width=2)")
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise SystemExit(f"--drafter ngram:{text}: {key} must be a positive integer, "
+                             f"got {value!r}")
+        out[NGRAM_KEYS[key]] = n
+    from drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+
+    lo = out.get("min_ngram", DEFAULT_MIN_NGRAM)
+    hi = out.get("max_ngram", DEFAULT_MAX_NGRAM)
+    if lo > hi:
+        raise SystemExit(f"--drafter ngram:{text}: min ({lo}) is above max ({hi})")
+    return out

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: The n-gram drafter's shortest and longest suffix match by default (drafter/proposers/ngram.py)
+DEFAULT_MIN_NGRAM = 2
+DEFAULT_MAX_NGRAM = 4
 #: Verify steps of drafts the default window holds: one tail in flight, one being verified.
 RUN_AHEAD_STEPS = 2
 

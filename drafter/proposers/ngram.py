@@ -16,6 +16,7 @@ for the segment that starts at the committed prefix (drafter/worker.py).
 
 from __future__ import annotations
 
+from drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from drafter.proposer import Proposer, register_proposer
 
 #: Branches of an n-gram tree by default (measured on the tiny test, see README / the commit)
@@ -27,7 +28,7 @@ class NgramProposer(Proposer):
     name = "ngram"
     draft_shape = "tree"  # a chain when tree_width is 1 or the matches agree
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4,
+    def __init__(self, min_ngram: int = DEFAULT_MIN_NGRAM, max_ngram: int = DEFAULT_MAX_NGRAM,
                  tree_width: int = DEFAULT_TREE_WIDTH) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

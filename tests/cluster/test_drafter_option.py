@@ -14,6 +14,34 @@ def test_forms():
     assert parse_drafter("draft-model:/m") == ("draft_model", {"model": "/m"})
 
 
+def test_ngram_settings_form(tiny_model_dir):
+    """``ngram:min=1+max=3+width=4`` sets the proposer's match lengths and tree width (any
+    subset), and reaches the drafter's config and a built proposer."""
+    import drafter.proposers  # noqa: F401 - registers the methods
+    from drafter.proposer import get_proposer
+
+    assert parse_drafter("ngram:min=1") == ("ngram", {"min_ngram": 1})
+    assert parse_drafter("ngram:width=4+max=3+min=1") == (
+        "ngram", {"tree_width": 4, "max_ngram": 3, "min_ngram": 1})
+    assert parse_drafter("ngram:min=1", None, 3) == ("ngram", {"min_ngram": 1, "tree_width": 3})
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dir,
+                                      "--drafter", "ngram:min=1+width=1"])
+    cfg = cluster_config(args)
+    assert cfg.drafter.method_kwargs == {"min_ngram": 1, "tree_width": 1}
+    prop = get_proposer(cfg.drafter.method)(**cfg.drafter.method_kwargs)
+    assert (prop.min_ngram, prop.max_ngram, prop.tree_width) == (1, 4, 1)
+    # a one-token match drafts only with min=1
+    assert prop.propose_tree("r", [5, 6, 7, 5], 2) == ([6, 7], [-1, 0])
+    assert get_proposer("ngram")().propose_tree("r", [5, 6, 7, 5], 2) == ([], [])
+
+
+@pytest.mark.parametrize("bad", ["ngram:min=0", "ngram:min=x", "ngram:min=5", "ngram:max=1",
+                                 "ngram:depth=2", "ngram:min", "ngram:", "ngram:min=1,width=2"])
+def test_bad_ngram_settings_are_refused_naming_the_keys(bad):
+    with pytest.raises(SystemExit, match=r"--drafter ngram:.*(min|max|KEY)"):
+        parse_drafter(bad)
+
+
 @pytest.mark.parametrize("bad", ["medusa", "eagle:", "draft-model", "draft-model:", "ngram:3"])
 def test_malformed_forms_are_refused_naming_the_choices(bad):
     with pytest.raises(SystemExit, match="drafter"):
