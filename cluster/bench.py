@@ -107,6 +107,20 @@ def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
     return handles, started
 
 
+def bench_process_threads(cfg: ClusterConfig) -> int:
+    """Torch threads of the bench process, where the in-process systems and Hugging Face run:
+    every core (the plain verifier's share, as a user's own ``generate`` would have), or the
+    most a role has when the user set the plan (``--threads`` / ``--thread-plan``). A model
+    drafter's default plan, which leaves its served verifier one core fewer, does not count
+    as set: the baselines keep every core."""
+    from cluster.config import default_threads
+    from cluster.options import is_model_drafter
+
+    if cfg.threads == default_threads(model_drafter=is_model_drafter(cfg.drafter.method)):
+        return default_threads()["verifier"]
+    return max(cfg.threads.values())
+
+
 def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     """Run the bench on ``cfg`` for the methods of ``opts.drafters`` (default: ``cfg``'s),
     starting a served cluster per method (``handle``, a running
@@ -131,9 +145,9 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     inproc_labels = [label for label in labels if label not in served_only]
     model = model_name(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
-    # the in-process runs and HF: the most threads a role has (every core by default; a model
-    # drafter's plan gives the served verifier one fewer)
-    bench_threads = max(cfg.threads.values())
+    # each served cluster's plan (a method's default plan unless the user set one)
+    plans = {d.label: with_drafter(cfg, d).threads for d in drafters}
+    bench_threads = bench_process_threads(cfg)
     torch.set_num_threads(bench_threads)  # HF and in-process run here
     hf_model = load_hf_model(cfg.model, cfg.dtype)
     eos = generation_eos_ids(hf_model)
@@ -200,7 +214,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
             h.stop()
     config = {"model": model, "dtype": cfg.dtype, "kappa": kappa, "max_tokens": opts.max_tokens,
               "num_prompts": len(prompts), "prompt_names": [p["name"] for p in prompts],
-              "repeats": opts.repeats, "concurrency": opts.concurrency, "threads": cfg.threads,
+              "repeats": opts.repeats, "concurrency": opts.concurrency, "threads": plans[labels[0]],
+              "cluster_threads": plans,
               "bench_threads": bench_threads, "drafters": [d.as_dict() for d in drafters],
               "draft_method": drafters[0].method, "served_clusters": served_note,
               "profile": opts.profile, "verify_rule": cfg.verifier.verify_rule,

@@ -22,8 +22,14 @@ def _ms(x: float | None) -> str:
 def thread_plan_text(cfg: dict) -> str:
     """The thread plan of a run's config: torch threads per served role and of the bench
     process (in-process systems and HF)."""
-    roles = ", ".join(f"{r} {n}" for r, n in (cfg.get("threads") or {}).items())
-    text = f"served roles: {roles}" if roles else "served roles: n/a"
+    def roles(plan: dict) -> str:
+        return ", ".join(f"{r} {n}" for r, n in plan.items())
+
+    plans = cfg.get("cluster_threads") or {}
+    if len({tuple(p.items()) for p in plans.values()}) > 1:  # methods with plans of their own
+        text = "served roles: " + "; ".join(f"{label}: {roles(p)}" for label, p in plans.items())
+    else:
+        text = f"served roles: {roles(cfg.get('threads') or {}) or 'n/a'}"
     if cfg.get("bench_threads") is not None:
         text += f"; bench process (in-process, HF): {cfg['bench_threads']}"
     return text

@@ -36,7 +36,7 @@ def test_drafters_forms_and_labels(tiny_model_dir):
 
 
 @pytest.mark.parametrize("text,match", [
-    ("ngram,medusa", r"--drafters: --drafter 'medusa': expected auto \| ngram \| eagle"),
+    ("ngram,medusa", r"--drafters: --drafter 'medusa': expected auto \| ngram\[:min=N\+max=N\+width=N\] \| eagle"),
     ("ngram,draft-model", r"--drafters: .*draft model's path"),
     (" , ", r"--drafters: no draft method given"),
     ("ngram,ngram", r"--drafters: 'ngram' is the same method as 'ngram'"),
@@ -243,3 +243,44 @@ def test_generate_with_a_drafter(tiny_model_dir, random_head, capsys):
     assert text == plain == eagle
     with pytest.raises(SystemExit, match="--drafter 'medusa'"):
         main(["generate", "--model", tiny_model_dir, "--prompt", "x", "--drafter", "medusa"])
+
+
+# -- thread plans --------------------------------------------------------------------------------
+
+
+def test_the_bench_process_keeps_every_core_unless_the_user_set_a_plan(tiny_model_dir,
+                                                                     tiny_eagle_head):
+    """HF and the in-process systems run in the bench process. A model drafter's default plan
+    leaves its served verifier one core fewer; that must not cost the baselines a core (a
+    bench of n-gram methods under the default ``--drafter auto`` = eagle once ran HF and
+    in-process on one thread while the n-gram clusters' verifiers had two)."""
+    from cluster.bench import bench_process_threads
+    from cluster.cli import build_parser
+    from cluster.options import cluster_config
+
+    n = default_threads()["verifier"]
+
+    def cfg(*extra):
+        return cluster_config(build_parser().parse_args(["bench", "--model", tiny_model_dir,
+                                                         *extra]))
+
+    eagle = cfg("--drafter", f"eagle:{tiny_eagle_head[0]}")
+    assert eagle.threads["verifier"] == max(1, n - 1)
+    assert bench_process_threads(eagle) == n
+    assert bench_process_threads(cfg("--drafter", "ngram")) == n
+    assert bench_process_threads(cfg("--drafter", "ngram", "--thread-plan",
+                                     "verifier=1")) == 1
+
+
+def test_the_header_names_each_clusters_plan_when_they_differ():
+    from cluster.bench_render import thread_plan_text
+
+    ngram = {"verifier": 2, "prefill": 1, "drafter": 1, "gateway": 1}
+    eagle = {**ngram, "verifier": 1}
+    text = thread_plan_text({"threads": ngram, "cluster_threads": {"ngram": ngram,
+                                                                   "eagle": eagle},
+                             "bench_threads": 2})
+    assert "ngram: verifier 2" in text and "eagle: verifier 1" in text
+    assert "bench process (in-process, HF): 2" in text
+    same = thread_plan_text({"threads": ngram, "cluster_threads": {"ngram": ngram}})
+    assert same == "served roles: verifier 2, prefill 1, drafter 1, gateway 1"
