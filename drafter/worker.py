@@ -5,13 +5,13 @@ flight were accepted (PEARL-style run-ahead), and leaves as DraftTailStream delt
 VerifyCommit that agrees with the path keeps it; one that disagrees truncates the path to the
 longest common prefix (the proposer rolls back) and drafting resumes after the commit.
 
-Branches (the speculation cache of SSD / Saguaro, arXiv 2603.03251): once every path is as
-long as its run-ahead allows, a proposer that prepares them drafts, for the first positions of
-the path, the next draft after each likely token other than the path's, and the worker sends
-them as DraftBranches. The verifier keeps them; a commit whose bonus token is one of them
-makes its continuation the tail at once, with no wait for this worker. Here such a commit
-starts the path from that continuation (re-sent as a fresh segment, which also covers a
-verifier that never got the branches).
+Branches (the speculation cache of SSD / Saguaro, arXiv 2603.03251; drafter/branches.py picks
+them): once every path is as long as its run-ahead allows, a proposer that prepares them
+drafts, for the first positions of the path, the next draft after each likely token other than
+the path's, and the worker sends them as DraftBranches. The verifier keeps them; a commit whose
+bonus token is one of them makes its continuation the tail at once, with no wait for this
+worker. Here such a commit starts the path from that continuation, re-sent as a fresh segment
+while the commit is handled (which also covers a verifier that never got the branches).
 
 Trees: a proposer whose ``draft_shape`` is "tree" is asked for a tree only for the segment at
 the committed prefix (an empty path); the segment carries the whole tree (``parents``) and its
@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter.branches import MAX_BRANCH_REQUESTS, kept_candidates, plan_branches
 from drafter.config import RUN_AHEAD_STEPS, DrafterConfig
 from drafter.draft_sampling import DraftSampling
-from drafter.proposer import BranchCall, ProposeCall, Proposer, get_proposer
+from drafter.proposer import ProposeCall, Proposer, get_proposer
 from drafter.seed_state import hidden_rows
 from engine.frames import tensor_to_buffer
 from engine.sampling import GREEDY, sampling_mode
@@ -52,13 +53,6 @@ DRAFTER_FULL = "drafter full"
 #: for ever new unknown ids must not grow the drafter's state (the oldest are forgotten: at
 #: worst one more DraftNeedSync for such an id)
 MAX_ASKED_SYNC = 4096
-#: most branch candidates (head rows) one prepare_branches call drafts: 16 rows of an EAGLE
-#: head for SmolLM2 take about 2 ms on one core, the most a commit arriving meanwhile waits
-MAX_BRANCH_ROWS = 16
-#: branches only while the drafter holds at most this many requests: with more, the drafter is
-#: rarely idle and its extra head passes slow the verifier's forward on shared cores and memory
-#: (held-out chat, C=16: served eagle / k=0 0.65x with branches for all, 31% of C=1 commits hit)
-MAX_BRANCH_REQUESTS = 4
 from protocol.step_profile import StepProfile
 from protocol.transport import Envelope, Mailbox, MailboxWorker
 
@@ -345,40 +339,25 @@ class DrafterWorker(MailboxWorker):
         return len(seg)
 
     def prepare_branches(self) -> int:
-        """Branches for requests whose path has no room left to grow (see the module doc):
-        greedy requests, the first ``branch_positions`` positions of the path already sent
-        (every request's first position before any second one), each position once per path;
-        one :meth:`Proposer.propose_branches` call of at most :data:`MAX_BRANCH_ROWS`
-        candidates, so a commit that arrives meanwhile waits little; the rest is left for
-        the next step (``_branches_pending``). Returns the candidates sent."""
+        """Branches for requests whose path has no room left to grow (drafter/branches.py):
+        one :meth:`Proposer.propose_branches` call of at most
+        :data:`~drafter.branches.MAX_BRANCH_ROWS` candidates, so a commit that arrives
+        meanwhile waits little; the rest is left for the next step (``_branches_pending``).
+        Returns the candidates sent."""
         n, pos_cap = self.config.num_branches, self.config.branch_positions
         self._branches_pending = False
         if not n or not pos_cap or len(self.requests) > MAX_BRANCH_REQUESTS or \
                 type(self.proposer).propose_branches is Proposer.propose_branches:
             return 0
-        calls, where = [], []
-        ready = [st for st in self.requests.values()
-                 if (st.sampling is None or sampling_mode(st.sampling) == GREEDY)
-                 and (st.exhausted or len(st.path) >= self._window(st))]
-        for j in range(pos_cap):
-            for st in ready:
-                pos = len(st.committed) + j
-                if j >= st.num_sent or pos in st.branches:
-                    continue
-                if len(calls) * n >= MAX_BRANCH_ROWS:
-                    self._branches_pending = True
-                    break
-                st.branches[pos] = {}
-                calls.append(BranchCall(st.request_id, self._context_upto(st, j), st.path[j], n))
-                where.append((st, pos))
-        if not calls:
+        plan = plan_branches(self.requests.values(), n, pos_cap, self._window)
+        self._branches_pending = plan.pending
+        if not plan.calls:
             return 0
         sent = 0
         with self.profile.phase("branches"):
-            results = self.proposer.propose_branches(calls)
-        for (st, pos), got in zip(where, results):
-            own = st.path[pos - len(st.committed)]
-            got = {int(t): list(c) for t, c in got.items() if c and t != own}
+            results = self.proposer.propose_branches(plan.calls)
+        for (st, pos), got in zip(plan.where, results):
+            got = kept_candidates(got, st.path[pos - len(st.committed)])
             if not got:
                 continue
             st.branches[pos] = got
@@ -388,11 +367,6 @@ class DrafterWorker(MailboxWorker):
             sent += len(got)
         self.stats.num_branch_candidates_sent += sent
         return sent
-
-    @staticmethod
-    def _context_upto(st: DraftState, j: int) -> list[int]:
-        """The request's context through the first ``j`` path tokens."""
-        return st.prompt_token_ids + st.committed + st.path[:j]
 
     def _window(self, st: DraftState) -> int:
         """How far ``st``'s path may run past its committed prefix: the configured window or,

@@ -287,7 +287,7 @@ def test_no_branches_for_a_method_without_them_or_when_off():
 def test_branch_work_is_split_so_a_commit_never_waits_long():
     """At most MAX_BRANCH_ROWS candidates per propose_branches call: four requests at 8
     candidates each take two calls, the second in the next step without waiting."""
-    from drafter.worker import MAX_BRANCH_ROWS
+    from drafter.branches import MAX_BRANCH_ROWS
     from protocol.messages import DraftBranches
     from tests.helpers.proposers import BranchOracleProposer
 
@@ -312,7 +312,7 @@ def test_branch_work_is_split_so_a_commit_never_waits_long():
 
 
 def test_no_branches_while_the_drafter_holds_many_requests():
-    from drafter.worker import MAX_BRANCH_REQUESTS
+    from drafter.branches import MAX_BRANCH_REQUESTS
     from protocol.messages import DraftBranches
     from tests.helpers.proposers import BranchOracleProposer
 
