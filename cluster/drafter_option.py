@@ -1,10 +1,10 @@
 """``--drafter``: which draft method a cluster runs, as a user names it.
 
 ``ngram`` (prompt lookup; ``ngram:min=1+max=4+width=2`` sets its shortest and longest suffix
-match and its tree width, any subset of the three), ``eagle`` (the EAGLE head shipped for the target), ``eagle:PATH``
-(a head trained with ``specmesh train-drafter``), ``draft-model:PATH`` (a standalone draft
-model with the target's tokenizer), or ``auto`` (the default: the shipped EAGLE head when the
-target has one, else n-gram).
+match and its tree width, any subset of the three), ``eagle`` (the EAGLE head shipped for the
+target), ``eagle:PATH`` (a head trained with ``specmesh train-drafter``), ``draft-model:PATH``
+(a standalone draft model with the target's tokenizer), or ``auto`` (the default: the shipped
+EAGLE head when the target has one, else n-gram).
 """
 
 from __future__ import annotations
