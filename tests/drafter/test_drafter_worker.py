@@ -202,11 +202,10 @@ def test_one_propose_many_call_drafts_for_every_request():
     assert segs == {f"r{i}": [i + 3, i + 3] for i in range(3)}
 
 
-def test_branches_prepared_once_the_path_is_full_and_taken_by_the_commit():
-    """Once its path is full the worker sends DraftBranches for the path's first positions;
-    a commit whose bonus token is a prepared candidate starts the path from its continuation
-    (re-sent as a fresh segment), any other commit drops them."""
-    from protocol.messages import DraftBranches
+def _branch_oracle_drafter():
+    """(verifier mailbox, drafter, proposer) with request "r" open on a BranchOracleProposer
+    whose path is one wrong draft (22 after 20; the target's next token is 21) and one step
+    run."""
     from tests.helpers.proposers import BranchOracleProposer
 
     prompt, ref = [5, 6, 7], [20, 21, 22, 23, 24, 25]
@@ -217,6 +216,16 @@ def test_branches_prepared_once_the_path_is_full_and_taken_by_the_commit():
     v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=prompt,
                                   committed_token_ids=[ref[0]], sampling=SamplingParams()))
     d.step()
+    return v, d, prop
+
+
+def test_branches_prepared_once_the_path_is_full_and_taken_by_the_commit():
+    """Once its path is full the worker sends DraftBranches for the path's first positions;
+    a commit whose bonus token is a prepared candidate starts the path from its continuation
+    (re-sent as a fresh segment), any other commit drops them."""
+    from protocol.messages import DraftBranches
+
+    v, d, prop = _branch_oracle_drafter()
     d.step()  # the path cannot grow (the proposer has nothing after 22): branches now
     msgs = [e.msg for e in v.drain()]
     seg = next(m for m in msgs if isinstance(m, DraftTailStream))
@@ -244,16 +253,7 @@ def test_a_branch_hit_is_answered_before_the_next_draft():
     """On a hit the verifier's tail is already the branch; the drafter says so at once, while
     it handles the commit (before catching up and drafting: ~3.7 ms served), so a verifier
     whose tail wait would go on for a second draft stops waiting."""
-    from tests.helpers.proposers import BranchOracleProposer
-
-    prompt, ref = [5, 6, 7], [20, 21, 22, 23, 24, 25]
-    hub = InProcHub()
-    v = hub.mailbox("verifier-0")
-    prop = BranchOracleProposer([prompt], [ref], vocab_size=100)
-    d = DrafterWorker(DrafterConfig(window=2, max_segment=2), hub.mailbox("drafter-0"), prop)
-    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=prompt,
-                                  committed_token_ids=[ref[0]], sampling=SamplingParams()))
-    d.step()
+    v, d, _ = _branch_oracle_drafter()
     d.step()
     v.drain()
     v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1, committed_token_ids=[21]))
