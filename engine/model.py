@@ -13,7 +13,7 @@ from engine.block_manager import slot_mapping as _slot_mapping
 from engine.config import ModelConfig
 from engine.dense_kv import DenseBatch, DenseKVCache
 from engine.kv_cache import KVCache
-from engine.linear import RowInvariantLinear
+from engine.linear import FusedLinears, RowInvariantLinear
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_plan import PagedAttentionPlan, plan_paged_attention
 
@@ -144,6 +144,7 @@ class Attention(nn.Module):
         self.k_proj = RowInvariantLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = RowInvariantLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = RowInvariantLinear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -156,9 +157,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden], cos/sin [T, 1, D] -> [T, hidden]; writes this chunk's K/V of ``layer``."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if isinstance(kv_cache, DenseKVCache):  # offline generation (engine/dense_kv.py)
@@ -190,10 +192,12 @@ class MLP(nn.Module):
         self.gate_proj = RowInvariantLinear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = RowInvariantLinear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self._gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self._gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -90,15 +90,14 @@ class PackCache:
         self.packed: torch.Tensor | None = None
         self._key: tuple | None = None
         self._held: tuple = ()
+        self.fused_bias: torch.Tensor | None = None  # get_fused's concatenated bias
 
     def get(self, x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """The pack to compute ``x`` [M, in] with, or None where ``F.linear`` must: switched
         off, not a 2-D CPU input of the weight's dtype, or autograd recording. Called on every
         product, so it checks no more than it must."""
-        if (not (_AVAILABLE and _switch) or x.dim() != 2 or x.dtype != weight.dtype
-                or not x.is_cpu
-                or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+        if not _usable(x, weight):
             return None
         key = (weight.data_ptr(), weight._version) if bias is None else \
             (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version)
@@ -106,6 +105,29 @@ class PackCache:
             self.packed, self._key = pack(weight, bias), key
             self._held = (weight.detach(),) if bias is None else (weight.detach(), bias.detach())
         return self.packed
+
+    def get_fused(self, x: torch.Tensor, weights: list[torch.Tensor],
+                  biases: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """:meth:`get` for several weights [out_i, in] over the same input, packed as one
+        [sum out_i, in] weight (``biases``: one per weight, or None); the pack's bias is
+        :attr:`fused_bias`."""
+        if not _usable(x, weights[0]):
+            return None
+        parts = [*weights, *(biases or [])]
+        key = tuple((t.data_ptr(), t._version) for t in parts)
+        if key != self._key:
+            w = torch.cat([t.detach() for t in weights])
+            self.fused_bias = None if biases is None else torch.cat([b.detach() for b in biases])
+            self.packed, self._key = pack(w, self.fused_bias), key
+            self._held = tuple(t.detach() for t in parts)
+        return self.packed
+
+
+def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A product a pack can compute: packing on, a 2-D CPU input of the weight's dtype, no
+    autograd recording."""
+    return (_AVAILABLE and _switch and x.dim() == 2 and x.dtype == weight.dtype and x.is_cpu
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
 
 __all__ = ["ENV_SWITCH", "PACKED_DTYPES", "PackCache", "enabled", "linear", "pack",

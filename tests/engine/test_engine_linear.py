@@ -91,3 +91,37 @@ def test_training_and_the_switch_keep_nn_linear(monkeypatch):
             assert torch.equal(ours(x), plain(x))
     finally:
         onednn.set_enabled(True)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", ["none", "all", "mixed"])
+def test_fused_linears_compute_their_layers_in_one_product(bias):
+    """FusedLinears (q/k/v, gate/up): one product on one pack, split per layer; each output
+    row-invariant and of its layer's shape, packed once by prepack (the layers' own packs stay
+    unused); with a bias on some layers only, or under autograd, each layer runs alone."""
+    from engine.linear import FusedLinears, prepack
+
+    torch.manual_seed(0)
+    layers = [RowInvariantLinear(96, n, bias=(bias == "all" or (bias == "mixed" and i == 0)))
+              for i, n in enumerate((64, 32, 32))]
+    group = FusedLinears(*layers)
+    model = nn.Sequential(*layers)
+    assert prepack(model) == (0 if bias == "mixed" else 1)
+    assert all(lin._pack_cache.packed is None for lin in layers)  # the group's pack only
+    assert all((lin._packed is None) == (bias == "mixed") for lin in layers)
+    x = torch.randn(9, 96)
+    with torch.no_grad():
+        outs = group(x)
+        alone = [lin(x) for lin in layers]
+        one = group(x[:1])
+    assert [o.shape for o in outs] == [(9, 64), (9, 32), (9, 32)]
+    for o, a, r in zip(outs, alone, one):
+        torch.testing.assert_close(o, a, rtol=1e-5, atol=1e-5)
+        assert torch.equal(r, o[:1])  # a row alone = the same row among others
+    with torch.no_grad():
+        assert (group.pack_for(x) is None) == (bias == "mixed")
+    with torch.enable_grad():
+        x.requires_grad_(True)
+        grads = group(x)
+        assert all(g.requires_grad for g in grads)  # autograd: the layers' own F.linear
+        assert torch.equal(grads[1], layers[1](x))
