@@ -75,21 +75,16 @@ class FusedLinears:
         self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
         self._pack_cache = onednn.PackCache()
+        with_bias = [lin.bias is not None for lin in linears]
+        self._fusable = all(with_bias) or not any(with_bias)  # a mix runs each on its own
         for lin in linears:
             lin._fused_into = self
 
-    def _biases(self) -> list[torch.Tensor] | None:
-        """The layers' biases, or None when none has one; a mix gives up (each on its own)."""
-        biases = [lin.bias for lin in self.linears]
-        if all(b is None for b in biases):
-            return None
-        return biases if all(b is not None for b in biases) else []
-
     def pack_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The fused pack for input ``x`` [M, in], or None (run the layers one by one)."""
-        biases = self._biases()
-        if biases == []:
+        if not self._fusable:
             return None
+        biases = None if self.linears[0].bias is None else [lin.bias for lin in self.linears]
         return self._pack_cache.get_fused(x, [lin.weight for lin in self.linears], biases)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -157,10 +157,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden], cos/sin [T, 1, D] -> [T, hidden]; writes this chunk's K/V of ``layer``."""
         T = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k, v = (t.reshape(T, -1, self.head_dim) for t in self._qkv(x))  # [T, heads, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if isinstance(kv_cache, DenseKVCache):  # offline generation (engine/dense_kv.py)
