@@ -13,7 +13,9 @@ row twice) and keeps the first. On F.linear, float32 and float64 keep the one-ro
 rarer at argmax than bf16's (no test or bench prompt has flipped), but they are not ruled out.
 Inference on CPU in float32 and bf16 runs on prepacked oneDNN weights instead
 (engine/onednn.py), where one-row inputs also run as two rows, which rules them out for
-float32 too.
+float32 too. A float32 layer loaded from a GGUF file computes on the file's quantized blocks
+instead (kernels/gguf_matmul.py, attached by engine/gguf_weights.py), row-invariant by
+construction.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from engine import onednn
+from kernels.gguf_matmul import BlockWeight, gguf_matmul
 
 #: Dtypes whose one-row products are computed as two rows.
 PADDED_DTYPES = (torch.bfloat16, torch.float16)
@@ -43,6 +46,24 @@ class RowInvariantLinear(nn.Linear):
         super().__init__(*args, **kwargs)
         self._pack_cache = onednn.PackCache()
         self._fused_into: FusedLinears | None = None  # packed with others (prepack skips it)
+        self._blocks: BlockWeight | None = None
+        self._blocks_key: tuple | None = None
+
+    def attach_blocks(self, blocks: BlockWeight) -> None:
+        """Compute on ``blocks``, which expand to the current weight [out, in] bit for bit
+        (engine/gguf_weights.py checks that); a later change of the weight drops them."""
+        self._blocks, self._blocks_key = blocks, (self.weight.data_ptr(), self.weight._version)
+
+    def blocks_for(self, x: torch.Tensor) -> BlockWeight | None:
+        """The GGUF blocks to compute ``x`` [M, in] with, or None: none attached, the weight
+        changed since, or not a float32 CPU input without autograd."""
+        if self._blocks is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu \
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return None
+        if (self.weight.data_ptr(), self.weight._version) != self._blocks_key:
+            self._blocks = None  # the weight changed: its blocks no longer hold it
+            return None
+        return self._blocks
 
     @property
     def _packed(self) -> torch.Tensor | None:
@@ -54,6 +75,10 @@ class RowInvariantLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] -> [M, out_features]."""
+        blocks = self.blocks_for(x)
+        if blocks is not None:
+            y = gguf_matmul(x, blocks)
+            return y if self.bias is None else y.add_(self.bias)
         packed = self._pack_cache.get(x, self.weight, self.bias)
         if packed is not None:
             return onednn.linear(x, packed, self.bias)
@@ -79,6 +104,18 @@ class FusedLinears:
         self._fusable = all(with_bias) or not any(with_bias)  # a mix runs each on its own
         for lin in linears:
             lin._fused_into = self
+        self._blocks: tuple[tuple, BlockWeight] | None = None  # (members' blocks ids, stacked)
+
+    def blocks_for(self, x: torch.Tensor) -> BlockWeight | None:
+        """The layers' GGUF blocks stacked into one weight, or None unless every layer has
+        blocks for ``x`` in one format (then they run on their packs or alone)."""
+        parts = [lin.blocks_for(x) for lin in self.linears]
+        if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1:
+            return None
+        key = tuple(id(p) for p in parts)
+        if self._blocks is None or self._blocks[0] != key:
+            self._blocks = (key, BlockWeight.cat(parts))
+        return self._blocks[1]
 
     def pack_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The fused pack for input ``x`` [M, in], or None (run the layers one by one)."""
@@ -89,6 +126,11 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [M, in] -> one [M, out_i] per layer."""
+        blocks = self.blocks_for(x)
+        if blocks is not None:
+            parts = gguf_matmul(x, blocks).split(self.sizes, dim=1)
+            return tuple(part if lin.bias is None else part + lin.bias
+                         for part, lin in zip(parts, self.linears))
         packed = self.pack_for(x)
         if packed is None:
             return tuple(lin(x) for lin in self.linears)
@@ -104,6 +146,8 @@ def prepack(model: nn.Module) -> int:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RowInvariantLinear):
+                if module._blocks is not None:
+                    continue  # computes on its GGUF blocks; packed only if they are dropped
                 w = module.weight
                 probe = torch.empty(2, module.in_features, dtype=w.dtype, device=w.device)
                 group = module._fused_into

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype
+from engine.gguf_weights import attach_block_weights
 from engine.linear import prepack
 from engine.model import LlamaForCausalLM
 from engine.weights_cache import (
@@ -154,6 +155,7 @@ def load_model(
     kind, path = _resolve(model)
     name = _model_name(model, kind, path)
     hf_model = tokenizer = None
+    gguf_path = path if kind == "gguf" else None
     if kind == "gguf":
         path, hf_model, tokenizer = ensure_cached(path, dtype)
     if hf_model is not None:
@@ -165,6 +167,8 @@ def load_model(
     config = with_generation_eos(ModelConfig.from_hf(hf_config), path)
     ours = build_model(config, state, model_dtype(dtype), device)
     del hf_model, state
+    if gguf_path is not None:  # float32 on CPU: compute on the file's quantized blocks
+        attach_block_weights(ours, gguf_path, config.tie_word_embeddings, cache_dir=path)
     prepack(ours)  # CPU: oneDNN weight packs now, not on the first request
     if tokenizer is None:
         try:

@@ -12,14 +12,8 @@ the reference's up to float rounding (both accumulate in float32, float64 for a 
 not bit for bit; the engine uses one of them for every step, so output with speculation still
 equals output without it.
 
-Build: ``g++ -O3 -march=native -ffp-contract=off -fopenmp -shared`` (``$CXX`` if set) into
-``$SPECMESH_KERNEL_CACHE`` (default ``~/.cache/specmesh/kernels``), named by a hash of the
-source, the flags, the compiler and the CPU's feature flags, so a shared home across machines
-never loads code built for another CPU; written to a temporary name and renamed, so concurrent
-processes can build at once. The OpenMP runtime is the one torch already loaded
-(``libgomp.so.1``), so the kernel runs on torch's threads (``torch.get_num_threads()``).
-Without a compiler, or with ``SPECMESH_CPU_ATTENTION=0``, :func:`available` is False and the
-engine uses the torch reference.
+Build: see :mod:`kernels.cpu_build` (``SPECMESH_CPU_ATTENTION=0`` turns it off; without a
+compiler :func:`available` is False and the engine uses the torch reference).
 
 Dtypes: float32, bfloat16, float64 (others: the reference).
 """
@@ -27,66 +21,32 @@ Dtypes: float32, bfloat16, float64 (others: the reference).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_build import CpuKernel, cache_dir, compiler
 from kernels.paged_attention_plan import PagedAttentionPlan, check_block_ids, resolve_plan
 
-log = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
-         "-std=c++17")
 _ENTRIES = {torch.float32: "specmesh_paged_attention_f32",
             torch.bfloat16: "specmesh_paged_attention_bf16",
             torch.float64: "specmesh_paged_attention_f64"}
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
     + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_double, ctypes.c_int]
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed: str | None = None
+KERNEL = CpuKernel(SOURCE, "the CPU attention kernel", "SPECMESH_CPU_ATTENTION",
+                   "using the torch reference",
+                   {name: (_ARGTYPES, None) for name in _ENTRIES.values()})
 
 
 def enabled() -> bool:
     """False when ``SPECMESH_CPU_ATTENTION=0`` (the engine then keeps the torch reference)."""
-    return os.environ.get("SPECMESH_CPU_ATTENTION", "1") != "0"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept (``$SPECMESH_KERNEL_CACHE``, else ``$XDG_CACHE_HOME`` or
-    ``~/.cache``, then ``specmesh/kernels``)."""
-    root = os.environ.get("SPECMESH_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specmesh" / "kernels"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    return KERNEL.enabled()
 
 
 def has_compiler() -> bool:
     """Whether a C++ compiler is there to build the kernel (``$CXX``, g++ or c++)."""
-    return _compiler() is not None
+    return compiler() is not None
 
 
 def build() -> Path:
@@ -96,51 +56,13 @@ def build() -> Path:
     Raises:
         RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
     """
-    cxx = _compiler()
-    if not cxx:
-        raise RuntimeError("no C++ compiler (g++ / $CXX) to build the CPU attention kernel")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
-                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()
-    out = cache_dir() / f"cpu_attention-{key[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building the CPU attention kernel failed ({cxx}):\n"
-                               f"{done.stderr[-4000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return KERNEL.build()
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on first call; None when disabled or when it cannot be
     built (logged once, the engine then uses the torch reference)."""
-    global _lib, _failed
-    if not enabled():
-        return None
-    if _lib is not None or _failed is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _failed is None:
-            try:
-                lib = ctypes.CDLL(str(build()))
-                for fn in _ENTRIES.values():
-                    getattr(lib, fn).argtypes = _ARGTYPES
-                    getattr(lib, fn).restype = None
-                _lib = lib
-            except (RuntimeError, OSError) as e:
-                _failed = str(e)
-                log.warning("CPU attention kernel unavailable, using the torch reference: %s", e)
-    return _lib
+    return KERNEL.library()
 
 
 def available() -> bool:
@@ -187,7 +109,8 @@ def paged_attention_cpu(
                          f"got {q.dtype} on {q.device}")
     lib = library()
     if lib is None:
-        raise RuntimeError(f"the CPU attention kernel is not available: {_failed or 'disabled'}")
+        raise RuntimeError(f"the CPU attention kernel is not available: "
+                           f"{KERNEL.failed or 'disabled'}")
     plan = resolve_plan(q, k_cache, v_cache, block_tables, query_lens, kv_lens, plan,
                         tree_masks)
     check_block_ids(plan, k_cache.shape[0])

@@ -19,9 +19,10 @@ def cpu_attention_kernel():
     """Build the compiled CPU attention (kernels/cpu_attention.py) once, before any test
     starts role processes, so they load it from the cache instead of all compiling it at
     once (tests/kernels/test_cpu_attention.py fails where it cannot be built)."""
-    from kernels import cpu_attention
+    from kernels import cpu_attention, gguf_matmul
 
     cpu_attention.library()
+    gguf_matmul.KERNEL.library()  # the same for the GGUF matmul kernel
 
 
 @pytest.fixture(scope="session")

@@ -62,3 +62,51 @@ def test_smollm2_load_cache_and_logits(tmp_path, monkeypatch):
     verify = runner.forward([SeqChunk(gen[n : n + 5], n, table)])[0]  # 5-token verify chunk
     assert (verify - want[n : n + 5]).abs().max().item() < 1e-4
     assert verify.argmax(-1).tolist() == gen[n + 1 : n + 6]
+
+
+def test_smollm2_float32_computes_on_its_gguf_blocks(monkeypatch, tmp_path):
+    from engine import gguf_weights
+    from engine.gguf_weights import BLOCKS_FILE, attach_block_weights
+    from engine.linear import RowInvariantLinear
+    from engine.loader import _resolve
+    from kernels import gguf_matmul
+
+    loaded = load_model(dtype="float32")
+    model = loaded.model
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, RowInvariantLinear)}
+    assert len(layers) == 30 * 7 + 1 and all(m._blocks is not None for m in layers.values())
+    assert model.lm_head._blocks.fmt == "Q8_0" and layers["model.layers.0.mlp.up_proj"] \
+        ._blocks.fmt == "Q4_1"
+    for name, m in layers.items():  # the blocks expand to the loaded weights, rows in order
+        if "layers.0." in name or name == "lm_head":
+            assert torch.equal(m._blocks.dequantize(), m.weight), name
+
+    attn = model.model.layers[3].self_attn
+    x = torch.randn(5, 576)
+    q, k, v = attn._qkv(x)  # the stacked q/k/v equal each layer on its own blocks
+    assert torch.equal(q, attn.q_proj(x)) and torch.equal(k, attn.k_proj(x))
+    assert torch.equal(v, attn.v_proj(x))
+    on_blocks = attn.q_proj(x)
+    dense = x @ attn.q_proj.weight.T
+    assert (on_blocks - dense).abs().max().item() < 1e-4
+
+    with torch.no_grad():  # a changed weight drops its blocks and computes on the weight
+        attn.q_proj.weight.mul_(2)
+        assert attn.q_proj.blocks_for(x) is None and attn._qkv.blocks_for(x) is None
+        assert (attn.q_proj(x) - 2 * dense).abs().max().item() < 1e-4
+
+    gguf = _resolve(None)[1]
+    fresh = load_model(dtype="float32").model  # the blocks file: written once, then read
+    assert attach_block_weights(fresh, gguf, tied=True, cache_dir=tmp_path) == 211
+    assert (tmp_path / BLOCKS_FILE).is_file()
+    with monkeypatch.context() as m:
+        m.setattr(gguf_weights, "read_block_weights", lambda *a: pytest.fail("read the GGUF"))
+        assert attach_block_weights(fresh, gguf, tied=True, cache_dir=tmp_path) == 211
+    (tmp_path / BLOCKS_FILE).write_bytes(b"garbage")  # unreadable: read the GGUF again
+    assert attach_block_weights(fresh, gguf, tied=True, cache_dir=tmp_path) == 211
+    with torch.no_grad():  # a file whose blocks no longer expand to the weights is not used
+        fresh.model.layers[0].mlp.up_proj.weight.add_(1)
+        assert attach_block_weights(fresh, gguf, tied=True, cache_dir=tmp_path) == 210
+
+    monkeypatch.setenv(gguf_matmul.SWITCH, "0")
+    assert attach_block_weights(model, gguf, tied=True) == 0

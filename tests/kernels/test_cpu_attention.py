@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not cpu_attention.has_compiler(),
 def test_kernel_builds_where_there_is_a_compiler():
     """Where a compiler exists the kernel must build (else every test here would pass on the
     torch reference's fallback without running it)."""
-    assert cpu_attention.available(), cpu_attention._failed
+    assert cpu_attention.available(), cpu_attention.KERNEL.failed
 
 attend = cpu_attention.paged_attention_cpu
 
@@ -108,9 +108,9 @@ def test_build_failure_is_a_clear_error_and_falls_back(monkeypatch, tmp_path, ca
     with pytest.raises(RuntimeError, match="building the CPU attention kernel failed"):
         cpu_attention.build()
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
-    monkeypatch.setattr(cpu_attention, "_lib", None)
-    monkeypatch.setattr(cpu_attention, "_failed", None)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_attention"):
+    monkeypatch.setattr(cpu_attention.KERNEL, "lib", None)
+    monkeypatch.setattr(cpu_attention.KERNEL, "failed", None)
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
         assert cpu_attention.library() is None
     assert "using the torch reference" in caplog.text
     q, k, v, tables = _case(4, 2, 16, 4, [1], [5], torch.float32)

@@ -1,0 +1,192 @@
+"""Linear products on GGUF block-quantized weights (Q4_1, Q8_0), dequantized on the fly in
+float32 by compiled CPU code (``kernels/gguf_matmul.cpp``, built as :mod:`kernels.cpu_build`
+says), with a torch reference.
+
+Why: a decode step of a small model is bound by the bytes of weight it reads. SmolLM2-135M
+ships as a Q4_1 GGUF (token embedding Q8_0); dequantized to float32 its weights are 540 MB per
+step, about 37 ms of a 50 ms one-token step on a 2-core AVX2 host, where oneDNN has no bf16.
+Held in their GGUF blocks they are about 100 MB, and each block is expanded to float32 in
+registers as the product reads it (the approach of llama.cpp's ggml and vLLM's GGUF kernels).
+
+Exactness: every weight the kernel uses equals the float32 weight transformers' GGUF loader
+produces (gguf-py's dequantization: ``d * q + m`` for Q4_1, ``d * q`` for Q8_0, with the f16
+``d`` and ``m`` widened to float32), bit for bit; :meth:`BlockWeight.dequantize` computes the
+same values in torch. Only the accumulation order differs from a dense float32 GEMM, as it
+differs between any two BLAS libraries. Each output element is one fixed-order accumulation,
+whatever the number of rows, the tiling or the threads, so the products are row-invariant
+(batch-invariant) by construction, as the verify forward needs (DESIGN.md §11).
+
+Layout of a :class:`BlockWeight` (blocks of 32 along the input dim K; KB = K / 32):
+``scale`` [N, KB] float32, ``minv`` [N, KB] float32 (Q4_1 only), ``qs`` [N, KB, 16] uint8 (Q4_1:
+byte j holds q[j] in its low and q[j + 16] in its high nibble, as GGUF stores it) or
+[N, KB, 32] int8 (Q8_0).
+
+``SPECMESH_GGUF_MATMUL=0`` turns the kernel off (the engine keeps dense float32 weights).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels.cpu_build import CpuKernel
+
+BLOCK = 32
+#: format -> (kernel code, bytes per GGUF block, quant bytes per block)
+FORMATS = {"Q4_1": (0, 20, 16), "Q8_0": (1, 34, 32)}
+SWITCH = "SPECMESH_GGUF_MATMUL"
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+KERNEL = CpuKernel(
+    Path(__file__).with_name("gguf_matmul.cpp"), "the GGUF matmul kernel", SWITCH,
+    "keeping dense float32 weights",
+    {"specmesh_q4_1_matmul": ([_P, _I, _I, _P, _P, _P, _I, _P, _I], _I),
+     "specmesh_q8_0_matmul": ([_P, _I, _I, _P, _P, _I, _P, _I], _I),
+     "specmesh_gguf_dequant": ([_I, _P, _P, _P, _I, _I, _P], _I)})
+
+
+def available() -> bool:
+    """Whether the compiled kernel is built and loaded (switch on, a compiler, AVX2 + FMA)."""
+    return KERNEL.library() is not None
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A linear weight [N, K] kept in a GGUF block format (see the module docstring for the
+    tensors' shapes). Rows are output features; blocks run along the input features."""
+
+    fmt: str
+    scale: torch.Tensor
+    minv: torch.Tensor | None
+    qs: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.scale.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.scale.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads for one product (scales, mins and quants)."""
+        return sum(t.numel() * t.element_size() for t in (self.scale, self.minv, self.qs)
+                   if t is not None)
+
+    @classmethod
+    def from_gguf(cls, fmt: str, raw: np.ndarray) -> "BlockWeight":
+        """From a GGUF tensor's raw bytes ``raw`` [N, KB * block bytes] uint8 (gguf-py's
+        ``ReaderTensor.data`` of a quantized tensor).
+
+        Raises:
+            ValueError: a format other than Q4_1 / Q8_0, or a row size that is not whole blocks.
+        """
+        if fmt not in FORMATS:
+            raise ValueError(f"no kernel for GGUF format {fmt}; have {sorted(FORMATS)}")
+        _, block_bytes, quant_bytes = FORMATS[fmt]
+        raw = np.asarray(raw, dtype=np.uint8)
+        if raw.ndim != 2 or raw.shape[1] % block_bytes:
+            raise ValueError(f"{fmt} rows must be whole {block_bytes}-byte blocks, "
+                             f"got shape {raw.shape}")
+        blocks = raw.reshape(raw.shape[0], -1, block_bytes)
+
+        def f16(col: int) -> torch.Tensor:
+            half = np.ascontiguousarray(blocks[..., col:col + 2]).view(np.float16)[..., 0]
+            return torch.from_numpy(half.astype(np.float32))
+
+        qs = torch.from_numpy(np.ascontiguousarray(blocks[..., block_bytes - quant_bytes:]))
+        if fmt == "Q4_1":
+            return cls(fmt, f16(0), f16(2), qs)
+        return cls(fmt, f16(0), None, qs.view(torch.int8))
+
+    def take_rows(self, index: torch.Tensor) -> "BlockWeight":
+        """The weight of rows ``index`` [N'] (int64), in that order."""
+        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa
+        return BlockWeight(self.fmt, pick(self.scale), pick(self.minv), pick(self.qs))
+
+    @staticmethod
+    def cat(weights: list["BlockWeight"]) -> "BlockWeight":
+        """Weights of one format and K stacked along the rows (a fused q/k/v or gate/up).
+
+        Raises:
+            ValueError: formats or input sizes differ.
+        """
+        if len({(w.fmt, w.in_features) for w in weights}) != 1:
+            raise ValueError("only weights of one format and input size can be stacked")
+        minv = None if weights[0].minv is None else torch.cat([w.minv for w in weights])
+        return BlockWeight(weights[0].fmt, torch.cat([w.scale for w in weights]), minv,
+                           torch.cat([w.qs for w in weights]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] (torch reference; gguf-py's values bit for bit)."""
+        n, kb = self.scale.shape
+        if self.fmt == "Q4_1":
+            q = torch.cat([self.qs & 0x0F, self.qs >> 4], dim=-1).float()  # [N, KB, 32]
+            w = q * self.scale[..., None] + self.minv[..., None]
+        else:
+            w = self.qs.float() * self.scale[..., None]
+        return w.reshape(n, kb * BLOCK)
+
+
+def matmul_ref(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """Torch reference: x [M, K] float32 @ weight.dequantize().T -> [M, N]."""
+    return x @ weight.dequantize().T
+
+
+def gguf_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """``x`` [M, K] float32 (CPU) @ ``weight``.T -> [M, N] float32 on the compiled kernel, on
+    ``torch.get_num_threads()`` threads. Row i of the result does not depend on the other rows.
+
+    Raises:
+        ValueError: x is not a 2-D float32 CPU tensor of K columns.
+        RuntimeError: the kernel is not available, or it failed (out of memory).
+    """
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.shape[1] != weight.in_features:
+        raise ValueError(f"gguf_matmul takes a float32 CPU [M, {weight.in_features}] input, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    lib = KERNEL.library()
+    if lib is None:
+        raise RuntimeError(f"the GGUF matmul kernel is not available: {KERNEL.failed or 'off'}")
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.out_features
+    y = torch.empty(m, n, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if weight.fmt == "Q4_1":
+        rc = lib.specmesh_q4_1_matmul(x.data_ptr(), m, k, weight.scale.data_ptr(),
+                                      weight.minv.data_ptr(), weight.qs.data_ptr(), n,
+                                      y.data_ptr(), threads)
+    else:
+        rc = lib.specmesh_q8_0_matmul(x.data_ptr(), m, k, weight.scale.data_ptr(),
+                                      weight.qs.data_ptr(), n, y.data_ptr(), threads)
+    if rc != 0:
+        raise RuntimeError(f"the GGUF matmul kernel failed (code {rc})")
+    return y
+
+
+def dequantize_compiled(weight: BlockWeight) -> torch.Tensor:
+    """The float32 weight [N, K] as the compiled kernel expands it (tests compare it with
+    :meth:`BlockWeight.dequantize`).
+
+    Raises:
+        RuntimeError: the kernel is not available.
+    """
+    lib = KERNEL.library()
+    if lib is None:
+        raise RuntimeError(f"the GGUF matmul kernel is not available: {KERNEL.failed or 'off'}")
+    n, k = weight.out_features, weight.in_features
+    w = torch.empty(n, k, dtype=torch.float32)
+    minv = 0 if weight.minv is None else weight.minv.data_ptr()
+    lib.specmesh_gguf_dequant(FORMATS[weight.fmt][0], weight.scale.data_ptr(), minv,
+                              weight.qs.data_ptr(), n, k, w.data_ptr())
+    return w
+
+
+__all__ = ["BLOCK", "FORMATS", "KERNEL", "SWITCH", "BlockWeight", "available",
+           "dequantize_compiled", "gguf_matmul", "matmul_ref"]
