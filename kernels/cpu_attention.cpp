@@ -17,6 +17,9 @@
 // token_chunk_start int32 [T] or null (token trees: visible position p >= chunk_start reads
 // chunk row token_path[t, p - chunk_start], i.e. position chunk_start + that row).
 #include <cmath>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -146,10 +149,32 @@ inline float hsum(f32x16 v) {  // the lane tree of lane_sum
   return lane_sum(s);
 }
 
+// a * b + c rounded once per lane, as std::fmaf: the vector instruction where the target has
+// one (GCC leaves the lane loop as 16 scalar calls), the loop elsewhere; the same bits.
 inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+  __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                             reinterpret_cast<__m512>(c));
+  return reinterpret_cast<f32x16>(r);
+#elif defined(__AVX2__) && defined(__FMA__)
+  typedef float f32x8 __attribute__((vector_size(32)));
+  f32x8 al, ah, bl, bh, cl, ch;
+  std::memcpy(&al, &a, 32); std::memcpy(&ah, reinterpret_cast<char*>(&a) + 32, 32);
+  std::memcpy(&bl, &b, 32); std::memcpy(&bh, reinterpret_cast<char*>(&b) + 32, 32);
+  std::memcpy(&cl, &c, 32); std::memcpy(&ch, reinterpret_cast<char*>(&c) + 32, 32);
+  __m256 lo = _mm256_fmadd_ps(reinterpret_cast<__m256>(al), reinterpret_cast<__m256>(bl),
+                              reinterpret_cast<__m256>(cl));
+  __m256 hi = _mm256_fmadd_ps(reinterpret_cast<__m256>(ah), reinterpret_cast<__m256>(bh),
+                              reinterpret_cast<__m256>(ch));
+  f32x16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
   f32x16 r;
   for (int l = 0; l < kLanes; ++l) r[l] = std::fmaf(a[l], b[l], c[l]);
   return r;
+#endif
 }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -167,6 +192,31 @@ inline void prefetch_row(const S* row, int nc) {
 // lane_sum (so a position's score does not depend on whether it was reduced in a block of 16
 // or alone).
 inline f32x16 hsum16(const f32x16* v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // the same tree in 8-lane registers (GCC splits the 16-lane shuffles below lane by lane):
+  // x = lo + hi (a[i] = s[i] + s[i + 8]); y: a[i] + a[i + 4] of two vectors per register;
+  // z: (a0 + a2, a1 + a3) of four; then their sum, lanes put back in order
+  __m256 y[8], z[4];
+  for (int j = 0; j < 8; ++j) {
+    __m256 x0 = _mm256_add_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(&v[2 * j])),
+                              _mm256_loadu_ps(reinterpret_cast<const float*>(&v[2 * j]) + 8));
+    __m256 x1 = _mm256_add_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(&v[2 * j + 1])),
+                              _mm256_loadu_ps(reinterpret_cast<const float*>(&v[2 * j + 1]) + 8));
+    y[j] = _mm256_add_ps(_mm256_permute2f128_ps(x0, x1, 0x20), _mm256_permute2f128_ps(x0, x1, 0x31));
+  }
+  for (int j = 0; j < 4; ++j)  // lanes: b0, b1 of v[4j], v[4j+2] | of v[4j+1], v[4j+3]
+    z[j] = _mm256_add_ps(_mm256_shuffle_ps(y[2 * j], y[2 * j + 1], 0x44),
+                         _mm256_shuffle_ps(y[2 * j], y[2 * j + 1], 0xEE));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  f32x16 r;
+  for (int j = 0; j < 2; ++j) {  // r of v[8j], v[8j+2], v[8j+4], v[8j+6] | v[8j+1], ...
+    __m256 t = _mm256_add_ps(_mm256_shuffle_ps(z[2 * j], z[2 * j + 1], 0x88),
+                             _mm256_shuffle_ps(z[2 * j], z[2 * j + 1], 0xDD));
+    t = _mm256_permutevar8x32_ps(t, order);
+    std::memcpy(reinterpret_cast<char*>(&r) + 32 * j, &t, 32);
+  }
+  return r;
+#else
   f32x16 x[8], y[4], z[2];
   for (int j = 0; j < 8; ++j)  // lanes 0-7: a of v[2j], lanes 8-15: a of v[2j+1]
     x[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1],
@@ -187,6 +237,7 @@ inline f32x16 hsum16(const f32x16* v) {
                            i32x16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
          __builtin_shuffle(z[0], z[1],
                            i32x16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+#endif
 }
 
 // Scores of GB query heads of one row (of one KV head) at positions [a, b) of a split, a a
