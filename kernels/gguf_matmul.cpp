@@ -65,67 +65,39 @@ static void dequant_q8_0(const float *d, const int8_t *qs, int kb, float *w) {
     }
 }
 
-/* y[i, n0 + j] for rows i of x and the nt dequantized weight rows w[j] (nt <= TILE_MAX) */
-static void tile_dot(const float *x, int M, int K, const float *w, int nt, float *y, int N, int n0) {
-    int i = 0;
-    for (; i + 1 < M; i += 2) {
-        const float *x0 = x + (size_t)i * K, *x1 = x0 + K;
-        int j = 0;
-        for (; j + 3 < nt; j += 4) {
-            const float *w0 = w + (size_t)j * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-            for (int k = 0; k < K; k += 8) {
-                __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
-                __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k);
-                __m256 b2 = _mm256_loadu_ps(w2 + k), b3 = _mm256_loadu_ps(w3 + k);
-                a00 = _mm256_fmadd_ps(v0, b0, a00); a01 = _mm256_fmadd_ps(v0, b1, a01);
-                a02 = _mm256_fmadd_ps(v0, b2, a02); a03 = _mm256_fmadd_ps(v0, b3, a03);
-                a10 = _mm256_fmadd_ps(v1, b0, a10); a11 = _mm256_fmadd_ps(v1, b1, a11);
-                a12 = _mm256_fmadd_ps(v1, b2, a12); a13 = _mm256_fmadd_ps(v1, b3, a13);
-            }
-            float *y0 = y + (size_t)i * N + n0 + j, *y1 = y0 + N;
-            y0[0] = hsum8(a00); y0[1] = hsum8(a01); y0[2] = hsum8(a02); y0[3] = hsum8(a03);
-            y1[0] = hsum8(a10); y1[1] = hsum8(a11); y1[2] = hsum8(a12); y1[3] = hsum8(a13);
-        }
-        for (; j < nt; j++) {
-            const float *w0 = w + (size_t)j * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            for (int k = 0; k < K; k += 8) {
-                __m256 b0 = _mm256_loadu_ps(w0 + k);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), b0, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + k), b0, a1);
-            }
-            y[(size_t)i * N + n0 + j] = hsum8(a0);
-            y[(size_t)(i + 1) * N + n0 + j] = hsum8(a1);
+/* y[i .. i + R, n0 + j .. n0 + j + C] from R rows of x and C expanded weight rows of w:
+ * R * C accumulators, one per output element, k ascending in steps of 8, then hsum8 */
+template <int R, int C>
+static inline void micro(const float *x, int K, const float *w, float *y, int N) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+        __m256 wv[C];
+        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + (size_t)c * K + k);
+        for (int r = 0; r < R; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (size_t)r * K + k);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
         }
     }
-    for (; i < M; i++) {
-        const float *x0 = x + (size_t)i * K;
-        int j = 0;
-        for (; j + 3 < nt; j += 4) {
-            const float *w0 = w + (size_t)j * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int k = 0; k < K; k += 8) {
-                __m256 v0 = _mm256_loadu_ps(x0 + k);
-                a0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(w0 + k), a0);
-                a1 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(w1 + k), a1);
-                a2 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(w2 + k), a2);
-                a3 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(w3 + k), a3);
-            }
-            float *y0 = y + (size_t)i * N + n0 + j;
-            y0[0] = hsum8(a0); y0[1] = hsum8(a1); y0[2] = hsum8(a2); y0[3] = hsum8(a3);
-        }
-        for (; j < nt; j++) {
-            const float *w0 = w + (size_t)j * K;
-            __m256 a0 = _mm256_setzero_ps();
-            for (int k = 0; k < K; k += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), _mm256_loadu_ps(w0 + k), a0);
-            y[(size_t)i * N + n0 + j] = hsum8(a0);
-        }
-    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[(size_t)r * N + c] = hsum8(acc[r][c]);
 }
 
+template <int R>
+static inline void micro_row(const float *x, int K, const float *w, int nt, float *y, int N) {
+    int j = 0;
+    for (; j + 3 < nt; j += 4) micro<R, 4>(x, K, w + (size_t)j * K, y + j, N);
+    for (; j < nt; j++) micro<R, 1>(x, K, w + (size_t)j * K, y + j, N);
+}
+
+/* y[i, n0 + j] for rows i of x and the nt expanded weight rows w[j], three rows of x by four
+ * weight rows at a time (12 accumulators in registers) */
+static void tile_dot(const float *x, int M, int K, const float *w, int nt, float *y, int N, int n0) {
+    int i = 0;
+    for (; i + 2 < M; i += 3) micro_row<3>(x + (size_t)i * K, K, w, nt, y + (size_t)i * N + n0, N);
+    for (; i < M; i++) micro_row<1>(x + (size_t)i * K, K, w, nt, y + (size_t)i * N + n0, N);
+}
 
 #define FUSED_ROWS 8
 
