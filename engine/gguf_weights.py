@@ -17,6 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -55,7 +56,8 @@ def read_block_weights(path: Path) -> dict[str, BlockWeight]:
     for tensor in GGUFReader(str(path)).tensors:
         name, fmt = hf_name(tensor.name), tensor.tensor_type.name
         if name is not None and fmt in gguf_matmul.FORMATS:
-            out[name] = BlockWeight.from_gguf(fmt, tensor.data)
+            raw = torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=np.uint8))
+            out[name] = BlockWeight.from_gguf(fmt, raw)
     return out
 
 

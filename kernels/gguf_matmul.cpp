@@ -100,6 +100,9 @@ static void tile_dot(const float *x, int M, int K, const float *w, int nt, float
 }
 
 #define FUSED_ROWS 8
+#ifndef PREFETCH_GROUPS
+#define PREFETCH_GROUPS 2
+#endif
 
 /* the 32 weights of block b of a Q4_1 row, expanded into w[0..3] (8 lanes each) */
 static inline void block_q4_1(const float *d, const float *m, const uint8_t *qs, int b,
@@ -157,6 +160,23 @@ static inline void fused_rows(const float *x, int K, const float *scale, const f
         for (int j = 0; j < NB; j++) y[(size_t)r * N + n + j] = hsum8(acc[r][j]);
 }
 
+/* ask for weight row n's blocks (scales, mins, quants) ahead of their use: the rows come from
+ * memory once per product, and the hardware prefetcher alone leaves the core waiting on them */
+static inline void prefetch_row(int fmt, const float *scale, const float *minv,
+                                const uint8_t *qs, int kb, size_t n) {
+#ifndef SPECMESH_NO_PREFETCH
+    const int qbytes = fmt == 0 ? 16 : 32;
+    const char *q = (const char *)(qs + n * kb * qbytes);
+    for (int at = 0; at < kb * qbytes; at += 64) _mm_prefetch(q + at, _MM_HINT_T0);
+    const char *d = (const char *)(scale + n * kb);
+    for (int at = 0; at < kb * 4; at += 64) _mm_prefetch(d + at, _MM_HINT_T0);
+    if (fmt == 0) {
+        const char *m = (const char *)(minv + n * kb);
+        for (int at = 0; at < kb * 4; at += 64) _mm_prefetch(m + at, _MM_HINT_T0);
+    }
+#endif
+}
+
 /* rows i .. i + ROWS of y for every weight row, NB at a time, the last N % NB one by one */
 template <int FMT, int ROWS>
 static void fused_block(const float *x, int K, const float *scale, const float *minv,
@@ -164,8 +184,12 @@ static void fused_block(const float *x, int K, const float *scale, const float *
     constexpr int NB = ROWS == 1 ? 4 : (ROWS <= 4 ? 2 : 1);
     const int groups = N / NB;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int g = 0; g < groups; g++)
+    for (int g = 0; g < groups; g++) {
+        for (int j = 0; j < NB; j++)  /* the group PREFETCH_GROUPS ahead */
+            if ((g + PREFETCH_GROUPS) * NB + j < N)
+                prefetch_row(FMT, scale, minv, qs, K / 32, (size_t)((g + PREFETCH_GROUPS) * NB + j));
         fused_rows<FMT, ROWS, NB>(x, K, scale, minv, qs, g * NB, y, N);
+    }
     for (int n = groups * NB; n < N; n++)
         fused_rows<FMT, ROWS, 1>(x, K, scale, minv, qs, n, y, N);
 }

@@ -30,7 +30,6 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kernels.cpu_build import CpuKernel
@@ -79,9 +78,9 @@ class BlockWeight:
                    if t is not None)
 
     @classmethod
-    def from_gguf(cls, fmt: str, raw: np.ndarray) -> "BlockWeight":
+    def from_gguf(cls, fmt: str, raw: torch.Tensor) -> "BlockWeight":
         """From a GGUF tensor's raw bytes ``raw`` [N, KB * block bytes] uint8 (gguf-py's
-        ``ReaderTensor.data`` of a quantized tensor).
+        ``ReaderTensor.data`` of a quantized tensor, as a torch tensor).
 
         Raises:
             ValueError: a format other than Q4_1 / Q8_0, or a row size that is not whole blocks.
@@ -89,17 +88,15 @@ class BlockWeight:
         if fmt not in FORMATS:
             raise ValueError(f"no kernel for GGUF format {fmt}; have {sorted(FORMATS)}")
         _, block_bytes, quant_bytes = FORMATS[fmt]
-        raw = np.asarray(raw, dtype=np.uint8)
-        if raw.ndim != 2 or raw.shape[1] % block_bytes:
-            raise ValueError(f"{fmt} rows must be whole {block_bytes}-byte blocks, "
-                             f"got shape {raw.shape}")
+        if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % block_bytes:
+            raise ValueError(f"{fmt} rows must be whole {block_bytes}-byte blocks of uint8, "
+                             f"got {raw.dtype} {tuple(raw.shape)}")
         blocks = raw.reshape(raw.shape[0], -1, block_bytes)
 
-        def f16(col: int) -> torch.Tensor:
-            half = np.ascontiguousarray(blocks[..., col:col + 2]).view(np.float16)[..., 0]
-            return torch.from_numpy(half.astype(np.float32))
+        def f16(col: int) -> torch.Tensor:  # the f16 at byte col of each block, as float32
+            return blocks[..., col:col + 2].contiguous().view(torch.float16)[..., 0].float()
 
-        qs = torch.from_numpy(np.ascontiguousarray(blocks[..., block_bytes - quant_bytes:]))
+        qs = blocks[..., block_bytes - quant_bytes:].contiguous()
         if fmt == "Q4_1":
             return cls(fmt, f16(0), f16(2), qs)
         return cls(fmt, f16(0), None, qs.view(torch.int8))

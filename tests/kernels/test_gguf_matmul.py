@@ -35,7 +35,7 @@ def _gguf_py_dequant(fmt: str, raw: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_weights_equal_gguf_py_dequantization_bit_for_bit(fmt):
     raw = _raw(fmt, 37, 96)
-    weight = BlockWeight.from_gguf(fmt, raw)
+    weight = BlockWeight.from_gguf(fmt, torch.from_numpy(raw))
     want = torch.from_numpy(_gguf_py_dequant(fmt, raw)).reshape(37, 96)
     assert torch.equal(weight.dequantize(), want)
     assert torch.equal(dequantize_compiled(weight), want)
@@ -44,7 +44,7 @@ def test_weights_equal_gguf_py_dequantization_bit_for_bit(fmt):
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k", [(1, 32), (5, 96), (67, 64), (130, 576)])
 def test_products_match_the_reference_and_rows_do_not_depend_on_the_call(fmt, n, k):
-    weight = BlockWeight.from_gguf(fmt, _raw(fmt, n, k, seed=n + k))
+    weight = BlockWeight.from_gguf(fmt, torch.from_numpy(_raw(fmt, n, k, seed=n + k)))
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(70, k, generator=gen)
     full = matmul(x, weight)
@@ -61,7 +61,7 @@ def test_products_match_the_reference_and_rows_do_not_depend_on_the_call(fmt, n,
 
 
 def test_rows_do_not_depend_on_the_thread_count():
-    weight = BlockWeight.from_gguf("Q4_1", _raw("Q4_1", 257, 160))
+    weight = BlockWeight.from_gguf("Q4_1", torch.from_numpy(_raw("Q4_1", 257, 160)))
     x = torch.randn(12, 160)
     threads = torch.get_num_threads()
     try:
@@ -75,34 +75,36 @@ def test_rows_do_not_depend_on_the_thread_count():
 
 
 def test_stacked_and_reordered_weights_compute_their_rows():
-    a = BlockWeight.from_gguf("Q4_1", _raw("Q4_1", 24, 64, seed=1))
-    b = BlockWeight.from_gguf("Q4_1", _raw("Q4_1", 8, 64, seed=2))
+    a = BlockWeight.from_gguf("Q4_1", torch.from_numpy(_raw("Q4_1", 24, 64, seed=1)))
+    b = BlockWeight.from_gguf("Q4_1", torch.from_numpy(_raw("Q4_1", 8, 64, seed=2)))
     x = torch.randn(3, 64)
     both = matmul(x, BlockWeight.cat([a, b]))
     assert torch.equal(both, torch.cat([matmul(x, a), matmul(x, b)], dim=1))
     order = torch.randperm(24)
     assert torch.equal(matmul(x, a.take_rows(order)), matmul(x, a)[:, order])
     with pytest.raises(ValueError, match="one format and input size"):
-        BlockWeight.cat([a, BlockWeight.from_gguf("Q8_0", _raw("Q8_0", 4, 64))])
+        other = BlockWeight.from_gguf("Q8_0", torch.from_numpy(_raw("Q8_0", 4, 64)))
+        BlockWeight.cat([a, other])
 
 
 def test_bad_inputs_are_clear_errors():
-    weight = BlockWeight.from_gguf("Q8_0", _raw("Q8_0", 4, 64))
+    weight = BlockWeight.from_gguf("Q8_0", torch.from_numpy(_raw("Q8_0", 4, 64)))
     with pytest.raises(ValueError, match=r"float32 CPU \[M, 64\]"):
         matmul(torch.randn(2, 32), weight)
     with pytest.raises(ValueError, match="float32 CPU"):
         matmul(torch.randn(2, 64, dtype=torch.float64), weight)
     with pytest.raises(ValueError, match="no kernel for GGUF format Q4_K"):
-        BlockWeight.from_gguf("Q4_K", np.zeros((2, 144), np.uint8))
-    with pytest.raises(ValueError, match="whole 34-byte blocks"):
-        BlockWeight.from_gguf("Q8_0", np.zeros((2, 35), np.uint8))
+        BlockWeight.from_gguf("Q4_K", torch.zeros(2, 144, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="whole 34-byte blocks of uint8"):
+        BlockWeight.from_gguf("Q8_0", torch.zeros(2, 35, dtype=torch.uint8))
 
 
 def test_switched_off_the_kernel_is_unavailable_and_says_so(monkeypatch, caplog):
     monkeypatch.setenv(gguf_matmul.SWITCH, "0")
     assert not gguf_matmul.available()
     with pytest.raises(RuntimeError, match="not available"):
-        matmul(torch.randn(1, 64), BlockWeight.from_gguf("Q8_0", _raw("Q8_0", 4, 64)))
+        weight = BlockWeight.from_gguf("Q8_0", torch.from_numpy(_raw("Q8_0", 4, 64)))
+        matmul(torch.randn(1, 64), weight)
 
 
 def test_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
