@@ -63,13 +63,11 @@ class BlockWeight:
     minv: torch.Tensor | None
     qs: torch.Tensor
 
-    @property
-    def out_features(self) -> int:
-        return self.scale.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.scale.shape[1] * BLOCK
+    def __post_init__(self) -> None:  # what every product passes the kernel, computed once
+        object.__setattr__(self, "out_features", self.scale.shape[0])
+        object.__setattr__(self, "in_features", self.scale.shape[1] * BLOCK)
+        object.__setattr__(self, "_ptrs", (self.scale.data_ptr(), 0 if self.minv is None
+                                           else self.minv.data_ptr(), self.qs.data_ptr()))
 
     @property
     def nbytes(self) -> int:
@@ -143,25 +141,24 @@ def gguf_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
         ValueError: x is not a 2-D float32 CPU tensor of K columns.
         RuntimeError: the kernel is not available, or it failed (out of memory).
     """
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+    if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu \
             or x.shape[1] != weight.in_features:
         raise ValueError(f"gguf_matmul takes a float32 CPU [M, {weight.in_features}] input, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    lib = KERNEL.library()
+    lib = KERNEL.lib or KERNEL.library()  # once loaded, no switch read per product
     if lib is None:
         raise RuntimeError(f"the GGUF matmul kernel is not available: {KERNEL.failed or 'off'}")
     x = x.contiguous()
     m, k = x.shape
     n = weight.out_features
-    y = torch.empty(m, n, dtype=torch.float32)
-    threads = torch.get_num_threads()
+    y = torch.empty(m, n)
+    scale, minv, qs = weight._ptrs
     if weight.fmt == "Q4_1":
-        rc = lib.specmesh_q4_1_matmul(x.data_ptr(), m, k, weight.scale.data_ptr(),
-                                      weight.minv.data_ptr(), weight.qs.data_ptr(), n,
-                                      y.data_ptr(), threads)
+        rc = lib.specmesh_q4_1_matmul(x.data_ptr(), m, k, scale, minv, qs, n, y.data_ptr(),
+                                      torch.get_num_threads())
     else:
-        rc = lib.specmesh_q8_0_matmul(x.data_ptr(), m, k, weight.scale.data_ptr(),
-                                      weight.qs.data_ptr(), n, y.data_ptr(), threads)
+        rc = lib.specmesh_q8_0_matmul(x.data_ptr(), m, k, scale, qs, n, y.data_ptr(),
+                                      torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"the GGUF matmul kernel failed (code {rc})")
     return y

@@ -99,9 +99,10 @@ def test_bad_inputs_are_clear_errors():
         BlockWeight.from_gguf("Q8_0", torch.zeros(2, 35, dtype=torch.uint8))
 
 
-def test_switched_off_the_kernel_is_unavailable_and_says_so(monkeypatch, caplog):
+def test_switched_off_the_kernel_is_unavailable_and_says_so(monkeypatch):
     monkeypatch.setenv(gguf_matmul.SWITCH, "0")
     assert not gguf_matmul.available()
+    monkeypatch.setattr(gguf_matmul.KERNEL, "lib", None)  # as in a process started with it off
     with pytest.raises(RuntimeError, match="not available"):
         weight = BlockWeight.from_gguf("Q8_0", torch.from_numpy(_raw("Q8_0", 4, 64)))
         matmul(torch.randn(1, 64), weight)
