@@ -35,33 +35,36 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static void dequant_q4_1(const float *d, const float *m, const uint8_t *qs, int kb, float *w) {
+/* the 32 weights of block b of a Q4_1 row, expanded into w[0..3] (8 lanes each) */
+static inline void block_q4_1(const float *d, const float *m, const uint8_t *qs, int b,
+                              __m256 w[4]) {
     const __m128i mask = _mm_set1_epi8(0x0F);
-    for (int b = 0; b < kb; b++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
-        __m128i lo = _mm_and_si128(raw, mask);
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-        __m256 vd = _mm256_set1_ps(d[b]), vm = _mm256_set1_ps(m[b]);
-        float *o = w + 32 * b;
-        /* d * q is exact, so the fused multiply-add rounds once, like d * q + m */
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm));
-        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm));
-        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm));
-        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm));
-    }
+    __m128i raw = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
+    __m128i lo = _mm_and_si128(raw, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    __m256 vd = _mm256_set1_ps(d[b]), vm = _mm256_set1_ps(m[b]);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm);
 }
 
-static void dequant_q8_0(const float *d, const int8_t *qs, int kb, float *w) {
+static inline void block_q8_0(const float *d, const int8_t *qs, int b, __m256 w[4]) {
+    __m256 vd = _mm256_set1_ps(d[b]);
+    const int8_t *q = qs + 32 * b;
+    for (int j = 0; j < 4; j++)
+        w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(q + 8 * j)))), vd);
+}
+
+/* a weight row's kb blocks expanded into w[0 .. 32 kb) */
+template <int FMT>
+static void dequant_row(const float *d, const float *m, const uint8_t *qs, int kb, float *w) {
     for (int b = 0; b < kb; b++) {
-        __m256 vd = _mm256_set1_ps(d[b]);
-        const int8_t *q = qs + 32 * b;
-        float *o = w + 32 * b;
-        for (int j = 0; j < 32; j += 8) {
-            __m128i raw = _mm_loadl_epi64((const __m128i *)(q + j));
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), vd));
-        }
+        __m256 v[4];
+        if (FMT == 0) block_q4_1(d, m, qs, b, v);
+        else block_q8_0(d, (const int8_t *)qs, b, v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(w + 32 * b + 8 * j, v[j]);
     }
 }
 
@@ -103,28 +106,6 @@ static void tile_dot(const float *x, int M, int K, const float *w, int nt, float
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 2
 #endif
-
-/* the 32 weights of block b of a Q4_1 row, expanded into w[0..3] (8 lanes each) */
-static inline void block_q4_1(const float *d, const float *m, const uint8_t *qs, int b,
-                              __m256 w[4]) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i raw = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
-    __m128i lo = _mm_and_si128(raw, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    __m256 vd = _mm256_set1_ps(d[b]), vm = _mm256_set1_ps(m[b]);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm);
-}
-
-static inline void block_q8_0(const float *d, const int8_t *qs, int b, __m256 w[4]) {
-    __m256 vd = _mm256_set1_ps(d[b]);
-    const int8_t *q = qs + 32 * b;
-    for (int j = 0; j < 4; j++)
-        w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64((const __m128i *)(q + 8 * j)))), vd);
-}
 
 /* y[0 .. ROWS, n .. n + NB] for NB weight rows from n, ROWS <= FUSED_ROWS: each block is
  * expanded in registers and used by every row at once (no weight buffer); NB weight rows at a
@@ -241,11 +222,11 @@ static int matmul(int fmt, const float *x, int M, int K, const float *scale, con
                 for (int j = 0; j < nt; j++) {
                     size_t n = (size_t)(n0 + j);
                     if (fmt == 0)
-                        dequant_q4_1(scale + n * kb, minv + n * kb, qs + n * kb * qbytes, kb,
-                                     w + (size_t)j * K);
+                        dequant_row<0>(scale + n * kb, minv + n * kb, qs + n * kb * qbytes, kb,
+                                       w + (size_t)j * K);
                     else
-                        dequant_q8_0(scale + n * kb, (const int8_t *)(qs + n * kb * qbytes), kb,
-                                     w + (size_t)j * K);
+                        dequant_row<1>(scale + n * kb, NULL, qs + n * kb * qbytes, kb,
+                                       w + (size_t)j * K);
                 }
                 tile_dot(x, M, K, w, nt, y, N, n0);
             }
@@ -274,9 +255,9 @@ int specmesh_gguf_dequant(int fmt, const float *scale, const float *minv, const 
     const int kb = K / 32, qbytes = fmt == 0 ? 16 : 32;
     for (size_t n = 0; n < (size_t)N; n++) {
         if (fmt == 0)
-            dequant_q4_1(scale + n * kb, minv + n * kb, qs + n * kb * qbytes, kb, w + n * K);
+            dequant_row<0>(scale + n * kb, minv + n * kb, qs + n * kb * qbytes, kb, w + n * K);
         else
-            dequant_q8_0(scale + n * kb, (const int8_t *)(qs + n * kb * qbytes), kb, w + n * K);
+            dequant_row<1>(scale + n * kb, NULL, qs + n * kb * qbytes, kb, w + n * K);
     }
     return 0;
 }
