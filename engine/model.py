@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.dense_kv import DenseBatch, DenseKVCache
 from engine.kv_cache import KVCache
 from engine.linear import FusedLinears, RowInvariantLinear
+from kernels import layer_ops
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_plan import PagedAttentionPlan, plan_paged_attention
 
@@ -125,6 +126,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> normalised x, same shape and dtype."""
+        if x.dim() == 2 and layer_ops.applies(x, self.weight):  # one compiled call
+            return layer_ops.add_rms_norm(x, self.weight, self.variance_epsilon)[1]
         if x.dtype == torch.float32 == self.weight.dtype:  # one fused op, the same bits
             return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
         dtype = x.dtype
@@ -160,8 +163,11 @@ class Attention(nn.Module):
         """x [T, hidden], cos/sin [T, 1, D] -> [T, hidden]; writes this chunk's K/V of ``layer``."""
         T = x.shape[0]
         q, k, v = (t.reshape(T, -1, self.head_dim) for t in self._qkv(x))  # [T, heads, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if layer_ops.applies(q, cos):  # one compiled call each, the same bits
+            q, k = layer_ops.rope(q, cos, sin), layer_ops.rope(k, cos, sin)
+        else:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         if isinstance(kv_cache, DenseKVCache):  # offline generation (engine/dense_kv.py)
             return self.o_proj(kv_cache.attend(layer, q, k, v, meta, self.scaling).flatten(1))
         kv_cache.write(layer, meta.slot_mapping, k, v)
@@ -213,6 +219,21 @@ class DecoderLayer(nn.Module):
         """h [T, hidden] -> [T, hidden]."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_fused(self, h, pending, cos, sin, meta, kv_cache, layer):  # noqa: ANN001, ANN201
+        """The same layer with each residual add fused into the RMSNorm after it
+        (:func:`kernels.layer_ops.add_rms_norm`, float32 CPU inference): takes the residual
+        stream ``h`` [T, hidden] and the previous layer's MLP output ``pending`` not yet added
+        to it (None for the first layer); returns this layer's (h, pending). h + pending is
+        what :meth:`forward` returns, bit for bit up to the norms' rounding."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if pending is None:
+            x = layer_ops.add_rms_norm(h, norm1.weight, norm1.variance_epsilon)[1]
+        else:
+            h, x = layer_ops.add_rms_norm(pending, norm1.weight, norm1.variance_epsilon, h)
+        attn = self.self_attn(x, cos, sin, meta, kv_cache, layer)
+        h, x = layer_ops.add_rms_norm(attn, norm2.weight, norm2.variance_epsilon, h)
+        return h, self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -291,11 +312,21 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, h.dtype)
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, meta, kv_cache, i)
-            if hidden_layers and i in hidden_layers:
-                captured[i] = h
-        h = self.model.norm(h)
+        norm = self.model.norm
+        if layer_ops.applies(h, norm.weight):  # float32 CPU inference: adds fused into norms
+            pending = None
+            for i, layer in enumerate(self.model.layers):
+                h, pending = layer.forward_fused(h, pending, cos, sin, meta, kv_cache, i)
+                if hidden_layers and i in hidden_layers:
+                    captured[i] = h + pending
+            h = norm(h) if pending is None else \
+                layer_ops.add_rms_norm(pending, norm.weight, norm.variance_epsilon, h)[1]
+        else:
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, cos, sin, meta, kv_cache, i)
+                if hidden_layers and i in hidden_layers:
+                    captured[i] = h
+            h = norm(h)
         rows = h if logits_indices is None else h[logits_indices]
         logits = self.lm_head(rows)
         if return_hidden and hidden_layers:

@@ -19,10 +19,11 @@ def cpu_attention_kernel():
     """Build the compiled CPU attention (kernels/cpu_attention.py) once, before any test
     starts role processes, so they load it from the cache instead of all compiling it at
     once (tests/kernels/test_cpu_attention.py fails where it cannot be built)."""
-    from kernels import cpu_attention, gguf_matmul
+    from kernels import cpu_attention, gguf_matmul, layer_ops
 
     cpu_attention.library()
     gguf_matmul.KERNEL.library()  # the same for the GGUF matmul kernel
+    layer_ops.KERNEL.library()  # and the layer ops
 
 
 @pytest.fixture(scope="session")
