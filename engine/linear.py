@@ -124,17 +124,27 @@ class FusedLinears:
         biases = None if self.linears[0].bias is None else [lin.bias for lin in self.linears]
         return self._pack_cache.get_fused(x, [lin.weight for lin in self.linears], biases)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [M, in] -> one [M, out_i] per layer."""
+    def joint(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, in] -> the layers' outputs side by side, [M, sum(out_i)], where they run
+        as one product (GGUF blocks or a fused pack); None where they would run one by one."""
         blocks = self.blocks_for(x)
         if blocks is not None:
-            parts = gguf_matmul(x, blocks).split(self.sizes, dim=1)
-            return tuple(part if lin.bias is None else part + lin.bias
-                         for part, lin in zip(parts, self.linears))
+            y = gguf_matmul(x, blocks)
+            if all(lin.bias is None for lin in self.linears):
+                return y
+            return y.add_(torch.cat([lin.bias if lin.bias is not None else
+                                     torch.zeros(lin.out_features) for lin in self.linears]))
         packed = self.pack_for(x)
         if packed is None:
+            return None
+        return onednn.linear(x, packed, self._pack_cache.fused_bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [M, in] -> one [M, out_i] per layer."""
+        y = self.joint(x)
+        if y is None:
             return tuple(lin(x) for lin in self.linears)
-        return onednn.linear(x, packed, self._pack_cache.fused_bias).split(self.sizes, dim=1)
+        return y.split(self.sizes, dim=1)
 
 
 def prepack(model: nn.Module) -> int:

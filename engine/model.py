@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.block_manager import slot_mapping as _slot_mapping
+from engine.compiled_stack import CompiledStack
 from engine.config import ModelConfig
 from engine.dense_kv import DenseBatch, DenseKVCache
 from engine.kv_cache import KVCache
@@ -201,6 +202,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
+        if layer_ops.applies(x, self.gate_proj.weight, self.up_proj.weight):
+            gate_up = self._gate_up.joint(x)  # [T, 2 * inter], one product
+            if gate_up is not None:  # one compiled call, as engine/compiled_stack.py
+                return self.down_proj(layer_ops.silu_mul(gate_up, self.gate_proj.out_features))
         gate, up = self._gate_up(x)
         return self.down_proj(F.silu(gate) * up)
 
@@ -261,6 +266,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Plain attribute, not a buffer: .to(dtype) must not round it (RoPE runs in float32).
         self._inv_freq = rope_inv_freq(config)
+        self._compiled: CompiledStack | None = None  # built on first float32 CPU forward
 
     @property
     def dtype(self) -> torch.dtype:
@@ -314,13 +320,20 @@ class LlamaForCausalLM(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         norm = self.model.norm
         if layer_ops.applies(h, norm.weight):  # float32 CPU inference: adds fused into norms
-            pending = None
-            for i, layer in enumerate(self.model.layers):
-                h, pending = layer.forward_fused(h, pending, cos, sin, meta, kv_cache, i)
-                if hidden_layers and i in hidden_layers:
-                    captured[i] = h + pending
-            h = norm(h) if pending is None else \
-                layer_ops.add_rms_norm(pending, norm.weight, norm.variance_epsilon, h)[1]
+            if self._compiled is None:
+                self._compiled = CompiledStack(self)
+            compiled = self._compiled.run(h, cos, sin, meta, kv_cache, hidden_layers)
+            if compiled is not None:  # every layer in one call (engine/compiled_stack.py)
+                captured = compiled
+                h = norm(h)
+            else:
+                pending = None
+                for i, layer in enumerate(self.model.layers):
+                    h, pending = layer.forward_fused(h, pending, cos, sin, meta, kv_cache, i)
+                    if hidden_layers and i in hidden_layers:
+                        captured[i] = h + pending
+                h = norm(h) if pending is None else \
+                    layer_ops.add_rms_norm(pending, norm.weight, norm.variance_epsilon, h)[1]
         else:
             for i, layer in enumerate(self.model.layers):
                 h = layer(h, cos, sin, meta, kv_cache, i)

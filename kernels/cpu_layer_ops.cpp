@@ -13,11 +13,118 @@
 //    (0+4, 1+5, 2+6, 3+7; then 0+2, 1+3; then 0+1), then the tail k >= 8 * floor(H / 8)
 //    ascending; inv = 1 / sqrt(sum / H + eps); y = w * (h * inv). It differs from torch's
 //    mean (another summation order) only in rounding.
+//  - SiLU-and-multiply: g / (1 + exp(-g)) * u, exp from one fixed range reduction and
+//    polynomial (below) in every lane; within 2 ulp of torch's SiLU, not its bits.
 //  - RoPE (transformers' rotate_half form): for j < D/2, out[j] = x[j]*cos[j] - x[j+D/2]*sin[j]
 //    and out[j+D/2] = x[j+D/2]*cos[j+D/2] + x[j]*sin[j+D/2], each product rounded before the
 //    add (no FMA contraction), which is what torch computes: the same bits.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+
+namespace {
+
+// exp(x) in float: x = n ln2 + r (n = nearest integer of x log2 e, |r| <= ln2 / 2, ln2 in two
+// parts), then a degree-7 Taylor polynomial of r in Horner form, times 2^n built from bits;
+// inputs are clamped to [-87, 88] (exp(-87) is above the smallest normal float, exp(88) below
+// the largest). Written as plain float operations, so GCC vectorises the loops that use it and
+// every lane computes the same bits as a scalar call.
+inline float exp_fixed(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fmaf(n, -0.693145751953125f, x);
+  r = std::fmaf(n, -1.428606765330187e-06f, r);
+  float p = 1.0f / 5040.0f;
+  p = std::fmaf(p, r, 1.0f / 720.0f);
+  p = std::fmaf(p, r, 1.0f / 120.0f);
+  p = std::fmaf(p, r, 1.0f / 24.0f);
+  p = std::fmaf(p, r, 1.0f / 6.0f);
+  p = std::fmaf(p, r, 0.5f);
+  p = std::fmaf(p, r, 1.0f);
+  p = std::fmaf(p, r, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_fixed in 8 lanes: the same operations (the clamp as max / min, nearbyint as a
+// round-to-nearest, fmaf as a vector fma), so the same bits
+inline __m256 exp_fixed8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
+  int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; k + 8 <= n; k += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + k);
+    const __m256 e = exp_fixed8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                          _mm256_loadu_ps(u + k)));
+  }
+#endif
+  for (; k < n; ++k) y[k] = g[k] / (1.0f + exp_fixed(-g[k])) * u[k];
+}
+
+void rms_row(const float* hi, const float* w, float* yi, int64_t H, float eps) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t body = H - H % 8;
+  for (int64_t k = 0; k < body; k += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += hi[k + l] * hi[k + l];
+  for (int l = 0; l < 4; ++l) acc[l] += acc[l + 4];
+  acc[0] += acc[2];
+  acc[1] += acc[3];
+  float sum = acc[0] + acc[1];
+  for (int64_t k = body; k < H; ++k) sum += hi[k] * hi[k];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
+  for (int64_t k = 0; k < H; ++k) yi[k] = w[k] * (hi[k] * inv);
+}
+
+// one token's heads of RoPE: x [heads, D] -> out [heads, D]
+void rope_token(const float* x, const float* c, const float* s, float* out, int64_t heads,
+                int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* xi = x + h * D;
+    float* oi = out + h * D;
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = xi[j] * c[j];
+      const float b = xi[j + half] * s[j];
+      oi[j] = a - b;
+    }
+    for (int64_t j = half; j < D; ++j) {
+      const float a = xi[j] * c[j];
+      const float b = xi[j - half] * s[j];
+      oi[j] = a + b;
+    }
+  }
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -40,17 +147,7 @@ int specmesh_add_rms_norm_f32(const float* x, int64_t x_stride, const float* res
             for (int64_t k = 0; k < H; ++k) oi[k] = xi[k] + ri[k];
             hi = oi;
         }
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        const int64_t body = H - H % 8;
-        for (int64_t k = 0; k < body; k += 8)
-            for (int l = 0; l < 8; ++l) acc[l] += hi[k + l] * hi[k + l];
-        for (int l = 0; l < 4; ++l) acc[l] += acc[l + 4];
-        acc[0] += acc[2];
-        acc[1] += acc[3];
-        float sum = acc[0] + acc[1];
-        for (int64_t k = body; k < H; ++k) sum += hi[k] * hi[k];
-        const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
-        for (int64_t k = 0; k < H; ++k) yi[k] = w[k] * (hi[k] * inv);
+        rms_row(hi, w, yi, H, eps);
     }
     return 0;
 }
@@ -60,25 +157,116 @@ int specmesh_add_rms_norm_f32(const float* x, int64_t x_stride, const float* res
 int specmesh_rope_f32(const float* x, int64_t x_stride, const float* cos, const float* sin,
                       float* out, int64_t T, int64_t heads, int64_t D, int num_threads) {
     if (T < 0 || heads <= 0 || D <= 0 || D % 2 != 0) return 1;
-    const int64_t half = D / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 64)
     for (int64_t t = 0; t < T; ++t) {
-        const float* c = cos + t * D;
-        const float* s = sin + t * D;
-        for (int64_t h = 0; h < heads; ++h) {
-            const float* xi = x + t * x_stride + h * D;
-            float* oi = out + (t * heads + h) * D;
-            for (int64_t j = 0; j < half; ++j) {
-                const float a = xi[j] * c[j];
-                const float b = xi[j + half] * s[j];
-                oi[j] = a - b;
-            }
-            for (int64_t j = half; j < D; ++j) {
-                const float a = xi[j] * c[j];
-                const float b = xi[j - half] * s[j];
-                oi[j] = a + b;
-            }
+        rope_token(x + t * x_stride, cos + t * D, sin + t * D, out + t * heads * D, heads, D);
+    }
+    return 0;
+}
+
+// gu [M, 2 * I] (row stride gu_stride: gate in columns [0, I), up in [I, 2 I)) -> y [M, I]
+int specmesh_silu_mul_f32(const float* gu, int64_t gu_stride, float* y, int64_t M, int64_t I,
+                          int num_threads) {
+    if (M < 0 || I <= 0) return 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 16)
+    for (int64_t i = 0; i < M; ++i) silu_mul_row(gu + i * gu_stride, gu + i * gu_stride + I, y + i * I, I);
+    return 0;
+}
+
+// ---- the decoder stack as one call ---------------------------------------------------------
+// Every layer of a float32 Llama whose linear layers are GGUF blocks (kernels/gguf_matmul.cpp)
+// over a paged KV cache (kernels/cpu_attention.cpp), for a decode / verify / chunked-prefill
+// batch: the same kernels, in the same order, with the same arguments as the engine's layer
+// by layer path (engine/model.py), so the same bits, without a Python call per op (about 250
+// us of dispatch per layer on a 2-core host). The products and the attention are called
+// through pointers to the other kernels' entry points (each is its own library).
+struct SmProduct {  // one GGUF product: fmt 0 = Q4_1, 1 = Q8_0; n output features
+  int64_t fmt;
+  const float* scale;
+  const float* minv;
+  const uint8_t* qs;
+  int64_t n;
+};
+
+struct SmLayer {
+  const float* ln1;  // input_layernorm weight [H]
+  const float* ln2;  // post_attention_layernorm weight [H]
+  SmProduct qkv, o, gate_up, down;
+  float* k_cache;  // this layer's keys [num_slots, Hkv, D]
+  float* v_cache;  // and values
+};
+
+struct SmPlan {  // kernels/paged_attention_plan.py, as kernels/cpu_attention.py passes it
+  const int64_t* block_tables;
+  int64_t table_width;
+  const int64_t* token_batch;
+  const int32_t* token_visible;
+  const int32_t* token_path;
+  int64_t path_width;
+  const int32_t* token_chunk_start;
+  int64_t block_size;
+};
+
+typedef int (*SmQ41)(const float*, int, int, const float*, const float*, const uint8_t*, int,
+                     float*, int);
+typedef int (*SmQ80)(const float*, int, int, const float*, const uint8_t*, int, float*, int);
+typedef void (*SmAttention)(const void*, const void*, const void*, void*, const int64_t*, int64_t,
+                            const int64_t*, const int32_t*, const int32_t*, int64_t,
+                            const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                            int);
+
+// h [T, H]: the embeddings in, the last layer's output out. cos / sin [T, D]; slots [T] (cache
+// slot of each token's K/V); capture [L] null or [T, H] buffers for layer outputs. Returns 0,
+// or the failing product's code.
+int specmesh_decoder_layers_f32(float* h, int64_t T, int64_t H, const SmLayer* layers,
+                                int64_t L, float** capture, const float* cos, const float* sin,
+                                const int64_t* slots, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t D, int64_t inter, float eps, double scale,
+                                const SmPlan* plan, void* q4_1, void* q8_0, void* attention,
+                                int num_threads) {
+    if (T <= 0 || H <= 0 || L < 0 || D % 2 != 0) return 1;
+    const int64_t nq = num_heads * D, nk = num_kv_heads * D, nqkv = nq + 2 * nk;
+    std::vector<float> x(T * H), qkv(T * nqkv), q(T * nq), att(T * nq), o(T * H),
+        gu(T * 2 * inter), act(T * inter);
+    const SmQ41 q41 = reinterpret_cast<SmQ41>(q4_1);
+    const SmQ80 q80 = reinterpret_cast<SmQ80>(q8_0);
+    auto product = [&](const SmProduct& p, const float* in, int64_t k, float* out) {
+        const int m = static_cast<int>(T), kk = static_cast<int>(k), n = static_cast<int>(p.n);
+        return p.fmt == 0 ? q41(in, m, kk, p.scale, p.minv, p.qs, n, out, num_threads)
+                          : q80(in, m, kk, p.scale, p.qs, n, out, num_threads);
+    };
+    int rc = 0;
+    for (int64_t l = 0; l < L; ++l) {
+        const SmLayer& ly = layers[l];
+        for (int64_t t = 0; t < T; ++t) rms_row(h + t * H, ly.ln1, x.data() + t * H, H, eps);
+        if ((rc = product(ly.qkv, x.data(), H, qkv.data())) != 0) return rc;
+        for (int64_t t = 0; t < T; ++t) {
+            const float* row = qkv.data() + t * nqkv;
+            rope_token(row, cos + t * D, sin + t * D, q.data() + t * nq, num_heads, D);
+            rope_token(row + nq, cos + t * D, sin + t * D, ly.k_cache + slots[t] * nk,
+                       num_kv_heads, D);
+            std::memcpy(ly.v_cache + slots[t] * nk, row + nq + nk, nk * sizeof(float));
         }
+        reinterpret_cast<SmAttention>(attention)(
+            q.data(), ly.k_cache, ly.v_cache, att.data(), plan->block_tables, plan->table_width,
+            plan->token_batch, plan->token_visible, plan->token_path, plan->path_width,
+            plan->token_chunk_start, T, num_heads, num_kv_heads, D, plan->block_size, scale,
+            num_threads);
+        if ((rc = product(ly.o, att.data(), nq, o.data())) != 0) return rc;
+        for (int64_t t = 0; t < T; ++t) {
+            float* hi = h + t * H;
+            const float* oi = o.data() + t * H;
+            for (int64_t k = 0; k < H; ++k) hi[k] = oi[k] + hi[k];
+            rms_row(hi, ly.ln2, x.data() + t * H, H, eps);
+        }
+        if ((rc = product(ly.gate_up, x.data(), H, gu.data())) != 0) return rc;
+        for (int64_t t = 0; t < T; ++t)
+            silu_mul_row(gu.data() + t * 2 * inter, gu.data() + t * 2 * inter + inter,
+                         act.data() + t * inter, inter);
+        if ((rc = product(ly.down, act.data(), inter, o.data())) != 0) return rc;
+        for (int64_t i = 0; i < T * H; ++i) h[i] = o[i] + h[i];
+        if (capture != nullptr && capture[l] != nullptr)
+            std::memcpy(capture[l], h, T * H * sizeof(float));
     }
     return 0;
 }

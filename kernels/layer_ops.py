@@ -30,7 +30,11 @@ KERNEL = CpuKernel(
     "keeping the torch ops",
     {"specmesh_add_rms_norm_f32": ([_P, _L, _P, _L, _P, _L, _P, _P, _L, _L, ctypes.c_float, _I],
                                    _I),
-     "specmesh_rope_f32": ([_P, _L, _P, _P, _P, _L, _L, _L, _I], _I)})
+     "specmesh_rope_f32": ([_P, _L, _P, _P, _P, _L, _L, _L, _I], _I),
+     "specmesh_silu_mul_f32": ([_P, _L, _P, _L, _L, _I], _I),
+     # engine/compiled_stack.py
+     "specmesh_decoder_layers_f32": ([_P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _L, _L, _L,
+                                      ctypes.c_float, ctypes.c_double, _P, _P, _P, _P, _I], _I)})
 
 
 def available() -> bool:
@@ -129,4 +133,29 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["KERNEL", "SWITCH", "add_rms_norm", "applies", "available", "rope"]
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [M, 2 * inter] float32 (gate in the first ``inter``
+    columns, as the fused gate/up product returns them; any row stride): returns [M, inter].
+    SiLU (arXiv 1702.03118) as ``g / (1 + exp(-g))`` with the kernel's own exp (within 2 ulp
+    of torch's ``F.silu``, the same bits in every row).
+
+    Raises:
+        ValueError: not a float32 CPU [M, 2 * inter] tensor.
+        RuntimeError: the kernel is not available or failed.
+    """
+    lib = KERNEL.lib or KERNEL.library()
+    if lib is None:
+        raise RuntimeError(f"the CPU layer-ops kernel is not available: {KERNEL.failed or 'off'}")
+    if gate_up.dtype is not torch.float32 or not gate_up.is_cpu:
+        raise ValueError("silu_mul takes a float32 CPU tensor")
+    gate_up = _rows(gate_up, 2 * inter, "gate_up")
+    m = gate_up.shape[0]
+    y = torch.empty(m, inter)
+    rc = lib.specmesh_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), m, inter,
+                                   torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the CPU layer-ops kernel failed (code {rc})")
+    return y
+
+
+__all__ = ["KERNEL", "SWITCH", "add_rms_norm", "applies", "available", "rope", "silu_mul"]

@@ -191,10 +191,20 @@ def paged_attention(
                                plan, tree_masks)
 
 
+def attention_runs_compiled(q: torch.Tensor) -> bool:
+    """Whether :func:`paged_attention` would run ``q`` (or a tensor of its dtype and device)
+    on the compiled CPU kernel (:mod:`kernels.cpu_attention`), as code that calls that kernel
+    itself must check to keep the same path."""
+    kernel = _triton_entry()
+    if kernel is not None and (q.is_cuda or _interpret_mode()):
+        return False
+    return cpu_attention.supports(q)
+
+
 def _triton_entry():  # noqa: ANN202
     """The Triton entry point (looked up at call time, so tests may replace it)."""
     return paged_attention_triton
 
 
-__all__ = ["MIN_MATMUL_ROWS", "paged_attention", "paged_attention_ref",
-           "paged_attention_triton"]
+__all__ = ["MIN_MATMUL_ROWS", "attention_runs_compiled", "paged_attention",
+           "paged_attention_ref", "paged_attention_triton"]

@@ -110,3 +110,30 @@ def test_smollm2_float32_computes_on_its_gguf_blocks(monkeypatch, tmp_path):
 
     monkeypatch.setenv(gguf_matmul.SWITCH, "0")
     assert attach_block_weights(model, gguf, tied=True) == 0
+
+
+def test_smollm2_float32_decode_and_verify_run_its_layers_as_one_compiled_call(monkeypatch):
+    from engine import compiled_stack
+
+    model = load_model(dtype="float32").model
+    config = model.config
+    calls = []
+    real = compiled_stack.CompiledStack.run
+    monkeypatch.setattr(compiled_stack.CompiledStack, "run",
+                        lambda self, *a, **k: calls.append(real(self, *a, **k)) or calls[-1])
+
+    def steps(switch: str) -> list[torch.Tensor]:
+        monkeypatch.setenv(compiled_stack.SWITCH, switch)
+        runner = ModelRunner(model, config, KVCache(config, 8, 16, dtype="float32"))
+        a, b = [0, 1, 2], [3, 4, 5]
+        runner.forward([SeqChunk(list(range(100, 140)), 0, a),
+                        SeqChunk(list(range(300, 321)), 0, b)], logits="last")
+        out = runner.forward([SeqChunk([9], 40, a), SeqChunk([10], 21, b)])
+        out += runner.forward([SeqChunk([11, 12, 13, 14, 15], 41, a),
+                               SeqChunk([16, 17, 18, 19], 22, b, parents=[-1, 0, 0])])
+        return out
+
+    on = steps("1")
+    assert [c is not None for c in calls] == [False, True, True]  # prefill keeps SDPA
+    off = steps("0")
+    assert all(torch.equal(x, y) for x, y in zip(on, off))

@@ -1,0 +1,170 @@
+"""The decoder layers of a float32 GGUF model as one compiled call per forward
+(``specmesh_decoder_layers_f32`` in ``kernels/cpu_layer_ops.cpp``).
+
+Why: on the CPU a decode or verify step of SmolLM2 runs about 14 kernel calls per layer (norms,
+products, RoPE, K/V writes, attention, SiLU), each behind a few Python and torch dispatches. On
+a 2-core host that dispatch was ~8 ms of a ~20 ms one-token forward. The compiled loop calls the
+same kernels in the same order with the same arguments, so its logits equal the layer-by-layer
+path's bit for bit (tests/engine/test_engine_compiled_stack.py), and it keeps that path's
+batch invariance.
+
+It runs when every part of a layer has a compiled kernel: float32 CPU inference (no autograd),
+every linear layer on GGUF blocks (engine/gguf_weights.py) without biases, a paged KV cache
+attended through a plan (decode, verify, chunked prefill: whole prompts keep SDPA), the CPU
+attention kernel in use, and ``SPECMESH_COMPILED_STACK`` not ``0``. Otherwise the model runs
+layer by layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from engine.kv_cache import KVCache
+from kernels import cpu_attention, gguf_matmul, layer_ops
+from kernels.paged_attention import attention_runs_compiled
+from kernels.paged_attention_plan import check_block_ids
+
+SWITCH = "SPECMESH_COMPILED_STACK"
+_FORMATS = {"Q4_1": 0, "Q8_0": 1}
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int64), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
+                ("qs", ctypes.c_void_p), ("n", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qkv", _Product),
+                ("o", _Product), ("gate_up", _Product), ("down", _Product),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [("block_tables", ctypes.c_void_p), ("table_width", ctypes.c_int64),
+                ("token_batch", ctypes.c_void_p), ("token_visible", ctypes.c_void_p),
+                ("token_path", ctypes.c_void_p), ("path_width", ctypes.c_int64),
+                ("token_chunk_start", ctypes.c_void_p), ("block_size", ctypes.c_int64)]
+
+
+
+def _product(blocks) -> _Product:  # noqa: ANN001 - a kernels.gguf_matmul.BlockWeight
+    scale, minv, qs = blocks._ptrs
+    return _Product(_FORMATS[blocks.fmt], scale, minv or None, qs, blocks.out_features)
+
+
+class CompiledStack:
+    """Runs a :class:`engine.model.LlamaForCausalLM`'s decoder layers as one compiled call.
+    Built once per model; the per-layer pointers are rebuilt whenever a layer's blocks or the
+    cache change (a changed weight drops its blocks: the model then runs layer by layer)."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001 - engine.model.LlamaForCausalLM
+        self.model = model
+        self._key: tuple | None = None
+        self._layers = None
+        self._keep: list = []  # tensors the pointers point into
+
+    @staticmethod
+    def enabled() -> bool:
+        """False when ``SPECMESH_COMPILED_STACK=0``."""
+        return os.environ.get(SWITCH, "1") != "0"
+
+    def _blocks(self, x: torch.Tensor) -> list[tuple] | None:
+        """Per layer the (qkv, o, gate_up, down) blocks for input ``x``, or None where any
+        layer lacks one or has a bias."""
+        out = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if any(lin.bias is not None for lin in (attn.q_proj, attn.k_proj, attn.v_proj,
+                                                    attn.o_proj)):
+                return None
+            parts = (attn._qkv.blocks_for(x), attn.o_proj.blocks_for(x),
+                     mlp._gate_up.blocks_for(x), mlp.down_proj.blocks_for(x))
+            if any(p is None or p.fmt not in _FORMATS for p in parts):
+                return None
+            out.append(parts)
+        return out
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta,  # noqa: ANN001
+            kv_cache, capture_layers: tuple[int, ...] | None = None) -> dict[int, torch.Tensor] | None:
+        """Every decoder layer over ``h`` [T, hidden] (float32, updated in place to the last
+        layer's output), writing the batch's K/V into ``kv_cache``; ``cos`` / ``sin``
+        [T, 1, head_dim]; ``meta`` an :class:`engine.model.AttentionMetadata` with its plan.
+
+        Returns the captured layer outputs {layer: [T, hidden]} (empty without
+        ``capture_layers``), or None when the compiled call does not apply (nothing was
+        computed or written then).
+
+        Raises:
+            IndexError: a slot outside the cache. ValueError: a block id outside it.
+            RuntimeError: a product failed (out of memory).
+        """
+        plan = getattr(meta, "_plan", None)
+        if plan is None or not isinstance(kv_cache, KVCache) or not self.enabled() \
+                or not attention_runs_compiled(h):
+            return None
+        blocks = self._blocks(h)
+        if blocks is None:
+            return None
+        config = self.model.config
+        key = (tuple(id(b) for parts in blocks for b in parts), kv_cache.data.data_ptr(),
+               tuple(p.data_ptr() for layer in self.model.model.layers for p in
+                     (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)))
+        if key != self._key:
+            self._build(blocks, kv_cache)
+            self._key = key
+        t = h.shape[0]
+        slots = meta.slot_mapping
+        if slots.numel() != t:
+            raise ValueError(f"{slots.numel()} slots for {t} tokens")
+        if int(slots.min()) < 0 or int(slots.max()) >= kv_cache.num_slots:
+            raise IndexError(f"slots outside [0, {kv_cache.num_slots})")
+        check_block_ids(plan, kv_cache.num_blocks)
+        tables = plan.block_tables.contiguous()
+        path, start = plan.token_path, plan.token_chunk_start
+        c_plan = _Plan(tables.data_ptr(), tables.shape[1], plan.token_batch.data_ptr(),
+                       plan.token_visible.data_ptr(),
+                       None if path is None else path.data_ptr(),
+                       0 if path is None else path.shape[1],
+                       None if start is None else start.data_ptr(), kv_cache.block_size)
+        captured = {i: torch.empty_like(h) for i in capture_layers or ()}
+        num_layers = config.num_layers
+        capture = None
+        if captured:
+            capture = (ctypes.c_void_p * num_layers)(
+                *[captured[i].data_ptr() if i in captured else None for i in range(num_layers)])
+        cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
+        rc = layer_ops.KERNEL.lib.specmesh_decoder_layers_f32(
+            h.data_ptr(), t, config.hidden_size, ctypes.addressof(self._layers), num_layers,
+            None if capture is None else ctypes.addressof(capture),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), config.num_heads,
+            config.num_kv_heads, config.head_dim, config.intermediate_size,
+            self.model.model.norm.variance_epsilon, config.head_dim ** -0.5,
+            ctypes.addressof(c_plan), *self._entries(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"the compiled decoder layers failed (code {rc})")
+        return captured
+
+    @staticmethod
+    def _entries() -> tuple[int, int, int]:
+        glib, alib = gguf_matmul.KERNEL.lib, cpu_attention.library()
+        return (ctypes.cast(glib.specmesh_q4_1_matmul, ctypes.c_void_p).value,
+                ctypes.cast(glib.specmesh_q8_0_matmul, ctypes.c_void_p).value,
+                ctypes.cast(alib.specmesh_paged_attention_f32, ctypes.c_void_p).value)
+
+    def _build(self, blocks: list[tuple], kv_cache: KVCache) -> None:
+        layers = self.model.model.layers
+        arr = (_Layer * len(layers))()
+        self._keep = []
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, blocks)):
+            ln1 = layer.input_layernorm.weight.detach().contiguous()
+            ln2 = layer.post_attention_layernorm.weight.detach().contiguous()
+            k, v = kv_cache.data[i, 0], kv_cache.data[i, 1]
+            self._keep += [ln1, ln2, qkv, o, gate_up, down]
+            arr[i] = _Layer(ln1.data_ptr(), ln2.data_ptr(), _product(qkv), _product(o),
+                            _product(gate_up), _product(down), k.data_ptr(), v.data_ptr())
+        self._layers = arr
+
+__all__ = ["SWITCH", "CompiledStack"]

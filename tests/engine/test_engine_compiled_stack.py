@@ -1,0 +1,177 @@
+"""The decoder layers as one compiled call (engine/compiled_stack.py): on a model whose linear
+layers are GGUF blocks, decode, verify (chains and token trees), batches and chunked prefill
+give the same logits, hidden states and cache contents, bit for bit, as the layer-by-layer
+path; anything the call cannot run falls back to that path; bad slots are clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import compiled_stack
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.linear import RowInvariantLinear
+from engine.model import LlamaForCausalLM
+from engine.runner import ModelRunner, SeqChunk
+from kernels import gguf_matmul, layer_ops
+from kernels.gguf_matmul import BlockWeight
+
+CONFIG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                     rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def _blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> BlockWeight:
+    """Random GGUF blocks [n, k / 32] with small f16 scales (a model that stays finite)."""
+    _, block_bytes, _ = gguf_matmul.FORMATS[fmt]
+    raw = rng.integers(0, 256, size=(n, k // 32, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(0.005, 0.03, (n, k // 32, 2)) * rng.choice([-1, 1], (n, k // 32, 2))
+    raw[..., :4 if fmt == "Q4_1" else 2] = scales.astype(np.float16)[
+        ..., :2 if fmt == "Q4_1" else 1].view(np.uint8)
+    return BlockWeight.from_gguf(fmt, torch.from_numpy(raw.reshape(n, -1)))
+
+
+def _model(fmt: str = "Q4_1") -> LlamaForCausalLM:
+    """A tiny float32 Llama whose linear layers (all but the LM head) compute on GGUF blocks,
+    their dense weights the blocks' values, as engine/gguf_weights.py attaches them."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = LlamaForCausalLM(CONFIG).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    with torch.no_grad():
+        for name, lin in model.named_modules():
+            if isinstance(lin, RowInvariantLinear) and name != "lm_head":
+                blocks = _blocks(fmt if "down" not in name else "Q8_0", lin.out_features,
+                                 lin.in_features, rng)
+                lin.weight.copy_(blocks.dequantize())
+                lin.attach_blocks(blocks)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _kernels():
+    if not (layer_ops.available() and gguf_matmul.available()):
+        pytest.fail("the compiled kernels did not build")
+
+
+def _steps(model: LlamaForCausalLM, compiled: bool, monkeypatch) -> tuple[list, torch.Tensor]:
+    """Prefill two requests, then a decode batch, a verify chain, a token-tree verify and a
+    chunked-prefill chunk with hidden layers; returns every output and the cache."""
+    monkeypatch.setenv(compiled_stack.SWITCH, "1" if compiled else "0")
+    cache = KVCache(CONFIG, 16, 4, dtype="float32")
+    runner = ModelRunner(model, CONFIG, cache)
+    a, b = [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]
+    outs = [runner.forward([SeqChunk(list(range(3, 12)), 0, a),
+                            SeqChunk(list(range(20, 26)), 0, b)], logits="last")]
+    outs.append(runner.forward([SeqChunk([40], 9, a), SeqChunk([41], 6, b)]))  # decode
+    outs.append(runner.forward([SeqChunk([42, 43, 44, 45, 46], 10, a)],  # verify, a chain
+                               return_hidden=True))
+    outs.append(runner.forward([SeqChunk([50, 51, 52, 53, 54], 7, b,  # a token tree
+                                         parents=[-1, -1, 0, 1])], return_hidden=True))
+    outs.append(runner.forward([SeqChunk(list(range(60, 66)), 12, b)],  # a prefill chunk
+                               return_hidden=True, hidden_layers=(0, 2)))
+    return outs, cache.data.clone()
+
+
+def _flat(x) -> list[torch.Tensor]:  # noqa: ANN001
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _flat(item)]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_the_compiled_layers_equal_the_layer_by_layer_path_bit_for_bit(fmt, monkeypatch):
+    model = _model(fmt)
+    runs = []
+    real = compiled_stack.CompiledStack.run
+    ran = []
+
+    def counted(self, *a, **k):
+        out = real(self, *a, **k)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(compiled_stack.CompiledStack, "run", counted)
+    for compiled in (True, False):
+        ran.clear()
+        runs.append(_steps(model, compiled, monkeypatch))
+        # the whole-prompt prefill keeps SDPA; every later forward ran compiled (or not at all)
+        assert ran == ([False, True, True, True, True] if compiled else [False] * 5)
+    (outs, cache), (outs_ref, cache_ref) = runs
+    got, want = _flat(outs), _flat(outs_ref)
+    assert len(got) == len(want) == 10
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and torch.equal(x, y)
+    assert torch.equal(cache, cache_ref)  # the same K/V in the same slots
+    assert torch.isfinite(got[-1]).all() and got[-1].abs().max() > 0
+
+
+def test_anything_it_cannot_run_falls_back_to_the_layer_by_layer_path(monkeypatch):
+    model = _model()
+    stack = compiled_stack.CompiledStack(model)
+    cache = KVCache(CONFIG, 8, 4, dtype="float32")
+    runner = ModelRunner(model, CONFIG, cache)
+    runner.forward([SeqChunk([1, 2, 3], 0, [0])])
+
+    def decode_runs_compiled() -> bool:
+        model._compiled = stack
+        seen = []
+        real = stack.run
+        monkeypatch.setattr(stack, "run", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+        runner.forward([SeqChunk([4], 3, [0])])
+        monkeypatch.undo()
+        return seen[-1] is not None
+
+    assert decode_runs_compiled()
+    with torch.no_grad():  # a changed weight drops its blocks: that layer runs dense
+        model.model.layers[1].mlp.down_proj.weight.mul_(1.0)
+    assert not decode_runs_compiled()
+    model = _model()
+    stack = compiled_stack.CompiledStack(model)
+    runner = ModelRunner(model, CONFIG, cache)
+    assert decode_runs_compiled()
+    model.model.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    assert not decode_runs_compiled()  # a bias: the compiled call has none
+
+
+def test_a_slot_outside_the_cache_is_a_clear_error_and_writes_nothing():
+    model = _model()
+    cache = KVCache(CONFIG, 4, 4, dtype="float32")
+    runner = ModelRunner(model, CONFIG, cache)
+    runner.forward([SeqChunk([1, 2, 3], 0, [0])])
+    stack = compiled_stack.CompiledStack(model)
+    h = torch.randn(1, CONFIG.hidden_size)
+    cos, sin = model.rope(torch.tensor([3]), torch.float32)
+    from engine.model import AttentionMetadata
+
+    meta = AttentionMetadata.build([1], [3], [[0]], 4)
+    meta.prepare(torch.device("cpu"))
+    with torch.inference_mode():
+        assert stack.run(h.clone(), cos, sin, meta, cache) is not None  # slot 3 is fine
+        before = cache.data.clone()
+        meta.slot_mapping = torch.tensor([16])  # one past the last slot
+        with pytest.raises(IndexError, match=r"slots outside \[0, 16\)"):
+            stack.run(h, cos, sin, meta, cache)
+    assert torch.equal(cache.data, before)
+
+
+def test_switched_off_it_does_not_run(monkeypatch):
+    monkeypatch.setenv(compiled_stack.SWITCH, "0")
+    model = _model()
+    cache = KVCache(CONFIG, 4, 4, dtype="float32")
+    runner = ModelRunner(model, CONFIG, cache)
+    runner.forward([SeqChunk([1, 2, 3], 0, [0])])
+    from engine.model import AttentionMetadata
+
+    meta = AttentionMetadata.build([1], [3], [[0]], 4)
+    meta.prepare(torch.device("cpu"))
+    cos, sin = model.rope(torch.tensor([3]), torch.float32)
+    with torch.inference_mode():
+        assert compiled_stack.CompiledStack(model).run(torch.randn(1, 64), cos, sin, meta,
+                                                       cache) is None
+        monkeypatch.setenv(compiled_stack.SWITCH, "1")
+        assert compiled_stack.CompiledStack(model).run(torch.randn(1, 64), cos, sin, meta,
+                                                       cache) is not None
