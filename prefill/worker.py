@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,10 @@ class PrefillWorker(MailboxWorker):
         self.stats = PrefillStats()
         self.profile = StepProfile()
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: (threads, idle threads, setter): a prompt whose verifier waits idle on the same
+        #: cores (PrefillRequest.verifier_idle) runs on ``idle threads``, then back to
+        #: ``threads`` (set by cluster/hosts/prefill.py on a CPU node; None: never)
+        self.idle_threads: tuple[int, int, Callable[[int], None]] | None = None
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This worker's randomness for unseeded sampled first tokens (freshly seeded)."""
@@ -159,6 +164,11 @@ class PrefillWorker(MailboxWorker):
         want_hidden = is_hidden_seed(kind)
         seed_state = None
         block_table = self.block_manager.allocate(self.block_manager.blocks_for(n))
+        boost = self.idle_threads is not None and req.verifier_idle \
+            and self.idle_threads[1] > self.idle_threads[0]
+        if boost:
+            self.idle_threads[2](self.idle_threads[1])
+            self.profile.count("num_prefills_on_idle_verifier_cores")
         try:
             with self.profile.phase("forward"):
                 out = self.runner.prefill(req.prompt_token_ids, block_table,
@@ -176,6 +186,8 @@ class PrefillWorker(MailboxWorker):
             with self.profile.phase("send_kv"):
                 num_frames, num_bytes = self._send_kv(peer, req, block_table, n)
         finally:
+            if boost:
+                self.idle_threads[2](self.idle_threads[0])
             self.block_manager.free(block_table)
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += n

@@ -25,7 +25,16 @@ class PrefillHost(RoleHost):
         seeds = {**seed_state_kinds(), self.cfg.drafter.method: cluster_seed_state(self.cfg),
                  **self.cfg.prefill.seed_states}
         config = replace(self.cfg.prefill, instance_id=self.instance_id, seed_states=seeds)
-        return PrefillWorker(config, self.mailbox, runner, bm)
+        worker = PrefillWorker(config, self.mailbox, runner, bm)
+        if runner.device.type == "cpu":  # the verifier's cores, while it waits idle on a prompt
+            import torch
+
+            threads = self.cfg.threads
+            worker.idle_threads = (threads.get(self.role.value, 1),
+                                   max(threads.get(Role.VERIFIER.value, 1),
+                                       threads.get(self.role.value, 1)),
+                                   torch.set_num_threads)
+        return worker
 
     def on_hello(self, peer: PeerInfo, is_new: bool) -> None:
         # A verifier's new incarnation: the backlog of its previous life goes nowhere.

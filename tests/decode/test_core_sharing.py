@@ -46,6 +46,48 @@ def test_the_verifier_yields_cores_during_the_ramp_and_output_is_unchanged():
     assert calls[0] == 1 and calls[-1] == 2  # yielded during the ramp, then back
 
 
+def _flags(c: InProcessCluster) -> list[bool]:
+    """Record the verifier_idle flag of every PrefillRequest the prefill worker gets."""
+    seen: list[bool] = []
+    handle = c.prefill.handle
+
+    def recording(env):  # noqa: ANN001, ANN202
+        if type(env.msg).__name__ == "PrefillRequest":
+            seen.append(env.msg.verifier_idle)
+        return handle(env)
+
+    c.prefill.handle = recording
+    return seen
+
+
+def test_a_prompt_the_verifier_waits_on_idle_runs_on_its_cores_too():
+    """One request at a time, the verifier has nothing to do while its prompt prefills: the
+    PrefillRequest says so and the prefill worker runs it on the idle threads, then goes back.
+    Several at once: only the first (nothing running, nothing else in flight) is marked."""
+    _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
+    want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
+                                                  num_kv_blocks=64, block_size=4)
+            .generate(PROMPTS, SP)]
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
+    c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
+    threads: list[int] = []
+    c.prefill.idle_threads = (1, 2, threads.append)
+    flags = _flags(c)
+    one_by_one = [c.generate([p], SP)[0].token_ids for p in PROMPTS]
+    assert one_by_one == want
+    assert flags == [True] * 4 and threads == [2, 1] * 4
+    assert c.prefill.profile.counters["num_prefills_on_idle_verifier_cores"] == 4
+    flags.clear()
+    threads.clear()
+    assert [r.token_ids for r in c.generate(PROMPTS, SP)] == want
+    assert flags == [True, False, False, False] and threads == [2, 1]
+
+    c.verifier.core_sharing.shared = False  # prefill on other cores: never marked
+    flags.clear()
+    c.generate(PROMPTS[:1], SP)
+    assert flags == [False]
+
+
 class _Worker:
     def __init__(self) -> None:
         self.core_sharing = CoreSharing(2, lambda n: None)
