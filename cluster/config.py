@@ -33,8 +33,12 @@ def default_threads(num_cores: int | None = None,
     then sleep): one at a time 26.2-28.2 s with prefill on 1 thread vs 30.3-31.6 s on 2; all
     16 at once 5.0-5.4 s vs 10.6-13.0 s (`OMP_WAIT_POLICY=PASSIVE`, which kept the roles
     from stalling each other before, costs the verifier's forward 2x: 44.6-45.2 s and
-    5.6-6.0 s; engine/openmp.py). The n-gram drafter and the gateway are pure Python and get
-    one.
+    5.6-6.0 s; engine/openmp.py). A prompt the verifier waits on with nothing else to do
+    (``PrefillRequest.verifier_idle``: no running request, no other prompt in flight) runs on
+    the verifier's thread count instead: one request at a time that took served k=0 from 0.83x
+    to 0.95x in-process k=0, with 16 at once unchanged (2 cores, SmolLM2 float32,
+    benchmarks/bench_float32_avx2_prefill_idle.md). The n-gram drafter and the gateway are pure
+    Python and get one.
 
     A model drafter (EAGLE head, draft model) computes while the verifier does, so with
     ``model_drafter`` the verifier leaves it a core: n - 1 threads (measured, `specmesh bench
