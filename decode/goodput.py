@@ -53,11 +53,13 @@ class Acceptance:
 
     accepted: float = 1.0
     rejected: float = 0.0
+    num_steps: int = 0  # verify steps that carried drafts
 
     def observe(self, accept_len: int, num_drafts: int) -> None:
         """One verify step that carried ``num_drafts`` drafts, ``accept_len`` accepted."""
         self.accepted = ACCEPTANCE_DECAY * self.accepted + accept_len
         self.rejected = ACCEPTANCE_DECAY * self.rejected + (accept_len < num_drafts)
+        self.num_steps += 1
 
     @property
     def rate(self) -> float:

@@ -206,7 +206,11 @@ class Scheduler:
         the drafter then keeps only a probe's worth)."""
         k = self.num_drafts(req)
         caps = self.goodput_caps
-        return k if caps is None else caps.cap(req.acceptance.rate, k)
+        if caps is None or req.acceptance.num_steps == 0:
+            # the latest decision was made for other requests: one whose drafts were never
+            # verified is owed its first ones, as plan() would decide with them in hand
+            return k
+        return caps.cap(req.acceptance.rate, k)
 
     def plan(self, running: list[Request]) -> list[PlannedRequest]:
         """The verify step's batch: every running request (in order) with its usable drafts,

@@ -284,10 +284,25 @@ def test_no_tail_wait_for_drafts_the_goodput_cap_holds_back():
     req = running(make_request("a", max_tokens=20), sched, output=[1])
     req.tail_in_flight = True
     assert sched.awaiting_tail([req]) == [req]  # no cap measured yet: kappa's worth
-    sched.goodput_caps = NO_DRAFTS  # the latest step held drafts back
-    assert sched.awaiting_tail([req]) == []
-    sched.goodput_caps = DraftCaps(0.5)  # this request's drafts (rate 1.0 so far) pay
+    sched.goodput_caps = NO_DRAFTS  # the latest step held drafts back ...
+    assert sched.awaiting_tail([req]) == [req]  # ... for others: this one's are owed a try
+    assert sched.drafts_wanted(req) == 4
+    req.acceptance.observe(1, 4)
+    assert sched.awaiting_tail([req]) == [] and sched.drafts_wanted(req) == 0
+    sched.goodput_caps = DraftCaps(0.5)  # its first draft (rate 0.64 now) pays
     assert sched.awaiting_tail([req]) == [req]
+
+
+def test_a_new_request_waits_for_its_first_drafts_whatever_the_last_decision():
+    """The goodput decision of the last step was made for the requests then running: a
+    request whose drafts were never verified (served, its first tail still in flight) must
+    not inherit a 'hold back' and skip its first drafts, as it would not in-process, where
+    the tail is there when the step is planned."""
+    sched = make_scheduler(goodput_drafts=True, tail_wait_fraction=0.5)
+    sched.goodput_caps = NO_DRAFTS
+    req = running(make_request("new", max_tokens=20), sched, output=[1])
+    req.tail_in_flight = True
+    assert sched.drafts_wanted(req) == 4 and sched.awaiting_tail([req]) == [req]
 
 
 def test_a_step_without_tails_leaves_the_goodput_cap_alone():
