@@ -91,7 +91,7 @@ class CompiledStack:
             kv_cache, capture_layers: tuple[int, ...] | None = None) -> dict[int, torch.Tensor] | None:
         """Every decoder layer over ``h`` [T, hidden] (float32, updated in place to the last
         layer's output), writing the batch's K/V into ``kv_cache``; ``cos`` / ``sin``
-        [T, 1, head_dim]; ``meta`` an :class:`engine.model.AttentionMetadata` with its plan.
+        [T, 1, head_dim]; ``meta`` an :class:`engine.attention_metadata.AttentionMetadata` with its plan.
 
         Returns the captured layer outputs {layer: [T, hidden]} (empty without
         ``capture_layers``), or None when the compiled call does not apply (nothing was
