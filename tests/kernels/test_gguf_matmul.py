@@ -4,8 +4,6 @@ of a product is the same bits whatever the other rows, the row count and the thr
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ import torch
 from kernels import gguf_matmul
 from kernels.gguf_matmul import BlockWeight, dequantize_compiled, gguf_matmul as matmul, \
     matmul_ref
+from helpers.kernels import loads_with_a_failing_compiler
 
 
 def _raw(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -109,11 +108,6 @@ def test_switched_off_the_kernel_is_unavailable_and_says_so(monkeypatch):
 
 
 def test_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("SPECMESH_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", "false")
-    monkeypatch.setattr(gguf_matmul.KERNEL, "lib", None)
-    monkeypatch.setattr(gguf_matmul.KERNEL, "failed", None)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
-        assert not gguf_matmul.available()
+    assert not loads_with_a_failing_compiler(gguf_matmul.KERNEL, monkeypatch, tmp_path, caplog)
     assert "keeping dense float32 weights" in caplog.text
     assert list(tmp_path.iterdir()) == []

@@ -5,8 +5,6 @@ its forward on the torch ops up to rounding."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from engine.model import LlamaForCausalLM, _rotate_half
 from engine.runner import ModelRunner, SeqChunk
 from engine.kv_cache import KVCache
 from kernels import layer_ops
+from helpers.kernels import loads_with_a_failing_compiler
 
 
 @pytest.fixture(autouse=True)
@@ -163,11 +162,6 @@ def test_switched_off_the_ops_are_unavailable_and_the_model_keeps_torch(monkeypa
 
 
 def test_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("SPECMESH_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", "false")
-    monkeypatch.setattr(layer_ops.KERNEL, "lib", None)
-    monkeypatch.setattr(layer_ops.KERNEL, "failed", None)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
-        assert not layer_ops.available()
+    assert not loads_with_a_failing_compiler(layer_ops.KERNEL, monkeypatch, tmp_path, caplog)
     assert "keeping the torch ops" in caplog.text
     assert list(tmp_path.iterdir()) == []
