@@ -10,6 +10,18 @@ from cluster.config import ClusterConfig
 from cluster.runs import load_prompts, openai_client, run_openai
 
 
+def warm_up(client, model: str, prompts: list[dict], handle, kappa: int,  # noqa: ANN001
+            max_tokens: int = 8) -> None:
+    """One short untimed request with speculation off, then on, as the timed runs will use
+    the cluster: the first requests of a fresh cluster pay one-off costs (lazy kernel
+    loads, first page faults of the weights, the scheduler's first cost measurements) that
+    would otherwise all land on the speculative run, which goes first."""
+    handle.set_num_speculative_tokens(0)
+    run_openai(client, model, prompts[:1], max_tokens, "warmup")
+    handle.set_num_speculative_tokens(kappa)
+    run_openai(client, model, prompts[:1], max_tokens, "warmup")
+
+
 def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 96) -> dict:
     """Start the cluster, run the prompts with speculation on and off, print a table.
     Returns both runs, the speedup and how many completions were identical."""
@@ -28,6 +40,7 @@ def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 9
           flush=True)
     try:
         client = openai_client(handle.url)
+        warm_up(client, model, prompts, handle, kappa)
         spec = run_openai(client, model, prompts, max_tokens, "speculative", show=True)
         handle.set_num_speculative_tokens(0)
         plain = run_openai(client, model, prompts, max_tokens, "kappa=0")
