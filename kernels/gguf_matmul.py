@@ -99,6 +99,28 @@ class BlockWeight:
             return cls(fmt, f16(0), f16(2), qs)
         return cls(fmt, f16(0), None, qs.view(torch.int8))
 
+    @classmethod
+    def quantize_q8_0(cls, weight: torch.Tensor) -> "BlockWeight":
+        """Round a float32 weight [N, K] (K a multiple of 32) to Q8_0 as llama.cpp's reference
+        quantizer does (``quantize_row_q8_0_ref``): per block of 32, ``d = amax / 127`` stored
+        as f16 and ``q = round(w / d)`` in [-127, 127], except that ``q`` is rounded against
+        the stored f16 ``d``, so :meth:`dequantize` moves each weight by at most half a step
+        (d / 2). A weight that came from Q8_0 blocks with a full-range block (amax at
+        q = +-127, as llama.cpp writes them) gets those blocks back.
+
+        Raises:
+            ValueError: not a 2-D float32 tensor of whole 32-wide blocks.
+        """
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK:
+            raise ValueError(f"Q8_0 takes a float32 [N, K] weight with K a multiple of "
+                             f"{BLOCK}, got {weight.dtype} {tuple(weight.shape)}")
+        n, k = weight.shape
+        w = weight.detach().cpu().reshape(n, k // BLOCK, BLOCK)
+        d = (w.abs().amax(dim=-1) / 127.0).half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls("Q8_0", d.contiguous(), None, q.contiguous())
+
     def take_rows(self, index: torch.Tensor) -> "BlockWeight":
         """The weight of rows ``index`` [N'] (int64), in that order."""
         pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa

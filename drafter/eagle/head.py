@@ -30,6 +30,7 @@ from drafter.eagle.head_kv import HeadKV
 from drafter.eagle.layer import DecoderLayer, RMSNorm
 from engine import onednn
 from engine.linear import RowInvariantLinear
+from kernels.gguf_matmul import gguf_matmul
 
 
 class EagleHead(nn.Module):
@@ -42,6 +43,8 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         self._lm_head_pack = onednn.PackCache()  # of the frozen lm_head buffer
+        # (Q8_0 blocks that expand to lm_head, (its data_ptr, _version) then): drafter/eagle/quantize.py
+        self.lm_head_blocks = None
         d = config.hidden_size
         self.fc = RowInvariantLinear(2 * d, d, bias=False)
         n_feat = len(config.feature_layers)
@@ -106,7 +109,11 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] of predicted features [..., d]."""
-        if features.dim() == 2:  # inference rows: the LM head's prepacked product
+        if features.dim() == 2:  # inference rows: the LM head's blocks or prepacked product
+            b = self.lm_head_blocks
+            if b is not None and features.dtype == torch.float32 and features.is_cpu \
+                    and b[1] == (self.lm_head.data_ptr(), self.lm_head._version):
+                return gguf_matmul(features, b[0])
             packed = self._lm_head_pack.get(features, self.lm_head)
             if packed is not None:
                 return onednn.linear(features, packed, None)

@@ -318,7 +318,8 @@ def _shipped_head_for(model: str | None) -> Path | None:
 
 def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32") -> EagleHead:
     """The head at ``head`` (or the one shipped for ``model``) with only the target's embedding
-    and LM head loaded from its weights.
+    and LM head loaded from its weights; a float32 head on CPU computes on Q8_0 blocks
+    (drafter/eagle/quantize.py).
 
     Raises:
         FileNotFoundError: no head given and none shipped for the target; missing weights.
@@ -344,6 +345,10 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32")
     embed, lm_head = target_embeddings(files)
     loaded = load_head(head, embed, lm_head, target_identity(name, config, embed),
                        dtype=model_dtype(dtype))
-    log.info("EAGLE head %s for %s: %.2f M parameters", head, name,
-             loaded.num_trainable_parameters() / 1e6)
+    from drafter.eagle.quantize import quantize_head
+
+    on_blocks = quantize_head(loaded)
+    log.info("EAGLE head %s for %s: %.2f M parameters%s", head, name,
+             loaded.num_trainable_parameters() / 1e6,
+             f", {on_blocks} products on Q8_0 blocks" if on_blocks else "")
     return loaded

@@ -36,7 +36,10 @@ def test_float64_greedy_output_equals_plain_decode_with_drafts_accepted(tiny_mod
 
 
 def test_the_proposer_loads_only_embedding_and_lm_head_of_its_target(tiny_model_dir,
-                                                                    tiny_eagle_head):
+                                                                    tiny_eagle_head,
+                                                                    monkeypatch):
+    """(With the Q8_0 rounding off: tests/drafter/test_eagle_quantize.py covers it.)"""
+    monkeypatch.setenv("SPECMESH_EAGLE_Q8_0", "0")
     head_dir, _ = tiny_eagle_head
     head = load_eagle_head(head_dir, tiny_model_dir)
     lm = load_model(tiny_model_dir)

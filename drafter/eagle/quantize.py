@@ -1,0 +1,61 @@
+"""A drafting head on Q8_0 blocks: the EAGLE head's products on 8-bit weights on CPU.
+
+Why: a draft is one head entry (the fusion layer, one decoder layer) and one LM-head product
+over the draft vocabulary, about 9 M float32 weights, 37 MB read per draft from memory. The
+target's float32 forward reads its layers from their GGUF blocks (kernels/gguf_matmul.py), so
+on a 2-core AVX2 host a float32 head cost a third of a target step per draft (2.8 ms vs 11 ms
+for a one-token SmolLM2 step): the drafter's time per verify step then ate what its accepted
+drafts saved. Rounded to Q8_0 (llama.cpp's 8-bit format, a scale per 32 weights) the head
+reads about a quarter of those bytes, through the same compiled kernel.
+
+What changes: the head's linear weights become their Q8_0 rounding (each weight moves by at
+most half a quantization step; the module's parameters hold the rounded values, so every path
+of the head computes with the same weights), and the LM head rows, the target's embedding,
+which SmolLM2's GGUF file holds as Q8_0 already, come back bit for bit. Drafts are proposals:
+the verifier's exactness does not depend on them. Acceptance measured on the held-out chat
+prompts is in drafter/heads/smollm2-135m-instruct/README.md.
+
+Applies to a float32 head on CPU when the GGUF matmul kernel is available;
+``SPECMESH_EAGLE_Q8_0=0`` keeps the float32 head.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from drafter.eagle.head import EagleHead
+from engine.linear import RowInvariantLinear
+from kernels import gguf_matmul
+from kernels.gguf_matmul import BlockWeight
+
+SWITCH = "SPECMESH_EAGLE_Q8_0"
+
+
+def quantize_head(head: EagleHead) -> int:
+    """Round ``head``'s linear layers and LM head to Q8_0 in place and compute them on their
+    blocks (inference only: the blocks drop out as soon as a weight changes). Returns how
+    many products run on blocks (0: not a float32 CPU head, the kernel is unavailable, or
+    the switch is off)."""
+    w = head.fc.weight
+    if os.environ.get(SWITCH, "1") == "0" or w.dtype != torch.float32 \
+            or w.device.type != "cpu" or not gguf_matmul.available():
+        return 0
+    n = 0
+    with torch.no_grad():
+        for module in head.modules():
+            if isinstance(module, RowInvariantLinear) and module.in_features % gguf_matmul.BLOCK == 0:
+                blocks = BlockWeight.quantize_q8_0(module.weight)
+                module.weight.copy_(blocks.dequantize())
+                module.attach_blocks(blocks)
+                n += 1
+        if head.lm_head.shape[1] % gguf_matmul.BLOCK == 0:
+            blocks = BlockWeight.quantize_q8_0(head.lm_head.float())
+            head.lm_head.copy_(blocks.dequantize())
+            head.lm_head_blocks = (blocks, (head.lm_head.data_ptr(), head.lm_head._version))
+            n += 1
+    return n
+
+
+__all__ = ["SWITCH", "quantize_head"]
