@@ -175,3 +175,29 @@ def test_switched_off_it_does_not_run(monkeypatch):
         monkeypatch.setenv(compiled_stack.SWITCH, "1")
         assert compiled_stack.CompiledStack(model).run(torch.randn(1, 64), cos, sin, meta,
                                                        cache) is not None
+
+
+def test_the_compiled_call_follows_a_new_cache_and_replaced_norm_weights(monkeypatch):
+    """Its pointers are cached between forwards: a new KV cache, a norm weight replaced by
+    another tensor, or a weight whose storage was swapped must rebuild them (else it reads
+    freed or stale memory); each forward then still equals the layer-by-layer path."""
+    model = _model()
+
+    def decode_logits(compiled: bool, cache: KVCache) -> torch.Tensor:
+        monkeypatch.setenv(compiled_stack.SWITCH, "1" if compiled else "0")
+        runner = ModelRunner(model, CONFIG, cache)
+        runner.forward([SeqChunk([1, 2, 3], 0, [0])])
+        return runner.forward([SeqChunk([4], 3, [0])])[0]
+
+    def same_both_ways() -> None:
+        got = decode_logits(True, KVCache(CONFIG, 8, 4, dtype="float32"))
+        assert torch.equal(got, decode_logits(False, KVCache(CONFIG, 8, 4, dtype="float32")))
+
+    same_both_ways()
+    norm = model.model.layers[1].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 1.5)  # another tensor
+    same_both_ways()
+    with torch.no_grad():  # the same Parameter on new storage
+        model.model.layers[2].input_layernorm.weight.data = \
+            model.model.layers[2].input_layernorm.weight.detach() * 0.5
+    same_both_ways()
