@@ -48,6 +48,7 @@ from kernels import (
     tree_rejection_sample_noise,
     tree_walk,
 )
+from kernels.row_argmax import row_argmax
 from protocol.messages import SamplingParams
 
 
@@ -115,7 +116,7 @@ class GreedyRule(VerificationRule):
     name = "greedy"
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        target_token_ids = torch.argmax(batch.target_logits, dim=-1)
+        target_token_ids = row_argmax(batch.target_logits)
         return greedy_verify(batch.draft_token_ids, batch.cu_num_draft_tokens, target_token_ids)
 
 
@@ -238,7 +239,7 @@ def _walk_targets(batch: RuleBatch) -> torch.Tensor:
     """int64 [num_draft_total + batch]: the token each row's walk compares with: the argmax
     (greedy requests) or the coupled rule's Gumbel-max sample at output position
     ``positions[b] + depth`` (seeded requests)."""
-    target = torch.argmax(batch.target_logits, dim=-1)
+    target = row_argmax(batch.target_logits)
     coupled = [b for b, s in enumerate(batch.sampling) if sampling_mode(s) == COUPLED]
     if not coupled:
         return target

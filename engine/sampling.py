@@ -26,6 +26,7 @@ import torch
 from kernels.counter_noise import seed_to_int64
 from kernels.coupled_sample import gumbel_sample
 from kernels.logits_processing import GREEDY_TEMPERATURE_EPS, process_logits
+from kernels.row_argmax import row_argmax
 from protocol.messages import SamplingParams
 
 GREEDY = "greedy"
@@ -111,7 +112,7 @@ def sample_tokens(logits: torch.Tensor, sampling: Sequence[SamplingParams],
     if logits.dim() != 2 or logits.shape[0] != len(sampling) or len(positions) != len(sampling):
         raise ValueError(f"logits {tuple(logits.shape)}, {len(sampling)} sampling params and "
                          f"{len(positions)} positions do not match")
-    out = logits.argmax(dim=-1)  # greedy rows: the raw argmax, as the target's own decode
+    out = row_argmax(logits)  # greedy rows: the raw argmax, as the target's own decode
     modes = [sampling_mode(s) for s in sampling]
     sampled = [b for b, m in enumerate(modes) if m != GREEDY]
     if sampled:
