@@ -5,12 +5,10 @@ accepted, and a head trained for another target is refused."""
 import pytest
 import torch
 
-from cluster.inprocess import InProcessCluster
 from drafter.eagle.checkpoint import HeadMismatch, load_head, target_embeddings, target_identity
-from drafter.eagle.data import chat_token_ids
-from drafter.proposers.eagle import EagleProposer, load_eagle_head
+from drafter.proposers.eagle import load_eagle_head
 from engine.loader import load_model
-from protocol.messages import SamplingParams
+from tests.helpers.eagle_heads import assert_eagle_equals_plain_decode
 
 
 @pytest.mark.parametrize("head_fixture", ["tiny_eagle_head", "tiny_fused_eagle_head"])
@@ -22,17 +20,7 @@ def test_float64_greedy_output_equals_plain_decode_with_drafts_accepted(tiny_mod
     embed, lm_head = target_embeddings(tiny_model_dir)
     head = load_head(head_dir, embed, lm_head, target_identity(lm.name, lm.config, embed),
                      dtype=torch.float64)
-    prompts = chat_token_ids(lm.tokenizer, [{"messages": m} for m in messages[:6]])
-    sp = SamplingParams(max_tokens=24)
-    eos = lm.config.eos_token_ids
-    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
-                             eos_token_ids=eos).generate(prompts, sp)
-    spec = InProcessCluster(lm.model, lm.config, num_speculative_tokens=3, eos_token_ids=eos,
-                            draft_method="eagle",
-                            proposer=EagleProposer(head_module=head)).generate(prompts, sp)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert sum(o.spec.num_draft_tokens for o in spec) > 0
-    assert sum(o.spec.num_accepted_tokens for o in spec) > 0
+    assert_eagle_equals_plain_decode(lm, head, messages)
 
 
 def test_the_proposer_loads_only_embedding_and_lm_head_of_its_target(tiny_model_dir,

@@ -5,15 +5,13 @@ products, the switch, and drafting through the in-process workers with the round
 import pytest
 import torch
 
-from cluster.inprocess import InProcessCluster
-from drafter.eagle.data import chat_token_ids
 from drafter.eagle.quantize import SWITCH, quantize_head
-from drafter.proposers.eagle import EagleProposer, load_eagle_head
+from drafter.proposers.eagle import load_eagle_head
 from engine.linear import RowInvariantLinear
 from engine.loader import load_model
 from kernels import gguf_matmul
 from kernels.gguf_matmul import BlockWeight
-from protocol.messages import SamplingParams
+from tests.helpers.eagle_heads import assert_eagle_equals_plain_decode
 
 needs_kernel = pytest.mark.skipif(not gguf_matmul.available(),
                                   reason="the GGUF matmul kernel cannot be built here")
@@ -102,14 +100,4 @@ def test_float32_greedy_output_with_the_rounded_head_equals_plain_decode_with_dr
     lm = load_model(tiny_model_dir, "float32")
     head = load_eagle_head(head_dir, tiny_model_dir)
     assert head.fc._blocks is not None and head.lm_head_blocks is not None
-    prompts = chat_token_ids(lm.tokenizer, [{"messages": m} for m in messages[:6]])
-    sp = SamplingParams(max_tokens=24)
-    eos = lm.config.eos_token_ids
-    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
-                             eos_token_ids=eos).generate(prompts, sp)
-    spec = InProcessCluster(lm.model, lm.config, num_speculative_tokens=3, eos_token_ids=eos,
-                            draft_method="eagle",
-                            proposer=EagleProposer(head_module=head)).generate(prompts, sp)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert sum(o.spec.num_draft_tokens for o in spec) > 0
-    assert sum(o.spec.num_accepted_tokens for o in spec) > 0
+    assert_eagle_equals_plain_decode(lm, head, messages)

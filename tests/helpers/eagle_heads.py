@@ -24,3 +24,26 @@ def save_random_head(model_dir: str, path: str | Path, seed: int = 0) -> str:
     head = EagleHead(EagleHeadConfig.for_target(config,
                                                 target=target_identity(name, config, embed)))
     return str(save_head(head, path))
+
+
+def assert_eagle_equals_plain_decode(lm, head, messages: list, kappa: int = 3,  # noqa: ANN001
+                                     max_tokens: int = 24) -> None:
+    """Greedy output of the in-process workers drafting with ``head`` (an EagleHead for the
+    loaded target ``lm``) equals plain decoding on the first six of ``messages``, and drafts
+    were made and accepted."""
+    from cluster.inprocess import InProcessCluster
+    from drafter.eagle.data import chat_token_ids
+    from drafter.proposers.eagle import EagleProposer
+    from protocol.messages import SamplingParams
+
+    prompts = chat_token_ids(lm.tokenizer, [{"messages": m} for m in messages[:6]])
+    sp = SamplingParams(max_tokens=max_tokens)
+    eos = lm.config.eos_token_ids
+    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
+                             eos_token_ids=eos).generate(prompts, sp)
+    spec = InProcessCluster(lm.model, lm.config, num_speculative_tokens=kappa,
+                            eos_token_ids=eos, draft_method="eagle",
+                            proposer=EagleProposer(head_module=head)).generate(prompts, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.spec.num_draft_tokens for o in spec) > 0
+    assert sum(o.spec.num_accepted_tokens for o in spec) > 0
