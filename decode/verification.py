@@ -48,7 +48,7 @@ from kernels import (
     tree_rejection_sample_noise,
     tree_walk,
 )
-from kernels.row_argmax import row_argmax
+from engine.row_argmax import row_argmax
 from protocol.messages import SamplingParams
 
 

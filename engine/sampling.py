@@ -26,7 +26,7 @@ import torch
 from kernels.counter_noise import seed_to_int64
 from kernels.coupled_sample import gumbel_sample
 from kernels.logits_processing import GREEDY_TEMPERATURE_EPS, process_logits
-from kernels.row_argmax import row_argmax
+from engine.row_argmax import row_argmax
 from protocol.messages import SamplingParams
 
 GREEDY = "greedy"

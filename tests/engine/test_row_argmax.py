@@ -1,10 +1,10 @@
-"""kernels/row_argmax.py: the same indices as torch.argmax(x, -1) on every CPU float dtype,
+"""engine/row_argmax.py: the same indices as torch.argmax(x, -1) on every CPU float dtype,
 ties (first index), NaN rows, -inf rows, one row and many, non-contiguous rows, 1-D input."""
 
 import pytest
 import torch
 
-from kernels.row_argmax import row_argmax
+from engine.row_argmax import row_argmax
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
