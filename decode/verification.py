@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 
 from decode.config import VERIFY_RULES
+from engine.row_argmax import row_argmax
 from engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
 from kernels import (
     PLACEHOLDER_TOKEN_ID,
@@ -48,7 +49,6 @@ from kernels import (
     tree_rejection_sample_noise,
     tree_walk,
 )
-from engine.row_argmax import row_argmax
 from protocol.messages import SamplingParams
 
 
