@@ -119,11 +119,13 @@ def profile_markdown(level: dict) -> list[str]:
             cells.append(f"{ph['p50_ms']:.2f} / {ph['mean_ms']:.2f} (n={ph['count']})"
                          if ph else "")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    lines.append("| steps with a usable tail | " + " | ".join(
-        _num(profiled[n]["profile"]["steps_with_tail_share"], ".0%") for n in names) + " |")
-    lines.append("| request-steps with a usable tail | " + " | ".join(
-        _num(profiled[n]["profile"]["request_steps_with_tail_share"], ".0%")
-        for n in names) + " |")
+    for key, label in (("steps_with_tail_share", "steps with a usable tail (supply)"),
+                       ("steps_with_drafts_share", "steps that verified drafts (after caps)"),
+                       ("request_steps_with_tail_share", "request-steps with a usable tail"),
+                       ("request_steps_with_drafts_share",
+                        "request-steps that verified drafts")):
+        lines.append(f"| {label} | " + " | ".join(
+            _num(profiled[n]["profile"].get(key), ".0%") for n in names) + " |")
     hits = {n: profiled[n]["profile"].get("branch_hit_share") for n in names}
     if any(h is not None for h in hits.values()):
         lines.append("| commits whose next draft was a prepared branch | " + " | ".join(

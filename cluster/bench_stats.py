@@ -123,9 +123,12 @@ def bucket_quantile(bucket_counts: list[int], q: float) -> float | None:
 def profile_summary(profile: dict) -> dict:
     """Per-phase ``{p50_ms, mean_ms, count}`` in :data:`PHASE_ORDER` (p50 interpolated in its
     histogram bucket, :func:`bucket_quantile`) and the draft supply:
-    ``steps_with_tail_share`` = verify steps where some request had usable drafts / all verify
-    steps; ``request_steps_with_tail_share`` = request-steps with usable drafts / request-steps
-    that could have used drafts (kappa > 0). Shares are None with no steps."""
+    ``steps_with_tail_share`` = verify steps where some request had usable drafts when the
+    step was planned (the drafter's supply, before the goodput caps) / all verify steps;
+    ``steps_with_drafts_share`` = verify steps that verified drafts (after the caps) / all
+    verify steps; ``request_steps_with_tail_share`` and ``request_steps_with_drafts_share``
+    the same per request-step, over request-steps that could have used drafts (kappa > 0).
+    Shares are None with no steps."""
     phases = profile.get("phases", {})
     names = [n for n in PHASE_ORDER if n in phases] + sorted(set(phases) - set(PHASE_ORDER))
     c = profile.get("counters", {})
@@ -139,9 +142,12 @@ def profile_summary(profile: dict) -> dict:
 
     return {"phases": {n: {"p50_ms": p50_ms(phases[n]), "mean_ms": phases[n]["mean_ms"],
                            "count": phases[n]["count"]} for n in names},
-            "steps_with_tail_share": share("num_steps_with_drafts", "num_steps"),
-            "request_steps_with_tail_share": share("num_request_steps_with_drafts",
+            "steps_with_tail_share": share("num_steps_with_tail", "num_steps"),
+            "steps_with_drafts_share": share("num_steps_with_drafts", "num_steps"),
+            "request_steps_with_tail_share": share("num_request_steps_with_tail",
                                                    "num_request_steps_spec_eligible"),
+            "request_steps_with_drafts_share": share("num_request_steps_with_drafts",
+                                                     "num_request_steps_spec_eligible"),
             # the drafter's commits whose bonus token it had prepared a branch for
             "branch_hit_share": share(DRAFTER_PREFIX + "branch_hits", DRAFTER_PREFIX + "commits")}
 

@@ -76,6 +76,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.step_time_ema_s = 0.0
         self.draft_budget = DraftBudget()
+        self.last_plan_with_tail = 0  # running requests with usable drafts at the last plan, pre-caps
         # the latest step's goodput decision (None: off, or no step with tails yet)
         self.goodput_caps: DraftCaps | None = None
         self._prefill_turn = 0  # rotates the prefill peer that wins a tie
@@ -220,8 +221,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         plans: list[PlannedRequest] = []
         caps = [self.num_drafts(req) for req in running]
+        usable = [len(r.tail.usable(c)) for r, c in zip(running, caps)]
+        # the draft supply, before the goodput caps choose among it
+        self.last_plan_with_tail = sum(n > 0 for n in usable)
         if self.config.goodput_drafts:
-            usable = [len(r.tail.usable(c)) for r, c in zip(running, caps)]
             if any(usable):  # a step with no tails decides nothing about drafts
                 rates = [r.acceptance.rate for r in running]
                 decision = self.draft_budget.decide(usable, rates)

@@ -408,6 +408,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             plan = self.scheduler.plan(running)
             # before the commit: a request that finishes in this step was still eligible
             eligible = sum(self.scheduler.num_drafts(p.request) > 0 for p in plan)
+            with_tail = self.scheduler.last_plan_with_tail
         hidden = any(self.lifecycle.wants_hidden(p.request) for p in plan)
         if self.core_sharing is not None:
             self.core_sharing.before_forward(sum(r.status is RequestStatus.PREFILLING
@@ -419,17 +420,21 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             self._ingest_drafts_before_commit()
             for p, out in zip(plan, outputs):
                 self.lifecycle.apply(p.request, out)
-        self._count_step(plan, eligible)
+        self._count_step(plan, eligible, with_tail)
         self.scheduler.observe_step_time(time.monotonic() - t0)
         self.stats.num_steps += 1
         return len(plan)
 
-    def _count_step(self, plan: list, eligible: int) -> None:
+    def _count_step(self, plan: list, eligible: int, with_tail: int) -> None:
         """Counters of the draft supply: requests that could have used drafts this step
-        (``eligible``, counted when the step was planned) and those whose tail had usable ones
-        (their ratio is the share of steps with a tail)."""
+        (``eligible``, counted when the step was planned), those whose tail had usable drafts
+        when it was planned (``with_tail``: the supply, the drafter's side of the decoupling)
+        and those that verified drafts (after the goodput caps chose among the supply)."""
         prof = self.profile
         prof.count("num_steps")
+        prof.count("num_request_steps_with_tail", with_tail)
+        if with_tail:
+            prof.count("num_steps_with_tail")
         with_drafts = sum(bool(p.draft_token_ids) for p in plan)
         prof.count("num_request_steps", len(plan))
         prof.count("num_request_steps_spec_eligible", eligible)

@@ -21,7 +21,8 @@ from protocol.spec_stats import SpecStats
 from protocol.step_profile import StepProfile
 
 
-def _profile(forward_ms: list[float], plain_ms: list[float], steps: int, with_drafts: int) -> dict:
+def _profile(forward_ms: list[float], plain_ms: list[float], steps: int, with_drafts: int,
+             with_tail: int = 0) -> dict:
     p = StepProfile()
     for ms in forward_ms:
         p.observe("forward_with_drafts", ms / 1e3)
@@ -29,6 +30,8 @@ def _profile(forward_ms: list[float], plain_ms: list[float], steps: int, with_dr
         p.observe("forward_plain", ms / 1e3)
     p.count("num_steps", steps)
     p.count("num_steps_with_drafts", with_drafts)
+    if with_tail:
+        p.count("num_steps_with_tail", with_tail)
     return p.as_dict()
 
 
@@ -57,9 +60,11 @@ def test_bucket_quantile_interpolates():
     counts[6] = 4  # four observations in (2.5 ms, 5 ms]
     assert bucket_quantile(counts, 0.5) == pytest.approx(0.00375)
     assert bucket_quantile([0] * 17, 0.5) is None
-    s = profile_summary(_profile([4.0] * 4, [], 4, 3))
+    s = profile_summary(_profile([4.0] * 4, [], 4, 2, with_tail=3))
     assert s["phases"]["forward_with_drafts"]["p50_ms"] == pytest.approx(3.75)
+    # supply (tails there when planned) and what the goodput caps let through, apart
     assert s["steps_with_tail_share"] == pytest.approx(0.75)
+    assert s["steps_with_drafts_share"] == pytest.approx(0.5)
     assert s["request_steps_with_tail_share"] is None
 
 
@@ -175,7 +180,7 @@ def test_markdown_tables_and_profile():
             "in-process k=0 on request(s) 1**") in text
     assert "| hf generate | 10.00 | 1.00 |  |  |  |  |  |  |  |" in text
     assert "### verifier step profile, concurrency 1" in text
-    assert "| forward_with_drafts |" in text and "| steps with a usable tail |" in text
+    assert "| forward_with_drafts |" in text and "| steps with a usable tail (supply) |" in text
     assert "bound 1.1 x ratio 1.25" in text
     assert "forward cost, batch 1 (3-token / 1-token forward per request" in text
     assert "= 1.25x" in text and "forward cost, batch 2" in text and "= 2.00x" in text

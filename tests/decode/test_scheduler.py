@@ -272,6 +272,8 @@ def test_goodput_drafts_cap_the_plan_by_measured_cost_and_acceptance():
             sched.observe_accept(req, accepted, 4)
         (plan,) = sched.plan([req])
         assert plan.draft_token_ids == want
+        # the supply is counted before the caps: the tail was there either way
+        assert sched.last_plan_with_tail == 1
     off = make_scheduler(num_blocks=16)  # off (a bare worker's default): every usable draft
     req = running(make_request("a", max_tokens=20), off, output=[9], drafts=[1, 2, 3, 4])
     req.acceptance.observe(0, 4)
