@@ -44,7 +44,9 @@ def default_threads(num_cores: int | None = None,
     ``model_drafter`` the verifier leaves it a core: n - 1 threads (measured, `specmesh bench
     --drafters eagle,eagle@verifier=1,eagle@drafter=2`, 2 cores, SmolLM2 fp32, served EAGLE
     tokens/s in two repeats: verifier 2 / drafter 1 7.2 and 8.4, verifier 1 / drafter 1 9.0
-    and 9.4, verifier 2 / drafter 2 8.4 and 8.8; benchmarks/bench_drafters.md)."""
+    and 9.4, verifier 2 / drafter 2 8.4 and 8.8; benchmarks/bench_drafters.md; again after
+    the compiled float32 stack and the Q8_0 head: verifier 1 38.4 vs verifier 2 37.8 tok/s,
+    benchmarks/bench_eagle_float32_avx2_plan29.md)."""
     n = num_cores or os.cpu_count() or 2
     verifier = max(1, n - 1) if model_drafter else n
     return {Role.VERIFIER.value: verifier, Role.PREFILL.value: 1,
