@@ -61,12 +61,12 @@ def main() -> None:
                 kv = HeadKV()
                 h.extend_many([(kv, feats, torch.randint(0, 1000, (40,)), 0)])
 
-                def entry() -> None:
+                def entry(h=h, kv=kv) -> None:  # noqa: ANN001 - bound per head
                     h.extend_many([(kv, g, torch.tensor([5]), kv.end)])
                     kv.truncate(kv.end - 1)
 
-                for piece, fn in (("lm_head", lambda: h.logits(g)), ("entry", entry),
-                                  ("seed_fusion", lambda: h.seed_features(seed))):
+                for piece, fn in (("lm_head", lambda h=h: h.logits(g)), ("entry", entry),
+                                  ("seed_fusion", lambda h=h: h.seed_features(seed))):
                     times[name].setdefault(piece, []).append(median_ms(fn))
     print("one draft's pieces, 1 thread, median of 3 interleaved rounds (ms):")
     for name, pieces in times.items():

@@ -76,7 +76,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.step_time_ema_s = 0.0
         self.draft_budget = DraftBudget()
-        self.last_plan_with_tail = 0  # running requests with usable drafts at the last plan, pre-caps
+        # running requests with usable drafts at the last plan, before the goodput caps
+        self.last_plan_with_tail = 0
         # the latest step's goodput decision (None: off, or no step with tails yet)
         self.goodput_caps: DraftCaps | None = None
         self._prefill_turn = 0  # rotates the prefill peer that wins a tie
@@ -224,12 +225,12 @@ class Scheduler:
         usable = [len(r.tail.usable(c)) for r, c in zip(running, caps)]
         # the draft supply, before the goodput caps choose among it
         self.last_plan_with_tail = sum(n > 0 for n in usable)
-        if self.config.goodput_drafts:
-            if any(usable):  # a step with no tails decides nothing about drafts
-                rates = [r.acceptance.rate for r in running]
-                decision = self.draft_budget.decide(usable, rates)
-                caps = [decision.cap(rate, c) for rate, c in zip(rates, caps)]
-                self.goodput_caps = decision
+        # a step with no tails decides nothing about drafts
+        if self.config.goodput_drafts and any(usable):
+            rates = [r.acceptance.rate for r in running]
+            decision = self.draft_budget.decide(usable, rates)
+            caps = [decision.cap(rate, c) for rate, c in zip(rates, caps)]
+            self.goodput_caps = decision
         for req, k in zip(running, caps):
             if budget < 1:
                 break

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.row_argmax import row_argmax
 from kernels.counter_noise import seed_to_int64
 from kernels.coupled_sample import gumbel_sample
 from kernels.logits_processing import GREEDY_TEMPERATURE_EPS, process_logits
-from engine.row_argmax import row_argmax
 from protocol.messages import SamplingParams
 
 GREEDY = "greedy"

@@ -43,7 +43,8 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         self._lm_head_pack = onednn.PackCache()  # of the frozen lm_head buffer
-        # (Q8_0 blocks that expand to lm_head, (its data_ptr, _version) then): drafter/eagle/quantize.py
+        # (Q8_0 blocks that expand to lm_head, (its data_ptr, _version) then):
+        # drafter/eagle/quantize.py
         self.lm_head_blocks = None
         d = config.hidden_size
         self.fc = RowInvariantLinear(2 * d, d, bias=False)

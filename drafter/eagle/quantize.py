@@ -45,7 +45,8 @@ def quantize_head(head: EagleHead) -> int:
     n = 0
     with torch.no_grad():
         for module in head.modules():
-            if isinstance(module, RowInvariantLinear) and module.in_features % gguf_matmul.BLOCK == 0:
+            if isinstance(module, RowInvariantLinear) \
+                    and module.in_features % gguf_matmul.BLOCK == 0:
                 blocks = BlockWeight.quantize_q8_0(module.weight)
                 module.weight.copy_(blocks.dequantize())
                 module.attach_blocks(blocks)

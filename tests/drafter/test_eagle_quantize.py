@@ -17,6 +17,12 @@ needs_kernel = pytest.mark.skipif(not gguf_matmul.available(),
                                   reason="the GGUF matmul kernel cannot be built here")
 
 
+def load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0: bool):  # noqa: ANN001, ANN201
+    """The tiny test head loaded with the Q8_0 switch on or off."""
+    monkeypatch.setenv(SWITCH, "1" if q8_0 else "0")
+    return load_eagle_head(tiny_eagle_head[0], tiny_model_dir)
+
+
 def test_q8_0_rounding_gives_back_the_blocks_a_q8_0_weight_came_from():
     g = torch.Generator().manual_seed(0)
     n, kb = 24, 5
@@ -49,11 +55,8 @@ def test_q8_0_rounding_refuses_what_it_cannot_hold(bad):
 @needs_kernel
 def test_a_loaded_head_computes_on_blocks_that_hold_its_rounded_weights(
         tiny_model_dir, tiny_eagle_head, monkeypatch):
-    head_dir, _ = tiny_eagle_head
-    monkeypatch.setenv(SWITCH, "0")
-    plain = load_eagle_head(head_dir, tiny_model_dir)
-    monkeypatch.setenv(SWITCH, "1")
-    head = load_eagle_head(head_dir, tiny_model_dir)
+    plain = load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0=False)
+    head = load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0=True)
     x = torch.randn(5, head.config.hidden_size)
     linears = {n: m for n, m in head.named_modules() if isinstance(m, RowInvariantLinear)}
     plain_linears = dict(plain.named_modules())
@@ -81,9 +84,7 @@ def test_a_loaded_head_computes_on_blocks_that_hold_its_rounded_weights(
 @needs_kernel
 def test_quantize_head_leaves_the_head_alone_when_switched_off_or_not_float32(
         tiny_model_dir, tiny_eagle_head, monkeypatch):
-    head_dir, _ = tiny_eagle_head
-    monkeypatch.setenv(SWITCH, "0")
-    head = load_eagle_head(head_dir, tiny_model_dir)
+    head = load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0=False)
     before = {k: v.clone() for k, v in head.state_dict().items()}
     assert quantize_head(head) == 0
     assert head.fc._blocks is None and head.lm_head_blocks is None
@@ -95,9 +96,7 @@ def test_quantize_head_leaves_the_head_alone_when_switched_off_or_not_float32(
 @needs_kernel
 def test_float32_greedy_output_with_the_rounded_head_equals_plain_decode_with_drafts_accepted(
         tiny_model_dir, tiny_eagle_head, monkeypatch):
-    monkeypatch.setenv(SWITCH, "1")
-    head_dir, messages = tiny_eagle_head
     lm = load_model(tiny_model_dir, "float32")
-    head = load_eagle_head(head_dir, tiny_model_dir)
+    head = load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0=True)
     assert head.fc._blocks is not None and head.lm_head_blocks is not None
-    assert_eagle_equals_plain_decode(lm, head, messages)
+    assert_eagle_equals_plain_decode(lm, head, tiny_eagle_head[1])
