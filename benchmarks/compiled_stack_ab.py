@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from engine import compiled_stack
-from engine.kv_cache import KVCache
-from engine.loader import load_model
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.engine import compiled_stack
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.loader import load_model
+from specmesh.engine.runner import ModelRunner, SeqChunk
 
 
 def main() -> None:

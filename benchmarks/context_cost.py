@@ -19,12 +19,12 @@ import time
 
 import torch
 
-import engine.model as em
-from engine.compiled_stack import SWITCH
-from engine.kv_cache import KVCache
-from engine.loader import load_model
-from engine.runner import ModelRunner, SeqChunk
-from kernels.paged_attention import paged_attention_ref
+import specmesh.engine.model as em
+from specmesh.engine.compiled_stack import SWITCH
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.loader import load_model
+from specmesh.engine.runner import ModelRunner, SeqChunk
+from specmesh.kernels.paged_attention import paged_attention_ref
 
 CASES = [  # (context tokens, query tokens per request, requests)
     (128, 1, 1), (2048, 1, 1), (128, 5, 1), (2048, 5, 1), (128, 1, 16), (512, 1, 16),

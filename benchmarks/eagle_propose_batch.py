@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from drafter.eagle.head import EagleHead
-from drafter.proposer import ProposeCall
-from drafter.proposers.eagle import EagleProposer, load_eagle_head
+from specmesh.drafter.eagle.head import EagleHead
+from specmesh.drafter.proposer import ProposeCall
+from specmesh.drafter.proposers.eagle import EagleProposer, load_eagle_head
 
 
 def _proposer(head: EagleHead, batch: int,

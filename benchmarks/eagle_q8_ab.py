@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from drafter.eagle.data import chat_token_ids, generate_samples
-from drafter.eagle.head_kv import HeadKV
-from drafter.eagle.train import acceptance, acceptance_report, windows
-from drafter.proposers.eagle import load_eagle_head
-from engine.loader import load_model
+from specmesh.drafter.eagle.data import chat_token_ids, generate_samples
+from specmesh.drafter.eagle.head_kv import HeadKV
+from specmesh.drafter.eagle.train import acceptance, acceptance_report, windows
+from specmesh.drafter.proposers.eagle import load_eagle_head
+from specmesh.engine.loader import load_model
 
 PROMPTS = Path(__file__).resolve().parent.parent / "cluster/prompts/drafter_heldout_chat.jsonl"
 

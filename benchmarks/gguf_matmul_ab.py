@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.linear import RowInvariantLinear
-from engine.loader import load_model
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.linear import RowInvariantLinear
+from specmesh.engine.loader import load_model
+from specmesh.engine.runner import ModelRunner, SeqChunk
 
 
 def main() -> None:

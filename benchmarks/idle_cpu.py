@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from cluster.loopback import use_loopback
+from specmesh.cluster.loopback import use_loopback
 
 use_loopback()
 
@@ -56,9 +56,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     args = parser.parse_args()
 
-    from cluster.config import ClusterConfig
-    from cluster.launcher import start_cluster
-    from cluster.runs import openai_client
+    from specmesh.cluster.config import ClusterConfig
+    from specmesh.cluster.launcher import start_cluster
+    from specmesh.cluster.runs import openai_client
 
     handle = start_cluster(ClusterConfig.create(model=args.model, dtype=args.dtype, port=0))
     try:

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from engine import onednn
-from engine.kv_cache import KVCache
-from engine.loader import load_model
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.engine import onednn
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.loader import load_model
+from specmesh.engine.runner import ModelRunner, SeqChunk
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from cluster.bench_hf import load_hf_model
+    from specmesh.cluster.bench_hf import load_hf_model
 
     loaded = load_model(None, dtype=args.dtype)
     model, cfg = loaded.model, loaded.config

@@ -6,10 +6,10 @@ process; prints the median and min of 12 runs per case (ms) and new/old.
     python benchmarks/paged_attention_ab.py [bfloat16|float32]
 """
 import sys, time, statistics, torch, torch.nn.functional as F
-import engine.model as em
-from engine.loader import load_model
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner, SeqChunk
+import specmesh.engine.model as em
+from specmesh.engine.loader import load_model
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner, SeqChunk
 torch.set_num_threads(2)
 dt = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
 loaded = load_model(None, dtype=dt)

@@ -12,8 +12,8 @@ import argparse
 import statistics
 import time
 
-from protocol.codec import decode, encode
-from protocol.messages import DraftTailStream, VerifyCommit
+from specmesh.protocol.codec import decode, encode
+from specmesh.protocol.messages import DraftTailStream, VerifyCommit
 
 
 def time_round_trip(msg, iterations: int, repeats: int = 5) -> float:

@@ -13,11 +13,11 @@ import time
 
 import ray
 
-from cluster.config import DEFAULT_NAMESPACE, ClusterConfig
-from cluster.controller import Controller
-from cluster.health import HEARTBEAT_INTERVAL_S
-from cluster.hosts import HOSTS
-from protocol.enums import Role
+from specmesh.cluster.config import DEFAULT_NAMESPACE, ClusterConfig
+from specmesh.cluster.controller import Controller
+from specmesh.cluster.health import HEARTBEAT_INTERVAL_S
+from specmesh.cluster.hosts import HOSTS
+from specmesh.protocol.enums import Role
 
 CONTROLLER_NAME = "specmesh-controller"
 NAMESPACE = DEFAULT_NAMESPACE

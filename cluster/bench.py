@@ -22,13 +22,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cluster.bench_drafters import BenchDrafter, cluster_drafter, namespace_for, with_drafter
-from cluster.bench_hf import generation_eos_ids, load_hf_model, run_hf
-from cluster.bench_prompts import level_requests, load_prompts_file
-from cluster.bench_render import markdown, write_plot
-from cluster.bench_report import System, mismatch_lines, summarize, systems_for
-from cluster.config import ClusterConfig
-from cluster.runs import RunResult, load_prompts, openai_client, run_openai
+from specmesh.cluster.bench_drafters import BenchDrafter, cluster_drafter, namespace_for, with_drafter
+from specmesh.cluster.bench_hf import generation_eos_ids, load_hf_model, run_hf
+from specmesh.cluster.bench_prompts import level_requests, load_prompts_file
+from specmesh.cluster.bench_render import markdown, write_plot
+from specmesh.cluster.bench_report import System, mismatch_lines, summarize, systems_for
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.runs import RunResult, load_prompts, openai_client, run_openai
 
 __all__ = ["BenchOptions", "bench", "load_hf_model"]
 
@@ -82,7 +82,7 @@ def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
     """One running cluster per method, all started now, side by side in one Ray session
     (each in its own namespace): (label -> handle, the handles started here). A given
     ``handle`` serves the method it runs, if listed."""
-    from cluster.launcher import start_cluster
+    from specmesh.cluster.launcher import start_cluster
 
     given = cluster_drafter(handle.cfg) if handle is not None else None
     reuse = [given is not None and (given.method, given.method_kwargs) == (
@@ -113,8 +113,8 @@ def bench_process_threads(cfg: ClusterConfig) -> int:
     most a role has when the user set the plan (``--threads`` / ``--thread-plan``). A model
     drafter's default plan, which leaves its served verifier one core fewer, does not count
     as set: the baselines keep every core."""
-    from cluster.config import default_threads
-    from cluster.options import is_model_drafter
+    from specmesh.cluster.config import default_threads
+    from specmesh.cluster.options import is_model_drafter
 
     if cfg.threads == default_threads(model_drafter=is_model_drafter(cfg.drafter.method)):
         return default_threads()["verifier"]
@@ -131,11 +131,11 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     import torch
     from tqdm import tqdm
 
-    from cluster.bench_inprocess import InProcessSystems
-    from cluster.bench_served import run_served
-    from cluster.gateway.tokens import chat_prompt_ids
-    from engine.devices import resolve_device
-    from engine.loader import load_model, load_tokenizer, model_name
+    from specmesh.cluster.bench_inprocess import InProcessSystems
+    from specmesh.cluster.bench_served import run_served
+    from specmesh.cluster.gateway.tokens import chat_prompt_ids
+    from specmesh.engine.devices import resolve_device
+    from specmesh.engine.loader import load_model, load_tokenizer, model_name
 
     prompts = bench_prompts(opts)
     kappa = cfg.verifier.num_speculative_tokens
@@ -162,7 +162,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                                                 "goodput_drafts": cfg.verifier.goodput_drafts})
     forward_cost: dict[str, dict] = {}  # per concurrency: its batch's forward cost ratio
     if opts.profile and kappa > 0:
-        from cluster.forward_cost import forward_cost_ratio
+        from specmesh.cluster.forward_cost import forward_cost_ratio
 
         ctx = min(200, loaded.config.max_position_embeddings - kappa - 1)
         for level in opts.concurrency:

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 
-from cluster.config import DEFAULT_NAMESPACE, ClusterConfig
-from cluster.drafter_option import parse_drafter
+from specmesh.cluster.config import DEFAULT_NAMESPACE, ClusterConfig
+from specmesh.cluster.drafter_option import parse_drafter
 
 #: user-facing name of each registry method (as ``--drafter`` spells it)
 _KIND = {"draft_model": "draft-model"}
@@ -56,7 +56,7 @@ def parse_drafters(text: str, model: str | None = None) -> list[BenchDrafter]:
         SystemExit: an empty list, an unknown form (naming it and the forms accepted), or a
             method listed twice.
     """
-    from cluster.options import parse_thread_plan
+    from specmesh.cluster.options import parse_thread_plan
 
     out: list[BenchDrafter] = []
     for part in (text or "").split(","):
@@ -102,8 +102,8 @@ def with_drafter(cfg: ClusterConfig, d: BenchDrafter, namespace: str | None = No
     given), under ``d``'s thread plan over ``cfg``'s (``cfg``'s default plan becomes ``d``'s
     method's default: a model drafter leaves the verifier one core fewer); everything else
     as it is."""
-    from cluster.config import default_threads
-    from cluster.options import is_model_drafter
+    from specmesh.cluster.config import default_threads
+    from specmesh.cluster.options import is_model_drafter
 
     threads = cfg.threads
     if threads == default_threads(model_drafter=is_model_drafter(cfg.drafter.method)):

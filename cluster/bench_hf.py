@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cluster.gateway.tokens import chat_prompt_ids
-from cluster.runs import RunResult
+from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.cluster.runs import RunResult
 
 
 def load_hf_model(model: str | None = None, dtype: str = "float32") -> Any:
@@ -16,8 +16,8 @@ def load_hf_model(model: str | None = None, dtype: str = "float32") -> Any:
     Hugging Face baseline of the bench (and the reference of the exactness tests)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.dtypes import model_dtype
-    from engine.loader import model_files
+    from specmesh.engine.dtypes import model_dtype
+    from specmesh.engine.loader import model_files
 
     path = model_files(model, dtype)
     return AutoModelForCausalLM.from_pretrained(path, dtype=model_dtype(dtype)).eval()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from cluster.bench_stats import snapshot_delta, verifier_snapshot, with_drafter_profiles
-from cluster.runs import RunResult
+from specmesh.cluster.bench_stats import snapshot_delta, verifier_snapshot, with_drafter_profiles
+from specmesh.cluster.runs import RunResult
 
 #: Extra KV blocks per request beyond prompt + max_tokens + kappa + 1 (partial blocks, slack).
 EXTRA_BLOCKS_PER_REQUEST = 2
@@ -53,7 +53,7 @@ class InProcessSystems:
         if method not in self.methods:
             raise KeyError(f"in-process systems have no draft method {method!r} "
                            f"(have {sorted(self.methods)})")
-        from cluster.hosts.drafter import build_proposer
+        from specmesh.cluster.hosts.drafter import build_proposer
 
         cfg = self.methods[method]
         return cfg.drafter.method, build_proposer(cfg)
@@ -63,7 +63,7 @@ class InProcessSystems:
         the draft method labelled ``method`` (ignored at kappa 0: plain decode)."""
         key = (method if kappa > 0 else None, kappa, concurrency)
         if key not in self._clusters:
-            from cluster.inprocess import InProcessCluster
+            from specmesh.cluster.inprocess import InProcessCluster
 
             draft_method, proposer = self._method(key[0])
             cfg = self.loaded.config
@@ -89,7 +89,7 @@ class InProcessSystems:
         Raises:
             RuntimeError: a request did not finish successfully.
         """
-        from protocol.messages import SamplingParams
+        from specmesh.protocol.messages import SamplingParams
 
         c = self.cluster(kappa, concurrency, method)
         before = self._snapshot(c)

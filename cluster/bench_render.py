@@ -4,7 +4,7 @@ functions over the summary dict."""
 
 from __future__ import annotations
 
-from cluster.bench_report import mismatch_lines
+from specmesh.cluster.bench_report import mismatch_lines
 
 
 def _frac(flags: list[bool] | None) -> str:

@@ -8,15 +8,15 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.bench_stats import (
+from specmesh.cluster.bench_stats import (
     acceptance_per_position,
     add_lists,
     profile_sum,
     profile_summary,
     step_cost_check,
 )
-from cluster.runs import RunResult
-from protocol.spec_stats import SpecStats
+from specmesh.cluster.runs import RunResult
+from specmesh.protocol.spec_stats import SpecStats
 
 #: Name of the baseline every ratio is taken against.
 HF_BASELINE = "hf generate"

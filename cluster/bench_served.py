@@ -6,9 +6,9 @@ per-position accepts and profile."""
 
 from __future__ import annotations
 
-from cluster.bench_stats import (merge_snapshots, snapshot_delta, verifier_snapshot,
+from specmesh.cluster.bench_stats import (merge_snapshots, snapshot_delta, verifier_snapshot,
                                  with_drafter_profiles)
-from cluster.runs import RunResult, run_openai_concurrent
+from specmesh.cluster.runs import RunResult, run_openai_concurrent
 
 
 def served_snapshot(handle) -> dict:

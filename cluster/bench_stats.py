@@ -4,7 +4,7 @@ the dicts that ``VerifierHost.stats()`` / ``StepProfile.as_dict()`` return (no t
 
 from __future__ import annotations
 
-from protocol.step_profile import BUCKETS_S, PhaseStats
+from specmesh.protocol.step_profile import BUCKETS_S, PhaseStats
 
 #: Verifier phases in the order the bench prints them (others follow, sorted).
 PHASE_ORDER = ("ingest", "admit", "tail_wait", "plan", "forward", "forward_with_drafts",

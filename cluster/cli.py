@@ -12,10 +12,10 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from cluster.config import ROLES  # noqa: E402
-from cluster.drafter_option import add_ngram_tree_option  # noqa: E402
-from cluster.loopback import use_loopback  # noqa: E402
-from cluster.options import (  # noqa: E402
+from specmesh.cluster.config import ROLES  # noqa: E402
+from specmesh.cluster.drafter_option import add_ngram_tree_option  # noqa: E402
+from specmesh.cluster.loopback import use_loopback  # noqa: E402
+from specmesh.cluster.options import (  # noqa: E402
     add_bench_options,
     add_cluster_options,
     add_model_options,
@@ -28,19 +28,19 @@ from cluster.options import (  # noqa: E402
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from cluster.drafter_option import parse_drafter
-    from cluster.inprocess import InProcessCluster
-    from engine.loader import load_model
-    from protocol.messages import SamplingParams
+    from specmesh.cluster.drafter_option import parse_drafter
+    from specmesh.cluster.inprocess import InProcessCluster
+    from specmesh.engine.loader import load_model
+    from specmesh.protocol.messages import SamplingParams
 
     method, method_kwargs = parse_drafter(args.drafter, args.model,  # fails before loading
                                           args.ngram_tree_width)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    from cluster.config import ClusterConfig
-    from cluster.hosts.drafter import build_proposer
-    from engine.devices import resolve_device, resolve_dtype
+    from specmesh.cluster.config import ClusterConfig
+    from specmesh.cluster.hosts.drafter import build_proposer
+    from specmesh.engine.devices import resolve_device, resolve_dtype
 
     args.dtype = resolve_dtype(args.dtype, args.device)
     loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device))
@@ -49,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.raw:
         prompt_ids = list(tok(args.prompt)["input_ids"])
     else:
-        from cluster.gateway.tokens import chat_prompt_ids
+        from specmesh.cluster.gateway.tokens import chat_prompt_ids
 
         prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
     # the proposer the drafter role would build for this method (None: the registry's)
@@ -80,7 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
-    from cluster.launcher import start_cluster
+    from specmesh.cluster.launcher import start_cluster
 
     cfg = cluster_config(args)
     handle = start_cluster(cfg)
@@ -97,8 +97,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     """Join one role to a running cluster (``ray up deploy/...yaml``)."""
     import ray
 
-    from cluster.actors import NAMESPACE
-    from cluster.launcher import get_controller, start_role
+    from specmesh.cluster.actors import NAMESPACE
+    from specmesh.cluster.launcher import get_controller, start_role
 
     ray.init(address=args.address, namespace=NAMESPACE)
     cfg = cluster_config(args)
@@ -115,7 +115,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
-    from cluster.demo import demo
+    from specmesh.cluster.demo import demo
 
     demo(cluster_config(args, port=0), num_prompts=args.num_prompts, max_tokens=args.max_tokens)
     return 0
@@ -124,11 +124,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     opts = bench_options(args)  # a bad list or prompts file fails before anything starts
     if opts.prompts_file:
-        from cluster.bench_prompts import load_prompts_file
+        from specmesh.cluster.bench_prompts import load_prompts_file
 
         load_prompts_file(opts.prompts_file)
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
-    from cluster.bench import bench
+    from specmesh.cluster.bench import bench
 
     cfg = cluster_config(args, port=0)
     summary = bench(cfg, opts)
@@ -138,7 +138,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from cluster.train_drafter import train_drafter
+    from specmesh.cluster.train_drafter import train_drafter
 
     train_drafter(args)
     return 0
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_options(b)
     b.set_defaults(func=cmd_bench)
 
-    from cluster.train_drafter import add_train_drafter_options
+    from specmesh.cluster.train_drafter import add_train_drafter_options
 
     t = sub.add_parser("train-drafter", help="self-distil a drafter for a target on this "
                                              "machine (EAGLE head or draft model)")

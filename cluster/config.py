@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields, replace
 
-from decode.config import VerifierConfig
-from drafter.config import DrafterConfig
-from engine.devices import check_device
-from engine.dtypes import MODEL_DTYPES
-from prefill.config import PrefillConfig
-from protocol.enums import Role
+from specmesh.decode.config import VerifierConfig
+from specmesh.drafter.config import DrafterConfig
+from specmesh.engine.devices import check_device
+from specmesh.engine.dtypes import MODEL_DTYPES
+from specmesh.prefill.config import PrefillConfig
+from specmesh.protocol.enums import Role
 
 ROLES = tuple(r.value for r in Role)
 #: Ray namespace of a cluster's named actors (controller, roles) unless its config names another.

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from cluster.health import (
+from specmesh.cluster.health import (
     HEARTBEAT_INTERVAL_S,
     HUNG_AFTER_S,
     MAX_MISSED_BEATS,

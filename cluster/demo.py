@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from cluster.config import ClusterConfig
-from cluster.runs import load_prompts, openai_client, run_openai
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.runs import load_prompts, openai_client, run_openai
 
 
 def warm_up(client, model: str, prompts: list[dict], handle, kappa: int,  # noqa: ANN001
@@ -25,9 +25,9 @@ def warm_up(client, model: str, prompts: list[dict], handle, kappa: int,  # noqa
 def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 96) -> dict:
     """Start the cluster, run the prompts with speculation on and off, print a table.
     Returns both runs, the speedup and how many completions were identical."""
-    from cluster.bench_report import same_outputs
-    from cluster.launcher import start_cluster
-    from engine.loader import model_name
+    from specmesh.cluster.bench_report import same_outputs
+    from specmesh.cluster.launcher import start_cluster
+    from specmesh.engine.loader import model_name
 
     prompts = load_prompts(num_prompts)
     kappa = cfg.verifier.num_speculative_tokens

@@ -17,8 +17,8 @@ NGRAM_KEYS = {"min": "min_ngram", "max": "max_ngram", "width": "tree_width"}
 
 def shipped_head_for(model: str | None):  # noqa: ANN201
     """The head shipped for ``model`` (its config files are read, not its weights), or None."""
-    from drafter.proposers.eagle import shipped_head
-    from engine.loader import model_name
+    from specmesh.drafter.proposers.eagle import shipped_head
+    from specmesh.engine.loader import model_name
 
     try:
         return shipped_head(model_name(model))
@@ -91,7 +91,7 @@ def _ngram_kwargs(text: str) -> dict:
             raise SystemExit(f"--drafter ngram:{text}: {key} must be a positive integer, "
                              f"got {value!r}")
         out[NGRAM_KEYS[key]] = n
-    from drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+    from specmesh.drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 
     lo = out.get("min_ngram", DEFAULT_MIN_NGRAM)
     hi = out.get("max_ngram", DEFAULT_MAX_NGRAM)

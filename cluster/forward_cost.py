@@ -48,8 +48,8 @@ def forward_cost_ratio(model, config, num_speculative_tokens: int, context_len: 
     """
     import torch
 
-    from engine.kv_cache import KVCache
-    from engine.runner import ModelRunner, SeqChunk
+    from specmesh.engine.kv_cache import KVCache
+    from specmesh.engine.runner import ModelRunner, SeqChunk
 
     if num_speculative_tokens < 1:
         raise ValueError("num_speculative_tokens must be >= 1")

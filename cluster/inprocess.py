@@ -8,22 +8,22 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import drafter.proposers  # noqa: F401  (registers the built-in methods)
-from decode.config import VerifierConfig
-from decode.worker import VerifierWorker
-from drafter.config import DrafterConfig
-from drafter.proposer import Proposer, seed_state_for, seed_state_kinds
-from drafter.worker import DrafterWorker
-from engine.block_manager import BlockManager
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner
-from prefill.config import PrefillConfig
-from prefill.worker import PrefillWorker
-from protocol.enums import FinishReason
-from protocol.messages import GenerateRequest, SamplingParams, TokenStream
-from protocol.spec_stats import SpecStats
-from protocol.transport import InProcHub
+import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
+from specmesh.decode.config import VerifierConfig
+from specmesh.decode.worker import VerifierWorker
+from specmesh.drafter.config import DrafterConfig
+from specmesh.drafter.proposer import Proposer, seed_state_for, seed_state_kinds
+from specmesh.drafter.worker import DrafterWorker
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner
+from specmesh.prefill.config import PrefillConfig
+from specmesh.prefill.worker import PrefillWorker
+from specmesh.protocol.enums import FinishReason
+from specmesh.protocol.messages import GenerateRequest, SamplingParams, TokenStream
+from specmesh.protocol.spec_stats import SpecStats
+from specmesh.protocol.transport import InProcHub
 
 VERIFIER = "verifier-0"
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.actors import ACTORS, CONTROLLER_NAME, NAMESPACE, ControllerActor, role_options
-from cluster.config import ROLES, ClusterConfig
-from cluster.loopback import loopback_enabled
-from protocol.enums import Role
+from specmesh.cluster.actors import ACTORS, CONTROLLER_NAME, NAMESPACE, ControllerActor, role_options
+from specmesh.cluster.config import ROLES, ClusterConfig
+from specmesh.cluster.loopback import loopback_enabled
+from specmesh.protocol.enums import Role
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
     Raises:
         TimeoutError: the roles did not connect within ``timeout_s``.
     """
-    from engine.loader import model_files
+    from specmesh.engine.loader import model_files
 
     # Dequantize a GGUF once here, not concurrently in every role process on first start.
     model_files(cfg.model, cfg.dtype)

@@ -11,7 +11,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from protocol.step_profile import BUCKETS_S, StepProfile
+from specmesh.protocol.step_profile import BUCKETS_S, StepProfile
 
 
 def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> CounterMetricFamily:

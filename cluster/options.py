@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from cluster.drafter_option import add_ngram_tree_option
-from decode.config import VERIFY_RULES
-from engine.dtypes import MODEL_DTYPES
+from specmesh.cluster.drafter_option import add_ngram_tree_option
+from specmesh.decode.config import VERIFY_RULES
+from specmesh.engine.dtypes import MODEL_DTYPES
 
 #: dtypes a user may pick on the command line (float16 is not supported on CPU here).
 CLI_DTYPES = tuple(d for d in MODEL_DTYPES if d != "float16")
@@ -114,9 +114,9 @@ def bench_options(args: argparse.Namespace):
         SystemExit: a malformed ``--concurrency`` or ``--drafters``, or a ``--repeats``
             below 1.
     """
-    from cluster.bench import BenchOptions
-    from cluster.bench_drafters import parse_drafters
-    from cluster.bench_prompts import parse_concurrency
+    from specmesh.cluster.bench import BenchOptions
+    from specmesh.cluster.bench_drafters import parse_drafters
+    from specmesh.cluster.bench_prompts import parse_concurrency
 
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
@@ -135,9 +135,9 @@ def cluster_config(args: argparse.Namespace, **overrides):
     Raises:
         ValueError: an invalid combination (from the configs' own checks).
     """
-    from cluster.config import ClusterConfig, default_threads
-    from cluster.drafter_option import parse_drafter
-    from engine.devices import resolve_dtype
+    from specmesh.cluster.config import ClusterConfig, default_threads
+    from specmesh.cluster.drafter_option import parse_drafter
+    from specmesh.engine.devices import resolve_dtype
 
     method, method_kwargs = parse_drafter(args.drafter, args.model,
                                           getattr(args, "ngram_tree_width", None))
@@ -172,8 +172,8 @@ def cluster_config(args: argparse.Namespace, **overrides):
 def is_model_drafter(method: str) -> bool:
     """Whether the registered ``method`` runs a model (its drafts cost forwards that compete
     with the verifier's for the cores): see :attr:`drafter.proposer.Proposer.runs_a_model`."""
-    import drafter.proposers  # noqa: F401  (registers the built-in methods)
-    from drafter.proposer import get_proposer
+    import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
+    from specmesh.drafter.proposer import get_proposer
 
     try:
         return bool(get_proposer(method).runs_a_model)
@@ -187,7 +187,7 @@ def parse_thread_plan(text: str) -> dict[str, int]:
     Raises:
         SystemExit: an unknown role, a count below 1, or a malformed item.
     """
-    from cluster.config import ROLES
+    from specmesh.cluster.config import ROLES
 
     plan: dict[str, int] = {}
     for item in text.split(","):
@@ -208,7 +208,7 @@ def synthetic_settings(args: argparse.Namespace) -> dict:
         SystemExit: synthetic without a curve, with both forms, a curve with another rule, or
             a malformed curve.
     """
-    from decode.synthetic import curve_from_mean_accept_len, parse_curve
+    from specmesh.decode.synthetic import curve_from_mean_accept_len, parse_curve
 
     rates = getattr(args, "synthetic_acceptance", None)
     mean = getattr(args, "synthetic_mean_accept_len", None)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 
-from protocol.spec_stats import SpecStats
+from specmesh.protocol.spec_stats import SpecStats
 
 #: Client timeout for one request, seconds (a long prompt on a busy 2-core machine).
 CLIENT_TIMEOUT_S = 600

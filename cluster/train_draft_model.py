@@ -18,11 +18,11 @@ DEFAULT_NUM_LAYERS = 2
 
 def train_draft_model(prep: dict, args: argparse.Namespace) -> dict:
     """Train, evaluate and save; returns the evaluation (also in specmesh_draft.json)."""
-    from cluster.train_drafter import training_record
-    from drafter.draft_model_files import engine_model, save_draft_model
-    from drafter.draft_model_training import acceptance, init_draft_model, train
-    from drafter.eagle.checkpoint import target_identity
-    from drafter.eagle.train import acceptance_report
+    from specmesh.cluster.train_drafter import training_record
+    from specmesh.drafter.draft_model_files import engine_model, save_draft_model
+    from specmesh.drafter.draft_model_training import acceptance, init_draft_model, train
+    from specmesh.drafter.eagle.checkpoint import target_identity
+    from specmesh.drafter.eagle.train import acceptance_report
 
     lm, samples = prep["lm"], prep["samples"]
     num_layers = args.num_layers or DEFAULT_NUM_LAYERS

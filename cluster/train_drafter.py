@@ -97,7 +97,7 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
 
 
 def _load_prompts(paths: str | list[str], limit: int | None = None) -> list[dict]:
-    from cluster.bench_prompts import load_prompts_file
+    from specmesh.cluster.bench_prompts import load_prompts_file
 
     prompts = [p for path in ([paths] if isinstance(paths, str) else paths)
                for p in load_prompts_file(path)]
@@ -111,7 +111,7 @@ def feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
     Raises:
         SystemExit: layers that are not distinct indices of the target.
     """
-    from engine.hidden_layers import check_hidden_layers
+    from specmesh.engine.hidden_layers import check_hidden_layers
 
     if not spec:
         return ()
@@ -140,7 +140,7 @@ def _data_key(args, model_name: str, names: list[str]) -> str:  # noqa: ANN001
 def _generate(lm, prompts: list[dict], args, label: str):  # noqa: ANN001, ANN202
     from tqdm import tqdm
 
-    from drafter.eagle.data import chat_token_ids, generate_samples
+    from specmesh.drafter.eagle.data import chat_token_ids, generate_samples
 
     ids = chat_token_ids(lm.tokenizer, prompts)
     names = [p["name"] for p in prompts]
@@ -183,8 +183,8 @@ def _samples(lm, sets: dict[str, list[dict]], args) -> dict:  # noqa: ANN001
 def prepare(args: argparse.Namespace) -> dict:
     """Load the target, split the prompts and generate (or read) the samples: what both
     methods train and evaluate on."""
-    from drafter.eagle.data import split_by_prompt
-    from engine.loader import load_model
+    from specmesh.drafter.eagle.data import split_by_prompt
+    from specmesh.engine.loader import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -231,16 +231,16 @@ def train_drafter(args: argparse.Namespace) -> dict:
     """Run the whole pipeline; returns the evaluation (also written to the checkpoint)."""
     prep = prepare(args)
     if args.method == "draft-model":
-        from cluster.train_draft_model import train_draft_model
+        from specmesh.cluster.train_draft_model import train_draft_model
 
         return train_draft_model(prep, args)
     return _train_eagle(prep, args)
 
 
 def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
-    from drafter.eagle.checkpoint import round_weights, save_head, target_identity
-    from drafter.eagle.head import EagleHead, EagleHeadConfig
-    from drafter.eagle.train import acceptance, acceptance_report, draft_vocabulary, train, windows
+    from specmesh.drafter.eagle.checkpoint import round_weights, save_head, target_identity
+    from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
+    from specmesh.drafter.eagle.train import acceptance, acceptance_report, draft_vocabulary, train, windows
 
     lm, samples = prep["lm"], prep["samples"]
     embed = lm.model.model.embed_tokens.weight.detach()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.hidden_layers import seed_state_layers
+from specmesh.engine.hidden_layers import seed_state_layers
 
 #: Weight of the newest verify step in a request's accept-length EMA (SGLang's adaptive
 #: speculation keeps a similar moving average of accepted drafts).
@@ -118,7 +118,7 @@ class VerifierConfig:
             raise ValueError("verify_rule 'synthetic' needs a synthetic_acceptance curve, and "
                              "a curve needs verify_rule 'synthetic'")
         if self.synthetic_acceptance:
-            from decode.synthetic import check_curve  # (imports decode.verification)
+            from specmesh.decode.synthetic import check_curve  # (imports decode.verification)
 
             check_curve(self.synthetic_acceptance)
         if self.tail_wait_fraction < 0:

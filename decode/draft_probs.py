@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.frames import buffer_to_tensor
-from protocol.messages import Buffer
+from specmesh.engine.frames import buffer_to_tensor
+from specmesh.protocol.messages import Buffer
 
 #: most a row may miss summing to 1 (float32 sums over a 49,152 vocabulary drift ~1e-5)
 ROW_SUM_TOLERANCE = 1e-3

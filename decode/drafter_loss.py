@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from decode.request import RequestStatus
+from specmesh.decode.request import RequestStatus
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.frames import buffer_to_tensor
-from engine.kv_cache import KVCache
-from protocol.errors import ProtocolError
-from protocol.messages import KVFrame, PrefillDone
+from specmesh.engine.frames import buffer_to_tensor
+from specmesh.engine.kv_cache import KVCache
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import KVFrame, PrefillDone
 
 
 @dataclass

@@ -13,16 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from decode.draft_probs import checked_draft_probs
-from decode.kv_receiver import KVReceiver, Transfer
-from decode.request import Request, RequestStatus
-from decode.scheduler import Scheduler
-from decode.seed_state import SeedWindow, commit_buffer, sync_buffer, window_from_prefill
-from decode.stats import VerifierStats
-from decode.verify_step import VerifyOutput
-from protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
-from protocol.errors import ProtocolError
-from protocol.messages import (
+from specmesh.decode.draft_probs import checked_draft_probs
+from specmesh.decode.kv_receiver import KVReceiver, Transfer
+from specmesh.decode.request import Request, RequestStatus
+from specmesh.decode.scheduler import Scheduler
+from specmesh.decode.seed_state import SeedWindow, commit_buffer, sync_buffer, window_from_prefill
+from specmesh.decode.stats import VerifierStats
+from specmesh.decode.verify_step import VerifyOutput
+from specmesh.protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import (
     Buffer,
     DraftBranches,
     DraftClose,

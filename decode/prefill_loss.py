@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from decode.request import Request, RequestStatus
-from protocol.enums import FinishReason
+from specmesh.decode.request import Request, RequestStatus
+from specmesh.protocol.enums import FinishReason
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from decode.config import INITIAL_ACCEPT_LEN_EMA
-from decode.goodput import Acceptance
-from decode.tail_buffer import TailBuffer
-from protocol.enums import FinishReason
-from protocol.messages import SamplingParams
-from protocol.spec_stats import SpecStats
+from specmesh.decode.config import INITIAL_ACCEPT_LEN_EMA
+from specmesh.decode.goodput import Acceptance
+from specmesh.decode.tail_buffer import TailBuffer
+from specmesh.protocol.enums import FinishReason
+from specmesh.protocol.messages import SamplingParams
+from specmesh.protocol.spec_stats import SpecStats
 
 
 class RequestStatus(enum.Enum):

@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
-from decode.goodput import DraftBudget, DraftCaps, expected_tokens
-from decode.request import Request, RequestStatus
-from protocol.messages import SamplingParams
+from specmesh.decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
+from specmesh.decode.goodput import DraftBudget, DraftCaps, expected_tokens
+from specmesh.decode.request import Request, RequestStatus
+from specmesh.protocol.messages import SamplingParams
 
 
 class BlockAllocator(Protocol):

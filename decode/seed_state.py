@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from decode.config import MAX_SEED_ROWS
-from engine.frames import buffer_to_tensor, tensor_to_buffer
-from protocol.messages import Buffer
+from specmesh.decode.config import MAX_SEED_ROWS
+from specmesh.engine.frames import buffer_to_tensor, tensor_to_buffer
+from specmesh.protocol.messages import Buffer
 
 
 class SeedWindow:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.spec_stats import SpecStats
+from specmesh.protocol.spec_stats import SpecStats
 
 
 @dataclass

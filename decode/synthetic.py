@@ -26,9 +26,9 @@ from itertools import pairwise
 
 import torch
 
-from decode.verification import RuleBatch, VerificationRule
-from engine.sampling import sample_tokens
-from kernels.synthetic_accept import synthetic_accept
+from specmesh.decode.verification import RuleBatch, VerificationRule
+from specmesh.engine.sampling import sample_tokens
+from specmesh.kernels.synthetic_accept import synthetic_accept
 
 #: ``verify_rule`` value that selects synthetic acceptance
 SYNTHETIC = "synthetic"

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from decode.draft_tree import DraftTree, is_chain
+from specmesh.decode.draft_tree import DraftTree, is_chain
 
 
 @dataclass

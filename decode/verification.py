@@ -32,24 +32,18 @@ from typing import ClassVar
 
 import torch
 
-from decode.config import VERIFY_RULES
-from engine.row_argmax import row_argmax
-from engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
-from kernels import (
-    PLACEHOLDER_TOKEN_ID,
-    block_verify,
-    block_verify_noise,
-    coupled_sample,
-    greedy_verify,
-    gumbel_sample,
-    rejection_sample,
-    rejection_sample_noise,
-    tree_node_depths,
-    tree_rejection_sample,
-    tree_rejection_sample_noise,
-    tree_walk,
-)
-from protocol.messages import SamplingParams
+from specmesh.decode.config import VERIFY_RULES
+from specmesh.engine.row_argmax import row_argmax
+from specmesh.engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
+from specmesh.kernels.block_verify import block_verify, block_verify_noise
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.coupled_sample import coupled_sample, gumbel_sample
+from specmesh.kernels.greedy_verify import greedy_verify
+from specmesh.kernels.rejection_sample import rejection_sample, rejection_sample_noise
+from specmesh.kernels.tree_layout import tree_node_depths
+from specmesh.kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_noise
+from specmesh.kernels.tree_walk import tree_walk
+from specmesh.protocol.messages import SamplingParams
 
 
 @dataclass(frozen=True)

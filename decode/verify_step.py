@@ -9,19 +9,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from decode.draft_probs import batch_draft_probs
-from decode.scheduler import PlannedRequest
-from decode.synthetic import SYNTHETIC, SyntheticRule
-from decode.verification import (
+from specmesh.decode.draft_probs import batch_draft_probs
+from specmesh.decode.scheduler import PlannedRequest
+from specmesh.decode.synthetic import SYNTHETIC, SyntheticRule
+from specmesh.decode.verification import (
     RuleBatch,
     TreeRule,
     check_verify_rule,
     get_rule,
     rule_name_for,
 )
-from engine.hidden_layers import is_hidden_seed, seed_state_layers
-from engine.runner import ModelRunner, SeqChunk
-from protocol.step_profile import StepProfile
+from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
+from specmesh.engine.runner import ModelRunner, SeqChunk
+from specmesh.protocol.step_profile import StepProfile
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,21 +13,21 @@ from __future__ import annotations
 import logging
 import time
 
-from decode.config import VerifierConfig
-from decode.core_sharing import CoreSharing
-from decode.drafter_loss import DrafterLoss
-from decode.kv_receiver import KVReceiver
-from decode.lifecycle import RequestLifecycle
-from decode.prefill_loss import PrefillLoss
-from decode.request import Request, RequestStatus
-from decode.scheduler import BlockAllocator, Scheduler
-from decode.stats import VerifierStats
-from decode.verify_step import VerifyStep
-from engine.hidden_layers import seed_state_width
-from engine.runner import ModelRunner
-from protocol.enums import FinishReason
-from protocol.errors import ProtocolError
-from protocol.messages import (
+from specmesh.decode.config import VerifierConfig
+from specmesh.decode.core_sharing import CoreSharing
+from specmesh.decode.drafter_loss import DrafterLoss
+from specmesh.decode.kv_receiver import KVReceiver
+from specmesh.decode.lifecycle import RequestLifecycle
+from specmesh.decode.prefill_loss import PrefillLoss
+from specmesh.decode.request import Request, RequestStatus
+from specmesh.decode.scheduler import BlockAllocator, Scheduler
+from specmesh.decode.stats import VerifierStats
+from specmesh.decode.verify_step import VerifyStep
+from specmesh.engine.hidden_layers import seed_state_width
+from specmesh.engine.runner import ModelRunner
+from specmesh.protocol.enums import FinishReason
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import (
     Abort,
     DraftBranches,
     DraftClose,
@@ -42,8 +42,8 @@ from protocol.messages import (
     TokenStream,
     VerifyCommit,
 )
-from protocol.step_profile import StepProfile
-from protocol.transport import Envelope, Mailbox, MailboxWorker
+from specmesh.protocol.step_profile import StepProfile
+from specmesh.protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
 

@@ -40,11 +40,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from drafter.eagle.data import Sample, shuffled
-from engine.block_manager import BlockManager
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.drafter.eagle.data import Sample, shuffled
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner, SeqChunk
 
 INIT_LAYERS = ("first", "spread", "random")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
-from kernels.coupled_sample import gumbel_sample
-from protocol.messages import SamplingParams
+from specmesh.engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
+from specmesh.kernels.coupled_sample import gumbel_sample
+from specmesh.protocol.messages import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class DraftSampling:
 
     @property
     def mode(self) -> str:
-        """engine.sampling's mode: ``greedy``, ``coupled`` or ``random``."""
+        """specmesh.engine.sampling's mode: ``greedy``, ``coupled`` or ``random``."""
         return sampling_mode(self.sampling)
 
     @property

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from drafter.draft_sampling import DraftSampling
+    from specmesh.drafter.draft_sampling import DraftSampling
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.frames import buffer_to_tensor
-from protocol.messages import Buffer
+from specmesh.engine.frames import buffer_to_tensor
+from specmesh.protocol.messages import Buffer
 
 
 def hidden_rows(buf: Buffer, hidden_size: int | None, num_rows: int | None = None,

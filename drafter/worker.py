@@ -27,16 +27,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.branches import MAX_BRANCH_REQUESTS, kept_candidates, plan_branches
-from drafter.config import RUN_AHEAD_STEPS, DrafterConfig
-from drafter.draft_sampling import DraftSampling
-from drafter.proposer import ProposeCall, Proposer, get_proposer
-from drafter.seed_state import hidden_rows
-from engine.frames import tensor_to_buffer
-from engine.sampling import GREEDY, sampling_mode
-from engine.token_tree import first_branch
-from protocol.errors import ProtocolError
-from protocol.messages import (
+from specmesh.drafter.branches import MAX_BRANCH_REQUESTS, kept_candidates, plan_branches
+from specmesh.drafter.config import RUN_AHEAD_STEPS, DrafterConfig
+from specmesh.drafter.draft_sampling import DraftSampling
+from specmesh.drafter.proposer import ProposeCall, Proposer, get_proposer
+from specmesh.drafter.seed_state import hidden_rows
+from specmesh.engine.frames import tensor_to_buffer
+from specmesh.engine.sampling import GREEDY, sampling_mode
+from specmesh.engine.token_tree import first_branch
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import (
     Buffer,
     DraftBranches,
     DraftClose,
@@ -53,8 +53,8 @@ DRAFTER_FULL = "drafter full"
 #: for ever new unknown ids must not grow the drafter's state (the oldest are forgotten: at
 #: worst one more DraftNeedSync for such an id)
 MAX_ASKED_SYNC = 4096
-from protocol.step_profile import StepProfile
-from protocol.transport import Envelope, Mailbox, MailboxWorker
+from specmesh.protocol.step_profile import StepProfile
+from specmesh.protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
 

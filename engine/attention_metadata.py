@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import slot_mapping as _slot_mapping
-from kernels.paged_attention_plan import PagedAttentionPlan, plan_paged_attention
+from specmesh.engine.block_manager import slot_mapping as _slot_mapping
+from specmesh.kernels.paged_attention_plan import PagedAttentionPlan, plan_paged_attention
 
 
 @dataclass

@@ -22,10 +22,10 @@ import os
 
 import torch
 
-from engine.kv_cache import KVCache
-from kernels import cpu_attention, gguf_matmul, layer_ops
-from kernels.paged_attention import attention_runs_compiled
-from kernels.paged_attention_plan import check_block_ids
+from specmesh.engine.kv_cache import KVCache
+from specmesh.kernels import cpu_attention, gguf_matmul, layer_ops
+from specmesh.kernels.paged_attention import attention_runs_compiled
+from specmesh.kernels.paged_attention_plan import check_block_ids
 
 SWITCH = "SPECMESH_COMPILED_STACK"
 _FORMATS = {"Q4_1": 0, "Q8_0": 1}

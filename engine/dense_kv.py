@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.dtypes import model_dtype
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.dtypes import model_dtype
 
 
 @dataclass

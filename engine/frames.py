@@ -6,8 +6,8 @@ import ctypes
 
 import torch
 
-from engine.dtypes import dtype_name, torch_dtype
-from protocol.messages import Buffer, buffer_nbytes
+from specmesh.engine.dtypes import dtype_name, torch_dtype
+from specmesh.protocol.messages import Buffer, buffer_nbytes
 
 
 def tensor_to_buffer(t: torch.Tensor) -> Buffer:

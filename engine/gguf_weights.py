@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.linear import RowInvariantLinear
-from kernels import gguf_matmul
-from kernels.gguf_matmul import BlockWeight
+from specmesh.engine.linear import RowInvariantLinear
+from specmesh.kernels import gguf_matmul
+from specmesh.kernels.gguf_matmul import BlockWeight
 
 log = logging.getLogger(__name__)
 

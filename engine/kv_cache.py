@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.block_manager import slot_mapping
-from engine.config import ModelConfig
-from engine.dtypes import model_dtype
+from specmesh.engine.block_manager import slot_mapping
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.dtypes import model_dtype
 
 
 def _bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

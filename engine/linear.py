@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import onednn
-from kernels.gguf_matmul import BlockWeight, gguf_matmul
+from specmesh.engine import onednn
+from specmesh.kernels.gguf_matmul import BlockWeight, gguf_matmul
 
 #: Dtypes whose one-row products are computed as two rows.
 PADDED_DTYPES = (torch.bfloat16, torch.float16)

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
-from engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype
-from engine.gguf_weights import attach_block_weights
-from engine.linear import prepack
-from engine.model import LlamaForCausalLM
-from engine.weights_cache import (
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype
+from specmesh.engine.gguf_weights import attach_block_weights
+from specmesh.engine.linear import prepack
+from specmesh.engine.model import LlamaForCausalLM
+from specmesh.engine.weights_cache import (
     cache_dir,
     cache_root,  # noqa: F401  (re-exported: part of the loader API)
     ensure_cached,

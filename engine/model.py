@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
-from engine.compiled_stack import CompiledStack
-from engine.config import ModelConfig
-from engine.dense_kv import DenseBatch, DenseKVCache
-from engine.kv_cache import KVCache
-from engine.linear import FusedLinears, RowInvariantLinear
-from kernels import layer_ops
-from kernels.paged_attention import paged_attention
+from specmesh.engine.attention_metadata import AttentionMetadata
+from specmesh.engine.compiled_stack import CompiledStack
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.dense_kv import DenseBatch, DenseKVCache
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.linear import FusedLinears, RowInvariantLinear
+from specmesh.kernels import layer_ops
+from specmesh.kernels.paged_attention import paged_attention
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM", "rope_inv_freq"]
 

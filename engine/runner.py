@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
-from engine.hidden_layers import check_hidden_layers
-from engine.kv_cache import KVCache
-from engine.model import AttentionMetadata, LlamaForCausalLM
-from engine.token_tree import ancestry_mask, check_parents, chunk_positions, is_chain
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.hidden_layers import check_hidden_layers
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.model import AttentionMetadata, LlamaForCausalLM
+from specmesh.engine.token_tree import ancestry_mask, check_parents, chunk_positions, is_chain
 
 
 @dataclass

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.row_argmax import row_argmax
-from kernels.counter_noise import seed_to_int64
-from kernels.coupled_sample import gumbel_sample
-from kernels.logits_processing import GREEDY_TEMPERATURE_EPS, process_logits
-from protocol.messages import SamplingParams
+from specmesh.engine.row_argmax import row_argmax
+from specmesh.kernels.counter_noise import seed_to_int64
+from specmesh.kernels.coupled_sample import gumbel_sample
+from specmesh.kernels.logits_processing import GREEDY_TEMPERATURE_EPS, process_logits
+from specmesh.protocol.messages import SamplingParams
 
 GREEDY = "greedy"
 COUPLED = "coupled"

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.dtypes import model_dtype
+from specmesh.engine.dtypes import model_dtype
 
 log = logging.getLogger(__name__)
 

@@ -60,12 +60,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.constants import PLACEHOLDER_TOKEN_ID
-from kernels.race import running_argmax
-from kernels.ragged import num_drafts as _num_drafts
-from kernels.ragged import request_span
-from kernels.rejection_sample import _validate, rejection_sample_noise
-from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.race import running_argmax
+from specmesh.kernels.ragged import num_drafts as _num_drafts
+from specmesh.kernels.ragged import request_span
+from specmesh.kernels.rejection_sample import _validate, rejection_sample_noise
+from specmesh.kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 #: The random inputs of :func:`block_verify`: ``(uniform_samples, exponential_noise)`` (one
 #: uniform per draft, one noise row per request), as rejection sampling draws them.

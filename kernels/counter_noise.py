@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.race import ieee_div
-from kernels.triton_mode import check_runnable, is_interpreted
+from specmesh.kernels.race import ieee_div
+from specmesh.kernels.triton_mode import check_runnable, is_interpreted
 
 
 def _signed64(x: int) -> int:

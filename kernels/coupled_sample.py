@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.counter_noise import (
+from specmesh.kernels.counter_noise import (
     NUM_COEFFS,
     check_keys,
     coupled_exponential_noise,
@@ -42,11 +42,11 @@ from kernels.counter_noise import (
     noise_dev,
     row_key_dev,
 )
-from kernels.greedy_verify import _validate as _validate_greedy
-from kernels.greedy_verify import greedy_verify_ref, greedy_verify_triton
-from kernels.race import ieee_div, running_argmax
-from kernels.ragged import num_drafts as _num_drafts
-from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
+from specmesh.kernels.greedy_verify import _validate as _validate_greedy
+from specmesh.kernels.greedy_verify import greedy_verify_ref, greedy_verify_triton
+from specmesh.kernels.race import ieee_div, running_argmax
+from specmesh.kernels.ragged import num_drafts as _num_drafts
+from specmesh.kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import CpuKernel, cache_dir, compiler
-from kernels.paged_attention_plan import PagedAttentionPlan, check_block_ids, resolve_plan
+from specmesh.kernels.cpu_build import CpuKernel, cache_dir, compiler
+from specmesh.kernels.paged_attention_plan import PagedAttentionPlan, check_block_ids, resolve_plan
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 _ENTRIES = {torch.float32: "specmesh_paged_attention_f32",

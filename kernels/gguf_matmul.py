@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import CpuKernel
+from specmesh.kernels.cpu_build import CpuKernel
 
 BLOCK = 32
 #: format -> (kernel code, bytes per GGUF block, quant bytes per block)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import CpuKernel
+from specmesh.kernels.cpu_build import CpuKernel
 
 SWITCH = "SPECMESH_LAYER_OPS"
 _P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

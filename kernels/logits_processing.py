@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
+from specmesh.kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE_EPS = 1e-5

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_attention
-from kernels.paged_attention_plan import (
+from specmesh.kernels import cpu_attention
+from specmesh.kernels.paged_attention_plan import (
     MIN_MATMUL_ROWS,
     PagedAttentionPlan,
     resolve_plan,
     tile_len,
 )
-from kernels.paged_attention_triton import (  # noqa: F401 (the kernel's entry, re-exported)
+from specmesh.kernels.paged_attention_triton import (  # noqa: F401 (the kernel's entry, re-exported)
     _interpret_mode,
     _kernel_is_interpreted,
     paged_attention_triton,

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention_plan import PagedAttentionPlan, check_block_ids, resolve_plan
-from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
+from specmesh.kernels.paged_attention_plan import PagedAttentionPlan, check_block_ids, resolve_plan
+from specmesh.kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Fixed tile of KV positions: launch parameters depend only on the model (heads, head_dim,

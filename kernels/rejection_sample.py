@@ -42,11 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.constants import PLACEHOLDER_TOKEN_ID
-from kernels.race import ieee_div, running_argmax
-from kernels.ragged import CU_DTYPES, request_span, resolve_max_num_draft_tokens
-from kernels.ragged import num_drafts as _num_drafts
-from kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.race import ieee_div, running_argmax
+from specmesh.kernels.ragged import CU_DTYPES, request_span, resolve_max_num_draft_tokens
+from specmesh.kernels.ragged import num_drafts as _num_drafts
+from specmesh.kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
 
 _CU_DTYPES = CU_DTYPES
 _PROB_DTYPES = (torch.float32, torch.float64)

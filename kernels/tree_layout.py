@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.constants import PLACEHOLDER_TOKEN_ID
-from kernels.ragged import num_drafts as _num_drafts
-from kernels.ragged import request_span  # re-exported for the tree kernels
-from kernels.triton_mode import interpret_mode
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.ragged import num_drafts as _num_drafts
+from specmesh.kernels.ragged import request_span  # re-exported for the tree kernels
+from specmesh.kernels.triton_mode import interpret_mode
 
 TreeResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 

@@ -50,11 +50,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.constants import PLACEHOLDER_TOKEN_ID
-from kernels.race import ieee_div, running_argmax
-from kernels.rejection_sample import _validate as _validate_rejection
-from kernels.rejection_sample import rejection_sample_noise
-from kernels.tree_layout import (
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.race import ieee_div, running_argmax
+from specmesh.kernels.rejection_sample import _validate as _validate_rejection
+from specmesh.kernels.rejection_sample import rejection_sample_noise
+from specmesh.kernels.tree_layout import (
     TreeResult,
     Walk,
     allocate_result,
@@ -63,7 +63,7 @@ from kernels.tree_layout import (
     store_result,
     use_kernel,
 )
-from kernels.triton_mode import check_runnable, is_interpreted
+from specmesh.kernels.triton_mode import check_runnable, is_interpreted
 
 
 def _validate_sample(draft_token_ids: torch.Tensor, cu_num_draft_tokens: torch.Tensor,

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.constants import PLACEHOLDER_TOKEN_ID
-from kernels.greedy_verify import _validate as _validate_greedy
-from kernels.tree_layout import (
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.greedy_verify import _validate as _validate_greedy
+from specmesh.kernels.tree_layout import (
     TreeResult,
     Walk,
     allocate_result,
@@ -29,7 +29,7 @@ from kernels.tree_layout import (
     store_result,
     use_kernel,
 )
-from kernels.triton_mode import check_runnable, is_interpreted
+from specmesh.kernels.triton_mode import check_runnable, is_interpreted
 
 
 def _validate_walk(draft_token_ids: torch.Tensor, cu_num_draft_tokens: torch.Tensor,

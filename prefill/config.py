@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.hidden_layers import is_hidden_seed, seed_state_layers
+from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
 
 
 @dataclass(frozen=True)

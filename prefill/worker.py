@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import BlockManager, KVCacheExhausted
-from engine.frames import tensor_to_buffer
-from engine.hidden_layers import is_hidden_seed, seed_state_layers
-from engine.runner import ModelRunner
-from engine.sampling import sample_tokens
-from prefill.config import PrefillConfig
-from protocol.errors import ProtocolError
-from protocol.messages import (
+from specmesh.engine.block_manager import BlockManager, KVCacheExhausted
+from specmesh.engine.frames import tensor_to_buffer
+from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
+from specmesh.engine.runner import ModelRunner
+from specmesh.engine.sampling import sample_tokens
+from specmesh.prefill.config import PrefillConfig
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import (
     Abort,
     KVFrame,
     PrefillCancel,
@@ -36,8 +36,8 @@ from protocol.messages import (
     PrefillDone,
     PrefillRequest,
 )
-from protocol.step_profile import StepProfile
-from protocol.transport import Envelope, Mailbox, MailboxWorker
+from specmesh.protocol.step_profile import StepProfile
+from specmesh.protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
 

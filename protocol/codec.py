@@ -22,9 +22,9 @@ from typing import Any
 
 import msgpack
 
-from protocol.errors import ProtocolError
-from protocol.messages import REGISTRY, Buffer, buffer_nbytes
-from protocol.schema import (  # noqa: F401 - limits and ext codes are part of codec's API
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import REGISTRY, Buffer, buffer_nbytes
+from specmesh.protocol.schema import (  # noqa: F401 - limits and ext codes are part of codec's API
     EXT_BUFFER,
     EXT_MESSAGE,
     MAX_DEPTH,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from protocol.enums import Role
-from protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
+from specmesh.protocol.enums import Role
+from specmesh.protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
 
 #: ModelIdentity fields two peers must agree on: all of them (none may be empty).
 IDENTITY_FIELDS = tuple(f.name for f in dataclasses.fields(ModelIdentity))

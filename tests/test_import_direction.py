@@ -103,6 +103,7 @@ def violations(package: str, source: str, relpath: str = "mod.py") -> list[str]:
     module, is_package = module_name(package, relpath)
     bad = []
     for line, name in imported_modules(source, module, is_package):
+        name = name.removeprefix("specmesh.")  # the project's packages, named as their folders
         top = name.split(".")[0]
         banned = MODULE_FORBIDDEN.get(module, frozenset())
         if name.startswith("<"):

@@ -19,15 +19,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
-from cluster.gateway.metrics import GatewayMetrics
-from cluster.gateway.schemas import (
+from specmesh.cluster.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
+from specmesh.cluster.gateway.metrics import GatewayMetrics
+from specmesh.cluster.gateway.schemas import (
     MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest, GatewayError, bad_request,
     error_body,
 )
-from cluster.gateway.tokens import chat_prompt_ids, completion_prompt_ids
-from protocol.enums import FinishReason
-from protocol.messages import GenerateRequest, SamplingParams
+from specmesh.cluster.gateway.tokens import chat_prompt_ids, completion_prompt_ids
+from specmesh.protocol.enums import FinishReason
+from specmesh.protocol.messages import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from protocol.errors import ProtocolError
-from protocol.enums import FinishReason
-from protocol.messages import Abort, GenerateRequest, TokenStream
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.enums import FinishReason
+from specmesh.protocol.messages import Abort, GenerateRequest, TokenStream
 
 if TYPE_CHECKING:  # transport imports the codec; the app must not need it
-    from protocol.transport import Mailbox
+    from specmesh.protocol.transport import Mailbox
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cluster.gateway.backend import DuplicateRequestId
-from cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
-from cluster.gateway.metrics import GatewayMetrics
-from protocol.enums import FinishReason
-from protocol.messages import GenerateRequest, TokenStream
-from protocol.spec_stats import SpecStats
+from specmesh.cluster.gateway.backend import DuplicateRequestId
+from specmesh.cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from specmesh.cluster.gateway.metrics import GatewayMetrics
+from specmesh.protocol.enums import FinishReason
+from specmesh.protocol.messages import GenerateRequest, TokenStream
+from specmesh.protocol.spec_stats import SpecStats
 
 log = logging.getLogger(__name__)
 

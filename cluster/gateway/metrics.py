@@ -9,9 +9,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from cluster.gateway.roster_metrics import RosterMetrics
-from cluster.metrics import profile_families
-from protocol.step_profile import StepProfile
+from specmesh.cluster.gateway.roster_metrics import RosterMetrics
+from specmesh.cluster.metrics import profile_families
+from specmesh.protocol.step_profile import StepProfile
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

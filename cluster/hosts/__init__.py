@@ -6,12 +6,12 @@ cluster/actors.py. Nothing here is on the per-token path.
 
 from __future__ import annotations
 
-from cluster.hosts.base import RoleHost
-from cluster.hosts.drafter import DrafterHost
-from cluster.hosts.gateway import GatewayHost
-from cluster.hosts.prefill import PrefillHost
-from cluster.hosts.verifier import VerifierHost
-from protocol.enums import Role
+from specmesh.cluster.hosts.base import RoleHost
+from specmesh.cluster.hosts.drafter import DrafterHost
+from specmesh.cluster.hosts.gateway import GatewayHost
+from specmesh.cluster.hosts.prefill import PrefillHost
+from specmesh.cluster.hosts.verifier import VerifierHost
+from specmesh.protocol.enums import Role
 
 #: role -> host class
 HOSTS: dict[Role, type[RoleHost]] = {Role.PREFILL: PrefillHost, Role.VERIFIER: VerifierHost,

@@ -20,14 +20,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from cluster.config import ClusterConfig
-from cluster.health import HEARTBEAT_INTERVAL_S
-from cluster.loopback import role_address
-from engine.openmp import run_in_released_thread
-from protocol.enums import Role
-from protocol.messages import ModelIdentity
-from protocol.transport import IDLE_TIMEOUT_S, run_loop
-from protocol.zmq_transport import PeerInfo, ZmqMailbox
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.health import HEARTBEAT_INTERVAL_S
+from specmesh.cluster.loopback import role_address
+from specmesh.engine.openmp import run_in_released_thread
+from specmesh.protocol.enums import Role
+from specmesh.protocol.messages import ModelIdentity
+from specmesh.protocol.transport import IDLE_TIMEOUT_S, run_loop
+from specmesh.protocol.zmq_transport import PeerInfo, ZmqMailbox
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RoleHost(ABC):
 
     def model_identity(self) -> ModelIdentity:
         """What this role announces in Hello; from the model's config files by default."""
-        from engine.loader import model_identity
+        from specmesh.engine.loader import model_identity
 
         return ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
                                               self.cfg.block_size))
@@ -84,7 +84,7 @@ class RoleHost(ABC):
 
     def start(self) -> None:
         """Serve metrics and start the worker's loop thread."""
-        from cluster.metrics import serve_role_metrics
+        from specmesh.cluster.metrics import serve_role_metrics
 
         self.metrics_port = serve_role_metrics(self, self.bind_host)
         self._stop = threading.Event()
@@ -254,11 +254,11 @@ def loaded_runner(cfg: ClusterConfig):
     Raises:
         ValueError: the KV memory holds no block.
     """
-    from engine.block_manager import BlockManager
-    from engine.devices import resolve_device
-    from engine.kv_cache import KVCache, num_blocks_for_memory
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from specmesh.engine.block_manager import BlockManager
+    from specmesh.engine.devices import resolve_device
+    from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
+    from specmesh.engine.loader import load_model
+    from specmesh.engine.runner import ModelRunner
 
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device))
     n = num_blocks_for_memory(loaded.config, cfg.block_size, cfg.dtype, cfg.kv_cache_mb << 20)

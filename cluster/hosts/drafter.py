@@ -7,17 +7,17 @@ vocabulary against the target's tokenizer at startup (:func:`build_proposer`).
 
 from __future__ import annotations
 
-from cluster.config import ClusterConfig
-from cluster.hosts.base import RoleHost, watch_model
-from protocol.enums import Role
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.hosts.base import RoleHost, watch_model
+from specmesh.protocol.enums import Role
 
 
 def cluster_seed_state(cfg: ClusterConfig) -> str:
     """The seed state the drafters of ``cfg`` need (``""``, ``"hidden"`` or, for a fused EAGLE-3
     head, ``"hidden:L1,L2,..."`` read from the head's config), which the prefill and verifier
     hosts configure their workers with before any drafter runs."""
-    import drafter.proposers  # noqa: F401  (registers the built-in methods)
-    from drafter.proposer import seed_state_for
+    import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
+    from specmesh.drafter.proposer import seed_state_for
 
     return seed_state_for(cfg.drafter.method, {"model": cfg.model, **cfg.drafter.method_kwargs})
 
@@ -44,17 +44,17 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
         FileNotFoundError: a model cannot be found.
     """
     if cfg.drafter.method == "eagle":
-        from drafter.proposers.eagle import EagleProposer
+        from specmesh.drafter.proposers.eagle import EagleProposer
 
         kwargs = dict(cfg.drafter.method_kwargs)
         return EagleProposer(head=kwargs.get("head"), model=kwargs.get("model", cfg.model),
                              dtype=kwargs.get("dtype", cfg.dtype))
     if cfg.drafter.method != "draft_model":
         return None
-    from drafter.proposers.draft_model import build_draft_model_proposer
-    from engine.devices import resolve_device
-    from engine.loader import load_tokenizer, model_identity, model_name
-    from protocol.messages import ModelIdentity
+    from specmesh.drafter.proposers.draft_model import build_draft_model_proposer
+    from specmesh.engine.devices import resolve_device
+    from specmesh.engine.loader import load_tokenizer, model_identity, model_name
+    from specmesh.protocol.messages import ModelIdentity
 
     kwargs = dict(cfg.drafter.method_kwargs)
     path = kwargs.pop("model", None)
@@ -76,8 +76,8 @@ class DrafterHost(RoleHost):
     role = Role.DRAFTER
 
     def build_worker(self):
-        import drafter.proposers  # noqa: F401  (registers the built-in methods)
-        from drafter.worker import DrafterWorker
+        import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
+        from specmesh.drafter.worker import DrafterWorker
 
         proposer = build_proposer(self.cfg, self.model_identity())
         worker = DrafterWorker(self.cfg.drafter, self.mailbox, proposer)

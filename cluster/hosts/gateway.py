@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from cluster.hosts.base import RoleHost, peers_of
-from protocol.enums import Role
-from protocol.messages import ModelIdentity
+from specmesh.cluster.hosts.base import RoleHost, peers_of
+from specmesh.protocol.enums import Role
+from specmesh.protocol.messages import ModelIdentity
 
 
 class GatewayHost(RoleHost):
@@ -27,7 +27,7 @@ class GatewayHost(RoleHost):
         # empty field is not a wildcard): read from the model's config files, so the vocabulary
         # size is the embedding rows of config.json, which a padded vocabulary makes larger
         # than the tokenizer (Qwen2: 151,936 rows for 151,665 tokens).
-        from engine.loader import load_tokenizer, model_identity, model_name
+        from specmesh.engine.loader import load_tokenizer, model_identity, model_name
 
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.model_name = model_name(self.cfg.model)
@@ -37,7 +37,7 @@ class GatewayHost(RoleHost):
         return identity
 
     def build_worker(self):
-        from cluster.gateway import MailboxBackend
+        from specmesh.cluster.gateway import MailboxBackend
 
         self.backend = MailboxBackend(self.mailbox, self._pick_verifier,
                                       stream_timeout_s=self.cfg.stream_idle_timeout_s)
@@ -46,7 +46,7 @@ class GatewayHost(RoleHost):
         return None
 
     def start(self) -> None:
-        from cluster.gateway import create_app, serve_gateway
+        from specmesh.cluster.gateway import create_app, serve_gateway
 
         self.app = create_app(self.backend, self.tokenizer, self.model_name,
                               self.cfg.max_model_len, default_temperature=0.0,
@@ -103,7 +103,7 @@ class GatewayHost(RoleHost):
         self.prefills = [r["instance_id"] for r in peers_of(roster, Role.PREFILL)]
         app = getattr(self, "app", None)
         if app is not None:  # one scrape of our /metrics carries every role's series
-            from cluster.gateway.roster_metrics import targets_from_roster
+            from specmesh.cluster.gateway.roster_metrics import targets_from_roster
 
             app.state.metrics.roster.set_targets(targets_from_roster(roster, self.instance_id))
 

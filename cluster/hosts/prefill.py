@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cluster.hosts.base import RoleHost, loaded_runner, peers_of
-from protocol.enums import Role
-from protocol.zmq_transport import PeerInfo
+from specmesh.cluster.hosts.base import RoleHost, loaded_runner, peers_of
+from specmesh.protocol.enums import Role
+from specmesh.protocol.zmq_transport import PeerInfo
 
 
 class PrefillHost(RoleHost):
@@ -15,10 +15,10 @@ class PrefillHost(RoleHost):
     role = Role.PREFILL
 
     def build_worker(self):
-        import drafter.proposers  # noqa: F401  (registers the built-in methods)
-        from cluster.hosts.drafter import cluster_seed_state
-        from drafter.proposer import seed_state_kinds
-        from prefill.worker import PrefillWorker
+        import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
+        from specmesh.cluster.hosts.drafter import cluster_seed_state
+        from specmesh.drafter.proposer import seed_state_kinds
+        from specmesh.prefill.worker import PrefillWorker
 
         _, runner, bm = loaded_runner(self.cfg)
         # which seed state PrefillDone carries per draft method (prefill/ cannot ask drafter/)

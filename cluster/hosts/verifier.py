@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 from urllib.parse import urlsplit
 
-from cluster.hosts.base import RoleHost, loaded_runner, peers_of
-from protocol.enums import Role
-from protocol.zmq_transport import PeerInfo
+from specmesh.cluster.hosts.base import RoleHost, loaded_runner, peers_of
+from specmesh.protocol.enums import Role
+from specmesh.protocol.zmq_transport import PeerInfo
 
 
 class VerifierHost(RoleHost):
@@ -18,10 +18,10 @@ class VerifierHost(RoleHost):
     def build_worker(self):
         import torch
 
-        import drafter.proposers  # noqa: F401  (registers the built-in methods)
-        from decode.core_sharing import CoreSharing
-        from decode.worker import VerifierWorker
-        from cluster.hosts.drafter import cluster_seed_state
+        import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
+        from specmesh.decode.core_sharing import CoreSharing
+        from specmesh.decode.worker import VerifierWorker
+        from specmesh.cluster.hosts.drafter import cluster_seed_state
 
         loaded, runner, bm = loaded_runner(self.cfg)
         v = self.cfg.verifier

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.eagle.head import EagleHead, EagleHeadConfig
+from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
 
 WEIGHTS = "head.safetensors"
 CONFIG = "config.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from engine.hidden_layers import check_hidden_layers, hidden_seed_kind
+from specmesh.engine.hidden_layers import check_hidden_layers, hidden_seed_kind
 
 
 @dataclass(frozen=True)

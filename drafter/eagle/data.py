@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.dense_kv import DenseBatch, DenseKVCache
+from specmesh.engine.dense_kv import DenseBatch, DenseKVCache
 
 
 @dataclass

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter.eagle.config import EagleHeadConfig
-from drafter.eagle.head_kv import HeadKV
-from drafter.eagle.layer import DecoderLayer, RMSNorm
-from engine import onednn
-from engine.linear import RowInvariantLinear
-from kernels.gguf_matmul import gguf_matmul
+from specmesh.drafter.eagle.config import EagleHeadConfig
+from specmesh.drafter.eagle.head_kv import HeadKV
+from specmesh.drafter.eagle.layer import DecoderLayer, RMSNorm
+from specmesh.engine import onednn
+from specmesh.engine.linear import RowInvariantLinear
+from specmesh.kernels.gguf_matmul import gguf_matmul
 
 
 class EagleHead(nn.Module):

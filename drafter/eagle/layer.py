@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.linear import RowInvariantLinear
+from specmesh.engine.linear import RowInvariantLinear
 
 if TYPE_CHECKING:
-    from drafter.eagle.config import EagleHeadConfig
+    from specmesh.drafter.eagle.config import EagleHeadConfig
 
 
 class RMSNorm(nn.Module):

@@ -25,10 +25,10 @@ import os
 
 import torch
 
-from drafter.eagle.head import EagleHead
-from engine.linear import RowInvariantLinear
-from kernels import gguf_matmul
-from kernels.gguf_matmul import BlockWeight
+from specmesh.drafter.eagle.head import EagleHead
+from specmesh.engine.linear import RowInvariantLinear
+from specmesh.kernels import gguf_matmul
+from specmesh.kernels.gguf_matmul import BlockWeight
 
 SWITCH = "SPECMESH_EAGLE_Q8_0"
 

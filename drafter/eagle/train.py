@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from drafter.eagle.data import Sample, shuffled
-from drafter.eagle.head import EagleHead
+from specmesh.drafter.eagle.data import Sample, shuffled
+from specmesh.drafter.eagle.head import EagleHead
 
 IGNORE = -100
 

@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from drafter.draft_sampling import DraftSampling, target_space_logits
-from drafter.proposer import Proposer, register_proposer
-from drafter.tokenizer_match import check_same_vocabulary
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache, num_blocks_for_memory
-from engine.model import LlamaForCausalLM
-from engine.runner import ModelRunner
-from engine.sampling import GREEDY
+from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
+from specmesh.drafter.proposer import Proposer, register_proposer
+from specmesh.drafter.tokenizer_match import check_same_vocabulary
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
+from specmesh.engine.model import LlamaForCausalLM
+from specmesh.engine.runner import ModelRunner
+from specmesh.engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class DraftModelProposer(Proposer):
                  target_tokenizer: Any = None, target_name: str = "target",
                  draft_tokenizer: Any = None, loaded: Any = None) -> None:
         if loaded is None:
-            from engine.loader import load_model
+            from specmesh.engine.loader import load_model
 
             loaded = load_model(model, dtype=dtype, device=device)
         if isinstance(loaded, LlamaForCausalLM):
@@ -300,7 +300,7 @@ def build_draft_model_proposer(path: str | None, target_model_config: Any,
             differing token), an unsupported dtype or architecture.
         FileNotFoundError: ``path`` cannot be found.
     """
-    from engine.loader import load_model
+    from specmesh.engine.loader import load_model
 
     loaded = load_model(path, dtype=dtype, device=device)
     return DraftModelProposer(dtype=dtype, device=device, loaded=loaded,

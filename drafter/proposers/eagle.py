@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from drafter.draft_sampling import DraftSampling, target_space_logits
-from drafter.eagle.head import EagleHead, HeadKV
-from drafter.proposer import BranchCall, ProposeCall, Proposer, register_proposer
-from engine.sampling import GREEDY
+from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
+from specmesh.drafter.eagle.head import EagleHead, HeadKV
+from specmesh.drafter.proposer import BranchCall, ProposeCall, Proposer, register_proposer
+from specmesh.engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class EagleProposer(Proposer):
         if kwargs.get("head_module") is not None:
             return kwargs["head_module"].config.seed_state
         try:
-            from drafter.eagle.checkpoint import read_head_config
+            from specmesh.drafter.eagle.checkpoint import read_head_config
 
             path = kwargs.get("head") or _shipped_head_for(kwargs.get("model"))
             return read_head_config(path).seed_state if path else cls.seed_state
@@ -311,7 +311,7 @@ class EagleProposer(Proposer):
 
 
 def _shipped_head_for(model: str | None) -> Path | None:
-    from engine.loader import model_identity
+    from specmesh.engine.loader import model_identity
 
     return shipped_head(model_identity(model, "float32", 16)["name"])
 
@@ -327,10 +327,10 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32")
     """
     from transformers import AutoConfig
 
-    from drafter.eagle.checkpoint import load_head, target_embeddings, target_identity
-    from engine.config import ModelConfig
-    from engine.dtypes import model_dtype
-    from engine.loader import model_files, model_identity
+    from specmesh.drafter.eagle.checkpoint import load_head, target_embeddings, target_identity
+    from specmesh.engine.config import ModelConfig
+    from specmesh.engine.dtypes import model_dtype
+    from specmesh.engine.loader import model_files, model_identity
 
     files = model_files(model)
     name = model_identity(model, "float32", 16)["name"]
@@ -345,7 +345,7 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32")
     embed, lm_head = target_embeddings(files)
     loaded = load_head(head, embed, lm_head, target_identity(name, config, embed),
                        dtype=model_dtype(dtype))
-    from drafter.eagle.quantize import quantize_head
+    from specmesh.drafter.eagle.quantize import quantize_head
 
     on_blocks = quantize_head(loaded)
     log.info("EAGLE head %s for %s: %.2f M parameters%s", head, name,

@@ -16,8 +16,8 @@ for the segment that starts at the committed prefix (drafter/worker.py).
 
 from __future__ import annotations
 
-from drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-from drafter.proposer import Proposer, register_proposer
+from specmesh.drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from specmesh.drafter.proposer import Proposer, register_proposer
 
 #: Branches of an n-gram tree by default (measured on the tiny test, see README / the commit)
 DEFAULT_TREE_WIDTH = 2

@@ -9,8 +9,8 @@ import time
 import pytest
 import ray
 
-from cluster.actors import ControllerActor
-from cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS, SUSPECT_MISSED_BEATS
+from specmesh.cluster.actors import ControllerActor
+from specmesh.cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS, SUSPECT_MISSED_BEATS
 
 pytestmark = pytest.mark.ray
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from specmesh.cluster.cli import main
 
 pytestmark = pytest.mark.ray
 

@@ -6,20 +6,20 @@ model (n-gram and a random EAGLE head: the output is the plain-decode output).""
 
 import pytest
 
-from cluster.bench import _schedule
-from cluster.bench_drafters import (
+from specmesh.cluster.bench import _schedule
+from specmesh.cluster.bench_drafters import (
     cluster_drafter,
     namespace_for,
     parse_drafters,
     with_drafter,
 )
-from cluster.bench_render import markdown
-from cluster.bench_report import HF_BASELINE, summarize, systems_for
-from cluster.cli import main
-from cluster.config import ClusterConfig, default_threads
-from cluster.runs import RunResult
-from protocol.spec_stats import SpecStats
-from protocol.step_profile import StepProfile
+from specmesh.cluster.bench_render import markdown
+from specmesh.cluster.bench_report import HF_BASELINE, summarize, systems_for
+from specmesh.cluster.cli import main
+from specmesh.cluster.config import ClusterConfig, default_threads
+from specmesh.cluster.runs import RunResult
+from specmesh.protocol.spec_stats import SpecStats
+from specmesh.protocol.step_profile import StepProfile
 
 
 # -- the --drafters forms ----------------------------------------------------------------------
@@ -53,8 +53,8 @@ def test_bench_refuses_an_unknown_drafter_before_starting_anything():
 
 
 def test_each_method_gets_its_own_config_and_namespace():
-    import cluster.actors as actors
-    from protocol.enums import Role
+    import specmesh.cluster.actors as actors
+    from specmesh.protocol.enums import Role
 
     cfg = ClusterConfig.create(num_speculative_tokens=3)
     ngram, eagle = parse_drafters("ngram,eagle:/h")
@@ -207,8 +207,8 @@ def random_head(tiny_model_dir, tmp_path_factory):
 
 
 def test_inprocess_systems_per_method_are_exact(tiny_model_dir, random_head):
-    from cluster.bench_inprocess import InProcessSystems
-    from engine.loader import load_model
+    from specmesh.cluster.bench_inprocess import InProcessSystems
+    from specmesh.engine.loader import load_model
 
     cfg = ClusterConfig.create(model=tiny_model_dir, dtype="float32", num_speculative_tokens=3)
     drafters = parse_drafters(f"ngram,eagle:{random_head}", tiny_model_dir)
@@ -255,9 +255,9 @@ def test_the_bench_process_keeps_every_core_unless_the_user_set_a_plan(tiny_mode
     leaves its served verifier one core fewer; that must not cost the baselines a core (a
     bench of n-gram methods under the default ``--drafter auto`` = eagle once ran HF and
     in-process on one thread while the n-gram clusters' verifiers had two)."""
-    from cluster.bench import bench_process_threads
-    from cluster.cli import build_parser
-    from cluster.options import cluster_config
+    from specmesh.cluster.bench import bench_process_threads
+    from specmesh.cluster.cli import build_parser
+    from specmesh.cluster.options import cluster_config
 
     n = default_threads()["verifier"]
 
@@ -274,7 +274,7 @@ def test_the_bench_process_keeps_every_core_unless_the_user_set_a_plan(tiny_mode
 
 
 def test_the_header_names_each_clusters_plan_when_they_differ():
-    from cluster.bench_render import thread_plan_text
+    from specmesh.cluster.bench_render import thread_plan_text
 
     ngram = {"verifier": 2, "prefill": 1, "drafter": 1, "gateway": 1}
     eagle = {**ngram, "verifier": 1}

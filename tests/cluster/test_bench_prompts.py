@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cluster.bench_prompts import (
+from specmesh.cluster.bench_prompts import (
     level_requests,
     load_prompts_file,
     parse_concurrency,

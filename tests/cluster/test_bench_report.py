@@ -3,11 +3,11 @@ batching helpers and the run schedule (no cluster, no model)."""
 
 import pytest
 
-from cluster.bench import _schedule
-from cluster.bench_hf import cut_at_eos, left_pad
-from cluster.bench_render import markdown, write_plot
-from cluster.bench_report import HF_BASELINE, same_outputs, summarize, systems_for
-from cluster.bench_stats import (
+from specmesh.cluster.bench import _schedule
+from specmesh.cluster.bench_hf import cut_at_eos, left_pad
+from specmesh.cluster.bench_render import markdown, write_plot
+from specmesh.cluster.bench_report import HF_BASELINE, same_outputs, summarize, systems_for
+from specmesh.cluster.bench_stats import (
     acceptance_per_position,
     bucket_quantile,
     merge_snapshots,
@@ -16,9 +16,9 @@ from cluster.bench_stats import (
     step_cost_check,
     verifier_snapshot,
 )
-from cluster.runs import RunResult
-from protocol.spec_stats import SpecStats
-from protocol.step_profile import StepProfile
+from specmesh.cluster.runs import RunResult
+from specmesh.protocol.spec_stats import SpecStats
+from specmesh.protocol.step_profile import StepProfile
 
 
 def _profile(forward_ms: list[float], plain_ms: list[float], steps: int, with_drafts: int,
@@ -202,8 +202,8 @@ def test_plot_writes_png(tmp_path):
 def test_accepted_per_step_counts_every_request_step():
     """vLLM's mean accept length averages over steps with drafts; accepted_per_step over all
     request-steps, so a drafter that rarely proposes is charged for its silent steps."""
-    from cluster.bench_report import accepted_per_step
-    from protocol.spec_stats import SpecStats
+    from specmesh.cluster.bench_report import accepted_per_step
+    from specmesh.protocol.spec_stats import SpecStats
 
     spec = SpecStats(num_draft_tokens=8, num_accepted_tokens=6, num_verify_steps=2)
     prof = {"counters": {"num_request_steps": 20, "num_request_steps_with_drafts": 2}}
@@ -214,8 +214,8 @@ def test_accepted_per_step_counts_every_request_step():
 
 
 def test_drafter_profiles_join_the_snapshot_under_their_prefix():
-    from cluster.bench_stats import verifier_snapshot, with_drafter_profiles
-    from protocol.step_profile import StepProfile
+    from specmesh.cluster.bench_stats import verifier_snapshot, with_drafter_profiles
+    from specmesh.protocol.step_profile import StepProfile
 
     v, d1, d2 = StepProfile(), StepProfile(), StepProfile()
     v.observe("forward", 0.02)

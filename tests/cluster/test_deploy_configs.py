@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import ROLES
+from specmesh.cluster.config import ROLES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CONFIGS = ["cluster.yaml", "cluster-aws.yaml"]

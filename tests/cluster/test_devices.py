@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import ClusterConfig
-from cluster.launcher import model_role_gpus
-from engine.devices import check_device, resolve_device
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.launcher import model_role_gpus
+from specmesh.engine.devices import check_device, resolve_device
 
 
 def test_device_names():
@@ -35,7 +35,7 @@ def test_model_role_gpus():
 
 
 def test_auto_dtype_follows_native_bf16_support(tmp_path):
-    from engine.devices import cpu_flags, default_dtype, resolve_dtype
+    from specmesh.engine.devices import cpu_flags, default_dtype, resolve_dtype
 
     assert default_dtype("cpu", flags={"avx2", "avx512_bf16"}) == "bfloat16"
     assert default_dtype("cpu", flags={"avx2", "amx_bf16"}) == "bfloat16"
@@ -51,8 +51,8 @@ def test_auto_dtype_follows_native_bf16_support(tmp_path):
 def test_cli_dtype_auto_is_resolved_in_the_cluster_config():
     import argparse
 
-    from cluster.options import add_cluster_options, cluster_config
-    from engine.devices import default_dtype
+    from specmesh.cluster.options import add_cluster_options, cluster_config
+    from specmesh.engine.devices import default_dtype
 
     p = argparse.ArgumentParser()
     add_cluster_options(p)

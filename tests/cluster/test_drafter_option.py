@@ -2,9 +2,9 @@
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.drafter_option import parse_drafter
-from cluster.options import cluster_config
+from specmesh.cluster.cli import build_parser
+from specmesh.cluster.drafter_option import parse_drafter
+from specmesh.cluster.options import cluster_config
 
 
 def test_forms():
@@ -17,8 +17,8 @@ def test_forms():
 def test_ngram_settings_form(tiny_model_dir):
     """``ngram:min=1+max=3+width=4`` sets the proposer's match lengths and tree width (any
     subset), and reaches the drafter's config and a built proposer."""
-    import drafter.proposers  # noqa: F401 - registers the methods
-    from drafter.proposer import get_proposer
+    import specmesh.drafter.proposers  # noqa: F401 - registers the methods
+    from specmesh.drafter.proposer import get_proposer
 
     assert parse_drafter("ngram:min=1") == ("ngram", {"min_ngram": 1})
     assert parse_drafter("ngram:width=4+max=3+min=1") == (
@@ -74,7 +74,7 @@ def test_a_model_drafter_leaves_the_verifier_a_core_in_the_default_plan(tiny_mod
                                                                        tiny_eagle_head):
     """Measured (benchmarks/bench_drafters.md): served EAGLE is fastest with the verifier on
     n - 1 threads beside the drafter's one; the n-gram drafter (pure Python) leaves all n."""
-    from cluster.config import default_threads
+    from specmesh.cluster.config import default_threads
 
     n = default_threads()["verifier"]
     ngram = cluster_config(build_parser().parse_args(["serve", "--model", tiny_model_dir,
@@ -109,7 +109,7 @@ def test_the_cluster_learns_a_fused_heads_seed_state_from_its_config(tiny_model_
     """The prefill and verifier hosts configure their workers with the seed state of the head
     the drafters will load (read from its config.json, no weights): "hidden:1,0" for a fused
     head, "hidden" for an EAGLE-1 head, "" for n-gram."""
-    from cluster.hosts.drafter import cluster_seed_state
+    from specmesh.cluster.hosts.drafter import cluster_seed_state
 
     for head, kind in ((tiny_fused_eagle_head[0], "hidden:1,0"), (tiny_eagle_head[0], "hidden")):
         args = build_parser().parse_args(["serve", "--model", tiny_model_dir,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cluster.forward_cost import forward_cost_ratio
+from specmesh.cluster.forward_cost import forward_cost_ratio
 from helpers.models import tiny_llama
 
 

@@ -15,10 +15,10 @@ import time
 import httpx
 import pytest
 
-from cluster.gateway import MailboxBackend, create_app, serve_gateway
-from cluster.gateway.detokenize import IncrementalDetokenizer
-from protocol.messages import Abort, GenerateRequest, TokenStream
-from protocol.transport import InProcHub
+from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.cluster.gateway.detokenize import IncrementalDetokenizer
+from specmesh.protocol.messages import Abort, GenerateRequest, TokenStream
+from specmesh.protocol.transport import InProcHub
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 256

@@ -10,11 +10,11 @@ import time
 import httpx
 import pytest
 
-from cluster.gateway import MailboxBackend, create_app, serve_gateway
-from cluster.gateway.tokens import completion_prompt_ids
-from cluster.inprocess import VERIFIER, InProcessCluster
+from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.cluster.gateway.tokens import completion_prompt_ids
+from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from helpers.proposers import OracleProposer
-from protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every evening"
 MAX_TOKENS = 48
@@ -23,7 +23,7 @@ STEP_PAUSE_S = 0.02  # the verifier must still be running when the gateway's Abo
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    from engine.loader import load_model
+    from specmesh.engine.loader import load_model
 
     loaded = load_model(tiny_model_dir, dtype="float32")
     tok = loaded.tokenizer

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from cluster.gateway import MailboxBackend, create_app, serve_gateway
-from cluster.gateway.tokens import completion_prompt_ids
-from cluster.hosts.gateway import GatewayHost
-from cluster.inprocess import VERIFIER, InProcessCluster
-from protocol.messages import SamplingParams
+from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.cluster.gateway.tokens import completion_prompt_ids
+from specmesh.cluster.hosts.gateway import GatewayHost
+from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
+from specmesh.protocol.messages import SamplingParams
 
 CONNECT_AFTER_S = 1.0
 
@@ -24,7 +24,7 @@ CONNECT_AFTER_S = 1.0
 def late_verifier(tiny_model_dir):
     """The real app over in-process workers whose verifier "connects" CONNECT_AFTER_S after
     the gateway starts."""
-    from engine.loader import load_model
+    from specmesh.engine.loader import load_model
 
     loaded = load_model(tiny_model_dir, dtype="float32")
     c = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=2)
@@ -106,7 +106,7 @@ def test_no_verifier_within_the_bound_is_a_clear_error():
     backend = MailboxBackend(Mailbox(), pick, recv_timeout_s=0.05, verifier_wait_s=0.3)
 
     async def one():
-        from protocol.messages import GenerateRequest
+        from specmesh.protocol.messages import GenerateRequest
 
         req = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams())
         return [m async for m in backend.generate(req)]

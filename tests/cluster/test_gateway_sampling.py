@@ -20,17 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster.gateway import MailboxBackend, create_app, serve_gateway
-from cluster.gateway.schemas import (
+from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.cluster.gateway.schemas import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
     NO_OUTPUT_EFFECT,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from cluster.inprocess import VERIFIER, InProcessCluster
+from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from helpers.proposers import GarbageProposer
-from protocol.messages import GenerateRequest
+from specmesh.protocol.messages import GenerateRequest
 
 PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
@@ -101,7 +101,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from engine.loader import load_model
+    from specmesh.engine.loader import load_model
 
     return load_model(tiny_model_dir, dtype="float32")
 

@@ -13,11 +13,11 @@ import time
 import httpx
 import pytest
 
-from cluster.gateway import MailboxBackend, create_app, serve_gateway
-from cluster.gateway.tokens import completion_prompt_ids
-from cluster.inprocess import VERIFIER, InProcessCluster
-from protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
-from protocol.transport import InProcHub, PeerUnavailable
+from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.cluster.gateway.tokens import completion_prompt_ids
+from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
+from specmesh.protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
+from specmesh.protocol.transport import InProcHub, PeerUnavailable
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs"
 MAX_TOKENS = 12
@@ -51,7 +51,7 @@ class LossyLink:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    from engine.loader import load_model
+    from specmesh.engine.loader import load_model
 
     loaded = load_model(tiny_model_dir, dtype="float32")
     tok = loaded.tokenizer

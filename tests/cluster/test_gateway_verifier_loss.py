@@ -15,10 +15,10 @@ import httpx
 import pytest
 import zmq
 
-from cluster.config import ClusterConfig
-from cluster.gateway.backend import STREAM_IDLE_TIMEOUT_S
-from protocol.messages import Abort, GenerateRequest, TokenStream
-from protocol.zmq_transport import ZmqMailbox
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.gateway.backend import STREAM_IDLE_TIMEOUT_S
+from specmesh.protocol.messages import Abort, GenerateRequest, TokenStream
+from specmesh.protocol.zmq_transport import ZmqMailbox
 
 VERIFIER = "verifier-0"
 BOUND_S = 10.0  # a request whose verifier died fails within this
@@ -93,7 +93,7 @@ class FakeVerifier:
 def gateway(tiny_model_dir):
     import torch
 
-    from cluster.hosts.gateway import GatewayHost
+    from specmesh.cluster.hosts.gateway import GatewayHost
 
     threads = torch.get_num_threads()
     cfg = ClusterConfig(model=str(tiny_model_dir), port=0)
@@ -242,7 +242,7 @@ def test_a_live_but_silent_verifier_is_bounded_by_the_stream_idle_timeout(gatewa
 def test_stream_idle_timeout_is_a_cluster_option():
     import argparse
 
-    from cluster.options import add_cluster_options, cluster_config
+    from specmesh.cluster.options import add_cluster_options, cluster_config
 
     p = argparse.ArgumentParser()
     add_cluster_options(p)

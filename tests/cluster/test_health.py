@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from cluster.controller import Controller
-from cluster.health import HealthMonitor
-from cluster.hosts.base import RoleHost, watch_model
-from cluster.hosts.drafter import _watch_models
-from cluster.hosts.gateway import least_loaded_verifier
+from specmesh.cluster.controller import Controller
+from specmesh.cluster.health import HealthMonitor
+from specmesh.cluster.hosts.base import RoleHost, watch_model
+from specmesh.cluster.hosts.drafter import _watch_models
+from specmesh.cluster.hosts.gateway import least_loaded_verifier
 from helpers.hosts import BareRoleHost
 
 
@@ -283,7 +283,7 @@ def test_role_host_heartbeats_show_progress_and_a_hung_loop_leaves_the_roster():
 def test_defaults_tolerate_slow_heartbeats_and_long_steps():
     """A loaded 2-core machine delayed a live prefill's heartbeats by 3.4 s, and one prefill
     chunk or verify step may take seconds: neither may deregister a live role by default."""
-    from cluster.health import HUNG_AFTER_S, MAX_MISSED_BEATS
+    from specmesh.cluster.health import HUNG_AFTER_S, MAX_MISSED_BEATS
 
     clock = Clock()
     c = Controller(clock=clock)
@@ -331,7 +331,7 @@ def test_gateway_health_turns_503_when_the_only_prefill_worker_is_deregistered(m
     prefill worker gone, the reason names it; back when a prefill worker registers again."""
     from types import SimpleNamespace
 
-    from cluster.hosts.gateway import GatewayHost
+    from specmesh.cluster.hosts.gateway import GatewayHost
 
     c, clock, peers = mesh
     gw = object.__new__(GatewayHost)
@@ -354,7 +354,7 @@ def test_a_silent_role_whose_actor_is_gone_leaves_after_three_missed_beats(mesh)
     """DESIGN.md §8: dead after 3 missed heartbeats when Ray says the actor is gone (the Ray
     edge's ActorProbes asks it about every role in silent_roles); a silent role whose actor
     still answers stays until MAX_MISSED_BEATS; a report for another incarnation is ignored."""
-    from cluster.health import MAX_MISSED_BEATS
+    from specmesh.cluster.health import MAX_MISSED_BEATS
 
     clock = Clock()
     c = Controller(clock=clock)  # the defaults: dead after 10 missed unless Ray confirms

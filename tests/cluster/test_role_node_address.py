@@ -10,14 +10,14 @@ import threading
 import time
 import types
 
-from cluster.cli import build_parser
-from cluster.config import ClusterConfig
-from cluster.hosts.base import RoleHost
-from cluster.loopback import node_ip_address, role_address
-from protocol.enums import Role
-from protocol.messages import ModelIdentity
-from protocol.step_profile import StepProfile
-from protocol.zmq_transport import ZmqMailbox
+from specmesh.cluster.cli import build_parser
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.hosts.base import RoleHost
+from specmesh.cluster.loopback import node_ip_address, role_address
+from specmesh.protocol.enums import Role
+from specmesh.protocol.messages import ModelIdentity
+from specmesh.protocol.step_profile import StepProfile
+from specmesh.protocol.zmq_transport import ZmqMailbox
 
 
 class FakeRay(types.ModuleType):

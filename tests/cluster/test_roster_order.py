@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from cluster.controller import Controller
+from specmesh.cluster.controller import Controller
 from helpers.hosts import BareRoleHost
 
 

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from cluster.inprocess import InProcessCluster
+from specmesh.cluster.inprocess import InProcessCluster
 from helpers.models import tiny_llama
 from helpers.proposers import GarbageProposer, OracleProposer
-from protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams
 
 MAX_TOKENS = 24
 
@@ -63,9 +63,9 @@ def test_bf16_batch_composition_changes_nothing(tiny_bf16):
 
 @pytest.mark.slow
 def test_smollm2_bf16_speculation_equals_plain_decode():
-    from cluster.gateway.tokens import chat_prompt_ids
-    from cluster.runs import load_prompts
-    from engine.loader import load_model
+    from specmesh.cluster.gateway.tokens import chat_prompt_ids
+    from specmesh.cluster.runs import load_prompts
+    from specmesh.engine.loader import load_model
 
     loaded = load_model(None, dtype="bfloat16")
     ids = [chat_prompt_ids(loaded.tokenizer, p["messages"]) for p in load_prompts()]
@@ -88,10 +88,10 @@ def test_smollm2_bf16_verify_rows_equal_one_token_decode_steps():
     kernel than a 5-row one (engine/linear.py): rows 2-4 differed here and the bench's
     held-out chat prompts came out different with speculation on 4 of 12 (n-gram) and 10 of
     12 (EAGLE)."""
-    from engine.block_manager import BlockManager
-    from engine.kv_cache import KVCache
-    from engine.loader import load_model
-    from engine.runner import ModelRunner, SeqChunk
+    from specmesh.engine.block_manager import BlockManager
+    from specmesh.engine.kv_cache import KVCache
+    from specmesh.engine.loader import load_model
+    from specmesh.engine.runner import ModelRunner, SeqChunk
 
     lm = load_model(None, dtype="bfloat16")
     gen = torch.Generator().manual_seed(0)

@@ -9,8 +9,8 @@ import torch
 from helpers.models import hf_greedy, tiny_llama
 from helpers.proposers import BranchOracleProposer
 
-from cluster.inprocess import InProcessCluster
-from protocol.messages import SamplingParams
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.protocol.messages import SamplingParams
 
 MAX_TOKENS = 16
 VOCAB = 96
@@ -48,7 +48,7 @@ def test_branches_arriving_during_the_forward_serve_its_commit_and_nothing_is_lo
     """Branches reach a served verifier while its forward runs: they are applied before that
     forward's commit (so the commit takes them); any other message received then waits for
     the next ingest, in order, and is not lost."""
-    from protocol.messages import DraftBranches, GenerateRequest, TokenStream
+    from specmesh.protocol.messages import DraftBranches, GenerateRequest, TokenStream
 
     model, cfg, prompts, refs = tiny
     c = InProcessCluster(model, cfg, num_speculative_tokens=3, num_kv_blocks=128, block_size=4)

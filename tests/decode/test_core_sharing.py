@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.hosts.verifier import VerifierHost, endpoint_host
-from cluster.inprocess import InProcessCluster
-from decode.core_sharing import CoreSharing
+from specmesh.cluster.hosts.verifier import VerifierHost, endpoint_host
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.decode.core_sharing import CoreSharing
 from helpers.models import tiny_llama
-from protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 5, 6], [9, 9, 9, 9], [12, 13, 14], [3, 4, 3, 4, 3]]
 SP = SamplingParams(max_tokens=12)

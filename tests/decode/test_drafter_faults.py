@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-from cluster.inprocess import InProcessCluster
-from drafter.config import DrafterConfig
-from drafter.worker import DrafterWorker
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.drafter.config import DrafterConfig
+from specmesh.drafter.worker import DrafterWorker
 from helpers.models import tiny_llama
 from helpers.proposers import OracleProposer
-from protocol.messages import GenerateRequest, SamplingParams, TokenStream
-from protocol.transport import PeerUnavailable
-from protocol.zmq_transport import ZmqMailbox
+from specmesh.protocol.messages import GenerateRequest, SamplingParams, TokenStream
+from specmesh.protocol.transport import PeerUnavailable
+from specmesh.protocol.zmq_transport import ZmqMailbox
 
 PROMPTS = [[5, 6, 7, 8], [9, 9, 9, 9], [12, 13, 14]]
 MAX_TOKENS = 24
@@ -107,8 +107,8 @@ def test_a_commit_for_a_request_the_drafter_lost_is_answered_and_re_synced(tiny)
 def test_a_protocol_error_at_the_drafter_is_answered_with_need_sync(tiny):
     import msgpack
 
-    from protocol.codec import encode
-    from protocol.messages import VerifyCommit
+    from specmesh.protocol.codec import encode
+    from specmesh.protocol.messages import VerifyCommit
 
     c = _cluster(tiny)
     out = {}
@@ -286,7 +286,7 @@ def test_a_drafter_whose_connection_drops_is_lost_after_the_grace_and_back_on_it
 def test_a_lost_drafters_requests_are_re_opened_on_another_drafter(tiny):
     """With a second drafter in the roster, a lost drafter's running requests get DraftSync
     there at once (not plain decode until the health check deregisters the first)."""
-    from protocol.messages import DraftSync
+    from specmesh.protocol.messages import DraftSync
 
     c = _cluster(tiny)
     other = c.hub.mailbox("drafter-1")

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from cluster.inprocess import InProcessCluster
+from specmesh.cluster.inprocess import InProcessCluster
 from helpers.models import hf_greedy, tiny_llama
 from helpers.proposers import GarbageProposer, OracleProposer
-from protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams
 
 MAX_TOKENS = 24
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decode.goodput import (
+from specmesh.decode.goodput import (
     PROBE_EVERY,
     Acceptance,
     DraftBudget,
@@ -150,8 +150,8 @@ def test_drafter_runs_ahead_only_as_far_as_the_verifier_verifies():
     from helpers.models import tiny_llama
     from helpers.proposers import GarbageProposer
 
-    from cluster.inprocess import InProcessCluster
-    from protocol.messages import SamplingParams
+    from specmesh.cluster.inprocess import InProcessCluster
+    from specmesh.protocol.messages import SamplingParams
 
     _, model, cfg = tiny_llama(seed=0, dtype=torch.float64, vocab_size=96)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3]]

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from cluster.inprocess import InProcessCluster
+from specmesh.cluster.inprocess import InProcessCluster
 from helpers.models import hf_greedy, tiny_llama
-from protocol.messages import Abort, GenerateRequest, KVFrame, PrefillDone, SamplingParams
-from protocol.messages import TokenStream
-from protocol.transport import Mailbox
+from specmesh.protocol.messages import Abort, GenerateRequest, KVFrame, PrefillDone, SamplingParams
+from specmesh.protocol.messages import TokenStream
+from specmesh.protocol.transport import Mailbox
 
 MAX_TOKENS = 12
 

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster.hosts.verifier import VerifierHost
-from cluster.inprocess import InProcessCluster
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner
+from specmesh.cluster.hosts.verifier import VerifierHost
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner
 from helpers.models import tiny_llama
-from prefill.config import PrefillConfig
-from prefill.worker import PrefillWorker
-from protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
+from specmesh.prefill.config import PrefillConfig
+from specmesh.prefill.worker import PrefillWorker
+from specmesh.protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
 
 SP = SamplingParams(max_tokens=6)
 BLOCKS = 32

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.inprocess import InProcessCluster
-from engine.sampling import processed_probs
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.engine.sampling import processed_probs
 from helpers.models import hf_greedy, tiny_llama
 from helpers.proposers import GarbageProposer
-from kernels.counter_noise import seed_to_int64
-from kernels.coupled_sample import gumbel_sample_ref
-from protocol.messages import SamplingParams
+from specmesh.kernels.counter_noise import seed_to_int64
+from specmesh.kernels.coupled_sample import gumbel_sample_ref
+from specmesh.protocol.messages import SamplingParams
 
 _spec = importlib.util.spec_from_file_location(
     "_chi2", Path(__file__).resolve().parents[1] / "kernels" / "_chi2.py")

@@ -21,11 +21,11 @@ import pytest
 import torch
 from helpers.models import tiny_llama
 
-from cluster.inprocess import InProcessCluster
-from decode.draft_probs import batch_draft_probs, checked_draft_probs
-from drafter.proposers.draft_model import DraftModelProposer
-from engine.frames import tensor_to_buffer
-from protocol.messages import SamplingParams
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.decode.draft_probs import batch_draft_probs, checked_draft_probs
+from specmesh.drafter.proposers.draft_model import DraftModelProposer
+from specmesh.engine.frames import tensor_to_buffer
+from specmesh.protocol.messages import SamplingParams
 
 
 def _load(name: str, path: Path):

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from decode.config import ACCEPT_LEN_EMA_WEIGHT, VerifierConfig
-from decode.goodput import NO_DRAFTS, DraftCaps
-from decode.request import Request, RequestStatus
-from decode.scheduler import Scheduler
-from engine.block_manager import BlockManager
-from protocol.messages import SamplingParams
+from specmesh.decode.config import ACCEPT_LEN_EMA_WEIGHT, VerifierConfig
+from specmesh.decode.goodput import NO_DRAFTS, DraftCaps
+from specmesh.decode.request import Request, RequestStatus
+from specmesh.decode.scheduler import Scheduler
+from specmesh.engine.block_manager import BlockManager
+from specmesh.protocol.messages import SamplingParams
 
 BLOCK = 4
 
@@ -206,7 +206,7 @@ def test_plan_trims_drafts_to_the_token_budget_and_defers_what_does_not_fit():
 def test_tail_wait_budget_is_what_the_next_draft_is_worth():
     """With goodput caps a step waits for a draft no longer than its expected gain pays for
     (w < T * g / E): long for a first draft, briefly for a second, little in a batch."""
-    from decode.goodput import Acceptance
+    from specmesh.decode.goodput import Acceptance
 
     sched = make_scheduler(tail_wait_fraction=0.5, goodput_drafts=True)
     sched.observe_step_time(0.020)

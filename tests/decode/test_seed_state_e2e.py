@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.inprocess import InProcessCluster
-from decode.seed_state import SeedWindow
-from drafter.proposer import Proposer, register_proposer, seed_state_kinds, seed_state_of
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.decode.seed_state import SeedWindow
+from specmesh.drafter.proposer import Proposer, register_proposer, seed_state_kinds, seed_state_of
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner
 from helpers.models import tiny_llama
-from protocol.messages import DraftSync, PrefillDone, SamplingParams, VerifyCommit
+from specmesh.protocol.messages import DraftSync, PrefillDone, SamplingParams, VerifyCommit
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3], [11, 12, 11, 12, 11, 12, 11], [40]]
 MAX_TOKENS = 20
@@ -94,7 +94,7 @@ def _tap(worker, kinds):
 
 
 def test_registry_reports_seed_state_kinds():
-    import drafter.proposers  # noqa: F401
+    import specmesh.drafter.proposers  # noqa: F401
 
     assert seed_state_of("ngram") == ""
     assert seed_state_of("no-such-method") == ""

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.gateway.tokens import chat_prompt_ids
-from cluster.demo import load_prompts
-from cluster.inprocess import InProcessCluster
-from engine.loader import load_model
+from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.cluster.demo import load_prompts
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.engine.loader import load_model
 from helpers.models import hf_reference_model
 from helpers.models import hf_greedy
-from protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 

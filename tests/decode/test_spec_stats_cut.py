@@ -5,11 +5,11 @@ max_tokens, or the stop string cut the gateway reports with Abort.num_output_tok
 import pytest
 import torch
 
-from cluster.inprocess import VERIFIER, InProcessCluster
+from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from helpers.models import hf_greedy, tiny_llama
 from helpers.proposers import OracleProposer
-from protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
-from protocol.spec_stats import SpecStats
+from specmesh.protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
+from specmesh.protocol.spec_stats import SpecStats
 
 MAX_TOKENS = 24
 

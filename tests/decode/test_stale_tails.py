@@ -5,10 +5,10 @@ the output stays exactly plain greedy."""
 import pytest
 import torch
 
-from cluster.inprocess import VERIFIER, InProcessCluster
-from drafter.proposer import Proposer
+from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
+from specmesh.drafter.proposer import Proposer
 from helpers.models import hf_greedy, tiny_llama
-from protocol.messages import GenerateRequest, SamplingParams, TokenStream
+from specmesh.protocol.messages import GenerateRequest, SamplingParams, TokenStream
 
 VOCAB = 96
 GARBAGE = 94  # drafted only on a wrong prefix; in no reference continuation (asserted)

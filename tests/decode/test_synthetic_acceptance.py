@@ -15,11 +15,11 @@ import torch
 from helpers.models import tiny_llama
 from helpers.proposers import GarbageProposer
 
-from cluster.inprocess import VERIFIER, InProcessCluster
-from cluster.metrics import RoleCollector
-from decode.config import VerifierConfig
-from decode.synthetic import conditional_rates, curve_from_mean_accept_len, parse_curve
-from protocol.messages import SamplingParams
+from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
+from specmesh.cluster.metrics import RoleCollector
+from specmesh.decode.config import VerifierConfig
+from specmesh.decode.synthetic import conditional_rates, curve_from_mean_accept_len, parse_curve
+from specmesh.protocol.messages import SamplingParams
 
 VOCAB = 96
 PROMPTS = [[5 + i, 6, 7, 8, 9, 5, 6, 7 + i] for i in range(48)]
@@ -109,8 +109,8 @@ def test_off_by_default_and_curve_checked():
 
 
 def test_cli_options_build_the_curve():
-    from cluster.cli import build_parser
-    from cluster.options import cluster_config
+    from specmesh.cluster.cli import build_parser
+    from specmesh.cluster.options import cluster_config
 
     parse = build_parser().parse_args
     cfg = cluster_config(parse(["serve", "--verify-rule", "synthetic",
@@ -144,8 +144,8 @@ def test_responses_and_metrics_say_synthetic_acceptance_was_used(tiny_model_dir)
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from cluster.gateway import MailboxBackend, create_app, serve_gateway
-    from engine.loader import load_model
+    from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
+    from specmesh.engine.loader import load_model
 
     loaded = load_model(tiny_model_dir, dtype="float32")
     for rule, curve in (("synthetic", (0.9, 0.5)), ("auto", ())):
@@ -203,8 +203,8 @@ def test_bench_runs_synthetic_in_process_too_and_says_so(tiny):
     """``specmesh bench --verify-rule synthetic``: the in-process kappa > 0 systems judge
     drafts by the same curve as the served ones (kappa 0 stays plain), and the report's
     header says the outputs are not the target's."""
-    from cluster.bench_inprocess import InProcessSystems
-    from cluster.bench_render import markdown
+    from specmesh.cluster.bench_inprocess import InProcessSystems
+    from specmesh.cluster.bench_render import markdown
 
     _, model, cfg = tiny
     loaded = types.SimpleNamespace(model=model, config=cfg)

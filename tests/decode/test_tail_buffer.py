@@ -1,8 +1,8 @@
 """Tail buffer staleness rule (DESIGN.md §3) and the commit cut (EOS / stop / max_tokens)."""
 
-from decode.request import Request
-from decode.tail_buffer import TailBuffer
-from protocol.messages import SamplingParams
+from specmesh.decode.request import Request
+from specmesh.decode.tail_buffer import TailBuffer
+from specmesh.protocol.messages import SamplingParams
 
 
 def test_contiguous_segments_extend_the_tail():

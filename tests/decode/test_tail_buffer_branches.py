@@ -3,7 +3,7 @@ continuation as the tail at once; every other change of the path drops the branc
 
 import pytest
 
-from decode.tail_buffer import TailBuffer
+from specmesh.decode.tail_buffer import TailBuffer
 
 
 def _buffer_with_path():

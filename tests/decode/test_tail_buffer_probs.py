@@ -5,7 +5,7 @@ probabilities end to end).
 Rows are tagged with their token and position (``row(tok, pos)``), so a misaligned row shows
 which token it belonged to."""
 
-from decode.tail_buffer import TailBuffer
+from specmesh.decode.tail_buffer import TailBuffer
 
 
 def row(tok: int, pos: int) -> tuple[int, int]:
@@ -97,13 +97,13 @@ def test_only_the_answer_to_the_latest_commit_ends_the_tail_wait():
     """A segment drafted on an older committed prefix (run-ahead sent before the drafter saw
     the last commit, or stale) does not end the verifier's wait for a tail: the drafter still
     owes the answer to that commit (``base_committed_len`` = the committed length)."""
-    from decode.config import VerifierConfig
-    from decode.lifecycle import RequestLifecycle
-    from decode.request import Request, RequestStatus
-    from decode.scheduler import Scheduler
-    from decode.stats import VerifierStats
-    from engine.block_manager import BlockManager
-    from protocol.messages import DraftTailStream, SamplingParams
+    from specmesh.decode.config import VerifierConfig
+    from specmesh.decode.lifecycle import RequestLifecycle
+    from specmesh.decode.request import Request, RequestStatus
+    from specmesh.decode.scheduler import Scheduler
+    from specmesh.decode.stats import VerifierStats
+    from specmesh.engine.block_manager import BlockManager
+    from specmesh.protocol.messages import DraftTailStream, SamplingParams
 
     lc = RequestLifecycle(Scheduler(VerifierConfig(), BlockManager(8, 4)), None,
                           VerifierStats(), 50, frozenset(), lambda peer, msg: True)

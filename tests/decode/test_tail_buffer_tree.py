@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from decode.draft_tree import DraftTree
-from decode.tail_buffer import TailBuffer
+from specmesh.decode.draft_tree import DraftTree
+from specmesh.decode.tail_buffer import TailBuffer
 
 # branch 0: 5 6 7, branch 1: 5 8, branch 2: 9 10
 TOKENS = [5, 6, 7, 8, 9, 10]
@@ -73,11 +73,11 @@ def test_commit_off_the_tree_drops_it():
 def test_scheduler_plans_trees_within_the_request_reservation():
     """A bushy tree near the end of a request gets no more nodes than a chain could have
     (num_remaining - 1): its KV never reaches past prompt + max_tokens."""
-    from decode.config import VerifierConfig
-    from decode.request import Request, RequestStatus
-    from decode.scheduler import Scheduler
-    from engine.block_manager import BlockManager
-    from protocol.messages import SamplingParams
+    from specmesh.decode.config import VerifierConfig
+    from specmesh.decode.request import Request, RequestStatus
+    from specmesh.decode.scheduler import Scheduler
+    from specmesh.engine.block_manager import BlockManager
+    from specmesh.protocol.messages import SamplingParams
 
     sched = Scheduler(VerifierConfig(), BlockManager(64, 4))
     req = Request("r", "gw", list(range(4)), SamplingParams(max_tokens=8), 4)

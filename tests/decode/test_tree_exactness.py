@@ -12,9 +12,9 @@ import torch
 from helpers.models import hf_greedy, tiny_llama
 from helpers.proposers import TreeOracleProposer
 
-from cluster.inprocess import InProcessCluster
-from drafter.proposers.ngram import NgramProposer
-from protocol.messages import SamplingParams
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.drafter.proposers.ngram import NgramProposer
+from specmesh.protocol.messages import SamplingParams
 
 MAX_TOKENS = 20
 VOCAB = 96
@@ -136,8 +136,8 @@ def test_seed_state_rows_follow_the_accepted_path(tiny):
     """The verifier ships, for a tree step, the hidden rows of the root and of the accepted
     nodes (not the chunk's first rows): each equals the target's hidden state at that
     position of the final sequence."""
-    from engine.kv_cache import KVCache
-    from engine.runner import ModelRunner
+    from specmesh.engine.kv_cache import KVCache
+    from specmesh.engine.runner import ModelRunner
 
     model, cfg, prompts, refs, _ = tiny
     prompts, refs = prompts[:2], refs[:2]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.verification import RuleBatch, _sub_batch, get_rule
-from protocol.messages import SamplingParams
+from specmesh.decode.verification import RuleBatch, _sub_batch, get_rule
+from specmesh.protocol.messages import SamplingParams
 
 V = 32
 GREEDY = SamplingParams(max_tokens=8)

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-import decode.verification as verification
-from decode.request import Request
-from decode.scheduler import PlannedRequest
-from decode.verification import (
+import specmesh.decode.verification as verification
+from specmesh.decode.request import Request
+from specmesh.decode.scheduler import PlannedRequest
+from specmesh.decode.verification import (
     GreedyRule,
     RuleBatch,
     VerificationRule,
@@ -20,8 +20,8 @@ from decode.verification import (
     register_rule,
     rule_name_for,
 )
-from decode.verify_step import VerifyStep
-from protocol.messages import SamplingParams
+from specmesh.decode.verify_step import VerifyStep
+from specmesh.protocol.messages import SamplingParams
 
 VOCAB = 11
 
@@ -120,7 +120,7 @@ def test_verify_step_groups_requests_by_rule(monkeypatch):
 
     monkeypatch.setattr(verification, "_RULES", dict(verification._RULES))
     register_rule(AcceptAll())
-    monkeypatch.setattr("decode.verify_step.rule_name_for",
+    monkeypatch.setattr("specmesh.decode.verify_step.rule_name_for",
                         lambda s: "accept-all" if s.temperature > 0 else "greedy")
     plan = [planned("g", [4, 5]), planned("s", [7, 7, 7], temperature=1.0), planned("g2", [])]
     runner = ScriptedRunner([one_hot_logits([4, 9, 3]), torch.randn(4, VOCAB),
@@ -146,7 +146,7 @@ def test_rejection_rule_processes_every_row_and_uses_full_draft_probs():
     batch = RuleBatch(draft_token_ids=drafts, cu_num_draft_tokens=torch.tensor([3]),
                       target_logits=logits, sampling=[sp],
                       generator=torch.Generator().manual_seed(1))
-    from engine.sampling import processed_probs
+    from specmesh.engine.sampling import processed_probs
     target_probs = processed_probs(logits, [sp], [4])
     full = dataclasses.replace(batch, draft_probs=target_probs[:3])
     for _ in range(20):
@@ -174,8 +174,8 @@ def test_verify_step_mixes_greedy_sampled_and_seeded_requests():
     """One forward, three rules: greedy rows match the argmax, the seeded row is the coupled
     rule at positions starting from the request's committed length, the sampled row comes from
     the verifier's generator (the same generator seed gives the same tokens)."""
-    from kernels.coupled_sample import coupled_sample_ref
-    from engine.sampling import processed_probs
+    from specmesh.kernels.coupled_sample import coupled_sample_ref
+    from specmesh.engine.sampling import processed_probs
 
     torch.manual_seed(0)
     greedy_logits = one_hot_logits([4, 9, 3])

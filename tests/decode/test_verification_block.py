@@ -10,15 +10,15 @@ import argparse
 import pytest
 import torch
 
-import decode.verification as verification
-from decode.config import VERIFY_RULES, VerifierConfig
-from decode.request import Request
-from decode.scheduler import PlannedRequest
-from decode.verification import BlockRule, RuleBatch, get_rule, rule_name_for
-from decode.verify_step import VerifyStep
-from engine.sampling import processed_probs
-from kernels.block_verify import block_verify_noise, block_verify_ref
-from protocol.messages import SamplingParams
+import specmesh.decode.verification as verification
+from specmesh.decode.config import VERIFY_RULES, VerifierConfig
+from specmesh.decode.request import Request
+from specmesh.decode.scheduler import PlannedRequest
+from specmesh.decode.verification import BlockRule, RuleBatch, get_rule, rule_name_for
+from specmesh.decode.verify_step import VerifyStep
+from specmesh.engine.sampling import processed_probs
+from specmesh.kernels.block_verify import block_verify_noise, block_verify_ref
+from specmesh.protocol.messages import SamplingParams
 
 VOCAB = 11
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
@@ -125,8 +125,8 @@ def test_verify_step_selects_block_for_unseeded_sampled_requests_only(monkeypatc
 
 
 def test_verifier_worker_and_serve_option_carry_the_rule():
-    from cluster.config import ClusterConfig
-    from cluster.options import add_cluster_options
+    from specmesh.cluster.config import ClusterConfig
+    from specmesh.cluster.options import add_cluster_options
 
     assert ClusterConfig.create(verify_rule="block").verifier.verify_rule == "block"
     assert ClusterConfig().verifier.verify_rule == "auto"
@@ -141,10 +141,10 @@ def test_verifier_worker_and_serve_option_carry_the_rule():
 
 
 def test_cli_serve_verify_rule_block_reaches_the_verifier_config(monkeypatch):
-    import cluster.options as options
-    from cluster.cli import build_parser
+    import specmesh.cluster.options as options
+    from specmesh.cluster.cli import build_parser
 
-    monkeypatch.setattr("cluster.drafter_option.shipped_head_for", lambda model: None)
+    monkeypatch.setattr("specmesh.cluster.drafter_option.shipped_head_for", lambda model: None)
     args = build_parser().parse_args(["serve", "--verify-rule", "block", "--device", "cpu"])
     assert options.cluster_config(args).verifier.verify_rule == "block"
     args = build_parser().parse_args(["serve", "--device", "cpu"])
@@ -154,7 +154,7 @@ def test_cli_serve_verify_rule_block_reaches_the_verifier_config(monkeypatch):
 def test_in_process_cluster_with_block_rule():
     """Through the workers (tiny model): the verifier runs the block rule for the unseeded
     request; greedy and seeded outputs are the ones verify_rule='auto' gives."""
-    from cluster.inprocess import InProcessCluster
+    from specmesh.cluster.inprocess import InProcessCluster
     from helpers.models import tiny_llama
 
     _, model, cfg = tiny_llama(seed=1, dtype=torch.float64, vocab_size=96)

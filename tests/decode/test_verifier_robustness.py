@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers.models import tiny_llama
 
-from cluster.inprocess import InProcessCluster
-from protocol.messages import (
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.protocol.messages import (
     Abort,
     DraftTailStream,
     GenerateRequest,
@@ -114,8 +114,8 @@ def _branch_frames(**fields):
     """Frames of a DraftBranches message whose header carries ``fields`` as given."""
     import msgpack
 
-    from protocol.codec import encode
-    from protocol.messages import DraftBranches
+    from specmesh.protocol.codec import encode
+    from specmesh.protocol.messages import DraftBranches
 
     frames = encode(DraftBranches(request_id="x", base_committed_len=1, position=1,
                                   token_ids=[1], continuations=[[2]]))
@@ -161,7 +161,7 @@ def _tail_frames(**fields):
     values included: a local constructor would not stop a peer from sending them)."""
     import msgpack
 
-    from protocol.codec import encode
+    from specmesh.protocol.codec import encode
 
     frames = encode(DraftTailStream(request_id="x", base_committed_len=1, start_pos=1,
                                     draft_token_ids=[1]))

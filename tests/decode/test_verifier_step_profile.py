@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from cluster.inprocess import InProcessCluster
+from specmesh.cluster.inprocess import InProcessCluster
 from helpers.models import hf_greedy, tiny_llama
-from protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams
 from helpers.proposers import OracleProposer
 
 MAX_TOKENS = 16

@@ -11,13 +11,13 @@ import random
 import pytest
 import torch
 
-import drafter.proposers  # noqa: F401
-from cluster.inprocess import InProcessCluster
-from drafter.proposer import get_proposer
-from drafter.proposers.draft_model import DraftModelProposer, build_draft_model_proposer
-from drafter.tokenizer_match import check_same_vocabulary
+import specmesh.drafter.proposers  # noqa: F401
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.drafter.proposer import get_proposer
+from specmesh.drafter.proposers.draft_model import DraftModelProposer, build_draft_model_proposer
+from specmesh.drafter.tokenizer_match import check_same_vocabulary
 from helpers.models import hf_greedy, tiny_llama
-from protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams
 
 VOCAB = 96
 MAX_TOKENS = 20
@@ -148,7 +148,7 @@ def test_out_of_blocks_gives_no_drafts_and_logs_once(target, caplog):
     _, model, _, prompts = target
     p = _proposer(model, num_blocks=3, block_size=4)  # 12 positions
     long = prompts[2]
-    with caplog.at_level(logging.WARNING, logger="drafter.proposers.draft_model"):
+    with caplog.at_level(logging.WARNING, logger="specmesh.drafter.proposers.draft_model"):
         assert p.propose("a", long, 4) == []
         assert p.propose("a", long, 4) == []
     assert len([r for r in caplog.records if "KV full" in r.getMessage()]) == 1
@@ -250,8 +250,8 @@ def test_build_from_a_path(target, draft_dir):
 
 
 def test_drafter_host_builds_the_draft_model_method(draft_dir):
-    from cluster.config import ClusterConfig
-    from cluster.hosts.drafter import build_proposer
+    from specmesh.cluster.config import ClusterConfig
+    from specmesh.cluster.hosts.drafter import build_proposer
 
     cfg = ClusterConfig.create(model=draft_dir, dtype="float32", device="cpu",
                                draft_method="draft_model",

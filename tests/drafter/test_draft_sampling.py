@@ -10,13 +10,13 @@ import pytest
 import torch
 from helpers.models import tiny_llama
 
-from drafter.draft_sampling import DraftSampling, target_space_logits
-from drafter.eagle.head import EagleHead, EagleHeadConfig
-from drafter.proposers.draft_model import DraftModelProposer
-from drafter.proposers.eagle import EagleProposer
-from engine.sampling import processed_probs, seeds_tensor
-from kernels.coupled_sample import gumbel_sample
-from protocol.messages import SamplingParams
+from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
+from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
+from specmesh.drafter.proposers.draft_model import DraftModelProposer
+from specmesh.drafter.proposers.eagle import EagleProposer
+from specmesh.engine.sampling import processed_probs, seeds_tensor
+from specmesh.kernels.coupled_sample import gumbel_sample
+from specmesh.protocol.messages import SamplingParams
 
 V, D, DRAFT_V = 40, 32, 30
 

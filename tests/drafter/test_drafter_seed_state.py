@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-import drafter.proposers  # noqa: F401
-from drafter.config import DrafterConfig
-from drafter.proposer import Proposer
-from drafter.worker import DrafterWorker
-from engine.frames import tensor_to_buffer
-from protocol.messages import (
+import specmesh.drafter.proposers  # noqa: F401
+from specmesh.drafter.config import DrafterConfig
+from specmesh.drafter.proposer import Proposer
+from specmesh.drafter.worker import DrafterWorker
+from specmesh.engine.frames import tensor_to_buffer
+from specmesh.protocol.messages import (
     Buffer,
     DraftNeedSync,
     DraftSync,
@@ -20,7 +20,7 @@ from protocol.messages import (
     SamplingParams,
     VerifyCommit,
 )
-from protocol.transport import InProcHub
+from specmesh.protocol.transport import InProcHub
 
 HIDDEN = 8
 PROMPT = [1, 2, 3, 4]

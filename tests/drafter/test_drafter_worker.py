@@ -1,9 +1,9 @@
 """Drafter worker run-ahead, commit alignment, need-sync, garbage tolerance (in-process hub)."""
 
-import drafter.proposers  # noqa: F401
-from drafter.config import DrafterConfig
-from drafter.worker import DrafterWorker
-from protocol.messages import (
+import specmesh.drafter.proposers  # noqa: F401
+from specmesh.drafter.config import DrafterConfig
+from specmesh.drafter.worker import DrafterWorker
+from specmesh.protocol.messages import (
     DraftClose,
     DraftNeedSync,
     DraftSync,
@@ -11,7 +11,7 @@ from protocol.messages import (
     SamplingParams,
     VerifyCommit,
 )
-from protocol.transport import InProcHub
+from specmesh.protocol.transport import InProcHub
 
 
 def _setup(window=4):
@@ -96,7 +96,7 @@ def test_close_drops_state():
 def test_commits_for_endless_unknown_requests_leave_bounded_state():
     """A peer that sends commits for ever new unknown request ids gets a DraftNeedSync for
     each (the drafter does not hold them) but grows no state past MAX_ASKED_SYNC entries."""
-    from drafter.worker import MAX_ASKED_SYNC
+    from specmesh.drafter.worker import MAX_ASKED_SYNC
 
     v, d = _setup()
     n = MAX_ASKED_SYNC + 500
@@ -164,7 +164,7 @@ def test_a_path_at_its_run_ahead_cap_leaves_the_drafter_waiting_not_spinning():
 def test_one_propose_many_call_drafts_for_every_request():
     """The worker hands every request that wants drafts to the proposer in one call (a model
     drafter batches them), and each request's segment carries that call's drafts."""
-    from drafter.proposer import ProposeCall, Proposer
+    from specmesh.drafter.proposer import ProposeCall, Proposer
 
     class Counting(Proposer):
         name = "counting-test"
@@ -223,7 +223,7 @@ def test_branches_prepared_once_the_path_is_full_and_taken_by_the_commit():
     """Once its path is full the worker sends DraftBranches for the path's first positions;
     a commit whose bonus token is a prepared candidate starts the path from its continuation
     (re-sent as a fresh segment), any other commit drops them."""
-    from protocol.messages import DraftBranches
+    from specmesh.protocol.messages import DraftBranches
 
     v, d, prop = _branch_oracle_drafter()
     d.step()  # the path cannot grow (the proposer has nothing after 22): branches now
@@ -279,7 +279,7 @@ def test_no_branches_for_a_method_without_them_or_when_off():
                                   committed_token_ids=[3], sampling=SamplingParams()))
     for _ in range(3):
         d.step()
-    from protocol.messages import DraftBranches
+    from specmesh.protocol.messages import DraftBranches
 
     assert not [e for e in v.drain() if isinstance(e.msg, DraftBranches)]
 
@@ -287,8 +287,8 @@ def test_no_branches_for_a_method_without_them_or_when_off():
 def test_branch_work_is_split_so_a_commit_never_waits_long():
     """At most MAX_BRANCH_ROWS candidates per propose_branches call: four requests at 8
     candidates each take two calls, the second in the next step without waiting."""
-    from drafter.branches import MAX_BRANCH_ROWS
-    from protocol.messages import DraftBranches
+    from specmesh.drafter.branches import MAX_BRANCH_ROWS
+    from specmesh.protocol.messages import DraftBranches
     from tests.helpers.proposers import BranchOracleProposer
 
     assert MAX_BRANCH_ROWS == 16
@@ -312,8 +312,8 @@ def test_branch_work_is_split_so_a_commit_never_waits_long():
 
 
 def test_no_branches_while_the_drafter_holds_many_requests():
-    from drafter.branches import MAX_BRANCH_REQUESTS
-    from protocol.messages import DraftBranches
+    from specmesh.drafter.branches import MAX_BRANCH_REQUESTS
+    from specmesh.protocol.messages import DraftBranches
     from tests.helpers.proposers import BranchOracleProposer
 
     n = MAX_BRANCH_REQUESTS + 1

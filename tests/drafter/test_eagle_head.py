@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafter.eagle.head import EagleHead, EagleHeadConfig, HeadKV
+from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig, HeadKV
 
 
 def _head(seed=0, draft_vocab=0):

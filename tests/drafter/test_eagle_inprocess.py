@@ -5,9 +5,9 @@ accepted, and a head trained for another target is refused."""
 import pytest
 import torch
 
-from drafter.eagle.checkpoint import HeadMismatch, load_head, target_embeddings, target_identity
-from drafter.proposers.eagle import load_eagle_head
-from engine.loader import load_model
+from specmesh.drafter.eagle.checkpoint import HeadMismatch, load_head, target_embeddings, target_identity
+from specmesh.drafter.proposers.eagle import load_eagle_head
+from specmesh.engine.loader import load_model
 from tests.helpers.eagle_heads import assert_eagle_equals_plain_decode
 
 
@@ -38,7 +38,7 @@ def test_the_proposer_loads_only_embedding_and_lm_head_of_its_target(tiny_model_
 
 def test_a_head_for_another_target_is_refused(tiny_model_dir, tiny_eagle_head, tmp_path):
     head_dir, _ = tiny_eagle_head
-    from engine.loader import load_tokenizer
+    from specmesh.engine.loader import load_tokenizer
     from helpers.models import tiny_llama
 
     tok = load_tokenizer(None)

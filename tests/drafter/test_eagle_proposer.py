@@ -3,9 +3,9 @@ scratch on the same true states and context."""
 
 import torch
 
-from drafter.eagle.head import EagleHead, EagleHeadConfig
-from drafter.proposer import get_proposer
-from drafter.proposers.eagle import EagleProposer
+from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
+from specmesh.drafter.proposer import get_proposer
+from specmesh.drafter.proposers.eagle import EagleProposer
 
 V, D = 40, 32
 
@@ -130,7 +130,7 @@ def test_fused_head_reads_layer_rows_and_drafts_what_its_training_passes_predict
 def test_propose_many_equals_each_request_alone():
     """One batched call for several requests (different prompts, seed states and drafts
     wanted; one with nothing to draft from) drafts what each gets alone, through a commit."""
-    from drafter.proposer import ProposeCall
+    from specmesh.drafter.proposer import ProposeCall
 
     head = _head(4)
     torch.manual_seed(9)
@@ -170,8 +170,8 @@ def test_drafter_host_runs_the_head_in_the_cluster_dtype(tiny_model_dir, tmp_pat
     """The drafter role's EAGLE head takes the cluster's dtype unless method_kwargs name one."""
     from helpers.eagle_heads import save_random_head
 
-    from cluster.config import ClusterConfig
-    from cluster.hosts.drafter import build_proposer
+    from specmesh.cluster.config import ClusterConfig
+    from specmesh.cluster.hosts.drafter import build_proposer
 
     head = save_random_head(tiny_model_dir, tmp_path / "head")
     for dtype, kwargs, want in [("bfloat16", {}, torch.bfloat16),
@@ -198,7 +198,7 @@ def test_branches_are_the_heads_next_likeliest_tokens_and_what_it_drafts_after_t
     path = prop.propose("r", prompt, 3)
     st = prop.states["r"]
     entries, n = list(st.entry_tokens), st.kv.length
-    from drafter.proposer import BranchCall
+    from specmesh.drafter.proposer import BranchCall
 
     calls = [BranchCall("r", prompt + path[:j], path[j], 3) for j in range(2)]
     out = prop.propose_branches(calls)

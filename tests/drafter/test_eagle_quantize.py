@@ -5,12 +5,12 @@ products, the switch, and drafting through the in-process workers with the round
 import pytest
 import torch
 
-from drafter.eagle.quantize import SWITCH, quantize_head
-from drafter.proposers.eagle import load_eagle_head
-from engine.linear import RowInvariantLinear
-from engine.loader import load_model
-from kernels import gguf_matmul
-from kernels.gguf_matmul import BlockWeight
+from specmesh.drafter.eagle.quantize import SWITCH, quantize_head
+from specmesh.drafter.proposers.eagle import load_eagle_head
+from specmesh.engine.linear import RowInvariantLinear
+from specmesh.engine.loader import load_model
+from specmesh.kernels import gguf_matmul
+from specmesh.kernels.gguf_matmul import BlockWeight
 from tests.helpers.eagle_heads import assert_eagle_equals_plain_decode
 
 needs_kernel = pytest.mark.skipif(not gguf_matmul.available(),

@@ -4,15 +4,15 @@ drafts accepted; `--drafter auto` picks it for SmolLM2."""
 
 import pytest
 
-from cluster.bench_prompts import load_prompts_file
-from cluster.drafter_option import parse_drafter
-from cluster.inprocess import InProcessCluster
-from cluster.train_drafter import PROMPTS_DIR
-from drafter.eagle.checkpoint import read_head_config
-from drafter.eagle.data import chat_token_ids
-from drafter.proposers.eagle import EagleProposer, shipped_head
-from engine.loader import SMOLLM2_NAME, load_model
-from protocol.messages import SamplingParams
+from specmesh.cluster.bench_prompts import load_prompts_file
+from specmesh.cluster.drafter_option import parse_drafter
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.cluster.train_drafter import PROMPTS_DIR
+from specmesh.drafter.eagle.checkpoint import read_head_config
+from specmesh.drafter.eagle.data import chat_token_ids
+from specmesh.drafter.proposers.eagle import EagleProposer, shipped_head
+from specmesh.engine.loader import SMOLLM2_NAME, load_model
+from specmesh.protocol.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 

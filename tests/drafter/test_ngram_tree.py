@@ -2,13 +2,13 @@
 
 import pytest
 
-import drafter.proposers  # noqa: F401
-from drafter.config import DrafterConfig
-from drafter.proposer import register_proposer
-from drafter.proposers.ngram import NgramProposer
-from drafter.worker import DrafterWorker
-from protocol.messages import DraftSync, DraftTailStream, SamplingParams, VerifyCommit
-from protocol.transport import InProcHub
+import specmesh.drafter.proposers  # noqa: F401
+from specmesh.drafter.config import DrafterConfig
+from specmesh.drafter.proposer import register_proposer
+from specmesh.drafter.proposers.ngram import NgramProposer
+from specmesh.drafter.worker import DrafterWorker
+from specmesh.protocol.messages import DraftSync, DraftTailStream, SamplingParams, VerifyCommit
+from specmesh.protocol.transport import InProcHub
 
 # suffix [1, 2]: matched at 8 (-> 7 8), at 4 (-> 9 1) and at 0 (-> 3 4); [2] alone adds 5
 CTX = [1, 2, 3, 4, 1, 2, 9, 1, 1, 2, 7, 8, 2, 5, 1, 2]

@@ -2,9 +2,9 @@
 
 import pytest
 
-import drafter.proposers  # noqa: F401
-from drafter.proposer import Proposer, get_proposer, register_proposer, registered_methods
-from drafter.proposers.ngram import NgramProposer
+import specmesh.drafter.proposers  # noqa: F401
+from specmesh.drafter.proposer import Proposer, get_proposer, register_proposer, registered_methods
+from specmesh.drafter.proposers.ngram import NgramProposer
 
 
 def test_ngram_registered():

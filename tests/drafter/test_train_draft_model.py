@@ -8,18 +8,18 @@ import json
 import pytest
 import torch
 
-from cluster.cli import build_parser
-from cluster.inprocess import InProcessCluster
-from cluster.train_drafter import train_drafter
-from drafter.draft_model_files import META, engine_model, read_draft_meta, save_draft_model
-from drafter.draft_model_training import acceptance, init_draft_model, layer_sources
-from drafter.eagle.data import chat_token_ids
-from drafter.proposers.draft_model import DraftModelProposer, build_draft_model_proposer
-from engine.kv_cache import KVCache
-from engine.loader import load_model
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.cluster.cli import build_parser
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.cluster.train_drafter import train_drafter
+from specmesh.drafter.draft_model_files import META, engine_model, read_draft_meta, save_draft_model
+from specmesh.drafter.draft_model_training import acceptance, init_draft_model, layer_sources
+from specmesh.drafter.eagle.data import chat_token_ids
+from specmesh.drafter.proposers.draft_model import DraftModelProposer, build_draft_model_proposer
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.loader import load_model
+from specmesh.engine.runner import ModelRunner, SeqChunk
 from helpers.models import tiny_llama
-from protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams
 
 TOPICS = ["rivers", "python lists", "the moon", "tea", "prime numbers", "bicycles", "sorting",
           "volcanoes", "poetry", "binary search", "clouds", "chess"]

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from cluster.cli import build_parser
-from cluster.train_drafter import train_drafter
-from drafter.eagle.checkpoint import (HeadMismatch, load_head, read_head_config,
+from specmesh.cluster.cli import build_parser
+from specmesh.cluster.train_drafter import train_drafter
+from specmesh.drafter.eagle.checkpoint import (HeadMismatch, load_head, read_head_config,
                                       target_embeddings, target_identity)
-from engine.loader import load_model
+from specmesh.engine.loader import load_model
 
 TOPICS = ["rivers", "python lists", "the moon", "tea", "prime numbers", "bicycles", "sorting",
           "volcanoes", "poetry", "binary search", "clouds", "chess"]
@@ -82,9 +82,9 @@ def test_head_loads_for_its_target_and_is_refused_for_another(trained, tiny_mode
 def test_generated_samples_are_the_targets_greedy_outputs(trained, tiny_model_dir):
     """The cached data: greedy tokens and hidden states equal a plain forward's."""
     _, _, args = trained
-    from engine.block_manager import BlockManager
-    from engine.kv_cache import KVCache
-    from engine.runner import ModelRunner
+    from specmesh.engine.block_manager import BlockManager
+    from specmesh.engine.kv_cache import KVCache
+    from specmesh.engine.runner import ModelRunner
 
     blob = torch.load(args.data, weights_only=False)
     sample = blob["samples"]["train"][0]
@@ -93,7 +93,7 @@ def test_generated_samples_are_the_targets_greedy_outputs(trained, tiny_model_di
     runner = ModelRunner(lm.model, lm.config, cache)
     table = BlockManager(16, 16).allocate(8)
     logits, hidden = runner.forward(
-        [__import__("engine.runner", fromlist=["SeqChunk"]).SeqChunk(sample.token_ids, 0, table)],
+        [__import__("specmesh.engine.runner", fromlist=["SeqChunk"]).SeqChunk(sample.token_ids, 0, table)],
         logits="all", return_hidden=True)
     p = sample.prompt_len
     assert logits[0][p - 1:-1].argmax(-1).tolist() == sample.token_ids[p:]
@@ -106,9 +106,9 @@ def test_fused_feature_head_trains_on_layer_outputs_and_records_its_seed_state(
     """--feature-layers (EAGLE-3 fusion): the data carries those layers' outputs side by side
     (equal to a plain forward's), the checkpoint names the seed state, and the head reads
     rows of that width only."""
-    from engine.block_manager import BlockManager
-    from engine.kv_cache import KVCache
-    from engine.runner import ModelRunner, SeqChunk
+    from specmesh.engine.block_manager import BlockManager
+    from specmesh.engine.kv_cache import KVCache
+    from specmesh.engine.runner import ModelRunner, SeqChunk
 
     out = tmp_path / "head"
     args = _small_run(tiny_model_dir, tmp_path, 6, "--max-new-tokens", "8",
@@ -146,10 +146,10 @@ def test_sampled_continuations_are_labelled_with_the_targets_greedy_tokens(
     sampled ones; a sampled one's labels are the target's argmax at each position (a plain
     forward over the sampled sequence), which is what the head's windows train on; held-out
     prompts stay greedy only."""
-    from drafter.eagle.train import IGNORE, windows
-    from engine.block_manager import BlockManager
-    from engine.kv_cache import KVCache
-    from engine.runner import ModelRunner, SeqChunk
+    from specmesh.drafter.eagle.train import IGNORE, windows
+    from specmesh.engine.block_manager import BlockManager
+    from specmesh.engine.kv_cache import KVCache
+    from specmesh.engine.runner import ModelRunner, SeqChunk
 
     args = _small_run(tiny_model_dir, tmp_path, 6, "--max-new-tokens", "10",
                       "--draft-vocab-size", "0", "--epochs", "1", "--eval-depth", "2",
@@ -182,9 +182,9 @@ def test_bfloat16_checkpoint_is_what_was_evaluated(tiny_model_dir, tmp_path):
     rounded before its evaluation, so the stored weights are exactly the evaluated ones."""
     from safetensors import safe_open
 
-    from drafter.eagle.checkpoint import round_weights, save_head
-    from drafter.eagle.head import EagleHead, EagleHeadConfig
-    from drafter.eagle.train import acceptance, windows
+    from specmesh.drafter.eagle.checkpoint import round_weights, save_head
+    from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
+    from specmesh.drafter.eagle.train import acceptance, windows
 
     out = tmp_path / "head"
     args = _small_run(tiny_model_dir, tmp_path, 8, "--heldout-fraction", "0.4",
@@ -222,8 +222,8 @@ def test_bfloat16_autocast_training_learns_with_float32_weights():
     """--autocast bfloat16: the products run in bf16 (the result differs from a float32 run
     with the same seed), the weights and optimizer stay float32, and the head still learns a
     rule (label = next token + 1) to the same train acceptance as float32."""
-    from drafter.eagle.head import EagleHead, EagleHeadConfig
-    from drafter.eagle.train import Window, acceptance, train
+    from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
+    from specmesh.drafter.eagle.train import Window, acceptance, train
 
     V, D = 64, 32
     cfg = EagleHeadConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=8,

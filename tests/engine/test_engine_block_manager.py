@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, KVCacheExhausted, slot_mapping
+from specmesh.engine.block_manager import BlockManager, KVCacheExhausted, slot_mapping
 
 
 def test_allocate_and_free_round_trip():

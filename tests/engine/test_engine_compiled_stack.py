@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import compiled_stack
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.linear import RowInvariantLinear
-from engine.model import LlamaForCausalLM
-from engine.runner import ModelRunner, SeqChunk
-from kernels import gguf_matmul, layer_ops
-from kernels.gguf_matmul import BlockWeight
+from specmesh.engine import compiled_stack
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.linear import RowInvariantLinear
+from specmesh.engine.model import LlamaForCausalLM
+from specmesh.engine.runner import ModelRunner, SeqChunk
+from specmesh.kernels import gguf_matmul, layer_ops
+from specmesh.kernels.gguf_matmul import BlockWeight
 
 CONFIG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
@@ -145,7 +145,7 @@ def test_a_slot_outside_the_cache_is_a_clear_error_and_writes_nothing():
     stack = compiled_stack.CompiledStack(model)
     h = torch.randn(1, CONFIG.hidden_size)
     cos, sin = model.rope(torch.tensor([3]), torch.float32)
-    from engine.model import AttentionMetadata
+    from specmesh.engine.model import AttentionMetadata
 
     meta = AttentionMetadata.build([1], [3], [[0]], 4)
     meta.prepare(torch.device("cpu"))
@@ -164,7 +164,7 @@ def test_switched_off_it_does_not_run(monkeypatch):
     cache = KVCache(CONFIG, 4, 4, dtype="float32")
     runner = ModelRunner(model, CONFIG, cache)
     runner.forward([SeqChunk([1, 2, 3], 0, [0])])
-    from engine.model import AttentionMetadata
+    from specmesh.engine.model import AttentionMetadata
 
     meta = AttentionMetadata.build([1], [3], [[0]], 4)
     meta.prepare(torch.device("cpu"))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.eagle.data import generate_samples
-from engine.dense_kv import DenseBatch, DenseKVCache
+from specmesh.drafter.eagle.data import generate_samples
+from specmesh.engine.dense_kv import DenseBatch, DenseKVCache
 from helpers.models import hf_greedy, tiny_llama
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.frames import buffer_to_tensor, tensor_to_buffer
-from protocol.messages import Buffer
+from specmesh.engine.frames import buffer_to_tensor, tensor_to_buffer
+from specmesh.protocol.messages import Buffer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache, num_blocks_for_memory
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
+from specmesh.engine.runner import ModelRunner, SeqChunk
 from helpers.models import tiny_llama
 
 SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import onednn
-from engine.linear import RowInvariantLinear
+from specmesh.engine import onednn
+from specmesh.engine.linear import RowInvariantLinear
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
@@ -99,7 +99,7 @@ def test_fused_linears_compute_their_layers_in_one_product(bias):
     """FusedLinears (q/k/v, gate/up): one product on one pack, split per layer; each output
     row-invariant and of its layer's shape, packed once by prepack (the layers' own packs stay
     unused); with a bias on some layers only, or under autograd, each layer runs alone."""
-    from engine.linear import FusedLinears, prepack
+    from specmesh.engine.linear import FusedLinears, prepack
 
     torch.manual_seed(0)
     layers = [RowInvariantLinear(96, n, bias=(bias == "all" or (bias == "mixed" and i == 0)))

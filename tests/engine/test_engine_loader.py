@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import onednn
-from engine.kv_cache import KVCache
-from engine.linear import RowInvariantLinear
-from engine.loader import load_model, model_identity_fields
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.engine import onednn
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.linear import RowInvariantLinear
+from specmesh.engine.loader import load_model, model_identity_fields
+from specmesh.engine.runner import ModelRunner, SeqChunk
 from helpers.models import tiny_llama
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner, SeqChunk
 from helpers.models import tiny_llama
 
 BLOCK = 4

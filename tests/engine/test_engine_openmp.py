@@ -8,12 +8,12 @@ import threading
 
 import pytest
 
-from cluster.actors import role_options
-from cluster.config import ClusterConfig, default_threads
-from cluster.hosts.base import RoleHost
-from engine.openmp import run_in_released_thread
-from protocol.enums import Role
-from protocol.messages import ModelIdentity
+from specmesh.cluster.actors import role_options
+from specmesh.cluster.config import ClusterConfig, default_threads
+from specmesh.cluster.hosts.base import RoleHost
+from specmesh.engine.openmp import run_in_released_thread
+from specmesh.protocol.enums import Role
+from specmesh.protocol.messages import ModelIdentity
 
 
 def test_runs_in_another_thread_that_has_exited_and_returns_the_result():

@@ -13,13 +13,13 @@ import httpx
 import pytest
 import torch
 
-from cluster.gateway import create_app, serve_gateway
-from cluster.hosts.gateway import GatewayHost
-from cluster.inprocess import InProcessCluster
-from engine.loader import load_model, model_identity
+from specmesh.cluster.gateway import create_app, serve_gateway
+from specmesh.cluster.hosts.gateway import GatewayHost
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.engine.loader import load_model, model_identity
 from helpers.models import hf_greedy, tiny_llama
-from protocol.handshake import hello_refusal
-from protocol.messages import PROTOCOL_VERSION, Hello, ModelIdentity, SamplingParams
+from specmesh.protocol.handshake import hello_refusal
+from specmesh.protocol.messages import PROTOCOL_VERSION, Hello, ModelIdentity, SamplingParams
 
 PAD = 64  # embedding rows past the tokenizer
 PROMPT = [5, 6, 7]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner, SeqChunk
 from helpers.models import tiny_hf_config, tiny_llama
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
-from engine.loader import load_model, load_tokenizer, model_files, model_identity_fields
-from engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.loader import load_model, load_tokenizer, model_files, model_identity_fields
+from specmesh.engine.runner import ModelRunner, SeqChunk
 from helpers.models import hf_reference_model
-from protocol.messages import ModelIdentity
+from specmesh.protocol.messages import ModelIdentity
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +65,11 @@ def test_smollm2_load_cache_and_logits(tmp_path, monkeypatch):
 
 
 def test_smollm2_float32_computes_on_its_gguf_blocks(monkeypatch, tmp_path):
-    from engine import gguf_weights
-    from engine.gguf_weights import BLOCKS_FILE, attach_block_weights
-    from engine.linear import RowInvariantLinear
-    from engine.loader import _resolve
-    from kernels import gguf_matmul
+    from specmesh.engine import gguf_weights
+    from specmesh.engine.gguf_weights import BLOCKS_FILE, attach_block_weights
+    from specmesh.engine.linear import RowInvariantLinear
+    from specmesh.engine.loader import _resolve
+    from specmesh.kernels import gguf_matmul
 
     loaded = load_model(dtype="float32")
     model = loaded.model
@@ -113,7 +113,7 @@ def test_smollm2_float32_computes_on_its_gguf_blocks(monkeypatch, tmp_path):
 
 
 def test_smollm2_float32_decode_and_verify_run_its_layers_as_one_compiled_call(monkeypatch):
-    from engine import compiled_stack
+    from specmesh.engine import compiled_stack
 
     model = load_model(dtype="float32").model
     config = model.config

@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers.models import tiny_llama
 
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner, SeqChunk
-from engine.token_tree import ancestry_mask, chunk_positions, node_depths, path_to
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.token_tree import ancestry_mask, chunk_positions, node_depths, path_to
 
 BLOCK = 4
 PROMPT = [3, 17, 4, 99, 25, 8]  # 6 tokens: the chunk (positions 6 ..) crosses the block at 8

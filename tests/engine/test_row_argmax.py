@@ -4,7 +4,7 @@ ties (first index), NaN rows, -inf rows, one row and many, non-contiguous rows, 
 import pytest
 import torch
 
-from engine.row_argmax import row_argmax
+from specmesh.engine.row_argmax import row_argmax
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])

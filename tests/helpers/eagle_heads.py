@@ -12,10 +12,10 @@ def save_random_head(model_dir: str, path: str | Path, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig
 
-    from drafter.eagle.checkpoint import save_head, target_embeddings, target_identity
-    from drafter.eagle.head import EagleHead, EagleHeadConfig
-    from engine.config import ModelConfig
-    from engine.loader import model_identity
+    from specmesh.drafter.eagle.checkpoint import save_head, target_embeddings, target_identity
+    from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
+    from specmesh.engine.config import ModelConfig
+    from specmesh.engine.loader import model_identity
 
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     embed, _ = target_embeddings(model_dir)
@@ -31,10 +31,10 @@ def assert_eagle_equals_plain_decode(lm, head, messages: list, kappa: int = 3,  
     """Greedy output of the in-process workers drafting with ``head`` (an EagleHead for the
     loaded target ``lm``) equals plain decoding on the first six of ``messages``, and drafts
     were made and accepted."""
-    from cluster.inprocess import InProcessCluster
-    from drafter.eagle.data import chat_token_ids
-    from drafter.proposers.eagle import EagleProposer
-    from protocol.messages import SamplingParams
+    from specmesh.cluster.inprocess import InProcessCluster
+    from specmesh.drafter.eagle.data import chat_token_ids
+    from specmesh.drafter.proposers.eagle import EagleProposer
+    from specmesh.protocol.messages import SamplingParams
 
     prompts = chat_token_ids(lm.tokenizer, [{"messages": m} for m in messages[:6]])
     sp = SamplingParams(max_tokens=max_tokens)

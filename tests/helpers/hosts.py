@@ -3,7 +3,7 @@ heartbeat threads) without its mailbox, model or worker."""
 
 from __future__ import annotations
 
-from cluster.hosts.base import RoleHost
+from specmesh.cluster.hosts.base import RoleHost
 
 
 class BareRoleHost(RoleHost):

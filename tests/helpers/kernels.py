@@ -13,5 +13,5 @@ def loads_with_a_failing_compiler(kernel, monkeypatch, tmp_path, caplog) -> bool
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setattr(kernel, "lib", None)
     monkeypatch.setattr(kernel, "failed", None)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
+    with caplog.at_level(logging.WARNING, logger="specmesh.kernels.cpu_build"):
         return kernel.library() is not None

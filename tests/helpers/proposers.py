@@ -3,7 +3,7 @@ garbage one that proposes random tokens."""
 
 import random
 
-from drafter.proposer import Proposer
+from specmesh.drafter.proposer import Proposer
 
 
 class OracleProposer(Proposer):

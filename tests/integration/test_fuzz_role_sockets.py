@@ -41,13 +41,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from cluster.gateway.backend import MailboxBackend
-from cluster.gateway.metrics import GatewayMetrics
-from cluster.inprocess import InProcessCluster
-from cluster.metrics import RoleCollector
-from protocol.codec import decode, encode
-from protocol.errors import ProtocolError
-from protocol.messages import (
+from specmesh.cluster.gateway.backend import MailboxBackend
+from specmesh.cluster.gateway.metrics import GatewayMetrics
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.cluster.metrics import RoleCollector
+from specmesh.protocol.codec import decode, encode
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import (
     REGISTRY,
     DraftSync,
     GenerateRequest,
@@ -59,7 +59,7 @@ from protocol.messages import (
     SamplingParams,
     TokenStream,
 )
-from protocol.zmq_transport import ZmqMailbox
+from specmesh.protocol.zmq_transport import ZmqMailbox
 
 MESSAGES_PER_SOCKET = 10_000
 BURST = 50
@@ -349,8 +349,8 @@ async def _generate(backend, rid: str, prompt: list[int]):
 
 
 #: loggers that log every protocol error with its peer (60,000 warnings, silenced here)
-NOISY_LOGGERS = ("protocol.transport", "protocol.zmq_transport", "decode.worker",
-                 "prefill.worker", "drafter.worker", "cluster.gateway.backend")
+NOISY_LOGGERS = ("specmesh.protocol.transport", "specmesh.protocol.zmq_transport", "specmesh.decode.worker",
+                 "specmesh.prefill.worker", "specmesh.drafter.worker", "specmesh.cluster.gateway.backend")
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.drafter_option import parse_drafter
-from cluster.inprocess import InProcessCluster
-from cluster.launcher import start_cluster
-from drafter.eagle.data import chat_token_ids
-from engine.loader import load_model
-from protocol.messages import SamplingParams
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.drafter_option import parse_drafter
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.cluster.launcher import start_cluster
+from specmesh.drafter.eagle.data import chat_token_ids
+from specmesh.engine.loader import load_model
+from specmesh.protocol.messages import SamplingParams
 
 pytestmark = pytest.mark.ray
 MAX_TOKENS = 24

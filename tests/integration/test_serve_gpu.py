@@ -7,11 +7,11 @@ import httpx
 import pytest
 import torch
 
-from cluster.config import ClusterConfig
-from cluster.inprocess import InProcessCluster
-from cluster.launcher import start_cluster
-from engine.loader import load_model
-from protocol.messages import SamplingParams
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.cluster.launcher import start_cluster
+from specmesh.engine.loader import load_model
+from specmesh.protocol.messages import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ray,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

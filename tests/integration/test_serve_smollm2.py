@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.gateway.tokens import chat_prompt_ids
-from cluster.config import ClusterConfig
-from cluster.demo import load_prompts
-from cluster.launcher import start_cluster
-from cluster.inprocess import InProcessCluster
-from engine.loader import load_model
-from protocol.messages import SamplingParams
+from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.demo import load_prompts
+from specmesh.cluster.launcher import start_cluster
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.engine.loader import load_model
+from specmesh.protocol.messages import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

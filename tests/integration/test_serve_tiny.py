@@ -15,13 +15,13 @@ import pytest
 import ray
 import zmq
 
-from cluster.config import ClusterConfig
-from cluster.gateway.tokens import chat_prompt_ids
-from cluster.inprocess import InProcessCluster
-from cluster.launcher import start_cluster
-from engine.loader import load_model
-from protocol.codec import encode
-from protocol.messages import PROTOCOL_VERSION, Abort, Hello, ModelIdentity, SamplingParams
+from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.cluster.launcher import start_cluster
+from specmesh.engine.loader import load_model
+from specmesh.protocol.codec import encode
+from specmesh.protocol.messages import PROTOCOL_VERSION, Abort, Hello, ModelIdentity, SamplingParams
 
 pytestmark = pytest.mark.ray
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from _chi2 import chi2_pvalue
 
-from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.block_verify import block_verify, block_verify_noise, block_verify_ref
-from kernels.rejection_sample import rejection_sample_ref
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.block_verify import block_verify, block_verify_noise, block_verify_ref
+from specmesh.kernels.rejection_sample import rejection_sample_ref
 
-bv = importlib.import_module("kernels.block_verify")
+bv = importlib.import_module("specmesh.kernels.block_verify")
 PH = PLACEHOLDER_TOKEN_ID
 P_MIN = 1e-3
 

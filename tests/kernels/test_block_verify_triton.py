@@ -12,11 +12,11 @@ import pytest
 import torch
 from test_block_verify import make_case
 
-from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.block_verify import block_verify, block_verify_ref
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.block_verify import block_verify, block_verify_ref
 
 PH = PLACEHOLDER_TOKEN_ID
-MOD = "kernels.block_verify."
+MOD = "specmesh.kernels.block_verify."
 
 
 def _t(values: list[int]) -> torch.Tensor:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from _chi2 import chi2_pvalue
 
-from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.counter_noise import coupled_exponential_noise, seed_to_int64
-from kernels.coupled_sample import (
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.counter_noise import coupled_exponential_noise, seed_to_int64
+from specmesh.kernels.coupled_sample import (
     _kernel_is_interpreted,
     coupled_sample,
     coupled_sample_ref,
@@ -24,11 +24,11 @@ from kernels.coupled_sample import (
     gumbel_sample_ref,
 )
 
-cs = importlib.import_module("kernels.coupled_sample")
-cn = importlib.import_module("kernels.counter_noise")
+cs = importlib.import_module("specmesh.kernels.coupled_sample")
+cn = importlib.import_module("specmesh.kernels.counter_noise")
 PH = PLACEHOLDER_TOKEN_ID
-MOD = "kernels.coupled_sample."
-NOISE_MOD = "kernels.counter_noise."
+MOD = "specmesh.kernels.coupled_sample."
+NOISE_MOD = "specmesh.kernels.counter_noise."
 P_MIN = 1e-3
 M64 = (1 << 64) - 1
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_paged_attention import SHAPES, TOL, _case, _oracle
 
-from kernels import cpu_attention
-from kernels.paged_attention import paged_attention, paged_attention_ref
+from specmesh.kernels import cpu_attention
+from specmesh.kernels.paged_attention import paged_attention, paged_attention_ref
 
 pytestmark = pytest.mark.skipif(not cpu_attention.has_compiler(),
                                 reason="no C++ compiler to build the CPU attention kernel")
@@ -110,7 +110,7 @@ def test_build_failure_is_a_clear_error_and_falls_back(monkeypatch, tmp_path, ca
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
     monkeypatch.setattr(cpu_attention.KERNEL, "lib", None)
     monkeypatch.setattr(cpu_attention.KERNEL, "failed", None)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
+    with caplog.at_level(logging.WARNING, logger="specmesh.kernels.cpu_build"):
         assert cpu_attention.library() is None
     assert "using the torch reference" in caplog.text
     q, k, v, tables = _case(4, 2, 16, 4, [1], [5], torch.float32)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import gguf_matmul
-from kernels.gguf_matmul import BlockWeight, dequantize_compiled, gguf_matmul as matmul, \
+from specmesh.kernels import gguf_matmul
+from specmesh.kernels.gguf_matmul import BlockWeight, dequantize_compiled, gguf_matmul as matmul, \
     matmul_ref
 from helpers.kernels import loads_with_a_failing_compiler
 

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import PLACEHOLDER_TOKEN_ID, greedy_verify, greedy_verify_ref
-from kernels.greedy_verify import _kernel_is_interpreted
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.greedy_verify import greedy_verify, greedy_verify_ref
+from specmesh.kernels.greedy_verify import _kernel_is_interpreted
 
 # the module (``kernels.greedy_verify`` as an attribute is the launcher function)
-gv = importlib.import_module("kernels.greedy_verify")
+gv = importlib.import_module("specmesh.kernels.greedy_verify")
 PH = PLACEHOLDER_TOKEN_ID
 
 
@@ -184,12 +185,12 @@ def _interpret_cases() -> dict[str, dict[str, Any]]:
             launcher: bool = False) -> None:
         drafts, counts, targets = make_case(counts, vocab, agree, rng)
         cases[name] = {
-            "func": "kernels.greedy_verify." + ("greedy_verify" if launcher
+            "func": "specmesh.kernels.greedy_verify." + ("greedy_verify" if launcher
                                                 else "greedy_verify_triton"),
             "args": [_t(drafts), _t(_cumsum(counts), cu_dtype), _t(targets)],
             "kwargs": {"max_num_draft_tokens": max_num},
             # the launcher must take the kernel path under TRITON_INTERPRET=1
-            "disable": ["kernels.greedy_verify.greedy_verify_ref"] if launcher else [],
+            "disable": ["specmesh.kernels.greedy_verify.greedy_verify_ref"] if launcher else [],
             "expect": (drafts, counts, targets, max_num),
         }
 
@@ -218,10 +219,10 @@ INTERPRET_CASES = _interpret_cases()
 @pytest.fixture(scope="module")
 def interpreted_results(run_interpreted: Any) -> dict[str, dict]:
     cases = [{k: v for k, v in c.items() if k != "expect"} for c in INTERPRET_CASES.values()]
-    cases.append({"func": "kernels.greedy_verify.greedy_verify_triton",  # errors still raised
+    cases.append({"func": "specmesh.kernels.greedy_verify.greedy_verify_triton",  # errors still raised
                   "args": [_t([1, 2]), _t([2]), _t([1, 2, 3])],
                   "kwargs": {"max_num_draft_tokens": 1}})
-    cases.append({"func": "kernels.greedy_verify._kernel_is_interpreted", "args": []})
+    cases.append({"func": "specmesh.kernels.greedy_verify._kernel_is_interpreted", "args": []})
     results = run_interpreted(cases)
     names = [*INTERPRET_CASES, "error-case", "is-interpreted"]
     return dict(zip(names, results, strict=True))

@@ -26,34 +26,34 @@ _REJECTION = {"draft_ptr": "*i64", "cu_ptr": "*i64", "draft_probs_ptr": "*{dt}",
               "output_ptr": "*i64", "accept_len_ptr": "*i64", "output_width": "i32",
               "vocab_size": "i32"}
 _CASES: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
-    "tree-walk": ("kernels.tree_walk", "_tree_walk_kernel",
+    "tree-walk": ("specmesh.kernels.tree_walk", "_tree_walk_kernel",
                   {"draft_ptr": "*i64", "cu_ptr": "*i32", "parents_ptr": "*i64",
                    "target_ptr": "*i64", "output_ptr": "*i64", "accept_len_ptr": "*i64",
                    "node_ids_ptr": "*i64", "output_width": "i32"},
                   {"PLACEHOLDER": -1, "BLOCK_D": 8}),
     "tree-sample-fp32-full-per-row": (
-        "kernels.tree_rejection_sample", "_tree_rejection_sample_kernel",
+        "specmesh.kernels.tree_rejection_sample", "_tree_rejection_sample_kernel",
         {k: v.format(dt="fp32") for k, v in _TREE_SAMPLE.items()},
         {"HAS_DRAFT_PROBS": True, "NOISE_PER_ROW": True, "PLACEHOLDER": -1, "BLOCK_D": 8,
          "BLOCK_V": 4096}),
     "tree-sample-fp64-one-hot": (
-        "kernels.tree_rejection_sample", "_tree_rejection_sample_kernel",
+        "specmesh.kernels.tree_rejection_sample", "_tree_rejection_sample_kernel",
         {k: v.format(dt="fp64") for k, v in _TREE_SAMPLE.items()},
         {"HAS_DRAFT_PROBS": False, "NOISE_PER_ROW": False, "PLACEHOLDER": -1, "BLOCK_D": 4,
          "BLOCK_V": 1024}),
-    "rejection-fp64": ("kernels.rejection_sample", "_rejection_sample_kernel",
+    "rejection-fp64": ("specmesh.kernels.rejection_sample", "_rejection_sample_kernel",
                        {k: v.format(dt="fp64") for k, v in _REJECTION.items()},
                        {"HAS_DRAFT_PROBS": True, "PLACEHOLDER": -1, "BLOCK": 8,
                         "BLOCK_V": 4096}),
-    "block-verify-fp32": ("kernels.block_verify", "_block_verify_kernel",
+    "block-verify-fp32": ("specmesh.kernels.block_verify", "_block_verify_kernel",
                           {k: v.format(dt="fp32") for k, v in _REJECTION.items()},
                           {"HAS_DRAFT_PROBS": True, "PLACEHOLDER": -1, "BLOCK": 8,
                            "BLOCK_V": 2048}),
-    "coupled-noise": ("kernels.counter_noise", "_noise_kernel",
+    "coupled-noise": ("specmesh.kernels.counter_noise", "_noise_kernel",
                       {"seeds_ptr": "*i64", "positions_ptr": "*i64", "consts_ptr": "*fp64",
                        "out_ptr": "*fp64", "vocab_size": "i32"},
                       {"NUM_COEFFS": 8, "BLOCK_V": 1024}),
-    "gumbel-sample-fp32": ("kernels.coupled_sample", "_gumbel_sample_kernel",
+    "gumbel-sample-fp32": ("specmesh.kernels.coupled_sample", "_gumbel_sample_kernel",
                            {"probs_ptr": "*fp32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
                             "consts_ptr": "*fp64", "out_ptr": "*i64", "vocab_size": "i32"},
                            {"NUM_COEFFS": 8, "BLOCK_V": 1024}),
@@ -70,7 +70,7 @@ def test_kernel_compiles_for_sm90(name: str) -> None:
         pytest.skip("TRITON_INTERPRET=1: kernels are decorated interpreted")
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
     assert set(signature) == set(fn.arg_names), sorted(set(fn.arg_names) ^ set(signature))
-    fusion = module == "kernels.rejection_sample"  # its launcher leaves fusion on
+    fusion = module == "specmesh.kernels.rejection_sample"  # its launcher leaves fusion on
     compiled = triton.compile(ASTSource(fn, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"enable_fp_fusion": fusion})

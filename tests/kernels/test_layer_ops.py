@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.model import LlamaForCausalLM, _rotate_half
-from engine.runner import ModelRunner, SeqChunk
-from engine.kv_cache import KVCache
-from kernels import layer_ops
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.model import LlamaForCausalLM, _rotate_half
+from specmesh.engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.kv_cache import KVCache
+from specmesh.kernels import layer_ops
 from helpers.kernels import loads_with_a_failing_compiler
 
 

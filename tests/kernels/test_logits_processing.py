@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels.logits_processing import expand_to_rows, process_logits, process_logits_ref
+from specmesh.kernels.logits_processing import expand_to_rows, process_logits, process_logits_ref
 
 
 def _logits_of(probs: list[float]) -> torch.Tensor:

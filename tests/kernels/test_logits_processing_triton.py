@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.logits_processing import process_logits, process_logits_ref
+from specmesh.kernels.logits_processing import process_logits, process_logits_ref
 
-MOD = "kernels.logits_processing."
+MOD = "specmesh.kernels.logits_processing."
 
 
 def _random_case(rows: int, vocab: int, seed: int, dtype=torch.float32, scale=3.0) -> list:

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
-from kernels.paged_attention import paged_attention, paged_attention_ref
-from kernels.paged_attention_plan import plan_paged_attention
+from specmesh.kernels import cpu_attention
+from specmesh.kernels.paged_attention import paged_attention, paged_attention_ref
+from specmesh.kernels.paged_attention_plan import plan_paged_attention
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 3e-2}
 

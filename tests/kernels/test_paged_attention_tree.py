@@ -11,11 +11,11 @@ import pytest
 import torch
 from test_paged_attention_triton import TOL, _args, make_batch
 
-from kernels import cpu_attention
-from kernels.paged_attention import paged_attention_ref, paged_attention_triton
-from kernels.paged_attention_plan import plan_paged_attention
+from specmesh.kernels import cpu_attention
+from specmesh.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from specmesh.kernels.paged_attention_plan import plan_paged_attention
 
-MOD = "kernels.paged_attention."
+MOD = "specmesh.kernels.paged_attention."
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:

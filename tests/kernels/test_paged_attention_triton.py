@@ -13,18 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import cpu_attention
-from kernels.cpu_attention import paged_attention_cpu
-from kernels.paged_attention import (
+from specmesh.kernels import cpu_attention
+from specmesh.kernels.cpu_attention import paged_attention_cpu
+from specmesh.kernels.paged_attention import (
     _kernel_is_interpreted,
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
 )
-from kernels.paged_attention_plan import plan_paged_attention
+from specmesh.kernels.paged_attention_plan import plan_paged_attention
 
-pa = importlib.import_module("kernels.paged_attention")
-MOD = "kernels.paged_attention."
+pa = importlib.import_module("specmesh.kernels.paged_attention")
+MOD = "specmesh.kernels.paged_attention."
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
        torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2), torch.float16: dict(atol=1e-3, rtol=1e-3)}
 
@@ -149,7 +149,7 @@ def _padded(batch: dict[str, Any], query_len: int, kv_len: int, pad_columns: int
 
 
 def _plan_call(batch: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-    return {"__call__": "kernels.paged_attention_plan.plan_paged_attention",
+    return {"__call__": "specmesh.kernels.paged_attention_plan.plan_paged_attention",
             "args": [batch["query_lens"], batch["kv_lens"], batch["block_tables"],
                      batch["k_cache"].shape[1]], "kwargs": kwargs}
 

@@ -12,17 +12,17 @@ import pytest
 import torch
 from _chi2 import chi2_pvalue, chi2_sf
 
-from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.rejection_sample import (
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.rejection_sample import (
     _kernel_is_interpreted,
     rejection_sample,
     rejection_sample_noise,
     rejection_sample_ref,
 )
 
-rs = importlib.import_module("kernels.rejection_sample")
+rs = importlib.import_module("specmesh.kernels.rejection_sample")
 PH = PLACEHOLDER_TOKEN_ID
-MOD = "kernels.rejection_sample."
+MOD = "specmesh.kernels.rejection_sample."
 P_MIN = 1e-3
 
 

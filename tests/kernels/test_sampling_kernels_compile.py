@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import logits_processing, synthetic_accept
+from specmesh.kernels import logits_processing, synthetic_accept
 
 _LOGITS = {"temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
            "min_p_ptr": "*fp32", "out_ptr": "*fp32", "vocab": "i32"}

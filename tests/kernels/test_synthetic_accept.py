@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.synthetic_accept import synthetic_accept, synthetic_accept_ref
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.synthetic_accept import synthetic_accept, synthetic_accept_ref
 
 PH = PLACEHOLDER_TOKEN_ID
 
@@ -120,7 +120,7 @@ def test_per_position_acceptance_follows_the_conditional_rates():
 
 # -- Triton kernel under the interpreter ---------------------------------------------------------
 
-MOD = "kernels.synthetic_accept."
+MOD = "specmesh.kernels.synthetic_accept."
 
 
 def _interpret_cases() -> dict[str, dict[str, Any]]:

@@ -15,22 +15,20 @@ import pytest
 import torch
 from _chi2 import chi2_pvalue
 
-from kernels import (
-    PLACEHOLDER_TOKEN_ID,
-    greedy_verify_ref,
-    rejection_sample_ref,
-)
-from kernels.tree_layout import tree_node_depths
-from kernels.tree_rejection_sample import (
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.greedy_verify import greedy_verify_ref
+from specmesh.kernels.rejection_sample import rejection_sample_ref
+from specmesh.kernels.tree_layout import tree_node_depths
+from specmesh.kernels.tree_rejection_sample import (
     tree_rejection_sample,
     tree_rejection_sample_noise,
     tree_rejection_sample_ref,
 )
-from kernels.tree_walk import tree_walk, tree_walk_ref
+from specmesh.kernels.tree_walk import tree_walk, tree_walk_ref
 
 # the modules (the package's attributes of these names are the launchers)
-tw = importlib.import_module("kernels.tree_walk")
-trs = importlib.import_module("kernels.tree_rejection_sample")
+tw = importlib.import_module("specmesh.kernels.tree_walk")
+trs = importlib.import_module("specmesh.kernels.tree_rejection_sample")
 
 PH = PLACEHOLDER_TOKEN_ID
 P_MIN = 1e-3

@@ -13,13 +13,13 @@ import pytest
 import torch
 from test_tree_verify import make_tree_case, make_walk_case
 
-from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
-from kernels.tree_walk import tree_walk, tree_walk_ref
+from specmesh.kernels.constants import PLACEHOLDER_TOKEN_ID
+from specmesh.kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
+from specmesh.kernels.tree_walk import tree_walk, tree_walk_ref
 
 PH = PLACEHOLDER_TOKEN_ID
-MOD = {"tree_walk": "kernels.tree_walk.",
-       "tree_rejection_sample": "kernels.tree_rejection_sample."}
+MOD = {"tree_walk": "specmesh.kernels.tree_walk.",
+       "tree_rejection_sample": "specmesh.kernels.tree_rejection_sample."}
 
 
 def _t(values: list[int]) -> torch.Tensor:

@@ -31,7 +31,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from cluster.loopback import use_loopback
+from specmesh.cluster.loopback import use_loopback
 
 use_loopback()  # before `import ray`: every node of the cluster stays on 127.0.0.1
 
@@ -40,10 +40,10 @@ import ray  # noqa: E402
 from _mn_faults import Faults  # noqa: E402  (tests/multinode, the driver's own folder)
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from cluster.actors import ACTORS, CONTROLLER_NAME, ROLE_RESOURCE_UNIT, role_options  # noqa: E402
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launcher import ClusterHandle, get_controller  # noqa: E402
-from protocol.enums import Role  # noqa: E402
+from specmesh.cluster.actors import ACTORS, CONTROLLER_NAME, ROLE_RESOURCE_UNIT, role_options  # noqa: E402
+from specmesh.cluster.config import ClusterConfig  # noqa: E402
+from specmesh.cluster.launcher import ClusterHandle, get_controller  # noqa: E402
+from specmesh.protocol.enums import Role  # noqa: E402
 
 KILLED = "drafter-1"
 LEAVE_BOUND_S = 40.0
@@ -123,7 +123,7 @@ def main() -> None:
                                    kv_cache_mb=32, port=0, max_model_len=2048,
                                    prefill_max_kv_send_mb_s=KV_SEND_MB_S,
                                    prefill_frame_tokens=FRAME_TOKENS)
-        from engine.loader import model_files
+        from specmesh.engine.loader import model_files
 
         model_files(cfg.model, cfg.dtype)
         handle = start(cfg, timeout_s=150)

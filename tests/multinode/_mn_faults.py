@@ -399,7 +399,7 @@ class Faults:
         against the running cluster; then a request."""
         t0 = time.monotonic()
         procs = {role: subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "launch", role, "--address", address,
+            [sys.executable, "-m", "specmesh.cluster.cli", "launch", role, "--address", address,
              "--instance-id", f"{role}-9", *launch_args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             for role in ("prefill", "drafter")}

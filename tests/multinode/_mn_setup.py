@@ -112,9 +112,9 @@ def run_driver(tiny_model_dir: str):
 def _reference(model_dir: str) -> dict[str, list[int]]:
     """Plain greedy (kappa = 0) through the in-process workers, every prompt with the
     max_tokens the driver uses for it: prompt -> output token ids."""
-    from cluster.inprocess import InProcessCluster
-    from engine.loader import load_model
-    from protocol.messages import SamplingParams
+    from specmesh.cluster.inprocess import InProcessCluster
+    from specmesh.engine.loader import load_model
+    from specmesh.protocol.messages import SamplingParams
 
     loaded = load_model(model_dir, dtype="float32")
     plain = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=0,

@@ -17,7 +17,7 @@ import time
 
 import ray
 
-from cluster.actors import CONTROLLER_NAME, NAMESPACE
+from specmesh.cluster.actors import CONTROLLER_NAME, NAMESPACE
 
 ROLES = ("prefill-0", "drafter-0", "verifier-0", "gateway-0")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from _mn_setup import DRIVER_TIMEOUT_S, PROMPTS
 
-from cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS
+from specmesh.cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from _mn_faults import JOIN_PROMPTS, LONG_PROMPTS, long_prompt
 
-from cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS
+from specmesh.cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 

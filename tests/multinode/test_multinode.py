@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.gateway.tokens import chat_prompt_ids
+from specmesh.cluster.gateway.tokens import chat_prompt_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
@@ -215,9 +215,9 @@ def multinode(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """Plain greedy (kappa = 0) through the in-process workers."""
-    from cluster.inprocess import InProcessCluster
-    from engine.loader import load_model
-    from protocol.messages import SamplingParams
+    from specmesh.cluster.inprocess import InProcessCluster
+    from specmesh.engine.loader import load_model
+    from specmesh.protocol.messages import SamplingParams
 
     loaded = load_model(tiny_model_dir, dtype="float32")
     plain = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=0,

@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.frames import buffer_to_tensor
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.frames import buffer_to_tensor
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner
 from helpers.models import tiny_llama
-from prefill.config import PrefillConfig
-from prefill.worker import PrefillWorker
-from protocol.messages import PrefillDone, PrefillRequest, SamplingParams
-from protocol.transport import InProcHub
+from specmesh.prefill.config import PrefillConfig
+from specmesh.prefill.worker import PrefillWorker
+from specmesh.protocol.messages import PrefillDone, PrefillRequest, SamplingParams
+from specmesh.protocol.transport import InProcHub
 
 BLOCK, NUM_BLOCKS = 4, 16
 PROMPT = [5, 17, 3, 44, 9, 12, 70, 8, 21, 33]

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster.hosts.prefill import PrefillHost
-from cluster.inprocess import InProcessCluster
-from decode.config import VerifierConfig
-from decode.worker import VerifierWorker
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner
+from specmesh.cluster.hosts.prefill import PrefillHost
+from specmesh.cluster.inprocess import InProcessCluster
+from specmesh.decode.config import VerifierConfig
+from specmesh.decode.worker import VerifierWorker
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner
 from helpers.models import tiny_llama
-from protocol.messages import (
+from specmesh.protocol.messages import (
     GenerateRequest,
     PrefillCancel,
     PrefillCancelAck,
@@ -28,7 +28,7 @@ from protocol.messages import (
     SamplingParams,
     TokenStream,
 )
-from protocol.zmq_transport import ZmqMailbox
+from specmesh.protocol.zmq_transport import ZmqMailbox
 
 SP = SamplingParams(max_tokens=6)
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.frames import buffer_to_tensor
-from engine.kv_cache import KVCache
-from engine.runner import ModelRunner
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.frames import buffer_to_tensor
+from specmesh.engine.kv_cache import KVCache
+from specmesh.engine.runner import ModelRunner
 from helpers.models import hf_greedy, tiny_llama
-from prefill.config import PrefillConfig
-from prefill.worker import PrefillWorker
-from protocol.messages import (
+from specmesh.prefill.config import PrefillConfig
+from specmesh.prefill.worker import PrefillWorker
+from specmesh.protocol.messages import (
     Abort,
     KVFrame,
     PrefillCancel,
@@ -23,7 +23,7 @@ from protocol.messages import (
     PrefillRequest,
     SamplingParams,
 )
-from protocol.transport import InProcHub
+from specmesh.protocol.transport import InProcHub
 
 VOCAB = 96
 BLOCK = 4
@@ -166,7 +166,7 @@ class _FakeClock:
 def test_kv_send_cap_paces_the_frames(tiny, monkeypatch):
     """``max_kv_send_mb_s``: frame k leaves no earlier than (bytes of frames 0..k-1) / cap after
     the first, which leaves at once; the KV and the first token are those of an uncapped run."""
-    import prefill.worker as prefill_worker
+    import specmesh.prefill.worker as prefill_worker
 
     prompt = [5, 17, 3, 44, 9, 12, 70, 8, 21, 33]
     verifier, worker = make_worker(tiny, frame_tokens=3, frame_layers=2)

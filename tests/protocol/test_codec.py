@@ -15,10 +15,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import codec, schema
-from protocol.codec import EXT_BUFFER, EXT_MESSAGE, decode, encode, encoded_size
-from protocol.errors import ProtocolError
-from protocol.messages import (
+from specmesh.protocol import codec, schema
+from specmesh.protocol.codec import EXT_BUFFER, EXT_MESSAGE, decode, encode, encoded_size
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import (
     DTYPE_ITEMSIZE,
     REGISTRY,
     Abort,

@@ -11,12 +11,12 @@ import time
 import pytest
 import zmq
 
-from protocol.codec import decode, encode
-from protocol.errors import ProtocolError
-from protocol.handshake import DIALS, ack_refusal, hello_refusal
-from protocol.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, ModelIdentity
-from protocol.transport import PeerUnavailable
-from protocol.zmq_transport import ZmqMailbox
+from specmesh.protocol.codec import decode, encode
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.handshake import DIALS, ack_refusal, hello_refusal
+from specmesh.protocol.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, ModelIdentity
+from specmesh.protocol.transport import PeerUnavailable
+from specmesh.protocol.zmq_transport import ZmqMailbox
 
 MODEL = ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=2, num_kv_heads=1,
                       head_dim=4, block_size=16)

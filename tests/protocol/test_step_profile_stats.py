@@ -7,8 +7,8 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cluster.metrics import profile_families
-from protocol.step_profile import BUCKETS_S, PhaseStats, StepProfile
+from specmesh.cluster.metrics import profile_families
+from specmesh.protocol.step_profile import BUCKETS_S, PhaseStats, StepProfile
 
 
 def test_buckets_sum_and_quantiles():

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from protocol.zmq_transport import ZmqMailbox
+from specmesh.protocol.zmq_transport import ZmqMailbox
 
 ROOT = Path(__file__).resolve().parents[2]
 

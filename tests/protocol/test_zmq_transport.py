@@ -5,11 +5,11 @@ import time
 
 import zmq
 
-from protocol.codec import encode
-from protocol.errors import ProtocolError
-from protocol.messages import Abort, DraftClose, ModelIdentity, TokenStream
-from protocol.transport import PeerUnavailable
-from protocol.zmq_transport import ZmqMailbox
+from specmesh.protocol.codec import encode
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import Abort, DraftClose, ModelIdentity, TokenStream
+from specmesh.protocol.transport import PeerUnavailable
+from specmesh.protocol.zmq_transport import ZmqMailbox
 
 MODEL = ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=2, num_kv_heads=1,
                       head_dim=4, block_size=16)

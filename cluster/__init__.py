@@ -1,1 +1,0 @@
-"""specmesh cluster role."""

@@ -1,1 +1,0 @@
-"""specmesh decode role."""

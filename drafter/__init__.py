@@ -1,1 +1,0 @@
-"""specmesh drafter role."""
