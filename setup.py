@@ -7,7 +7,8 @@ nothing installs under a generic top-level name; metadata lives in pyproject.tom
 from setuptools import find_namespace_packages, setup
 
 #: the checkout's top-level folders that are parts of the ``specmesh`` package
-FOLDERS = ("cluster", "decode", "drafter", "engine", "kernels", "prefill", "protocol")
+FOLDERS = ("benchmarks", "cluster", "data", "decode", "drafter", "engine", "gateway", "kernels",
+           "prefill", "protocol")
 
 package_dir = {"specmesh": "specmesh"}
 packages = ["specmesh"]

@@ -29,7 +29,7 @@ from specmesh.drafter.eagle.train import acceptance, acceptance_report, windows
 from specmesh.drafter.proposers.eagle import load_eagle_head
 from specmesh.engine.loader import load_model
 
-PROMPTS = Path(__file__).resolve().parent.parent / "cluster/prompts/drafter_heldout_chat.jsonl"
+PROMPTS = Path(__file__).resolve().parent.parent / "data/drafter_heldout_chat.jsonl"
 
 
 def load(q8: bool):  # noqa: ANN201

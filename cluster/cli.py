@@ -49,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.raw:
         prompt_ids = list(tok(args.prompt)["input_ids"])
     else:
-        from specmesh.cluster.gateway.tokens import chat_prompt_ids
+        from specmesh.gateway.tokens import chat_prompt_ids
 
         prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
     # the proposer the drafter role would build for this method (None: the registry's)
@@ -124,11 +124,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     opts = bench_options(args)  # a bad list or prompts file fails before anything starts
     if opts.prompts_file:
-        from specmesh.cluster.bench_prompts import load_prompts_file
+        from specmesh.data.prompts import load_prompts_file
 
         load_prompts_file(opts.prompts_file)
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
-    from specmesh.cluster.bench import bench
+    from specmesh.benchmarks.harness.bench import bench
 
     cfg = cluster_config(args, port=0)
     summary = bench(cfg, opts)
@@ -138,7 +138,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from specmesh.cluster.train_drafter import train_drafter
+    from specmesh.drafter.training.eagle import train_drafter
 
     train_drafter(args)
     return 0
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_options(b)
     b.set_defaults(func=cmd_bench)
 
-    from specmesh.cluster.train_drafter import add_train_drafter_options
+    from specmesh.drafter.training.eagle import add_train_drafter_options
 
     t = sub.add_parser("train-drafter", help="self-distil a drafter for a target on this "
                                              "machine (EAGLE head or draft model)")

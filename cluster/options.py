@@ -108,15 +108,15 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
 
 
 def bench_options(args: argparse.Namespace):
-    """The :class:`cluster.bench.BenchOptions` the bench options in ``args`` describe.
+    """The :class:`benchmarks.harness.bench.BenchOptions` the bench options in ``args`` describe.
 
     Raises:
         SystemExit: a malformed ``--concurrency`` or ``--drafters``, or a ``--repeats``
             below 1.
     """
-    from specmesh.cluster.bench import BenchOptions
-    from specmesh.cluster.bench_drafters import parse_drafters
-    from specmesh.cluster.bench_prompts import parse_concurrency
+    from specmesh.benchmarks.harness.bench import BenchOptions
+    from specmesh.benchmarks.harness.drafters import parse_drafters
+    from specmesh.data.prompts import parse_concurrency
 
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")

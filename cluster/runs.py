@@ -19,7 +19,7 @@ CLIENT_TIMEOUT_S = 600
 
 def load_prompts(limit: int | None = None) -> list[dict]:
     """The bundled prompts: [{name, category, messages}]."""
-    text = resources.files("cluster").joinpath("prompts/demo_prompts.json").read_text()
+    text = resources.files("specmesh.data").joinpath("demo_prompts.json").read_text()
     prompts = json.loads(text)
     return prompts[:limit] if limit else prompts
 
@@ -140,3 +140,10 @@ def run_openai(client, model: str, prompts: list[dict], max_tokens: int, system:
                   f"{one.mean_accept_len:.2f}]", flush=True)
     res.token_ids = None if None in ids else ids
     return res
+
+
+def same_outputs(a: RunResult, b: RunResult) -> list[bool]:
+    """Per request: identical output? Token ids when both runs have them, else texts."""
+    if a.token_ids is not None and b.token_ids is not None:
+        return [x == y for x, y in zip(a.token_ids, b.token_ids)]
+    return [x == y for x, y in zip(a.texts, b.texts)]

@@ -88,7 +88,7 @@ def _train_tiny_head(tiny_model_dir, tmp_path_factory, extra_args):  # noqa: ANN
     import json
 
     from specmesh.cluster.cli import build_parser
-    from specmesh.cluster.train_drafter import train_drafter
+    from specmesh.drafter.training.eagle import train_drafter
 
     tmp = tmp_path_factory.mktemp("tiny-eagle")
     prompts = [{"name": f"t{i}", "messages": [{"role": "user", "content": f"Tell me about {t}."}]}

@@ -21,15 +21,18 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROJECT = ("protocol", "kernels", "engine", "prefill", "decode", "drafter", "cluster")
+PROJECT = ("protocol", "kernels", "engine", "prefill", "decode", "drafter", "cluster", "gateway",
+           "data", "benchmarks")
 WORKERS = ("prefill", "decode", "drafter")
 
 #: package -> top-level modules it must not import
 FORBIDDEN: dict[str, frozenset[str]] = {
     "protocol": frozenset({"torch", "numpy", "triton", "ray", *PROJECT} - {"protocol"}),
-    "engine": frozenset({"ray", *WORKERS, "cluster"}),
-    **{w: frozenset({"ray", "cluster", *WORKERS} - {w}) for w in WORKERS},
+    "engine": frozenset({"ray", *WORKERS, "cluster", "gateway", "benchmarks"}),
+    **{w: frozenset({"ray", "cluster", "gateway", "benchmarks", *WORKERS} - {w}) for w in WORKERS},
+    "gateway": frozenset({"ray", "kernels", "benchmarks", *WORKERS}),
     "cluster": frozenset(),
+    "benchmarks": frozenset(),
 }
 TEST_ONLY = frozenset({"helpers", "tests", "conftest"})
 for _pkg in FORBIDDEN:
@@ -42,10 +45,11 @@ MODULE_FORBIDDEN: dict[str, frozenset[str]] = {
     **{m: frozenset({"ray", "cluster.cli", "cluster.launcher", "cluster.actors"}) for m in (
         "cluster.inprocess", "cluster.config", "cluster.options", "cluster.runs",
         "cluster.loopback")},
-    **{m: frozenset({"cluster.cli"}) for m in ("cluster.demo", "cluster.bench")},
+    **{m: frozenset({"cluster.cli"}) for m in ("cluster.demo", "benchmarks.harness.bench")},
 }
 #: package -> the only top-level modules it may import (besides the standard library)
-ONLY: dict[str, frozenset[str]] = {"kernels": frozenset({"torch", "triton", "kernels"})}
+ONLY: dict[str, frozenset[str]] = {"kernels": frozenset({"torch", "triton", "kernels"}),
+                                   "data": frozenset({"data"})}
 STDLIB = frozenset(sys.stdlib_module_names)
 
 
@@ -143,10 +147,12 @@ def test_project_tree_respects_import_direction() -> None:
 def test_pure_modules_stay_pure_transitively() -> None:
     """What the module rules promise holds for everything those modules pull in."""
     code = ("import sys\n"
-            "import decode.scheduler, decode.request, engine.block_manager\n"
+            "import specmesh.decode.scheduler, specmesh.decode.request\n"
+            "import specmesh.engine.block_manager\n"
             "assert 'torch' not in sys.modules, 'the scheduler pulled in torch'\n"
-            "import cluster.inprocess, cluster.config, cluster.options, cluster.runs\n"
-            "import cluster.demo, cluster.bench\n"
+            "import specmesh.cluster.inprocess, specmesh.cluster.config\n"
+            "import specmesh.cluster.options, specmesh.cluster.runs\n"
+            "import specmesh.cluster.demo, specmesh.benchmarks.harness.bench\n"
             "assert 'ray' not in sys.modules, 'a Ray-free module pulled in ray'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
 

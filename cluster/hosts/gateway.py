@@ -37,7 +37,7 @@ class GatewayHost(RoleHost):
         return identity
 
     def build_worker(self):
-        from specmesh.cluster.gateway import MailboxBackend
+        from specmesh.gateway import MailboxBackend
 
         self.backend = MailboxBackend(self.mailbox, self._pick_verifier,
                                       stream_timeout_s=self.cfg.stream_idle_timeout_s)
@@ -46,7 +46,7 @@ class GatewayHost(RoleHost):
         return None
 
     def start(self) -> None:
-        from specmesh.cluster.gateway import create_app, serve_gateway
+        from specmesh.gateway import create_app, serve_gateway
 
         self.app = create_app(self.backend, self.tokenizer, self.model_name,
                               self.cfg.max_model_len, default_temperature=0.0,
@@ -103,7 +103,7 @@ class GatewayHost(RoleHost):
         self.prefills = [r["instance_id"] for r in peers_of(roster, Role.PREFILL)]
         app = getattr(self, "app", None)
         if app is not None:  # one scrape of our /metrics carries every role's series
-            from specmesh.cluster.gateway.roster_metrics import targets_from_roster
+            from specmesh.gateway.roster_metrics import targets_from_roster
 
             app.state.metrics.roster.set_targets(targets_from_roster(roster, self.instance_id))
 

@@ -2,8 +2,8 @@
 
 import re
 
-from specmesh.cluster.bench_prompts import load_prompts_file
-from specmesh.cluster.train_drafter import DEFAULT_TRAIN_PROMPTS, PROMPTS_DIR
+from specmesh.data.prompts import load_prompts_file
+from specmesh.drafter.training.eagle import DEFAULT_TRAIN_PROMPTS, PROMPTS_DIR
 
 HELDOUT = [PROMPTS_DIR / "drafter_heldout_chat.jsonl", PROMPTS_DIR / "drafter_heldout_code.jsonl"]
 

@@ -63,7 +63,7 @@ def test_bf16_batch_composition_changes_nothing(tiny_bf16):
 
 @pytest.mark.slow
 def test_smollm2_bf16_speculation_equals_plain_decode():
-    from specmesh.cluster.gateway.tokens import chat_prompt_ids
+    from specmesh.gateway.tokens import chat_prompt_ids
     from specmesh.cluster.runs import load_prompts
     from specmesh.engine.loader import load_model
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.gateway.tokens import chat_prompt_ids
 from specmesh.cluster.demo import load_prompts
 from specmesh.cluster.inprocess import InProcessCluster
 from specmesh.engine.loader import load_model

@@ -144,7 +144,7 @@ def test_responses_and_metrics_say_synthetic_acceptance_was_used(tiny_model_dir)
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
+    from specmesh.gateway import MailboxBackend, create_app, serve_gateway
     from specmesh.engine.loader import load_model
 
     loaded = load_model(tiny_model_dir, dtype="float32")
@@ -203,8 +203,8 @@ def test_bench_runs_synthetic_in_process_too_and_says_so(tiny):
     """``specmesh bench --verify-rule synthetic``: the in-process kappa > 0 systems judge
     drafts by the same curve as the served ones (kappa 0 stays plain), and the report's
     header says the outputs are not the target's."""
-    from specmesh.cluster.bench_inprocess import InProcessSystems
-    from specmesh.cluster.bench_render import markdown
+    from specmesh.benchmarks.harness.inprocess import InProcessSystems
+    from specmesh.benchmarks.harness.render import markdown
 
     _, model, cfg = tiny
     loaded = types.SimpleNamespace(model=model, config=cfg)

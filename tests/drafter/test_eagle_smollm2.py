@@ -4,10 +4,10 @@ drafts accepted; `--drafter auto` picks it for SmolLM2."""
 
 import pytest
 
-from specmesh.cluster.bench_prompts import load_prompts_file
+from specmesh.data.prompts import load_prompts_file
 from specmesh.cluster.drafter_option import parse_drafter
 from specmesh.cluster.inprocess import InProcessCluster
-from specmesh.cluster.train_drafter import PROMPTS_DIR
+from specmesh.drafter.training.eagle import PROMPTS_DIR
 from specmesh.drafter.eagle.checkpoint import read_head_config
 from specmesh.drafter.eagle.data import chat_token_ids
 from specmesh.drafter.proposers.eagle import EagleProposer, shipped_head

@@ -10,7 +10,7 @@ import torch
 
 from specmesh.cluster.cli import build_parser
 from specmesh.cluster.inprocess import InProcessCluster
-from specmesh.cluster.train_drafter import train_drafter
+from specmesh.drafter.training.eagle import train_drafter
 from specmesh.drafter.draft_model_files import META, engine_model, read_draft_meta, save_draft_model
 from specmesh.drafter.draft_model_training import acceptance, init_draft_model, layer_sources
 from specmesh.drafter.eagle.data import chat_token_ids

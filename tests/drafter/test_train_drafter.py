@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specmesh.cluster.cli import build_parser
-from specmesh.cluster.train_drafter import train_drafter
+from specmesh.drafter.training.eagle import train_drafter
 from specmesh.drafter.eagle.checkpoint import (HeadMismatch, load_head, read_head_config,
                                       target_embeddings, target_identity)
 from specmesh.engine.loader import load_model

@@ -41,8 +41,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from specmesh.cluster.gateway.backend import MailboxBackend
-from specmesh.cluster.gateway.metrics import GatewayMetrics
+from specmesh.gateway.backend import MailboxBackend
+from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.cluster.inprocess import InProcessCluster
 from specmesh.cluster.metrics import RoleCollector
 from specmesh.protocol.codec import decode, encode
@@ -350,7 +350,7 @@ async def _generate(backend, rid: str, prompt: list[int]):
 
 #: loggers that log every protocol error with its peer (60,000 warnings, silenced here)
 NOISY_LOGGERS = ("specmesh.protocol.transport", "specmesh.protocol.zmq_transport", "specmesh.decode.worker",
-                 "specmesh.prefill.worker", "specmesh.drafter.worker", "specmesh.cluster.gateway.backend")
+                 "specmesh.prefill.worker", "specmesh.drafter.worker", "specmesh.gateway.backend")
 
 
 @pytest.fixture(scope="module")

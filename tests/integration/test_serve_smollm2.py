@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.gateway.tokens import chat_prompt_ids
 from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.demo import load_prompts
 from specmesh.cluster.launcher import start_cluster

@@ -16,7 +16,7 @@ import ray
 import zmq
 
 from specmesh.cluster.config import ClusterConfig
-from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.gateway.tokens import chat_prompt_ids
 from specmesh.cluster.inprocess import InProcessCluster
 from specmesh.cluster.launcher import start_cluster
 from specmesh.engine.loader import load_model

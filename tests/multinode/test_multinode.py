@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.gateway.tokens import chat_prompt_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 

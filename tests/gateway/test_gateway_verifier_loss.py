@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from specmesh.cluster.config import ClusterConfig
-from specmesh.cluster.gateway.backend import STREAM_IDLE_TIMEOUT_S
+from specmesh.gateway.backend import STREAM_IDLE_TIMEOUT_S
 from specmesh.protocol.messages import Abort, GenerateRequest, TokenStream
 from specmesh.protocol.zmq_transport import ZmqMailbox
 

@@ -12,8 +12,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from specmesh.cluster.gateway.metrics import GatewayMetrics
-from specmesh.cluster.gateway.roster_metrics import MetricsTarget, RosterMetrics, targets_from_roster
+from specmesh.gateway.metrics import GatewayMetrics
+from specmesh.gateway.roster_metrics import MetricsTarget, RosterMetrics, targets_from_roster
 
 
 def _role_endpoint(role: str, instance: str, kv: float, accepted: list[int]):

@@ -3,11 +3,11 @@ batching helpers and the run schedule (no cluster, no model)."""
 
 import pytest
 
-from specmesh.cluster.bench import _schedule
-from specmesh.cluster.bench_hf import cut_at_eos, left_pad
-from specmesh.cluster.bench_render import markdown, write_plot
-from specmesh.cluster.bench_report import HF_BASELINE, same_outputs, summarize, systems_for
-from specmesh.cluster.bench_stats import (
+from specmesh.benchmarks.harness.bench import _schedule
+from specmesh.benchmarks.harness.hf import cut_at_eos, left_pad
+from specmesh.benchmarks.harness.render import markdown, write_plot
+from specmesh.benchmarks.harness.report import HF_BASELINE, same_outputs, summarize, systems_for
+from specmesh.benchmarks.harness.stats import (
     acceptance_per_position,
     bucket_quantile,
     merge_snapshots,
@@ -202,7 +202,7 @@ def test_plot_writes_png(tmp_path):
 def test_accepted_per_step_counts_every_request_step():
     """vLLM's mean accept length averages over steps with drafts; accepted_per_step over all
     request-steps, so a drafter that rarely proposes is charged for its silent steps."""
-    from specmesh.cluster.bench_report import accepted_per_step
+    from specmesh.benchmarks.harness.report import accepted_per_step
     from specmesh.protocol.spec_stats import SpecStats
 
     spec = SpecStats(num_draft_tokens=8, num_accepted_tokens=6, num_verify_steps=2)
@@ -214,7 +214,7 @@ def test_accepted_per_step_counts_every_request_step():
 
 
 def test_drafter_profiles_join_the_snapshot_under_their_prefix():
-    from specmesh.cluster.bench_stats import verifier_snapshot, with_drafter_profiles
+    from specmesh.benchmarks.harness.stats import verifier_snapshot, with_drafter_profiles
     from specmesh.protocol.step_profile import StepProfile
 
     v, d1, d2 = StepProfile(), StepProfile(), StepProfile()

@@ -8,7 +8,7 @@ level and optionally writes JSON, markdown and a plot.
 
 The draft methods are ``--drafters`` (``ngram,eagle``; default: the cluster's ``--drafter``).
 Their served clusters are all started before the runs and run side by side in one Ray
-session, each in its own Ray namespace (:func:`cluster.bench_drafters.namespace_for`).
+session, each in its own Ray namespace (:func:`benchmarks.harness.drafters.namespace_for`).
 
 Modules: bench_prompts (inputs), bench_drafters (the methods), bench_served / bench_inprocess /
 bench_hf (the systems), bench_stats (counter and profile deltas), bench_report (summary,
@@ -22,11 +22,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specmesh.cluster.bench_drafters import BenchDrafter, cluster_drafter, namespace_for, with_drafter
-from specmesh.cluster.bench_hf import generation_eos_ids, load_hf_model, run_hf
-from specmesh.cluster.bench_prompts import level_requests, load_prompts_file
-from specmesh.cluster.bench_render import markdown, write_plot
-from specmesh.cluster.bench_report import System, mismatch_lines, summarize, systems_for
+from specmesh.benchmarks.harness.drafters import BenchDrafter, cluster_drafter, namespace_for, with_drafter
+from specmesh.benchmarks.harness.hf import generation_eos_ids, load_hf_model, run_hf
+from specmesh.data.prompts import level_requests, load_prompts_file
+from specmesh.benchmarks.harness.render import markdown, write_plot
+from specmesh.benchmarks.harness.report import System, mismatch_lines, summarize, systems_for
 from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.runs import RunResult, load_prompts, openai_client, run_openai
 
@@ -126,14 +126,14 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     starting a served cluster per method (``handle``, a running
     :class:`cluster.launcher.ClusterHandle`, serves its own method when listed, and is left
     running with its kappa restored). Returns the summary
-    (:func:`cluster.bench_report.summarize`); ``summary["mismatches"]`` lists every system
+    (:func:`benchmarks.harness.report.summarize`); ``summary["mismatches"]`` lists every system
     whose output differed from kappa = 0."""
     import torch
     from tqdm import tqdm
 
-    from specmesh.cluster.bench_inprocess import InProcessSystems
-    from specmesh.cluster.bench_served import run_served
-    from specmesh.cluster.gateway.tokens import chat_prompt_ids
+    from specmesh.benchmarks.harness.inprocess import InProcessSystems
+    from specmesh.benchmarks.harness.served import run_served
+    from specmesh.gateway.tokens import chat_prompt_ids
     from specmesh.engine.devices import resolve_device
     from specmesh.engine.loader import load_model, load_tokenizer, model_name
 
@@ -162,7 +162,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                                                 "goodput_drafts": cfg.verifier.goodput_drafts})
     forward_cost: dict[str, dict] = {}  # per concurrency: its batch's forward cost ratio
     if opts.profile and kappa > 0:
-        from specmesh.cluster.forward_cost import forward_cost_ratio
+        from specmesh.benchmarks.harness.forward_cost import forward_cost_ratio
 
         ctx = min(200, loaded.config.max_position_embeddings - kappa - 1)
         for level in opts.concurrency:

@@ -11,7 +11,7 @@ can be re-run, by either method); then per ``--method``:
   and on every ``--eval-prompts`` file; write the checkpoint (safetensors + config.json naming
   the target, the command, the numbers).
 - ``draft-model``: a small Llama with the target's shape and vocabulary
-  (cluster/train_draft_model.py, drafter/draft_model_training.py), written as a Hugging Face
+  (drafter/training/draft_model.py, drafter/draft_model_training.py), written as a Hugging Face
   dir for ``--drafter draft-model:PATH``.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import shlex
 import sys
@@ -27,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-PROMPTS_DIR = Path(__file__).parent / "prompts"
+#: the bundled prompt sets (data/)
+PROMPTS_DIR = Path(next(iter(importlib.util.find_spec("specmesh.data").submodule_search_locations)))
 DEFAULT_TRAIN_PROMPTS = (PROMPTS_DIR / "drafter_train.jsonl", PROMPTS_DIR / "drafter_train_extra.jsonl",
                          PROMPTS_DIR / "drafter_train_more.jsonl",
                          PROMPTS_DIR / "drafter_train_code.jsonl")
@@ -97,7 +99,7 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
 
 
 def _load_prompts(paths: str | list[str], limit: int | None = None) -> list[dict]:
-    from specmesh.cluster.bench_prompts import load_prompts_file
+    from specmesh.data.prompts import load_prompts_file
 
     prompts = [p for path in ([paths] if isinstance(paths, str) else paths)
                for p in load_prompts_file(path)]
@@ -231,7 +233,7 @@ def train_drafter(args: argparse.Namespace) -> dict:
     """Run the whole pipeline; returns the evaluation (also written to the checkpoint)."""
     prep = prepare(args)
     if args.method == "draft-model":
-        from specmesh.cluster.train_draft_model import train_draft_model
+        from specmesh.drafter.training.draft_model import train_draft_model
 
         return train_draft_model(prep, args)
     return _train_eagle(prep, args)

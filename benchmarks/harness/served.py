@@ -6,7 +6,7 @@ per-position accepts and profile."""
 
 from __future__ import annotations
 
-from specmesh.cluster.bench_stats import (merge_snapshots, snapshot_delta, verifier_snapshot,
+from specmesh.benchmarks.harness.stats import (merge_snapshots, snapshot_delta, verifier_snapshot,
                                  with_drafter_profiles)
 from specmesh.cluster.runs import RunResult, run_openai_concurrent
 

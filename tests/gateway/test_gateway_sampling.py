@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
-from specmesh.cluster.gateway.schemas import (
+from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.gateway.schemas import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
     NO_OUTPUT_EFFECT,

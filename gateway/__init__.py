@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-from specmesh.cluster.gateway.app import create_app
-from specmesh.cluster.gateway.backend import GenerationBackend, MailboxBackend
-from specmesh.cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
-from specmesh.cluster.gateway.server import serve_gateway, stop
+from specmesh.gateway.app import create_app
+from specmesh.gateway.backend import GenerationBackend, MailboxBackend
+from specmesh.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from specmesh.gateway.server import serve_gateway, stop
 
 __all__ = ["create_app", "MailboxBackend", "GenerationBackend", "IncrementalDetokenizer",
            "StopStringMatcher", "serve_gateway", "stop"]

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
-from specmesh.cluster.gateway.detokenize import IncrementalDetokenizer
+from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.gateway.detokenize import IncrementalDetokenizer
 from specmesh.protocol.messages import Abort, GenerateRequest, TokenStream
 from specmesh.protocol.transport import InProcHub
 

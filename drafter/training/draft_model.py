@@ -1,5 +1,5 @@
 """``specmesh train-drafter --method draft-model``: after the shared steps of
-cluster/train_drafter.py (target loaded, prompts split, samples generated), build the draft
+drafter/training/eagle.py (target loaded, prompts split, samples generated), build the draft
 model from the target, distil it (drafter/draft_model_training.py, progress bar with loss and
 tokens/s), evaluate acceptance per draft position on the held-out prompts and every
 ``--eval-prompts`` file, and write it as a Hugging Face dir (config.json, model.safetensors,
@@ -18,7 +18,7 @@ DEFAULT_NUM_LAYERS = 2
 
 def train_draft_model(prep: dict, args: argparse.Namespace) -> dict:
     """Train, evaluate and save; returns the evaluation (also in specmesh_draft.json)."""
-    from specmesh.cluster.train_drafter import training_record
+    from specmesh.drafter.training.eagle import training_record
     from specmesh.drafter.draft_model_files import engine_model, save_draft_model
     from specmesh.drafter.draft_model_training import acceptance, init_draft_model, train
     from specmesh.drafter.eagle.checkpoint import target_identity

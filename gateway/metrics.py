@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specmesh.cluster.gateway.roster_metrics import RosterMetrics
+from specmesh.gateway.roster_metrics import RosterMetrics
 from specmesh.cluster.metrics import profile_families
 from specmesh.protocol.step_profile import StepProfile
 

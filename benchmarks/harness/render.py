@@ -1,10 +1,10 @@
-"""How ``specmesh bench`` shows a summary (cluster/bench_report.py): markdown tables with the
+"""How ``specmesh bench`` shows a summary (benchmarks/harness/report.py): markdown tables with the
 thread plan, step profiles and forward-cost check, and a PNG plot (matplotlib, Agg). Pure
 functions over the summary dict."""
 
 from __future__ import annotations
 
-from specmesh.cluster.bench_report import mismatch_lines
+from specmesh.benchmarks.harness.report import mismatch_lines
 
 
 def _frac(flags: list[bool] | None) -> str:

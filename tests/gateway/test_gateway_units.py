@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specmesh.cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from specmesh.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 
 class ByteTokenizer:

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
-from specmesh.cluster.gateway.tokens import completion_prompt_ids
+from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.gateway.tokens import completion_prompt_ids
 from specmesh.cluster.hosts.gateway import GatewayHost
 from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from specmesh.protocol.messages import SamplingParams

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from specmesh.cluster.bench_stats import snapshot_delta, verifier_snapshot, with_drafter_profiles
+from specmesh.benchmarks.harness.stats import snapshot_delta, verifier_snapshot, with_drafter_profiles
 from specmesh.cluster.runs import RunResult
 
 #: Extra KV blocks per request beyond prompt + max_tokens + kappa + 1 (partial blocks, slack).

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specmesh.cluster.bench_prompts import (
+from specmesh.data.prompts import (
     level_requests,
     load_prompts_file,
     parse_concurrency,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from specmesh.cluster.gateway.tokens import chat_prompt_ids
+from specmesh.gateway.tokens import chat_prompt_ids
 from specmesh.cluster.runs import RunResult
 
 

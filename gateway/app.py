@@ -19,13 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specmesh.cluster.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
-from specmesh.cluster.gateway.metrics import GatewayMetrics
-from specmesh.cluster.gateway.schemas import (
+from specmesh.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
+from specmesh.gateway.metrics import GatewayMetrics
+from specmesh.gateway.schemas import (
     MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest, GatewayError, bad_request,
     error_body,
 )
-from specmesh.cluster.gateway.tokens import chat_prompt_ids, completion_prompt_ids
+from specmesh.gateway.tokens import chat_prompt_ids, completion_prompt_ids
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import GenerateRequest, SamplingParams
 
@@ -250,7 +250,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
     """Build the gateway app.
 
     Args:
-        backend: a :class:`cluster.gateway.backend.GenerationBackend` (e.g. MailboxBackend).
+        backend: a :class:`gateway.backend.GenerationBackend` (e.g. MailboxBackend).
         tokenizer: the target model's Hugging Face tokenizer.
         model_name: the one model id served (``/v1/models``; a request naming another is 404).
         max_model_len: prompt + output tokens allowed per request.

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from specmesh.cluster.gateway import MailboxBackend, create_app, serve_gateway
-from specmesh.cluster.gateway.tokens import completion_prompt_ids
+from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.gateway.tokens import completion_prompt_ids
 from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from specmesh.protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
 from specmesh.protocol.transport import InProcHub, PeerUnavailable

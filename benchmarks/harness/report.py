@@ -1,6 +1,6 @@
 """What ``specmesh bench`` makes of its runs: the summary (medians, ratios, spec stats, output
 identity, step profiles) as a dict. Pure functions over :class:`cluster.runs.RunResult` lists;
-no torch, no Ray. The markdown tables and the plot of a summary: cluster/bench_render.py."""
+no torch, no Ray. The markdown tables and the plot of a summary: benchmarks/harness/render.py."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specmesh.cluster.bench_stats import (
+from specmesh.benchmarks.harness.stats import (
     acceptance_per_position,
     add_lists,
     profile_sum,
     profile_summary,
     step_cost_check,
 )
-from specmesh.cluster.runs import RunResult
+from specmesh.cluster.runs import RunResult, same_outputs
 from specmesh.protocol.spec_stats import SpecStats
 
 #: Name of the baseline every ratio is taken against.
@@ -56,13 +56,6 @@ def systems_for(kappa: int, concurrency: int, methods: Sequence[str] = ("ngram",
     if concurrency == 1:
         out.append(System(f"hf prompt lookup k={max(kappa, 1)}", "hf", max(kappa, 1)))
     return out
-
-
-def same_outputs(a: RunResult, b: RunResult) -> list[bool]:
-    """Per request: identical output? Token ids when both runs have them, else texts."""
-    if a.token_ids is not None and b.token_ids is not None:
-        return [x == y for x, y in zip(a.token_ids, b.token_ids)]
-    return [x == y for x, y in zip(a.texts, b.texts)]
 
 
 def _median(xs: list[float]) -> float:

@@ -14,9 +14,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from specmesh.cluster.gateway.backend import DuplicateRequestId
-from specmesh.cluster.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
-from specmesh.cluster.gateway.metrics import GatewayMetrics
+from specmesh.gateway.backend import DuplicateRequestId
+from specmesh.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import GenerateRequest, TokenStream
 from specmesh.protocol.spec_stats import SpecStats

@@ -6,15 +6,15 @@ model (n-gram and a random EAGLE head: the output is the plain-decode output).""
 
 import pytest
 
-from specmesh.cluster.bench import _schedule
-from specmesh.cluster.bench_drafters import (
+from specmesh.benchmarks.harness.bench import _schedule
+from specmesh.benchmarks.harness.drafters import (
     cluster_drafter,
     namespace_for,
     parse_drafters,
     with_drafter,
 )
-from specmesh.cluster.bench_render import markdown
-from specmesh.cluster.bench_report import HF_BASELINE, summarize, systems_for
+from specmesh.benchmarks.harness.render import markdown
+from specmesh.benchmarks.harness.report import HF_BASELINE, summarize, systems_for
 from specmesh.cluster.cli import main
 from specmesh.cluster.config import ClusterConfig, default_threads
 from specmesh.cluster.runs import RunResult
@@ -207,7 +207,7 @@ def random_head(tiny_model_dir, tmp_path_factory):
 
 
 def test_inprocess_systems_per_method_are_exact(tiny_model_dir, random_head):
-    from specmesh.cluster.bench_inprocess import InProcessSystems
+    from specmesh.benchmarks.harness.inprocess import InProcessSystems
     from specmesh.engine.loader import load_model
 
     cfg = ClusterConfig.create(model=tiny_model_dir, dtype="float32", num_speculative_tokens=3)
@@ -255,7 +255,7 @@ def test_the_bench_process_keeps_every_core_unless_the_user_set_a_plan(tiny_mode
     leaves its served verifier one core fewer; that must not cost the baselines a core (a
     bench of n-gram methods under the default ``--drafter auto`` = eagle once ran HF and
     in-process on one thread while the n-gram clusters' verifiers had two)."""
-    from specmesh.cluster.bench import bench_process_threads
+    from specmesh.benchmarks.harness.bench import bench_process_threads
     from specmesh.cluster.cli import build_parser
     from specmesh.cluster.options import cluster_config
 
@@ -274,7 +274,7 @@ def test_the_bench_process_keeps_every_core_unless_the_user_set_a_plan(tiny_mode
 
 
 def test_the_header_names_each_clusters_plan_when_they_differ():
-    from specmesh.cluster.bench_render import thread_plan_text
+    from specmesh.benchmarks.harness.render import thread_plan_text
 
     ngram = {"verifier": 2, "prefill": 1, "drafter": 1, "gateway": 1}
     eagle = {**ngram, "verifier": 1}
