@@ -37,7 +37,7 @@ class GatewayHost(RoleHost):
         return identity
 
     def build_worker(self):
-        from specmesh.gateway import MailboxBackend
+        from specmesh.gateway.backend import MailboxBackend
 
         self.backend = MailboxBackend(self.mailbox, self._pick_verifier,
                                       stream_timeout_s=self.cfg.stream_idle_timeout_s)
@@ -46,7 +46,8 @@ class GatewayHost(RoleHost):
         return None
 
     def start(self) -> None:
-        from specmesh.gateway import create_app, serve_gateway
+        from specmesh.gateway.app import create_app
+        from specmesh.gateway.server import serve_gateway
 
         self.app = create_app(self.backend, self.tokenizer, self.model_name,
                               self.cfg.max_model_len, default_temperature=0.0,

@@ -144,7 +144,9 @@ def test_responses_and_metrics_say_synthetic_acceptance_was_used(tiny_model_dir)
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+    from specmesh.gateway.app import create_app
+    from specmesh.gateway.backend import MailboxBackend
+    from specmesh.gateway.server import serve_gateway
     from specmesh.engine.loader import load_model
 
     loaded = load_model(tiny_model_dir, dtype="float32")

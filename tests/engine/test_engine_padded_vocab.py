@@ -13,7 +13,8 @@ import httpx
 import pytest
 import torch
 
-from specmesh.gateway import create_app, serve_gateway
+from specmesh.gateway.app import create_app
+from specmesh.gateway.server import serve_gateway
 from specmesh.cluster.hosts.gateway import GatewayHost
 from specmesh.cluster.inprocess import InProcessCluster
 from specmesh.engine.loader import load_model, model_identity

@@ -15,7 +15,9 @@ import time
 import httpx
 import pytest
 
-from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.gateway.app import create_app
+from specmesh.gateway.backend import MailboxBackend
+from specmesh.gateway.server import serve_gateway
 from specmesh.gateway.detokenize import IncrementalDetokenizer
 from specmesh.protocol.messages import Abort, GenerateRequest, TokenStream
 from specmesh.protocol.transport import InProcHub

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.gateway.app import create_app
+from specmesh.gateway.backend import MailboxBackend
+from specmesh.gateway.server import serve_gateway
 from specmesh.gateway.tokens import completion_prompt_ids
 from specmesh.cluster.hosts.gateway import GatewayHost
 from specmesh.cluster.inprocess import VERIFIER, InProcessCluster

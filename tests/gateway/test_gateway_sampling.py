@@ -20,7 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.gateway.app import create_app
+from specmesh.gateway.backend import MailboxBackend
+from specmesh.gateway.server import serve_gateway
 from specmesh.gateway.schemas import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,

@@ -13,7 +13,9 @@ import time
 import httpx
 import pytest
 
-from specmesh.gateway import MailboxBackend, create_app, serve_gateway
+from specmesh.gateway.app import create_app
+from specmesh.gateway.backend import MailboxBackend
+from specmesh.gateway.server import serve_gateway
 from specmesh.gateway.tokens import completion_prompt_ids
 from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from specmesh.protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
