@@ -26,7 +26,8 @@ DEFAULT_NAMESPACE = "specmesh"
 
 def default_threads(num_cores: int | None = None,
                     model_drafter: bool = False) -> dict[str, int]:
-    """Thread plan (DESIGN.md §11). The verifier runs a forward every step and gets every core;
+    """Thread plan (docs/architecture.md, 'Running on CPU'). The verifier runs a forward every step
+    and gets every core;
     prefill gets one thread: on shared cores it runs while the verifier steps, and two OpenMP
     teams of n threads on n cores stall each other at every barrier. Measured on 2 cores,
     SmolLM2 bf16, served, 16 chat requests x 64 tokens, libgomp's default wait policy (spin,

@@ -1,6 +1,7 @@
 """Verifier worker (the decode role): message dispatch and the continuous-batching loop.
 
-One ``step()`` (DESIGN.md §4): ingest (requests, aborts, KV arrivals, draft tails), admit
+One ``step()`` (docs/architecture.md, 'The verify step'): ingest (requests, aborts, KV arrivals,
+draft tails), admit
 waiting requests into free KV, wait briefly for tails in flight, plan each running request's
 drafts, run ONE batched verify forward and commit. The policies live elsewhere: admission,
 plans and waits in :mod:`decode.scheduler`, the forward and the rules in

@@ -1,6 +1,6 @@
 """A linear layer whose result for a row does not depend on how many rows the call has.
 
-Batch invariance (DESIGN.md §11, kernels/paged_attention.py) needs every op of the verify
+Batch invariance (docs/architecture.md, 'Batch invariance') needs every op of the verify
 forward to compute a row bit for bit as a one-token decode step does. CPU BLAS takes another
 kernel for a one-row product than for two or more: on AVX-512 bf16 CPUs (oneDNN / MKL bf16
 GEMM) a bf16 row computed alone differs in the last bit from the same row computed among

@@ -1,4 +1,5 @@
-"""specmesh's OpenAI-compatible HTTP gateway (DESIGN.md §2 steps 1 and 5, §10).
+"""specmesh's OpenAI-compatible HTTP gateway (docs/architecture.md, 'Life of a request' steps 1 and
+5).
 
 - :func:`create_app` builds the FastAPI app over any backend with ``generate`` / ``abort``.
 - :class:`MailboxBackend` is that backend over a protocol Mailbox (in-process hub or ZMQ).

@@ -1,5 +1,5 @@
 """Paged attention on the CPU as compiled code: ``kernels/cpu_attention.cpp``, built on first use
-with the machine's C++ compiler and loaded with ctypes (DESIGN.md §11).
+with the machine's C++ compiler and loaded with ctypes (docs/architecture.md, 'Running on CPU').
 
 Why: the torch reference (:func:`kernels.paged_attention.paged_attention_ref`) gathers every
 request's KV into fixed tiles and converts it to float32 in each layer of each step, and runs a

@@ -6,7 +6,8 @@
 // ...), each a dispatch of a few microseconds; on a one-token SmolLM2 step that was 2-4 ms of
 // a 25 ms forward, more than the attention itself.
 //
-// Batch invariance (DESIGN.md §11): every row is computed on its own in one fixed order,
+// Batch invariance (docs/architecture.md, 'Batch invariance'): every row is computed on its own in
+// one fixed order,
 // whatever the number of rows or threads, so a row's result does not depend on its batch.
 //  - RMSNorm: h = x (+ residual, one IEEE add per element, as torch's add); the sum of squares
 //    runs in 8 float lanes over k ascending (lane l takes k = l mod 8), then a fixed lane tree

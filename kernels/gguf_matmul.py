@@ -14,7 +14,8 @@ produces (gguf-py's dequantization: ``d * q + m`` for Q4_1, ``d * q`` for Q8_0, 
 same values in torch. Only the accumulation order differs from a dense float32 GEMM, as it
 differs between any two BLAS libraries. Each output element is one fixed-order accumulation,
 whatever the number of rows, the tiling or the threads, so the products are row-invariant
-(batch-invariant) by construction, as the verify forward needs (DESIGN.md §11).
+(batch-invariant) by construction, as the verify forward needs
+(docs/architecture.md, 'Batch invariance').
 
 Layout of a :class:`BlockWeight` (blocks of 32 along the input dim K; KB = K / 32):
 ``scale`` [N, KB] float32, ``minv`` [N, KB] float32 (Q4_1 only), ``qs`` [N, KB, 16] uint8 (Q4_1:

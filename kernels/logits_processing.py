@@ -1,4 +1,5 @@
-"""Per-request logits processing: temperature, top-k, top-p, min-p (DESIGN.md §5).
+"""Per-request logits processing: temperature, top-k, top-p, min-p
+(docs/architecture.md, 'Verification rules').
 
 Shared by plain decode, the prefill worker's first token and verification: every verified
 position of a request is processed with that request's parameters, so the verification rules

@@ -1,4 +1,5 @@
-"""The plan of a paged-attention batch (:mod:`kernels.paged_attention`, DESIGN.md §11): the
+"""The plan of a paged-attention batch (:mod:`kernels.paged_attention`,
+docs/architecture.md, 'Batch invariance'): the
 index tensors of one ragged batch, built once per forward and shared by every layer, and the
 reference's KV tiling.
 

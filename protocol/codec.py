@@ -1,4 +1,4 @@
-"""msgpack codec for specmesh wire messages (DESIGN.md §3). Never pickle.
+"""msgpack codec for specmesh wire messages (docs/architecture.md, 'Messages'). Never pickle.
 
 Wire format of one message, a list of frames:
 
