@@ -30,10 +30,10 @@ HEARTBEAT_INTERVAL_S = 1.0
 #: still exists, and deregisters it at once when it does not
 #: (docs/architecture.md, 'Cluster and health').
 SUSPECT_MISSED_BEATS = 3
-#: A role that misses this many heartbeats is deregistered as dead even while its actor exists
-#: (cut off, or too starved to answer). Not 3: on a loaded 2-core machine a live prefill's
-#: heartbeats over Ray were 3.4 s apart during a bench run, and deregistering a live role fails
-#: its requests.
+#: A role that misses this many heartbeats is deregistered as dead even while its actor exists (cut
+#: off, or too starved to answer). Not 3: on a loaded 2-core machine a live role's heartbeats over
+#: Ray can come seconds apart (docs/benchmarks.md, 'Protocol, health, installation'), and
+#: deregistering a live role fails its requests.
 MAX_MISSED_BEATS = 10
 #: A role whose loop counter stands still this long (s) while it still sends heartbeats is
 #: deregistered as hung. Generous: one step may legitimately take seconds on a CPU (a long

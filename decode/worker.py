@@ -321,8 +321,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
     def _idle_without(self, req: Request) -> bool:
         """Whether this verifier shares its cores with prefill (decode/core_sharing.py) and
         has nothing to compute before ``req``'s KV lands: no running request and no other
-        prefill in flight. Its prefill may then take every core (one request at a time: a
-        SmolLM2 float32 prompt of ~100 tokens, 2 cores, ~190 ms instead of ~360 on one)."""
+        prefill in flight. Its prefill may then take every core (one request at a time;
+        docs/benchmarks.md, 'Threads and OpenMP')."""
         if self.core_sharing is None or not self.core_sharing.shared:
             return False
         if any(t.request_id != req.request_id for t in self.kv.transfers.values()):

@@ -59,7 +59,7 @@ class Proposer(ABC):
     #: most drafts the worker asks for per request per call (0: as many as the window has
     #: room for). Model drafters pay a forward per draft: asking for one at a time streams each
     #: draft the moment it exists, so a verifier that cannot wait for a whole tail still gets
-    #: the first drafts (measured: served EAGLE tails of 4 arrived too late on 87% of steps).
+    #: the first drafts (docs/benchmarks.md, 'Drafting').
     max_drafts_per_call: ClassVar[int] = 0
     #: whether :meth:`propose_sampled` draws drafts the way the request samples (a model
     #: drafter: drafter/draft_sampling.py) and returns the rows of unseeded sampled drafts;

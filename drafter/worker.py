@@ -248,7 +248,7 @@ class DrafterWorker(MailboxWorker):
         st.commit_received_at = time.perf_counter()
         if branch:
             # The verifier made this branch its tail at the commit: answer at once, before
-            # the catch-up and the next draft (about 3.7 ms served at C=1), so that it does
+            # the catch-up and the next draft (a few ms served), so that it does
             # not spend its tail wait on a second draft that cannot arrive within it.
             self._send_segment(st)
         if hidden is not None and toks:  # the rows of the tokens new to us, after any rollback

@@ -2,11 +2,11 @@
 float32 by compiled CPU code (``kernels/gguf_matmul.cpp``, built as :mod:`kernels.cpu_build`
 says), with a torch reference.
 
-Why: a decode step of a small model is bound by the bytes of weight it reads. SmolLM2-135M
-ships as a Q4_1 GGUF (token embedding Q8_0); dequantized to float32 its weights are 540 MB per
-step, about 37 ms of a 50 ms one-token step on a 2-core AVX2 host, where oneDNN has no bf16.
-Held in their GGUF blocks they are about 100 MB, and each block is expanded to float32 in
-registers as the product reads it (the approach of llama.cpp's ggml and vLLM's GGUF kernels).
+Why: a decode step of a small model is bound by the bytes of weight it reads. SmolLM2-135M ships as
+a Q4_1 GGUF (token embedding Q8_0); dequantized to float32 its weights are 540 MB per step, most of
+a one-token step's time on a CPU without bf16 products (docs/benchmarks.md, 'Compiled kernels').
+Held in their GGUF blocks they are about 100 MB, and each block is expanded to float32 in registers
+as the product reads it (the approach of llama.cpp's ggml and vLLM's GGUF kernels).
 
 Exactness: every weight the kernel uses equals the float32 weight transformers' GGUF loader
 produces (gguf-py's dequantization: ``d * q + m`` for Q4_1, ``d * q`` for Q8_0, with the f16
