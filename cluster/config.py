@@ -26,27 +26,17 @@ DEFAULT_NAMESPACE = "specmesh"
 
 def default_threads(num_cores: int | None = None,
                     model_drafter: bool = False) -> dict[str, int]:
-    """Thread plan (DESIGN.md §11). The verifier runs a forward every step and gets every core;
-    prefill gets one thread: on shared cores it runs while the verifier steps, and two OpenMP
-    teams of n threads on n cores stall each other at every barrier. Measured on 2 cores,
-    SmolLM2 bf16, served, 16 chat requests x 64 tokens, libgomp's default wait policy (spin,
-    then sleep): one at a time 26.2-28.2 s with prefill on 1 thread vs 30.3-31.6 s on 2; all
-    16 at once 5.0-5.4 s vs 10.6-13.0 s (`OMP_WAIT_POLICY=PASSIVE`, which kept the roles
-    from stalling each other before, costs the verifier's forward 2x: 44.6-45.2 s and
-    5.6-6.0 s; engine/openmp.py). A prompt the verifier waits on with nothing else to do
-    (``PrefillRequest.verifier_idle``: no running request, no other prompt in flight) runs on
-    the verifier's thread count instead: one request at a time that took served k=0 from 0.83x
-    to 0.95x in-process k=0, with 16 at once unchanged (2 cores, SmolLM2 float32,
-    benchmarks/bench_float32_avx2_prefill_idle.md). The n-gram drafter and the gateway are pure
-    Python and get one.
+    """Thread plan (docs/architecture.md, 'Running on CPU'). The verifier runs a forward every step
+    and gets every core; prefill gets one thread: on shared cores it runs while the verifier steps,
+    and two OpenMP teams of n threads on n cores stall each other at every barrier (libgomp's
+    default wait policy, spin then sleep; ``OMP_WAIT_POLICY=PASSIVE`` halves the forward's speed,
+    engine/openmp.py). A prompt the verifier waits on with nothing else to do
+    (``PrefillRequest.verifier_idle``: no running request, no other prompt in flight) runs on the
+    verifier's thread count instead. The n-gram drafter and the gateway are pure Python and get one.
 
     A model drafter (EAGLE head, draft model) computes while the verifier does, so with
-    ``model_drafter`` the verifier leaves it a core: n - 1 threads (measured, `specmesh bench
-    --drafters eagle,eagle@verifier=1,eagle@drafter=2`, 2 cores, SmolLM2 fp32, served EAGLE
-    tokens/s in two repeats: verifier 2 / drafter 1 7.2 and 8.4, verifier 1 / drafter 1 9.0
-    and 9.4, verifier 2 / drafter 2 8.4 and 8.8; benchmarks/bench_drafters.md; again after
-    the compiled float32 stack and the Q8_0 head: verifier 1 38.4 vs verifier 2 37.8 tok/s,
-    benchmarks/bench_eagle_float32_avx2_plan29.md)."""
+    ``model_drafter`` the verifier leaves it a core: n - 1 threads. The measurements behind
+    this plan: docs/benchmarks.md, 'Threads and OpenMP'."""
     n = num_cores or os.cpu_count() or 2
     verifier = max(1, n - 1) if model_drafter else n
     return {Role.VERIFIER.value: verifier, Role.PREFILL.value: 1,

@@ -1,5 +1,5 @@
 """Controller: the roster of role instances, pushed into every registered role on change, and
-the roles' health (DESIGN.md §8).
+the roles' health (docs/architecture.md, 'Cluster and health').
 
 Plain class; cluster/actors.py makes it the named Ray actor ``specmesh-controller`` (and runs
 :meth:`Controller.check_health` about once a second in a thread of it). Roles register

@@ -1,4 +1,5 @@
-"""Role health as the controller sees it (DESIGN.md §8): a plain class, no Ray, any clock.
+"""Role health as the controller sees it (docs/architecture.md, 'Cluster and health'): a plain
+class, no Ray, any clock.
 
 Every role host sends a heartbeat about once a second (cluster/actors.py): its instance id,
 incarnation and a loop counter that its loop thread bumps on every turn (an idle loop turns at
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 #: Seconds between two heartbeats of a role (and between two health checks).
 HEARTBEAT_INTERVAL_S = 1.0
 #: A role that misses this many heartbeats is suspect: the controller asks Ray whether its actor
-#: still exists, and deregisters it at once when it does not (DESIGN.md §8: dead after 3).
+#: still exists, and deregisters it at once when it does not
+#: (docs/architecture.md, 'Cluster and health').
 SUSPECT_MISSED_BEATS = 3
-#: A role that misses this many heartbeats is deregistered as dead even while its actor exists
-#: (cut off, or too starved to answer). Not 3: on a loaded 2-core machine a live prefill's
-#: heartbeats over Ray were 3.4 s apart during a bench run, and deregistering a live role fails
-#: its requests.
+#: A role that misses this many heartbeats is deregistered as dead even while its actor exists (cut
+#: off, or too starved to answer). Not 3: on a loaded 2-core machine a live role's heartbeats over
+#: Ray can come seconds apart (docs/benchmarks.md, 'Protocol, health, installation'), and
+#: deregistering a live role fails its requests.
 MAX_MISSED_BEATS = 10
 #: A role whose loop counter stands still this long (s) while it still sends heartbeats is
 #: deregistered as hung. Generous: one step may legitimately take seconds on a CPU (a long

@@ -9,7 +9,8 @@ role joining a real multi-node cluster) must not call it.
 
 A role binds and advertises the IP of the node it runs on, resolved where it runs
 (:func:`role_address`): Ray's node IP inside a Ray actor, so a role that Ray restarts on another
-node advertises that node's address, not the one it was launched with (DESIGN.md §8); 127.0.0.1
+node advertises that node's address, not the one it was launched with
+(docs/architecture.md, 'Cluster and health'); 127.0.0.1
 on the embedded loopback Ray and in tests.
 """
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics of a role process (DESIGN.md §10), read from the worker's plain counters
+"""Prometheus metrics of a role process (docs/architecture.md, 'Observability'), read from the
+worker's plain counters
 at scrape time. vLLM's names under the ``specmesh:`` prefix, so PromQL recipes carry over; the
 verifier is the source of truth for the spec-decode counters."""
 

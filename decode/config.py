@@ -59,7 +59,8 @@ class VerifierConfig:
     forward then returns and DraftSync / VerifyCommit carry; the cluster fills it from the
     drafter's registry, decode/ may not import drafter/). ``incarnation`` is this process's
     (a ``time.time_ns()`` stamp, as in Hello): transfer ids are ``incarnation + 1, + 2, ...``,
-    so a restarted verifier's ids never collide with its previous life's (DESIGN.md §3).
+    so a restarted verifier's ids never collide with its previous life's
+    (docs/architecture.md, 'KV transfer').
     ``verify_rule`` (:data:`VERIFY_RULES`): the rule of unseeded sampled requests, ``"auto"``
     (rejection sampling) or ``"block"`` (block verification); temperature 0 stays greedy and a
     seeded request coupled (decode/verification.py). ``max_tree_nodes``: most draft-tree nodes

@@ -4,11 +4,9 @@ On a CPU node that hosts both roles, the verifier's forward and a prefill are tw
 on the same cores. Teams whose threads spin at barriers stall each other whenever the scheduler
 parks one of their threads (engine/openmp.py), so while a prefill this verifier waits on is in
 flight, the verify forward runs on one thread and leaves the other cores to prefill; once no
-prefill is in flight it gets the plan's count back. Measured on 2 cores, SmolLM2 bf16, served,
-16 concurrent chat requests x 64 tokens, kappa 0, two interleaved rounds of three runs each,
-on a noisy host: 4.7-6.1 s with this vs 5.9-7.8 s without (a first cut), then 5.9-7.7 s vs
-6.6-8.5 s (this code). One request at a time is unaffected (no request runs while its own
-prefill is in flight).
+prefill is in flight it gets the plan's count back. That shortens a burst of concurrent requests
+on 2 cores (docs/benchmarks.md, 'Threads and OpenMP'); one request at a time is unaffected (no
+request runs while its own prefill is in flight).
 
 Plain logic; the caller supplies the thread setter (``torch.set_num_threads`` in the role).
 """

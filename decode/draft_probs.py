@@ -1,5 +1,5 @@
 """Draft probabilities on the verifier: checking the rows a drafter sends and laying them out for
-a verification rule (DESIGN.md §5, ``draft_probs``).
+a verification rule (docs/architecture.md, 'Verification rules').
 
 A drafter that samples its drafts sends, per draft, the dense distribution it sampled from
 (``DraftTailStream.draft_probs``, float32 ``[n, vocab_size]``: 192 KB per row at V = 49,152,

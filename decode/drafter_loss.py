@@ -1,4 +1,5 @@
-"""The verifier's side of losing a drafter (DESIGN.md §4 "drafter failure never fails a
+"""The verifier's side of losing a drafter (docs/architecture.md, 'Drafting': "drafter failure never
+fails a
 request", issue 9): a drafter that owes an answer for longer than ``drafter_silence_s`` is not
 waited for; one whose connection dropped and is not back within ``drafter_lost_grace_s`` is
 lost (its requests move to another drafter or to plain decode); one that is heard from again,

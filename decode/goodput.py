@@ -12,7 +12,8 @@ of the step's cost. Here:
 - cost: ``T(N)``, the verify forward's seconds over ``N`` query tokens (the batch's rows), an
   EMA per ``N`` measured, linear between the ``N`` seen and beyond them. Measured, not
   assumed: a 2-row fp32 product can cost several times a one-row one on a CPU without bf16
-  (the GEMV / GEMM switch) while a 5-token bf16 forward costs ~1.07x a one-token one;
+  (the GEMV / GEMM switch) while a 5-token bf16 forward on a CPU with bf16 products costs
+  about as much as a one-token one (docs/benchmarks.md, 'Forward cost');
 - the step's caps, per request (SmartSpec picks one proposal length for the whole batch; a
   batch-wide cap makes requests whose drafts fail hold back a request whose drafts match, or
   verify their own failing drafts beside it). The ``j``-th draft of request ``i`` adds
@@ -186,8 +187,8 @@ class DraftBudget:
         The caps are applied later, to rates that moved: after a rejection a request's rate
         drops, and with the threshold at the last draft taken (as before) a request verified
         with 1 draft at rate 0.30 was capped to 0 at 0.24, told its drafter it wanted none, and
-        no step waited for its tail again, so no step decided anew (a served EAGLE drafter had
-        drafts on 27% of steps against 96% in-process). The marginal cost is the threshold
+        no step waited for its tail again, so no step decided anew (docs/benchmarks.md,
+        'Drafting'). The marginal cost is the threshold
         the decision rests on: a draft is dropped only when it no longer pays for itself."""
         taken = base + sum(gains[:n])
         t_n, t_next = self.cost.predict(base + n), self.cost.predict(base + n + 1)

@@ -1,4 +1,4 @@
-"""Receiving side of the KV transfer (DESIGN.md §2 step 3).
+"""Receiving side of the KV transfer (docs/architecture.md, 'KV transfer').
 
 A transfer is complete when its PrefillDone and all the KVFrames it announces have arrived, in
 either order. Frames land directly in the destination blocks. A cancelled transfer keeps its

@@ -37,7 +37,7 @@ Send = Callable[[str | None, object], object]
 
 
 class RequestLifecycle:
-    """Live requests by id, and the transitions of DESIGN.md §2 steps 2-6.
+    """Live requests by id, and the transitions of docs/architecture.md, 'Life of a request'.
 
     ``seed_state`` (VerifierConfig.seed_state): "hidden" keeps each request's latest target
     hidden states (decode/seed_state.py; the prefill's ``[1, hidden_size]`` row of ``dtype``,
@@ -109,7 +109,8 @@ class RequestLifecycle:
                 self.open_draft(req)  # (pick_drafter keeps quarantined ones plain)
 
     def add_tail(self, peer: str, msg: DraftTailStream) -> None:
-        """Merge a DraftTailStream into its request's tail buffer (DESIGN.md §3); a tail for
+        """Merge a DraftTailStream into its request's tail buffer
+        (docs/architecture.md, 'Draft tails and staleness'); a tail for
         an unknown, not running or reassigned request is counted and dropped.
 
         Raises:
@@ -216,7 +217,7 @@ class RequestLifecycle:
 
     def quarantine(self, req: Request) -> None:
         """Drop ``req``'s drafter state after a bad message from it; it continues without
-        drafts (DESIGN.md §3)."""
+        drafts (docs/architecture.md, 'Draft tails and staleness')."""
         self.send(req.drafter, DraftClose(request_id=req.request_id, reason=DRAFT_CLOSE_ABORT))
         req.drafter = None
         req.spec_enabled = False

@@ -1,4 +1,5 @@
-"""The verifier's side of losing a prefill worker (DESIGN.md §2-3, issue 9): transfers whose
+"""The verifier's side of losing a prefill worker (docs/architecture.md, 'KV transfer'): transfers
+whose
 prefill peer can send no more frames (deregistered, restarted, unreachable, disconnected) end
 once the frames already received are handled: a cancelled one frees its blocks (no
 acknowledgement will come), a running one is re-issued once on another prefill worker, else its

@@ -292,7 +292,7 @@ class Scheduler:
         the gains of the drafts already there). So a step waits long for a request's first
         draft, briefly for its second and hardly at all in a large batch, where every
         request waits with it. (A model drafter streams its drafts one forward apart: a fixed
-        budget spent ~3.5 ms of a 20 ms step waiting for second drafts that came too late.)
+        budget spent much of a step waiting for second drafts that came too late.)
         ``waiting``: the requests whose tails may still come (default: ``running``).
         """
         cap = self.config.tail_wait_fraction * self.step_time_ema_s

@@ -1,4 +1,5 @@
-"""Draft seed state on the verifier (EAGLE family, DESIGN.md §3): the target hidden states a
+"""Draft seed state on the verifier (EAGLE family, docs/architecture.md, 'Messages'): the target
+hidden states a
 request's drafter needs, kept per request in a bounded window and shipped with DraftSync and
 VerifyCommit.
 

@@ -1,4 +1,5 @@
-"""Counters of the verifier (exported as Prometheus metrics by cluster/, DESIGN.md §10)."""
+"""Counters of the verifier (exported as Prometheus metrics by cluster/,
+docs/architecture.md, 'Observability')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Synthetic acceptance: the ablation harness of ``--verify-rule synthetic`` (DESIGN.md §5).
+"""Synthetic acceptance: the ablation harness of ``--verify-rule synthetic``
+(docs/architecture.md, 'Verification rules').
 
 A deployment that asks for it accepts drafts along a given acceptance curve instead of
 verifying them, to measure what speculation would buy at that acceptance (vLLM offers the same

@@ -1,4 +1,5 @@
-"""Per-request buffer of draft tokens streamed ahead by the drafter (DESIGN.md §3 staleness rule).
+"""Per-request buffer of draft tokens streamed ahead by the drafter
+(docs/architecture.md, 'Draft tails and staleness').
 
 Tokens decide staleness: a tail token is usable only if every tail token before it, and every
 tail token at an already committed output position, equals what the verifier committed there.

@@ -1,4 +1,5 @@
-"""Verification rules: the one interface between the verify step and the kernels (DESIGN.md §5).
+"""Verification rules: the one interface between the verify step and the kernels
+(docs/architecture.md, 'Verification rules').
 
 Vocabulary (as vLLM's rejection sampler defines it): a batch of ``batch`` requests, request
 ``b`` with ``k_b >= 0`` drafts; ``draft_token_ids`` [num_draft_total] holds every request's
@@ -163,7 +164,8 @@ class BlockRule(VerificationRule):
 
 
 class CoupledRule(VerificationRule):
-    """Coupled verification for seeded requests (DESIGN.md §5): the target token at output
+    """Coupled verification for seeded requests (docs/architecture.md, 'Verification rules'): the
+    target token at output
     position ``i`` is the Gumbel-max sample of the processed row with noise keyed by (seed,
     ``i``); a draft passes iff it equals that token. The committed tokens are then the ones
     plain decode (and the prefill worker at position 0) samples with the same seed, whatever

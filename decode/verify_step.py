@@ -1,6 +1,6 @@
 """The verify step: one batched ragged target forward over ``[last committed token] + drafts``
 of every planned request, then each request's logits through its verification rule
-(DESIGN.md §4 steps 3-4). Knows nothing of messages, peers or commits."""
+(docs/architecture.md, 'The verify step'). Knows nothing of messages, peers or commits."""
 
 from __future__ import annotations
 
@@ -188,7 +188,8 @@ class VerifyStep:
             draft_probs = batch_draft_probs(drafts, rows, logits[0].shape[-1], logits[0].device)
         counts = torch.tensor([len(p.draft_token_ids) for p in plan], dtype=torch.long)
         device = logits[0].device
-        # row 0 of a request predicts output position committed_len (DESIGN.md §5 positions)
+        # row 0 of a request predicts output position committed_len
+        # (docs/architecture.md, 'Verification rules')
         positions = torch.tensor([p.request.committed_len for p in plan], dtype=torch.int64,
                                  device=device)
         parents = None

@@ -1,6 +1,7 @@
 """Verifier worker (the decode role): message dispatch and the continuous-batching loop.
 
-One ``step()`` (DESIGN.md §4): ingest (requests, aborts, KV arrivals, draft tails), admit
+One ``step()`` (docs/architecture.md, 'The verify step'): ingest (requests, aborts, KV arrivals,
+draft tails), admit
 waiting requests into free KV, wait briefly for tails in flight, plan each running request's
 drafts, run ONE batched verify forward and commit. The policies live elsewhere: admission,
 plans and waits in :mod:`decode.scheduler`, the forward and the rules in
@@ -320,8 +321,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
     def _idle_without(self, req: Request) -> bool:
         """Whether this verifier shares its cores with prefill (decode/core_sharing.py) and
         has nothing to compute before ``req``'s KV lands: no running request and no other
-        prefill in flight. Its prefill may then take every core (one request at a time: a
-        SmolLM2 float32 prompt of ~100 tokens, 2 cores, ~190 ms instead of ~360 on one)."""
+        prefill in flight. Its prefill may then take every core (one request at a time;
+        docs/benchmarks.md, 'Threads and OpenMP')."""
         if self.core_sharing is None or not self.core_sharing.shared:
             return False
         if any(t.request_id != req.request_id for t in self.kv.transfers.values()):

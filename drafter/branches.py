@@ -22,12 +22,12 @@ from specmesh.engine.sampling import GREEDY, sampling_mode
 if TYPE_CHECKING:
     from specmesh.drafter.worker import DraftState
 
-#: most branch candidates (head rows) one propose_branches call drafts: 16 rows of an EAGLE
-#: head for SmolLM2 take about 2 ms on one core, the most a commit arriving meanwhile waits
+#: most branch candidates (head rows) one propose_branches call drafts: bounds how long a
+#: commit arriving meanwhile waits for the drafter
 MAX_BRANCH_ROWS = 16
 #: branches only while the drafter holds at most this many requests: with more, the drafter is
 #: rarely idle and its extra head passes slow the verifier's forward on shared cores and memory
-#: (held-out chat, C=16: served eagle / k=0 0.65x with branches for all, 31% of C=1 commits hit)
+#: (docs/benchmarks.md, 'Drafting')
 MAX_BRANCH_REQUESTS = 4
 
 

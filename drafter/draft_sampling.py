@@ -1,4 +1,5 @@
-"""How a model drafter picks each draft for a request's sampling mode (DESIGN.md §5-6).
+"""How a model drafter picks each draft for a request's sampling mode
+(docs/architecture.md, 'Verification rules').
 
 The verifier verifies greedy requests by prefix match, seeded ones with the coupled rule and
 unseeded sampled ones by rejection sampling (or block verification); each accepts most when the

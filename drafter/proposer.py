@@ -1,4 +1,4 @@
-"""Proposer interface and the method registry of the drafter (DESIGN.md §6)."""
+"""Proposer interface and the method registry of the drafter (docs/architecture.md, 'Drafting')."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ class Proposer(ABC):
     (a model drafter's KV, a suffix tree), rolled back with ``rollback``.
 
     ``name`` is the registry key. ``seed_state`` declares the seed state the method needs
-    from the target (DESIGN.md §3): ``""`` none (the seed is rebuilt from tokens);
+    from the target (docs/architecture.md, 'Messages'): ``""`` none (the seed is rebuilt from
+    tokens);
     ``"hidden"`` the target's final hidden states (final-norm output, the input of its LM
     head), which reach the proposer through :meth:`observe_seed_state`; an instance may
     narrow it to ``"hidden:L1,L2,..."`` (those decoder layers' outputs, engine/hidden_layers.py),
@@ -58,7 +59,7 @@ class Proposer(ABC):
     #: most drafts the worker asks for per request per call (0: as many as the window has
     #: room for). Model drafters pay a forward per draft: asking for one at a time streams each
     #: draft the moment it exists, so a verifier that cannot wait for a whole tail still gets
-    #: the first drafts (measured: served EAGLE tails of 4 arrived too late on 87% of steps).
+    #: the first drafts (docs/benchmarks.md, 'Drafting').
     max_drafts_per_call: ClassVar[int] = 0
     #: whether :meth:`propose_sampled` draws drafts the way the request samples (a model
     #: drafter: drafter/draft_sampling.py) and returns the rows of unseeded sampled drafts;

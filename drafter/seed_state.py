@@ -1,5 +1,6 @@
 """Seed states on the drafter: the target hidden states a DraftSync / VerifyCommit carries,
-checked against what the message and the proposer say they must be (DESIGN.md §3)."""
+checked against what the message and the proposer say they must be
+(docs/architecture.md, 'Messages')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The vocabulary check of a model drafter (DESIGN.md §6): a draft model proposes token ids,
+"""The vocabulary check of a model drafter (docs/architecture.md, 'Drafting'): a draft model
+proposes token ids,
 and the verifier compares them with the target's, so both tokenizers must map every token to
 the same id. Checked by size (tokenizer lengths, not embedding rows, which may be padded) and
 by the token-to-id maps (``tokenizer.get_vocab()``)."""

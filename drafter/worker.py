@@ -1,4 +1,5 @@
-"""Drafter worker: keeps one speculative path per request and streams it ahead (DESIGN.md §4).
+"""Drafter worker: keeps one speculative path per request and streams it ahead
+(docs/architecture.md, 'Drafting').
 
 The path runs up to ``window`` tokens past the committed prefix, drafted as if the tail in
 flight were accepted (PEARL-style run-ahead), and leaves as DraftTailStream delta segments. A
@@ -247,7 +248,7 @@ class DrafterWorker(MailboxWorker):
         st.commit_received_at = time.perf_counter()
         if branch:
             # The verifier made this branch its tail at the commit: answer at once, before
-            # the catch-up and the next draft (about 3.7 ms served at C=1), so that it does
+            # the catch-up and the next draft (a few ms served), so that it does
             # not spend its tail wait on a second draft that cannot arrive within it.
             self._send_segment(st)
         if hidden is not None and toks:  # the rows of the tokens new to us, after any rollback
@@ -424,7 +425,7 @@ class DrafterWorker(MailboxWorker):
     def _probs_buffer(rows: list) -> Buffer | None:
         """DraftTailStream.draft_probs of a segment: float32 [n, vocab_size] when every draft
         has its row, else None (the verifier then treats the drafts as one-hot, which stays
-        exact, DESIGN.md §5)."""
+        exact, docs/architecture.md, 'Exactness')."""
         if not rows or any(r is None for r in rows):
             return None
         return tensor_to_buffer(torch.stack(rows).to(torch.float32))

@@ -2,11 +2,11 @@
 (``specmesh_decoder_layers_f32`` in ``kernels/cpu_layer_ops.cpp``).
 
 Why: on the CPU a decode or verify step of SmolLM2 runs about 14 kernel calls per layer (norms,
-products, RoPE, K/V writes, attention, SiLU), each behind a few Python and torch dispatches. On
-a 2-core host that dispatch was ~8 ms of a ~20 ms one-token forward. The compiled loop calls the
-same kernels in the same order with the same arguments, so its logits equal the layer-by-layer
-path's bit for bit (tests/engine/test_engine_compiled_stack.py), and it keeps that path's
-batch invariance.
+products, RoPE, K/V writes, attention, SiLU), each behind a few Python and torch dispatches, which
+cost a large share of a one-token forward (docs/benchmarks.md, 'Compiled kernels'). The compiled
+loop calls the same kernels in the same order with the same arguments, so its logits equal the
+layer-by-layer path's bit for bit (tests/engine/test_engine_compiled_stack.py), and it keeps that
+path's batch invariance.
 
 It runs when every part of a layer has a compiled kernel: float32 CPU inference (no autograd),
 every linear layer on GGUF blocks (engine/gguf_weights.py) without biases, a paged KV cache
@@ -106,8 +106,8 @@ class CompiledStack:
                 or not isinstance(kv_cache, KVCache) or not self.enabled() \
                 or not attention_runs_compiled(h):
             return None
-        # unchanged since the pointers were built, the per-layer checks of _blocks (about
-        # 1.2 ms a forward for SmolLM2) need not run again (the grad check is per call)
+        # unchanged since the pointers were built, the per-layer checks of _blocks (a large
+        # share of the call's overhead) need not run again (the grad check is per call)
         if torch.is_grad_enabled() or not self._unchanged(kv_cache):
             blocks = self._blocks(h)
             if blocks is None:
@@ -167,8 +167,8 @@ class CompiledStack:
         return kv_cache.data.data_ptr(), linears, norms
 
     def _unchanged(self, kv_cache: KVCache) -> bool:
-        """Whether nothing the pointers were built from changed (about 0.1 ms for SmolLM2's
-        210 linear layers; the same state read through module attributes took 1.3-2 ms)."""
+        """Whether nothing the pointers were built from changed, read through held references
+        (reading the same state through module attributes cost many times more)."""
         watched = self._watched
         if watched is None or kv_cache.data.data_ptr() != watched[0]:
             return False

@@ -6,9 +6,8 @@ The serving path keeps its KV paged and reduces attention in fixed tiles
 costs a gather and copies of every request's KV per layer and step. Offline generation needs
 neither property: each sequence owns a slot, a contiguous ``[Hkv, max_len, D]`` strip of keys
 and one of values per layer, and a decode step attends with one masked
-``scaled_dot_product_attention`` over views of the slots (no gather, no copy). Measured on an
-AVX2 2-core CPU: a batch-64 decode step's attention about 3.4 ms per layer at 300 positions
-against 8-20 ms for the paged reference; SmolLM2 self-distillation 166 vs 126 tok/s.
+``scaled_dot_product_attention`` over views of the slots (no gather, no copy), several times
+cheaper than the paged reference for a large offline batch (docs/benchmarks.md, 'Attention').
 
 Chunks of a forward (:class:`DenseBatch`): either one token each (a decode step: batched over
 slots) or several tokens (a prompt, or any chunk: attended one by one, causal aligned

@@ -38,7 +38,7 @@ def resolve_device(name: str = "auto") -> Any:
 
 #: CPU flags (``/proc/cpuinfo``) of native bfloat16 matmul: with them oneDNN runs a bf16
 #: multi-token forward at about the cost of a one-token one; without them (AVX2 only) torch
-#: emulates bf16 and a 5-token forward costs ~2.4x a 1-token one (measured on an AVX2 EPYC).
+#: emulates bf16 and a multi-token forward costs far more (docs/benchmarks.md, 'Forward cost').
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 

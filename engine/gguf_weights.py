@@ -5,8 +5,8 @@ that tensor's blocks, checked to expand to its float32 weight bit for bit (rows 
 transformers reorders the rows of q/k for its rotary layout). A layer whose blocks do not match
 keeps its dense weight. The dense parameters stay (state dict, embedding lookups, fallbacks).
 
-SmolLM2-135M, float32, 2 threads (AVX2): the weights a one-token step reads go from 540 MB to
-about 100 MB (``benchmarks/gguf_matmul_ab.py``).
+SmolLM2-135M, float32: the weights a one-token step reads go from 540 MB to about 100 MB
+(docs/benchmarks.md, 'Compiled kernels').
 """
 
 from __future__ import annotations

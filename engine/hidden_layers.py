@@ -1,4 +1,5 @@
-"""Which target hidden states a draft seed state carries (DESIGN.md §3).
+"""Which target hidden states a draft seed state carries (docs/architecture.md, 'Messages', seed
+state).
 
 A seed state kind is a string a draft method declares and the prefill worker and verifier
 honour: ``""`` (none), ``"hidden"`` (the final-norm hidden state, the LM head's input: EAGLE,

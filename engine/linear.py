@@ -1,22 +1,19 @@
 """A linear layer whose result for a row does not depend on how many rows the call has.
 
-Batch invariance (DESIGN.md §11, kernels/paged_attention.py) needs every op of the verify
-forward to compute a row bit for bit as a one-token decode step does. CPU BLAS takes another
-kernel for a one-row product than for two or more: on AVX-512 bf16 CPUs (oneDNN / MKL bf16
-GEMM) a bf16 row computed alone differs in the last bit from the same row computed among
-others, while products of two or more rows agree row by row (measured: SmolLM2's
-``down_proj`` on its own activations, every M from 2 to 17 against pairs). After rounding to
-bf16 such a bit flips greedy tokens at near-ties, so speculation's output drifted from plain
-decoding's. :class:`RowInvariantLinear` computes a one-row bf16 / fp16 input as two rows (the
-row twice) and keeps the first. On F.linear, float32 and float64 keep the one-row fast path
-(GEMV; a 2-row fp32 GEMM costs up to 3x on AVX2): float32's last-bit differences are far
-rarer at argmax than bf16's (no test or bench prompt has flipped), but they are not ruled out.
-Inference on CPU in float32 and bf16 runs on prepacked oneDNN weights instead
-(engine/onednn.py), where one-row inputs also run as two rows, which rules them out for
-float32 too. A float32 layer loaded from a GGUF file computes on the file's quantized blocks
-instead (kernels/gguf_matmul.py, attached by engine/gguf_weights.py), row-invariant by
-construction.
-"""
+Batch invariance (docs/architecture.md, 'Batch invariance') needs every op of the verify forward to
+compute a row bit for bit as a one-token decode step does. CPU BLAS takes another kernel for a
+one-row product than for two or more: on AVX-512 bf16 CPUs (oneDNN / MKL bf16 GEMM) a bf16 row
+computed alone differs in the last bit from the same row computed among others, while products of
+two or more rows agree row by row (docs/benchmarks.md, 'Linear layers'). After rounding to bf16 such
+a bit flips greedy tokens at near-ties, so speculation's output drifted from plain decoding's.
+:class:`RowInvariantLinear` computes a one-row bf16 / fp16 input as two rows (the row twice) and
+keeps the first. On F.linear, float32 and float64 keep the one-row fast path (GEMV; a 2-row fp32
+GEMM costs several times more on AVX2): float32's last-bit differences are far rarer at argmax than
+bf16's (no test or bench prompt has flipped), but they are not ruled out. Inference on CPU in
+float32 and bf16 runs on prepacked oneDNN weights instead (engine/onednn.py), where one-row inputs
+also run as two rows, which rules them out for float32 too. A float32 layer loaded from a GGUF file
+computes on the file's quantized blocks instead (kernels/gguf_matmul.py, attached by
+engine/gguf_weights.py), row-invariant by construction."""
 
 from __future__ import annotations
 
@@ -36,7 +33,7 @@ class RowInvariantLinear(nn.Linear):
     in bf16 / fp16 run as [2, in].
 
     Inference on CPU in fp32 / bf16 (no autograd) runs on a prepacked oneDNN copy of the
-    weight (:mod:`engine.onednn`: 2-3x faster decode-size products, row-invariant in fp32
+    weight (:mod:`engine.onednn`: faster decode-size products, row-invariant in fp32
     too), packed on first use and again whenever the weight or bias changes (a new tensor, an
     in-place update such as ``load_state_dict``, another dtype). Other cases are plain
     ``nn.Linear``.
@@ -90,11 +87,11 @@ class RowInvariantLinear(nn.Linear):
 class FusedLinears:
     """Several :class:`RowInvariantLinear` layers that read the same input (q/k/v, gate/up)
     computed as one product on one prepacked weight, their rows concatenated, then split:
-    fewer, larger calls (SmolLM2 fp32, 2 threads, AVX2: q+k+v 0.26 -> 0.14 ms, gate+up 0.26
-    -> 0.21 ms per layer; each output equal bit for bit to its own layer's on that host, and
-    row-invariant as the pack checks). The layers keep their parameters and state-dict names;
-    where no pack applies (GPU, float64, autograd, packing off) each runs on its own. A plain
-    object, not a module: the layers stay where they are registered."""
+    fewer, larger calls (docs/benchmarks.md, 'Linear layers'; each output equal bit for bit to
+    its own layer's on the hosts measured, and row-invariant as the pack checks). The layers
+    keep their parameters and state-dict names; where no pack applies (GPU, float64, autograd,
+    packing off) each runs on its own. A plain object, not a module: the layers stay where they are
+    registered."""
 
     def __init__(self, *linears: RowInvariantLinear) -> None:
         self.linears = linears

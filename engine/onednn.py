@@ -3,11 +3,10 @@
 
 ``F.linear`` on CPU hands oneDNN / MKL the plain row-major weight on every call, and the
 library reorders it into its blocked layout each time. For the decode-size products of a small
-model that reorder is most of the cost: SmolLM2-135M's 211 products per one-token step took
-17 ms eager against 8 ms prepacked (bf16, 2 threads, AVX-512 bf16; the 49152-wide LM head
-2.5 ms against 0.7 ms; fp32 LM head 7.2 ms against 2.2 ms; benchmarks/linear_prepack.py).
+model that reorder is most of the cost (docs/benchmarks.md, 'Linear layers').
 
-Results are row-invariant as the verify forward needs (DESIGN.md §11): a row's output does
+Results are row-invariant as the verify forward needs (docs/architecture.md, 'Batch invariance'): a
+row's output does
 not depend on how many rows the call has, for 2 rows and up, nor on the thread count; a
 one-row call may take another kernel (gemv) whose last bits differ, so one-row inputs run as
 two rows (the row twice), as :class:`engine.linear.RowInvariantLinear` already did for bf16.

@@ -4,18 +4,18 @@ torch's CPU wheels run intra-op work on GNU OpenMP (libgomp). libgomp gives ever
 that starts parallel work a team of its own, and once a process holds more OpenMP threads than
 it has cores, every team's threads stop spinning between parallel regions and sleep on a futex
 instead (libgomp's "throttled" spin count). A forward is hundreds of short parallel regions, so
-sleeping workers roughly double its time: SmolLM2 bf16, 2 cores, one decode token at 250 tokens
-of context, 23 ms with one team vs 50 ms with a second, idle team left by the thread that loaded
-the model (``OMP_WAIT_POLICY=PASSIVE`` has the same effect: 46-57 ms).
+sleeping workers roughly double its time, e.g. with a second, idle team left by the thread that
+loaded the model (``OMP_WAIT_POLICY=PASSIVE`` has the same effect; docs/benchmarks.md, 'Threads
+and OpenMP').
 
 So a role keeps one team: the loop thread runs the forwards, and work done before it starts
 (loading weights, building the KV cache) runs in a short-lived thread whose team is released
 when it exits (:func:`run_in_released_thread`).
 
 Roles keep libgomp's default wait policy (spin about 300,000 iterations, then sleep). A shorter
-spin for the verifier (``GOMP_SPINCOUNT=3000``) lets roles that share its cores run sooner:
-served, 16 concurrent chat requests x 64 tokens, 4.9-5.8 s vs 5.6-7.8 s (two interleaved
-rounds of three), but one request at a time 31.8-36.5 s vs 29.8-33.6 s, so the default stays.
+spin for the verifier (``GOMP_SPINCOUNT=3000``) lets roles that share its cores run sooner,
+which helped many concurrent requests but slowed one request at a time, so the default stays
+(same page).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The argmax of each row of a logits matrix, first index among ties: the greedy token.
 
-Why: on CPU ``torch.argmax`` over a 49,152-wide float32 row takes about 110 us (2 threads, AVX2
-host; 16 rows 0.9 ms) against about 12 us for NumPy's vectorised ``argmax`` on the same memory
-(16 rows 60 us). Greedy verification and greedy sampling take one per logits row of every step:
-for SmolLM2 a one-token step paid ~0.1 ms of a ~10 ms forward for it, a 16-request verify step
-with 5 rows each ~4.5 ms. On CUDA it stays ``torch.argmax``.
+Why: on CPU ``torch.argmax`` over a 49,152-wide float32 row is many times slower than NumPy's
+vectorised ``argmax`` on the same memory, and greedy verification and greedy sampling take one
+per logits row of every step, which made it a visible share of a large verify step
+(docs/benchmarks.md, 'Linear layers'). On CUDA it stays ``torch.argmax``.
 
 Same result as ``torch.argmax(x, dim=-1)``: the first index of the row maximum, a NaN counting
 as the maximum (both libraries return the first NaN). bf16 / fp16 rows are widened to float32

@@ -1,4 +1,5 @@
-"""Sampling a request's tokens from the target's logits (DESIGN.md §5): the one place that turns
+"""Sampling a request's tokens from the target's logits
+(docs/architecture.md, 'Verification rules'): the one place that turns
 :class:`~protocol.messages.SamplingParams` into the per-row inputs of
 kernels/logits_processing.py and samples one token per request (the prefill worker's first
 token; plain decode). The verifier's rules (decode/verification.py) use :func:`processed_probs`

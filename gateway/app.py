@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics (DESIGN.md §2 steps 1 and 5, §10).
+/metrics (docs/architecture.md, 'Life of a request' steps 1 and 5).
 
-Tokenization follows DESIGN.md §2.1 exactly: ``tokenizer(prompt)["input_ids"]`` for completions
+Tokenization follows docs/architecture.md, 'Life of a request' step 1:
+``tokenizer(prompt)["input_ids"]`` for completions
 and ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` for chat.
 """
 

@@ -8,12 +8,14 @@ the asyncio queue of its request with ``loop.call_soon_threadsafe``. Sends (Gene
 Abort) come from the event loop or any thread and are serialized by a lock, because a ZMQ
 socket must not be used by two threads at once.
 
-Every wait has a bound and an outcome (DESIGN.md §8): a request whose verifier restarted (a
+Every wait has a bound and an outcome (docs/architecture.md, 'Cluster and health'): a request whose
+verifier restarted (a
 new incarnation in its HelloAck or the roster), left the roster, or lost its connection and did
 not come back within ``verifier_lost_grace_s`` fails with an error naming the verifier; a
 request that gets no TokenStream for ``stream_timeout_s`` (a verifier alive but silent) fails
 too; either way its pending entry is gone. A TokenStream whose ``offset`` is not the number of
-tokens already delivered (a lost or repeated delta) fails the request (DESIGN.md §3).
+tokens already delivered (a lost or repeated delta) fails the request
+(docs/architecture.md, 'Messages').
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop-string matching for streamed output (DESIGN.md §2.5).
+"""Incremental detokenization and stop-string matching for streamed output
+(docs/architecture.md, 'Life of a request' step 5).
 
 Tokens arrive a few at a time. Decoding each delta on its own is wrong twice over: byte-level
 BPE splits one multi-byte UTF-8 character over several tokens (an emoji is often 4 tokens), and

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway (DESIGN.md §10: vLLM's names under the ``specmesh:`` prefix).
+"""Prometheus metrics of the gateway (docs/architecture.md, 'Observability': vLLM's names under the
+``specmesh:`` prefix).
 
 Each app gets its own :class:`prometheus_client.CollectorRegistry` so tests can build several
 apps in one process.

@@ -1,4 +1,5 @@
-"""One scrape for the whole cluster (DESIGN.md §10, issue 9): the gateway's ``/metrics`` carries
+"""One scrape for the whole cluster (docs/architecture.md, 'Observability'): the gateway's
+``/metrics`` carries
 every role's ``specmesh:*`` series, so a user points Prometheus at one target.
 
 On each scrape the gateway fetches the exposition of every role in its roster (each role

@@ -71,7 +71,8 @@ COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
     **COMMON_REFUSED, "logprobs": (), "add_special_tokens": (True,),
     "max_completion_tokens": (),
 }
-#: /v1/chat/completions only (the chat template with the generation prompt, DESIGN.md §2.1)
+#: /v1/chat/completions only (the chat template with the generation prompt,
+#: docs/architecture.md, 'Life of a request')
 CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
     **COMMON_REFUSED, "logprobs": (False,), "add_special_tokens": (False,),
     "add_generation_prompt": (True,), "continue_final_message": (False,),

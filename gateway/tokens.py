@@ -1,4 +1,4 @@
-"""Prompt tokenization exactly as DESIGN.md §2.1 fixes it."""
+"""Prompt tokenization exactly as docs/architecture.md, 'Life of a request' step 1 fixes it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Block verification over a ragged batch (DESIGN.md §5): Algorithm 2 ("block verification") of
+"""Block verification over a ragged batch (docs/architecture.md, 'Verification rules'): Algorithm 2
+("block verification") of
 Sun et al., "Block Verification Accelerates Speculative Decoding" (arXiv 2403.10444).
 
 Inputs are those of :mod:`kernels.rejection_sample` (checked by its validator): request ``b``

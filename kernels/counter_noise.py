@@ -1,4 +1,5 @@
-"""Counter-based exponential noise keyed by ``(seed, position, v)`` (DESIGN.md §5): the race
+"""Counter-based exponential noise keyed by ``(seed, position, v)``
+(docs/architecture.md, 'Verification rules'): the race
 noise of coupled verification and Gumbel-max sampling (:mod:`kernels.coupled_sample`).
 
 The generator: splitmix64 (Steele et al. 2014) in wrapping int64 arithmetic:

@@ -1,4 +1,4 @@
-"""Coupled verification for seeded requests (DESIGN.md §5).
+"""Coupled verification for seeded requests (docs/architecture.md, 'Verification rules').
 
 The target token at absolute output position ``i`` of a seeded request is the Gumbel-max sample
 of the processed target distribution with noise keyed by ``(seed, i)``:

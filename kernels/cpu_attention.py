@@ -1,16 +1,15 @@
 """Paged attention on the CPU as compiled code: ``kernels/cpu_attention.cpp``, built on first use
-with the machine's C++ compiler and loaded with ctypes (DESIGN.md §11).
+with the machine's C++ compiler and loaded with ctypes (docs/architecture.md, 'Running on CPU').
 
 Why: the torch reference (:func:`kernels.paged_attention.paged_attention_ref`) gathers every
 request's KV into fixed tiles and converts it to float32 in each layer of each step, and runs a
-dozen small ops around two batched products. On a 2-core CPU that made attention grow with
-context far beyond the bytes it reads (SmolLM2 bf16, one decode step: 26 ms at 128 positions,
-34 ms at 2,048). The compiled kernel reads the cache in place through the block table, one work
-item per (query row, KV head), with every reduction in a fixed order, so it keeps the
-reference's batch invariance by construction (see the .cpp file's header). Its results equal
-the reference's up to float rounding (both accumulate in float32, float64 for a float64 model),
-not bit for bit; the engine uses one of them for every step, so output with speculation still
-equals output without it.
+dozen small ops around two batched products. On a small CPU that made attention grow with
+context far beyond the bytes it reads (docs/benchmarks.md, 'Attention'). The compiled kernel
+reads the cache in place through the block table, one work item per (query row, KV head), with every
+reduction in a fixed order, so it keeps the reference's batch invariance by construction (see the
+.cpp file's header). Its results equal the reference's up to float rounding (both accumulate in
+float32, float64 for a float64 model), not bit for bit; the engine uses one of them for every step,
+so output with speculation still equals output without it.
 
 Build: see :mod:`kernels.cpu_build` (``SPECMESH_CPU_ATTENTION=0`` turns it off; without a
 compiler :func:`available` is False and the engine uses the torch reference).

@@ -1,5 +1,6 @@
 """Compiled CPU kernels: a C++ source under ``kernels/`` built on first use with the machine's
-compiler and loaded with ctypes (DESIGN.md §11). :mod:`kernels.cpu_attention` and
+compiler and loaded with ctypes (docs/architecture.md, 'Running on CPU').
+:mod:`kernels.cpu_attention` and
 :mod:`kernels.gguf_matmul` are built this way.
 
 Build: ``g++ -O3 -march=native -ffp-contract=off -fopenmp -shared`` (``$CXX`` if set) into

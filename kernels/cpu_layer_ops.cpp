@@ -2,11 +2,12 @@
 // before it, and rotary position embedding (RoPE) of q and k. Built and loaded by
 // kernels/cpu_build.py (flags there: -O3 -march=native -ffp-contract=off -fopenmp).
 //
-// Why: in torch each of these is five to ten tiny ops (pow, mean, add, rsqrt, mul, cat, neg,
-// ...), each a dispatch of a few microseconds; on a one-token SmolLM2 step that was 2-4 ms of
-// a 25 ms forward, more than the attention itself.
+// Why: in torch each of these is five to ten tiny ops (pow, mean, add, rsqrt, mul, cat, neg, ...),
+// each a dispatch of a few microseconds; on a one-token SmolLM2 step together more than the
+// attention itself (docs/benchmarks.md, 'Compiled kernels').
 //
-// Batch invariance (DESIGN.md §11): every row is computed on its own in one fixed order,
+// Batch invariance (docs/architecture.md, 'Batch invariance'): every row is computed on its own in
+// one fixed order,
 // whatever the number of rows or threads, so a row's result does not depend on its batch.
 //  - RMSNorm: h = x (+ residual, one IEEE add per element, as torch's add); the sum of squares
 //    runs in 8 float lanes over k ascending (lane l takes k = l mod 8), then a fixed lane tree
@@ -177,9 +178,9 @@ int specmesh_silu_mul_f32(const float* gu, int64_t gu_stride, float* y, int64_t 
 // Every layer of a float32 Llama whose linear layers are GGUF blocks (kernels/gguf_matmul.cpp)
 // over a paged KV cache (kernels/cpu_attention.cpp), for a decode / verify / chunked-prefill
 // batch: the same kernels, in the same order, with the same arguments as the engine's layer
-// by layer path (engine/model.py), so the same bits, without a Python call per op (about 250
-// us of dispatch per layer on a 2-core host). The products and the attention are called
-// through pointers to the other kernels' entry points (each is its own library).
+// by layer path (engine/model.py), so the same bits, without a Python call per op. The
+// products and the attention are called through pointers to the other kernels' entry points (each
+// is its own library).
 struct SmProduct {  // one GGUF product: fmt 0 = Q4_1, 1 = Q8_0; n output features
   int64_t fmt;
   const float* scale;

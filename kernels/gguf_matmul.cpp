@@ -8,7 +8,7 @@
  *
  * Row invariance: y[i, n] is one accumulation over k in a fixed order (8 lanes of k mod 8,
  * k ascending, then a fixed lane reduction), whatever M, whichever tile or thread: a row's
- * result does not depend on the other rows of the call (DESIGN.md section 11).
+ * result does not depend on the other rows of the call (docs/architecture.md, 'Batch invariance').
  *
  * Needs AVX2 and FMA (x86-64 since 2013); elsewhere the build fails and the engine keeps its
  * dense float32 weights (kernels/gguf_matmul.py).

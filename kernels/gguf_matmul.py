@@ -2,11 +2,11 @@
 float32 by compiled CPU code (``kernels/gguf_matmul.cpp``, built as :mod:`kernels.cpu_build`
 says), with a torch reference.
 
-Why: a decode step of a small model is bound by the bytes of weight it reads. SmolLM2-135M
-ships as a Q4_1 GGUF (token embedding Q8_0); dequantized to float32 its weights are 540 MB per
-step, about 37 ms of a 50 ms one-token step on a 2-core AVX2 host, where oneDNN has no bf16.
-Held in their GGUF blocks they are about 100 MB, and each block is expanded to float32 in
-registers as the product reads it (the approach of llama.cpp's ggml and vLLM's GGUF kernels).
+Why: a decode step of a small model is bound by the bytes of weight it reads. SmolLM2-135M ships as
+a Q4_1 GGUF (token embedding Q8_0); dequantized to float32 its weights are 540 MB per step, most of
+a one-token step's time on a CPU without bf16 products (docs/benchmarks.md, 'Compiled kernels').
+Held in their GGUF blocks they are about 100 MB, and each block is expanded to float32 in registers
+as the product reads it (the approach of llama.cpp's ggml and vLLM's GGUF kernels).
 
 Exactness: every weight the kernel uses equals the float32 weight transformers' GGUF loader
 produces (gguf-py's dequantization: ``d * q + m`` for Q4_1, ``d * q`` for Q8_0, with the f16
@@ -14,7 +14,8 @@ produces (gguf-py's dequantization: ``d * q + m`` for Q4_1, ``d * q`` for Q8_0, 
 same values in torch. Only the accumulation order differs from a dense float32 GEMM, as it
 differs between any two BLAS libraries. Each output element is one fixed-order accumulation,
 whatever the number of rows, the tiling or the threads, so the products are row-invariant
-(batch-invariant) by construction, as the verify forward needs (DESIGN.md §11).
+(batch-invariant) by construction, as the verify forward needs
+(docs/architecture.md, 'Batch invariance').
 
 Layout of a :class:`BlockWeight` (blocks of 32 along the input dim K; KB = K / 32):
 ``scale`` [N, KB] float32, ``minv`` [N, KB] float32 (Q4_1 only), ``qs`` [N, KB, 16] uint8 (Q4_1:

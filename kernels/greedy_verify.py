@@ -1,4 +1,4 @@
-"""Greedy chain verification over a ragged batch (DESIGN.md §5).
+"""Greedy chain verification over a ragged batch (docs/architecture.md, 'Verification rules').
 
 Request ``b`` has ``k_b >= 0`` draft tokens ``draft_token_ids[cu[b-1]:cu[b]]`` (``cu[-1]`` read
 as 0) and ``k_b + 1`` target tokens ``target_token_ids[cu[b-1] + b : cu[b] + b + 1]``: target

@@ -1,4 +1,5 @@
-"""Per-request logits processing: temperature, top-k, top-p, min-p (DESIGN.md §5).
+"""Per-request logits processing: temperature, top-k, top-p, min-p
+(docs/architecture.md, 'Verification rules').
 
 Shared by plain decode, the prefill worker's first token and verification: every verified
 position of a request is processed with that request's parameters, so the verification rules
@@ -50,11 +51,11 @@ from specmesh.kernels.triton_mode import check_runnable, interpret_mode, is_inte
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE_EPS = 1e-5
-#: Largest vocabulary the launcher gives the kernel: it holds a whole row in one program
-#: (BLOCK_V = next power of two): compiling a 65,536-wide block for sm_90 took minutes per
-#: dtype on the 2-core CPU machine (float32 finished; float64 had not when a 15-minute limit
-#: ran out), a 4,096-wide one 2 s. Larger vocabularies (SmolLM2's 49,152) take the torch
-#: reference on every device until the kernel walks a row in chunks.
+#: Largest vocabulary the launcher gives the kernel: it holds a whole row in one program (BLOCK_V =
+#: next power of two): compiling a 65,536-wide block for sm_90 took many minutes per dtype on a
+#: 2-core CPU, a 4,096-wide one seconds (docs/benchmarks.md, 'Protocol, health, installation').
+#: Larger vocabularies (SmolLM2's 49,152) take the torch reference on every device until the kernel
+#: walks a row in chunks.
 MAX_KERNEL_VOCAB = 8192
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -1,5 +1,6 @@
 """Paged attention over a ragged batch: every request's queries read its K/V from the paged
-cache through its block table, in one batched op (no per-request loop) (DESIGN.md §11).
+cache through its block table, in one batched op (no per-request loop)
+(docs/architecture.md, 'Batch invariance').
 
 The batch's layout (query rows, KV lengths, block tables, the bottom-right causal mask,
 grouped-query heads) and the token trees' ancestry masks are those of

@@ -1,4 +1,5 @@
-"""The plan of a paged-attention batch (:mod:`kernels.paged_attention`, DESIGN.md §11): the
+"""The plan of a paged-attention batch (:mod:`kernels.paged_attention`,
+docs/architecture.md, 'Batch invariance'): the
 index tensors of one ragged batch, built once per forward and shared by every layer, and the
 reference's KV tiling.
 
@@ -43,8 +44,8 @@ _INT_DTYPES = (torch.int32, torch.int64)
 #: whole tiles of exact zeros. A multiple of the block size near 64 (see :func:`tile_len`).
 TILE_TOKENS = 64
 
-#: Matmuls with fewer rows than this take another BLAS kernel (measured on this machine type:
-#: fp32 rows of an M <= 3 product differ in the last bit from the same rows in a larger M), so
+#: Matmuls with fewer rows than this take another BLAS kernel (on the development CPUs fp32
+#: rows of an M <= 3 product differ in the last bit from the same rows in a larger M), so
 #: the reference pads the query rows of every KV head to at least this many.
 MIN_MATMUL_ROWS = 4
 

@@ -1,4 +1,5 @@
-"""Standard rejection sampling over a ragged batch (DESIGN.md §5): speculative sampling of
+"""Standard rejection sampling over a ragged batch (docs/architecture.md, 'Verification rules'):
+speculative sampling of
 Leviathan et al. (arXiv 2211.17192) and Chen et al. (arXiv 2302.01318), as vLLM's rejection
 sampler.
 

@@ -1,4 +1,5 @@
-"""Synthetic acceptance over a ragged batch (DESIGN.md §5): the ablation harness that accepts
+"""Synthetic acceptance over a ragged batch (docs/architecture.md, 'Verification rules'): the
+ablation harness that accepts
 drafts at given rates whatever they are (vLLM's synthetic acceptance for benchmarking a
 deployment at a chosen acceptance; see decode/synthetic.py for the curves).
 

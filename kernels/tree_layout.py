@@ -1,4 +1,5 @@
-"""The token-tree layout shared by the tree verification ops (DESIGN.md §5): the greedy walk
+"""The token-tree layout shared by the tree verification ops
+(docs/architecture.md, 'Verification rules'): the greedy walk
 (:mod:`kernels.tree_walk`) and SpecInfer's multi-step speculative sampling
 (:mod:`kernels.tree_rejection_sample`).
 

@@ -1,4 +1,5 @@
-"""Tree rejection sampling over a ragged batch (DESIGN.md §5): SpecInfer's multi-step
+"""Tree rejection sampling over a ragged batch (docs/architecture.md, 'Verification rules'):
+SpecInfer's multi-step
 speculative sampling (Miao et al., "SpecInfer", arXiv 2305.09781, Algorithm 2 "multi-step
 speculative sampling"; the sibling-by-sibling residual of Chen et al. 2302.01318), in the layout
 of :mod:`kernels.tree_layout` (node numbering, ``parents``, target rows, results).

@@ -1,4 +1,5 @@
-"""Greedy tree verification over a ragged batch (DESIGN.md §5): the tree walk, in the layout of
+"""Greedy tree verification over a ragged batch (docs/architecture.md, 'Verification rules'): the
+tree walk, in the layout of
 :mod:`kernels.tree_layout` (node numbering, ``parents``, target rows, results); the tree form
 of :mod:`kernels.greedy_verify`.
 

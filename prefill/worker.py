@@ -1,4 +1,5 @@
-"""Prefill worker: runs the target over prompts, ships the KV and the first token (DESIGN.md §2).
+"""Prefill worker: runs the target over prompts, ships the KV and the first token
+(docs/architecture.md, 'Life of a request').
 
 For each PrefillRequest it allocates blocks in its own KV cache, runs the prompt (in chunks of
 ``chunk_size`` tokens when long), samples output position 0 with the request's sampling mode

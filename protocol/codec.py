@@ -1,4 +1,4 @@
-"""msgpack codec for specmesh wire messages (DESIGN.md §3). Never pickle.
+"""msgpack codec for specmesh wire messages (docs/architecture.md, 'Messages'). Never pickle.
 
 Wire format of one message, a list of frames:
 
@@ -46,7 +46,7 @@ MAX_FRAMES = 64
 _ExtType = msgpack.ExtType
 _packb = msgpack.packb
 # Initial msgpack Packer buffer (grows as needed). msgpack's 256 KiB default costs a large
-# malloc per packb, ~10 us when packb nests (nested messages, buffer references).
+# malloc per packb, costly when packb nests (nested messages, buffer references).
 _SMALL_BUF = 1024
 
 Frame = Any  # bytes | memoryview | an object with a ``.buffer`` memoryview (zmq.Frame)

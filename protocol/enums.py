@@ -11,7 +11,8 @@ import enum
 
 
 class Role(str, enum.Enum):
-    """The processes of a specmesh cluster (DESIGN.md §2). The decode role is the verifier."""
+    """The processes of a specmesh cluster (docs/architecture.md, 'Roles'). The decode role is the
+    verifier."""
 
     PREFILL = "prefill"
     VERIFIER = "verifier"

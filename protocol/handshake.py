@@ -1,7 +1,8 @@
 """The Hello handshake's rules, apart from any transport: when a peer is refused, and what a
-mailbox remembers of a peer (DESIGN.md §3).
+mailbox remembers of a peer (docs/architecture.md, 'Handshake').
 
-Both sides compare every field DESIGN.md §3 lists: protocol version, role (who may open a
+Both sides compare every field docs/architecture.md, 'Handshake' lists: protocol version, role (who
+may open a
 channel to whom, :data:`DIALS`), instance id (the one the connection carries / the one dialled),
 incarnation, model identity (every :class:`ModelIdentity` field, the KV block size included)
 and draft method. An empty field is not a wildcard: a Hello or HelloAck that leaves one empty
@@ -20,7 +21,8 @@ from specmesh.protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelI
 #: ModelIdentity fields two peers must agree on: all of them (none may be empty).
 IDENTITY_FIELDS = tuple(f.name for f in dataclasses.fields(ModelIdentity))
 
-#: role -> the roles it opens channels to (DESIGN.md §2: the gateway dials verifiers, a
+#: role -> the roles it opens channels to (docs/architecture.md, 'Roles': the gateway dials
+#: verifiers, a
 #: verifier dials prefill workers and drafters; nobody else dials anybody).
 DIALS: dict[str, set[str]] = {
     Role.GATEWAY.value: {Role.VERIFIER.value},

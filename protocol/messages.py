@@ -1,4 +1,5 @@
-"""Wire messages of specmesh: frozen dataclasses with integer wire tags (DESIGN.md §2-§3).
+"""Wire messages of specmesh: frozen dataclasses with integer wire tags
+(docs/architecture.md, 'Messages').
 
 Glossary (used everywhere in the code base):
 - output positions are 0-based indices into a request's *output* tokens; the first token
@@ -158,7 +159,8 @@ class SamplingParams:
     """Per-request sampling (vLLM's semantics, kernels/logits_processing.py): ``temperature``
     below 1e-5 is greedy (top-p/k and min-p then ignored); ``top_k <= 0`` (or ``>= vocab``),
     ``top_p == 1`` and ``min_p == 0`` are off. ``seed`` set on a sampled request selects the
-    coupled rule (DESIGN.md §5): its output is a function of (prompt, parameters, seed) alone,
+    coupled rule (docs/architecture.md, 'Verification rules'): its output is a function of (prompt,
+    parameters, seed) alone,
     the same with speculation on or off. ``max_tokens`` counts output tokens."""
 
     max_tokens: int = 16
@@ -311,7 +313,8 @@ class Abort:
 
     ``num_output_tokens``: the output tokens the client kept when a stop string ended the
     output (the token that completed the stop string included); the verifier counts usage and
-    spec stats only up to there (DESIGN.md §4: nothing past the cut is counted). None: the
+    spec stats only up to there (docs/architecture.md, 'The verify step': nothing past the cut
+    counts). None: the
     request is dropped where it stands (client gone).
     """
 

@@ -1,5 +1,6 @@
 """Decoding schemas of the wire messages: per registered class, one check per field compiled
-from its type hints (DESIGN.md §3). A check takes the value read off the wire and returns the
+from its type hints (docs/architecture.md, 'Messages'). A check takes the value read off the wire
+and returns the
 Python value, or raises :class:`ProtocolError`: decoding never trusts a peer.
 
 Supported field types: int, float, str, bytes, bool, None, :class:`Buffer`, a registered message

@@ -1,4 +1,5 @@
-"""Speculation statistics: the one place their arithmetic lives (DESIGN.md §10).
+"""Speculation statistics: the one place their arithmetic lives
+(docs/architecture.md, 'Observability').
 
 Terms as in vLLM's spec-decode metrics: ``num_draft_tokens`` drafts the verifier checked,
 ``num_accepted_tokens`` of which accepted, ``num_verify_steps`` verify steps that carried at
@@ -34,7 +35,8 @@ class SpecStats:
     def cut_step(num_draft_tokens: int, accept_len: int, num_kept: int) -> tuple[int, int]:
         """``(drafts, accepted)`` of a verify step whose output ends after ``num_kept`` of the
         tokens it committed (EOS, stop token, max_tokens or a stop string inside it): a draft
-        past the end of the output is neither drafted nor accepted (DESIGN.md §4 step 4)."""
+        past the end of the output is neither drafted nor accepted
+        (docs/architecture.md, 'The verify step')."""
         kept = max(num_kept, 0)
         return min(num_draft_tokens, kept), min(accept_len, kept)
 

@@ -1,4 +1,4 @@
-"""Where a role's time goes, per phase of its step (issue 10's step profile; DESIGN.md §10).
+"""Where a role's time goes, per phase of its step (docs/architecture.md, 'Observability').
 
 A :class:`StepProfile` keeps, per named phase (``ingest``, ``plan``, ``tail_wait``,
 ``forward``, ``verify``, ``commit``, ``send`` on the verifier; ``commit_to_tail`` on the

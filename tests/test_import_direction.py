@@ -1,4 +1,5 @@
-"""The import direction of DESIGN.md §1, checked on the source (ast), lazy imports included.
+"""The import direction of docs/architecture.md, 'Layering', checked on the source (ast), lazy
+imports included.
 
 - protocol: no torch / numpy / triton / ray, no other project package;
 - kernels: only torch, triton, the standard library and kernels itself;
@@ -141,7 +142,8 @@ def test_project_tree_respects_import_direction() -> None:
             bad += violations(package, path.read_text(encoding="utf-8"), relpath)
         except SyntaxError as e:
             bad.append(f"{package}/{relpath}: does not parse: {e}")
-    assert not bad, "import direction violated (DESIGN.md §1):\n" + "\n".join(bad)
+    assert not bad, ("import direction violated (docs/architecture.md, 'Layering'):\n"
+                     + "\n".join(bad))
 
 
 def test_pure_modules_stay_pure_transitively() -> None:

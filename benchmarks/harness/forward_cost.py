@@ -1,5 +1,6 @@
 """What a verify step costs against a plain decode step, measured on the machine at hand
-(DESIGN.md §11: the ratio decides what speculation can gain; it differs by dtype and CPU).
+(docs/architecture.md, 'Running on CPU': the ratio decides what speculation can gain; it differs by
+dtype and CPU).
 
 :func:`forward_cost_ratio` times our engine's forward of ``kappa + 1`` tokens and of one token
 per request after the same cached context, for a batch of requests, interleaved, and returns

@@ -4,7 +4,8 @@ Public methods are what the controller calls (Ray method calls, never per token)
 ``update_roster``, ``stats``, ``health``, ``stop``. Roster changes run inside the loop thread
 (``ZmqMailbox.call_soon``), so sockets are only ever touched by the thread that owns them.
 
-Health (DESIGN.md §8): the loop thread bumps ``loop_turns`` on every turn (an idle loop turns
+Health (docs/architecture.md, 'Cluster and health'): the loop thread bumps ``loop_turns`` on every
+turn (an idle loop turns
 at least once a second); :meth:`RoleHost.start_heartbeat` sends :meth:`RoleHost.heartbeat`
 (that counter, the role's load) about once a second through a callable the Ray edge supplies,
 so the controller sees both that the actor is alive and that its loop makes progress.

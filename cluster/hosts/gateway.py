@@ -132,7 +132,8 @@ class GatewayHost(RoleHost):
 
 def least_loaded_verifier(ready: list[str], in_flight: dict[str, int],
                           loads: dict[str, dict]) -> str:
-    """The verifier of ``ready`` to route a new request to (DESIGN.md §2): one with no queue of
+    """The verifier of ``ready`` to route a new request to
+    (docs/architecture.md, 'Life of a request' step 1): one with no queue of
     waiting requests before one with a queue, then the fewest requests this gateway has in
     flight on it (live), then the most free KV blocks, then the roster order. ``loads``: each
     verifier's ``num_waiting`` / ``num_free_blocks`` as its last heartbeat reported (about a

@@ -3,10 +3,10 @@
 Why: a draft is one head entry (the fusion layer, one decoder layer) and one LM-head product
 over the draft vocabulary, about 9 M float32 weights, 37 MB read per draft from memory. The
 target's float32 forward reads its layers from their GGUF blocks (kernels/gguf_matmul.py), so
-on a 2-core AVX2 host a float32 head cost a third of a target step per draft (2.8 ms vs 11 ms
-for a one-token SmolLM2 step): the drafter's time per verify step then ate what its accepted
-drafts saved. Rounded to Q8_0 (llama.cpp's 8-bit format, a scale per 32 weights) the head
-reads about a quarter of those bytes, through the same compiled kernel.
+a float32 head cost a large share of a target step per draft (docs/benchmarks.md, 'Drafting'):
+the drafter's time per verify step then ate what its accepted drafts saved. Rounded to Q8_0
+(llama.cpp's 8-bit format, a scale per 32 weights) the head reads about a quarter of those
+bytes, through the same compiled kernel.
 
 What changes: the head's linear weights become their Q8_0 rounding (each weight moves by at
 most half a quantization step; the module's parameters hold the rounded values, so every path

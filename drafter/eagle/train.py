@@ -182,8 +182,8 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
 
     ``autocast_dtype`` (e.g. ``torch.bfloat16``): mixed precision, the forward and backward
     products run in that dtype under ``torch.autocast`` while the weights, the optimizer state
-    and the loss stay in the head's dtype (2.4x the entries/s of float32 on an AVX-512 bf16
-    CPU with 2 threads)."""
+    and the loss stay in the head's dtype (faster than float32 on a CPU with bf16 products;
+    docs/benchmarks.md, 'Training')."""
     from tqdm import tqdm
 
     if head.config.feature_layers and (reg_weight or soft_weight):

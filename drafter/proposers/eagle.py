@@ -2,7 +2,8 @@
 
 Li et al., EAGLE (arXiv 2401.15077). Seed state ``"hidden"``: the prefill worker ships the
 target's hidden state at the last prompt position, each VerifyCommit the states at the
-positions whose next token it committed (DESIGN.md §3). Per request the proposer keeps the
+positions whose next token it committed (docs/architecture.md, 'Messages'). Per request the proposer
+keeps the
 true states it was sent and the head's own KV (drafter/eagle/head.py ``HeadKV``): entries at
 positions with a true state are computed from it, entries past the last true state from the
 head's own predicted state (the chain). When true states arrive for positions the chain had

@@ -3,8 +3,7 @@
 The last ``n`` tokens of the context (``n`` from ``max_ngram`` down to ``min_ngram``) are
 searched for earlier in the context; the tokens that followed the most recent earlier match are
 the draft. Stateless: the context is the state, so rollback is free. ``min_ngram=2`` (as Hugging
-Face's prompt lookup): single-token matches draft mostly noise; measured on the bundled prompts
-(SmolLM2, fp32, kappa 4) acceptance rose from 0.42 to 0.52 and throughput by about 9%.
+Face's prompt lookup): single-token matches draft mostly noise (docs/benchmarks.md, 'Drafting').
 
 Trees (``tree_width`` > 1; tree verification, SpecInfer arXiv 2305.09781): when several earlier
 matches of the suffix are followed by different continuations, :meth:`propose_tree` returns
@@ -19,7 +18,7 @@ from __future__ import annotations
 from specmesh.drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from specmesh.drafter.proposer import Proposer, register_proposer
 
-#: Branches of an n-gram tree by default (measured on the tiny test, see README / the commit)
+#: Branches of an n-gram tree by default (docs/benchmarks.md, 'Drafting')
 DEFAULT_TREE_WIDTH = 2
 
 

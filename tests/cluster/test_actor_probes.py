@@ -1,4 +1,5 @@
-"""The controller actor's probes through a real Ray (issue 9 / DESIGN.md §8): a role that
+"""The controller actor's probes through a real Ray (docs/architecture.md, 'Cluster and health'): a
+role that
 stops heartbeating while its actor lives stays in the roster (a starved role is not dead); once
 its actor is killed it leaves within a few heartbeat intervals, long before MAX_MISSED_BEATS."""
 

@@ -72,8 +72,9 @@ def test_ngram_tree_width_option(tiny_model_dir):
 
 def test_a_model_drafter_leaves_the_verifier_a_core_in_the_default_plan(tiny_model_dir,
                                                                        tiny_eagle_head):
-    """Measured (benchmarks/bench_drafters.md): served EAGLE is fastest with the verifier on
-    n - 1 threads beside the drafter's one; the n-gram drafter (pure Python) leaves all n."""
+    """Measured (docs/benchmarks.md, 'Threads and OpenMP'): served EAGLE is fastest with the
+    verifier on n - 1 threads beside the drafter's one; the n-gram drafter (pure Python) leaves all
+    n."""
     from specmesh.cluster.config import default_threads
 
     n = default_threads()["verifier"]

@@ -1,4 +1,5 @@
-"""Controller health checks (DESIGN.md §8), in process: a fake clock and fake roles for the
+"""Controller health checks (docs/architecture.md, 'Cluster and health'), in process: a fake clock
+and fake roles for the
 bookkeeping, and real role-host threads (loop and heartbeat) at a short interval for the
 edge. A role that stops heartbeating, or heartbeats while its loop stands still, leaves the
 roster after 3 missed beats and its peers get the new roster; a restarted role (new
@@ -351,7 +352,8 @@ def test_gateway_health_turns_503_when_the_only_prefill_worker_is_deregistered(m
 
 
 def test_a_silent_role_whose_actor_is_gone_leaves_after_three_missed_beats(mesh):
-    """DESIGN.md §8: dead after 3 missed heartbeats when Ray says the actor is gone (the Ray
+    """docs/architecture.md, 'Cluster and health': dead after 3 missed heartbeats when Ray says the
+    actor is gone (the Ray
     edge's ActorProbes asks it about every role in silent_roles); a silent role whose actor
     still answers stays until MAX_MISSED_BEATS; a report for another incarnation is ignored."""
     from specmesh.cluster.health import MAX_MISSED_BEATS

@@ -1,5 +1,6 @@
 """Exactness (float64, tiny random Llama): speculative greedy == plain greedy, token for token,
-through the three in-process workers with real encoded messages (DESIGN.md §9)."""
+through the three in-process workers with real encoded messages
+(docs/architecture.md, 'Exactness')."""
 
 import random
 

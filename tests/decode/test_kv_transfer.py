@@ -1,4 +1,5 @@
-"""KV transfer ordering and cancellation on the verifier (DESIGN.md §2 step 3): PrefillDone
+"""KV transfer ordering and cancellation on the verifier (docs/architecture.md, 'KV transfer'):
+PrefillDone
 before or after its frames, and late frames of a cancelled transfer after its blocks were
 freed and reused must not corrupt other requests."""
 

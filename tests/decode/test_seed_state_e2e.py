@@ -1,4 +1,5 @@
-"""Draft seed state (EAGLE family, DESIGN.md §2-§3) through the three in-process workers with
+"""Draft seed state (EAGLE family, docs/architecture.md, 'Messages') through the three in-process
+workers with
 real encoded messages: the target hidden states a "hidden" proposer receives (PrefillDone ->
 DraftSync, then every VerifyCommit, and the re-sync after DraftNeedSync) equal the target's own
 hidden states at those positions, computed by a separate plain forward over the final prompt +

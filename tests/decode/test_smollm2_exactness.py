@@ -1,6 +1,7 @@
 """Exactness on the real model (float32, SmolLM2-135M-Instruct): speculative greedy through the
 in-process workers equals Hugging Face ``generate(do_sample=False)`` token for token, or differs
-only at a reported position whose top-2 logit margin is below 1e-4 (DESIGN.md §9)."""
+only at a reported position whose top-2 logit margin is below 1e-4
+(docs/architecture.md, 'Exactness')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tail buffer staleness rule (DESIGN.md §3) and the commit cut (EOS / stop / max_tokens)."""
+"""Tail buffer staleness rule (docs/architecture.md, 'Draft tails and staleness') and the commit cut
+(EOS / stop / max_tokens)."""
 
 from specmesh.decode.request import Request
 from specmesh.decode.tail_buffer import TailBuffer

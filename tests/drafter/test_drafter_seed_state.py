@@ -1,5 +1,6 @@
 """The drafter worker hands seed states (target hidden states) to a "hidden" proposer with the
-positions of DESIGN.md §3, after the commit is applied; a seed state that does not fit (rows
+positions of docs/architecture.md, 'Messages', after the commit is applied; a seed state that does
+not fit (rows
 != committed tokens, no rows, another hidden size, not a matrix) is a protocol error for that
 request (DraftNeedSync) and the worker keeps serving. A method that needs none ignores them."""
 

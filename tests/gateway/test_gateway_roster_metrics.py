@@ -1,4 +1,5 @@
-"""One scrape of the gateway carries every role's series (issue 9, DESIGN.md §10): the roles'
+"""One scrape of the gateway carries every role's series (docs/architecture.md, 'Observability'):
+the roles'
 expositions are fetched concurrently, relabelled with the roster's role and instance, merged
 with the gateway's own families (one family per name); a role that does not answer in time is
 left out and counted per role. Fake role endpoints on 127.0.0.1, no Ray."""

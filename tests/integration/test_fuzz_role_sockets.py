@@ -1,6 +1,6 @@
 """Issue 9: 10,000 fuzzed messages per role socket, generated with ``hypothesis``, over real
 ZMQ sockets against prefill, verifier and drafter workers running their loops in threads and a
-gateway backend (DESIGN.md §3: "decoding validates everything ... the role keeps running").
+gateway backend (docs/architecture.md, 'Messages': decoding trusts nothing, the role keeps running).
 
 Sockets: the verifier's (from a gateway, from a prefill peer, from a drafter peer), the prefill
 worker's and the drafter's (from a verifier), the gateway's (TokenStreams from a verifier).

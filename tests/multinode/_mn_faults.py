@@ -6,7 +6,8 @@ concurrent requests, in this order (each leaves the cluster as the next one need
    at once, some are prefilled and drafted there).
 2. ``drafter_loss_reopen``: the drafter holding a long request (one of drafter-0, drafter-9) is
    killed for good; the verifier loses its connection and re-opens the request on the drafter
-   left (DraftSync), where it accepts drafts again (DESIGN.md §4: a request whose drafter dies
+   left (DraftSync), where it accepts drafts again (docs/architecture.md, 'Drafting': a request
+   whose drafter dies
    is re-opened on another drafter); the health check deregisters the dead one.
 3. ``drafter_restart``: the last drafter is killed (``ray.kill``, Ray restarts it) after the
    first SSE chunk of a long request that has accepted drafts (two more in flight); a request

@@ -1,4 +1,5 @@
-"""PrefillDone carries the seed state of the request's draft method (DESIGN.md §2 step 3): for
+"""PrefillDone carries the seed state of the request's draft method
+(docs/architecture.md, 'Life of a request' step 3): for
 a method whose seed state is "hidden" (``PrefillConfig.seed_states``) the target's final hidden
 state at the last prompt position, [1, hidden_size] in the model dtype (chunked prefill
 included); for n-gram, an unknown method or none, nothing."""

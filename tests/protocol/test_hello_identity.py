@@ -1,4 +1,5 @@
-"""Hello / HelloAck compare every field DESIGN.md §3 lists (protocol version, role, instance
+"""Hello / HelloAck compare every field docs/architecture.md, 'Handshake' lists (protocol version,
+role, instance
 id and incarnation, model identity incl. the KV block size, draft method); an empty field is
 not a wildcard; the HelloAck carries the acceptor's identity and the initiator checks it too
 (issue 9)."""
