@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from specmesh.protocol.errors import ProtocolError
-from specmesh.protocol.messages import REGISTRY, Buffer, DraftBranches, DraftTailStream, Range, buffer_nbytes
+from specmesh.protocol._legacy.messages import REGISTRY, Buffer, DraftBranches, DraftTailStream, Range, buffer_nbytes
 
 #: Deepest nesting of registered messages inside one message (the top level is depth 0).
 MAX_DEPTH = 8

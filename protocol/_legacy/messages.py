@@ -1,0 +1,588 @@
+"""Wire messages of specmesh: frozen dataclasses with integer wire tags (DESIGN.md §2-§3).
+
+Glossary (used everywhere in the code base):
+- output positions are 0-based indices into a request's *output* tokens; the first token
+  (sampled by the prefill worker) sits at output position 0.
+- ``committed_len``: number of output tokens the verifier has committed; never rolled back.
+- ``num_speculative_tokens`` (kappa, a setting, vLLM's name): the most drafts verified per
+  request per step; 0 turns speculation off.
+- ``num_draft_tokens``: a count of drafts (verified, sent, ...), never a setting.
+- ``accept_len``: accepted drafts of one verify step, excluding the bonus / recovered token.
+- ``block_table``: KV block ids of one request, in position order.
+
+Tags are never reused. Field types are limited to int, float, str, bytes, bool, None, lists of
+those, nested registered messages and :class:`Buffer` (an out-of-band binary frame).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
+
+# 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges;
+# 4: SamplingParams.min_p (sampled and seeded requests); 5: TokenStream.offset;
+# 6: HelloAck carries the acceptor's identity (protocol version, model, draft method);
+# 7: DraftBranches (drafter -> verifier)
+PROTOCOL_VERSION = 7
+PLACEHOLDER_TOKEN_ID = -1
+
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Bounds of an int field, as ``Annotated[int, Range(lo, hi)]`` metadata: decoding refuses a
+    value outside ``[lo, hi]`` (``None``: unbounded) with a ProtocolError (protocol/schema.py).
+    Constructing a message locally does not check them."""
+
+    lo: int | None = None
+    hi: int | None = None
+
+
+#: a count, length or output position (never negative)
+NonNegInt = Annotated[int, Range(0)]
+#: a token id (vocabulary bounds are the receiver's to check: the wire layer has no vocabulary)
+TokenId = Annotated[int, Range(0)]
+
+#: tag -> message class; filled by :func:`register`.
+REGISTRY: dict[int, type] = {}
+
+# dtype names a Buffer may carry, with their item size in bytes (no torch import here).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def register(tag: int):
+    """Class decorator: give a dataclass wire tag ``tag`` and add it to :data:`REGISTRY`.
+
+    Raises:
+        ValueError: the tag is already taken by another class.
+    """
+
+    def wrap(cls: type) -> type:
+        if tag in REGISTRY and REGISTRY[tag].__name__ != cls.__name__:
+            raise ValueError(f"wire tag {tag} already used by {REGISTRY[tag].__name__}")
+        cls.TAG = tag
+        REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+def buffer_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a C-order array of ``shape`` and ``dtype``: ``prod(shape) * itemsize(dtype)``
+    (the one copy of this product: the codec, the frames and ``Buffer.nbytes`` use it).
+
+    Raises:
+        ValueError: ``dtype`` is not in :data:`DTYPE_ITEMSIZE`, or a dimension is not a
+            non-negative int.
+    """
+    itemsize = DTYPE_ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
+        raise ValueError(f"unknown buffer dtype {dtype!r}")
+    n = itemsize
+    for s in shape:
+        if type(s) is not int or s < 0:
+            raise ValueError(f"bad buffer shape {list(shape)!r}: dimensions must be ints >= 0")
+        n *= s
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A binary buffer that travels as its own ZMQ frame.
+
+    ``data`` holds ``prod(shape) * itemsize(dtype)`` bytes in C order. ``dtype`` is a name from
+    :data:`DTYPE_ITEMSIZE` (``"bfloat16"`` included: protocol/ never touches numpy or torch).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+
+    @property
+    def nbytes(self) -> int:
+        """``prod(shape) * itemsize(dtype)``, bytes (see :func:`buffer_nbytes`)."""
+        return buffer_nbytes(self.dtype, self.shape)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Buffer)
+            and self.dtype == other.dtype
+            and tuple(self.shape) == tuple(other.shape)
+            and bytes(self.data) == bytes(other.data)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.dtype, tuple(self.shape), len(self.data)))
+
+
+# --------------------------------------------------------------------------------------------
+# Shared parts
+# --------------------------------------------------------------------------------------------
+
+
+@register(1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelIdentity:
+    """What two peers must agree on before exchanging KV or tokens."""
+
+    name: str
+    vocab_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> ModelIdentity:
+        return cls(name="SmolLM2-135M-Instruct", vocab_size=49152, dtype="float32",
+                   num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
+
+
+@register(2)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling (vLLM's semantics, kernels/logits_processing.py): ``temperature``
+    below 1e-5 is greedy (top-p/k and min-p then ignored); ``top_k <= 0`` (or ``>= vocab``),
+    ``top_p == 1`` and ``min_p == 0`` are off. ``seed`` set on a sampled request selects the
+    coupled rule (DESIGN.md §5): its output is a function of (prompt, parameters, seed) alone,
+    the same with speculation on or off. ``max_tokens`` counts output tokens."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_p: float = 0.0
+    TAG: ClassVar[int]
+
+    def invalid_reason(self) -> str:
+        """Why these parameters can never be sampled ("" when they can): a temperature that is
+        negative or not finite, ``top_p`` outside ``(0, 1]``, ``min_p`` outside ``[0, 1]``, a
+        ``top_k`` beyond int64, a seed outside ``[-2**63, 2**64)``. Pure Python (the scheduler
+        and the prefill worker call it)."""
+        t = self.temperature
+        if not (t >= 0 and t != float("inf")):  # also refuses NaN
+            return f"temperature must be finite and >= 0, got {t!r}"
+        if not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        if not 0 <= self.min_p <= 1:
+            return f"min_p must be in [0, 1], got {self.min_p!r}"
+        if not -(1 << 63) <= self.top_k < 1 << 63:
+            return f"top_k must be a 64-bit signed integer, got {self.top_k}"
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            return f"seed must be in [-2**63, 2**64), got {self.seed}"
+        return ""
+
+    @classmethod
+    def example(cls) -> SamplingParams:
+        return cls(max_tokens=32, temperature=0.0, seed=7, stop_token_ids=[2, 5])
+
+
+# --------------------------------------------------------------------------------------------
+# Handshake (any peer pair)
+# --------------------------------------------------------------------------------------------
+
+
+@register(10)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """First message on every connection, repeated after a reconnect."""
+
+    protocol_version: int
+    role: str  # a protocol.enums.Role value: prefill | verifier | drafter | gateway
+    instance_id: str
+    incarnation: int  # a restarted process has a new one
+    model: ModelIdentity | None = None
+    draft_method: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> Hello:
+        return cls(protocol_version=PROTOCOL_VERSION, role="drafter", instance_id="drafter-0",
+                   incarnation=3, model=ModelIdentity.example(), draft_method="ngram")
+
+
+@register(11)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HelloAck:
+    """Answer to :class:`Hello`; ``accepted=False`` carries the reason in ``error``.
+
+    Carries the acceptor's own identity (the fields of a Hello), which the initiator compares
+    with its own as the acceptor compared the Hello (protocol/handshake.py): both sides check.
+    """
+
+    accepted: bool
+    protocol_version: int
+    role: str
+    instance_id: str
+    incarnation: int
+    model: ModelIdentity | None = None
+    draft_method: str = ""
+    error: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> HelloAck:
+        return cls(accepted=False, protocol_version=PROTOCOL_VERSION, role="verifier",
+                   instance_id="verifier-0", incarnation=1, model=ModelIdentity.example(),
+                   draft_method="ngram", error="model mismatch: vocab_size 49152 != 32000")
+
+
+# --------------------------------------------------------------------------------------------
+# Gateway <-> verifier
+# --------------------------------------------------------------------------------------------
+
+
+@register(20)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateRequest:
+    """Gateway -> verifier: generate for an already tokenized prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    num_speculative_tokens: int | None = None  # this request's kappa; None = the verifier's
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> GenerateRequest:
+        return cls(request_id="req-1", prompt_token_ids=[1, 2, 3, 4],
+                   sampling=SamplingParams.example(), num_speculative_tokens=4)
+
+
+@register(21)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenStream:
+    """Verifier -> gateway: newly committed output tokens (a delta) plus running spec stats.
+
+    ``finish_reason`` is ``"stop"`` (EOS / stop token), ``"length"`` (max_tokens), ``"abort"`` or
+    ``"error"`` (then ``error`` says why) once ``finished`` is true.
+
+    ``offset``: the output position of the first token of ``token_ids`` (the number of output
+    tokens the verifier streamed before this delta), so the gateway sees a lost or repeated
+    delta (a gap or an overlap) and fails the request rather than return text with a hole.
+
+    ``synthetic_acceptance``: the verifier runs the synthetic-acceptance ablation harness
+    (``--verify-rule synthetic``): drafts were accepted along a given curve, not verified, so
+    the output is not the target's.
+    """
+
+    request_id: str
+    token_ids: list[TokenId]
+    offset: NonNegInt = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: NonNegInt = 0
+    num_draft_tokens: NonNegInt = 0  # drafts verified so far for this request
+    num_accepted_tokens: NonNegInt = 0  # of which accepted
+    num_verify_steps: NonNegInt = 0  # verify forwards that included drafts
+    error: str = ""
+    synthetic_acceptance: bool = False
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> TokenStream:
+        return cls(request_id="req-1", token_ids=[9, 10], offset=3, finished=True,
+                   finish_reason="length",
+                   num_prompt_tokens=4, num_draft_tokens=6, num_accepted_tokens=3,
+                   num_verify_steps=2)
+
+
+@register(22)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Gateway -> verifier (client gone, stop string hit) or verifier -> prefill.
+
+    ``num_output_tokens``: the output tokens the client kept when a stop string ended the
+    output (the token that completed the stop string included); the verifier counts usage and
+    spec stats only up to there (DESIGN.md §4: nothing past the cut is counted). None: the
+    request is dropped where it stands (client gone).
+    """
+
+    request_id: str
+    reason: str = "abort"
+    num_output_tokens: NonNegInt | None = None
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> Abort:
+        return cls(request_id="req-1", reason="stop string", num_output_tokens=7)
+
+
+# --------------------------------------------------------------------------------------------
+# Verifier <-> prefill (KV transfer)
+# --------------------------------------------------------------------------------------------
+
+
+@register(30)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillRequest:
+    """Verifier -> prefill: run the prompt and ship its KV into ``block_table`` of the verifier
+    (the channel the request came on carries the KV back)."""
+
+    request_id: str
+    transfer_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    block_table: list[int]  # destination KV blocks on the verifier, in position order
+    draft_method: str = ""  # decides which seed state PrefillDone carries (drafter issue)
+    #: the verifier has nothing to compute until this prompt's KV lands (no running request,
+    #: no other prefill in flight) and shares its CPU cores with this prefill worker, which may
+    #: then run the prompt on them all (cluster/hosts/prefill.py)
+    verifier_idle: bool = False
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> PrefillRequest:
+        return cls(request_id="req-1", transfer_id=11, prompt_token_ids=[1, 2, 3],
+                   sampling=SamplingParams.example(), block_table=[4, 7],
+                   draft_method="ngram")
+
+
+@register(31)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVFrame:
+    """Prefill -> verifier: KV of prompt tokens ``[token_start, token_start + num_tokens)`` for
+    layers ``[layer_start, layer_end)``.
+
+    ``kv`` has shape ``[layer_end - layer_start, 2, num_tokens, num_kv_heads, head_dim]``
+    (index 0 = keys, 1 = values) in the model dtype.
+    """
+
+    request_id: str
+    transfer_id: int
+    layer_start: int
+    layer_end: int
+    chunk_index: int
+    token_start: int
+    num_tokens: int
+    kv: Buffer
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> KVFrame:
+        shape = (2, 2, 3, 1, 4)  # [layers, k/v, tokens, kv_heads, head_dim]
+        data = bytes(i % 251 for i in range(2 * 2 * 3 * 1 * 4 * 4))
+        return cls(request_id="req-1", transfer_id=11, layer_start=0, layer_end=2, chunk_index=0,
+                   token_start=0, num_tokens=3, kv=Buffer("float32", shape, data))
+
+
+@register(32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillDone:
+    """Prefill -> verifier: the prompt ran; ``first_token_id`` is output position 0.
+
+    The transfer is complete when ``num_frames`` KVFrames with ``num_bytes`` bytes of KV in all
+    have arrived for ``transfer_id`` (in either order relative to this message). ``seed_state``
+    is the draft method's seed (EAGLE: hidden state at the last prompt position), or None.
+    ``error`` non-empty means the prefill failed and no KV follows.
+    """
+
+    request_id: str
+    transfer_id: int
+    first_token_id: int
+    num_frames: int
+    num_bytes: int
+    seed_state: Buffer | None = None
+    error: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> PrefillDone:
+        return cls(request_id="req-1", transfer_id=11, first_token_id=42, num_frames=2,
+                   num_bytes=384, seed_state=Buffer("bfloat16", (1, 4), bytes(8)))
+
+
+@register(33)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillCancel:
+    """Verifier -> prefill: stop a transfer; blocks stay reserved until :class:`PrefillCancelAck`."""
+
+    request_id: str
+    transfer_id: int
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> PrefillCancel:
+        return cls(request_id="req-1", transfer_id=11)
+
+
+@register(34)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillCancelAck:
+    """Prefill -> verifier: no frame of ``transfer_id`` will be sent after this message."""
+
+    request_id: str
+    transfer_id: int
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> PrefillCancelAck:
+        return cls(request_id="req-1", transfer_id=11)
+
+
+# --------------------------------------------------------------------------------------------
+# Verifier <-> drafter
+# --------------------------------------------------------------------------------------------
+
+
+@register(40)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftSync:
+    """Verifier -> drafter: open or re-open a request; the committed prefix is the truth."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    committed_token_ids: list[int]
+    sampling: SamplingParams
+    seed_state: Buffer | None = None
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftSync:
+        return cls(request_id="req-1", prompt_token_ids=[1, 2, 3], committed_token_ids=[42],
+                   sampling=SamplingParams.example())
+
+
+@register(41)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyCommit:
+    """Verifier -> drafter: output tokens committed at positions
+    ``[pre_commit_len, pre_commit_len + len(committed_token_ids))``.
+
+    ``num_drafts_wanted``: the most drafts the verifier will verify for this request in its
+    next steps (its kappa capped by the request's recent accept length and the step's goodput
+    cap, decode/goodput.py); the drafter runs
+    ahead by a multiple of it instead of a multiple of kappa, so drafts that would never be
+    verified are not drafted. None: kappa."""
+
+    request_id: str
+    pre_commit_len: int
+    committed_token_ids: list[int]
+    seed_state: Buffer | None = None  # EAGLE family: [accept_len + 1, hidden_size]
+    num_drafts_wanted: NonNegInt | None = None
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> VerifyCommit:
+        return cls(request_id="req-1", pre_commit_len=1, committed_token_ids=[5, 6, 7],
+                   seed_state=Buffer("float32", (3, 2), bytes(24)), num_drafts_wanted=2)
+
+
+@register(42)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftTailStream:
+    """Drafter -> verifier: draft tokens at output positions ``start_pos, start_pos + 1, ...``.
+
+    A chain, or a tree when ``parents`` is given (index of each token's parent within this
+    segment, -1 = the token before ``start_pos``; one per draft token). ``draft_probs``
+    (``[n, vocab_size]``, n = number of drafts) only when the verification rule needs them.
+    ``base_committed_len`` is the committed length the drafter had seen when it drafted
+    (``<= start_pos``): the segment continues the drafter's path at positions
+    ``[base_committed_len, start_pos)``, which the verifier uses to see that a segment was
+    drafted on a prefix it has since rejected (decode/tail_buffer.py).
+
+    Decoding refuses (ProtocolError) negative positions or token ids, ``start_pos <
+    base_committed_len``, parents of the wrong length or pointing outside the segment, and
+    ``draft_probs`` whose rows are not the drafts.
+    """
+
+    request_id: str
+    base_committed_len: NonNegInt
+    start_pos: NonNegInt
+    draft_token_ids: list[TokenId]
+    draft_probs: Buffer | None = None
+    parents: list[int] | None = None
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftTailStream:
+        return cls(request_id="req-1", base_committed_len=4, start_pos=4,
+                   draft_token_ids=[8, 9, 10], parents=[-1, 0, 1])
+
+
+@register(43)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftClose:
+    """Verifier -> drafter: the request ended (``finished`` | ``abort``); drop its state."""
+
+    request_id: str
+    reason: str = "finished"
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftClose:
+        return cls(request_id="req-1", reason="abort")
+
+
+@register(44)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftNeedSync:
+    """Drafter -> verifier: the drafter lost alignment; answer with a fresh DraftSync."""
+
+    request_id: str
+    reason: str = ""
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftNeedSync:
+        return cls(request_id="req-1", reason="commit at 9 but drafter holds 4 tokens")
+
+
+@register(45)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftBranches:
+    """Drafter -> verifier: drafts prepared for verification outcomes other than its path
+    (the speculation cache of SSD / Saguaro, arXiv 2603.03251, kept at the verifier).
+
+    "If you commit my path up to ``position`` and then commit ``token_ids[i]`` at
+    ``position`` (instead of my path's token there), my drafts after it are
+    ``continuations[i]``." The verifier keeps them with the request's tail; the commit that
+    matches turns that continuation into the tail at once, as if a segment drafted on the new
+    committed prefix had arrived, so no round trip to the drafter is waited for. Any other
+    commit drops them. ``base_committed_len`` is the drafter's committed length when it made
+    them; the path up to ``position`` is the one its DraftTailStream segments carried. One-hot
+    drafts only (no draft_probs).
+
+    Decoding refuses (ProtocolError) ``position < base_committed_len``, a continuation count
+    that is not the candidate count, an empty continuation, and repeated candidates.
+    """
+
+    request_id: str
+    base_committed_len: NonNegInt
+    position: NonNegInt
+    token_ids: list[TokenId]
+    continuations: list[list[TokenId]]
+    TAG: ClassVar[int]
+
+    @classmethod
+    def example(cls) -> DraftBranches:
+        return cls(request_id="req-1", base_committed_len=4, position=4, token_ids=[11, 12],
+                   continuations=[[13, 14], [15]])
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
+    "Range", "NonNegInt", "TokenId",
+    "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
+    "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
+    "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftBranches",
+    "DraftClose",
+    "DraftNeedSync",
+]
