@@ -12,14 +12,13 @@ HelloAck, which carries the acceptor's identity (:func:`ack_refusal`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from specmesh.protocol.enums import Role
 from specmesh.protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
 
 #: ModelIdentity fields two peers must agree on: all of them (none may be empty).
-IDENTITY_FIELDS = tuple(f.name for f in dataclasses.fields(ModelIdentity))
+IDENTITY_FIELDS = ModelIdentity.__struct_fields__
 
 #: role -> the roles it opens channels to (docs/architecture.md, 'Roles': the gateway dials
 #: verifiers, a

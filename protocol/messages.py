@@ -1,5 +1,5 @@
-"""Wire messages of specmesh: frozen dataclasses with integer wire tags
-(docs/architecture.md, 'Messages').
+"""Wire messages of specmesh: frozen msgspec Structs with integer wire tags (docs/architecture.md,
+'Messages').
 
 Glossary (used everywhere in the code base):
 - output positions are 0-based indices into a request's *output* tokens; the first token
@@ -11,42 +11,67 @@ Glossary (used everywhere in the code base):
 - ``accept_len``: accepted drafts of one verify step, excluding the bonus / recovered token.
 - ``block_table``: KV block ids of one request, in position order.
 
-Tags are never reused. Field types are limited to int, float, str, bytes, bool, None, lists of
-those, nested registered messages and :class:`Buffer` (an out-of-band binary frame).
+Every message subclasses :class:`Message` (a ``msgspec.Struct``: frozen, keyword-only, unknown
+fields refused on decoding) with ``tag=<int>`` and is added to :data:`REGISTRY` by
+:func:`register`. The type hints are the wire schema: protocol/codec.py decodes through them in C
+(msgspec), so a field annotated ``NonNegInt`` refuses -1 on the wire. Constructing a message
+locally checks nothing (msgspec validates on decoding only). Tags are never reused. Field types
+are limited to int, float, str, bytes, bool, None, lists of those, nested registered messages and
+:class:`Buffer` (an out-of-band binary frame); bounds are ``msgspec.Meta`` annotations. Copy with
+a change: ``msgspec.structs.replace(msg, field=value)``; field names:
+``msgspec.structs.fields(cls)``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
+
+import msgspec
+from msgspec import Meta
 
 # 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges;
 # 4: SamplingParams.min_p (sampled and seeded requests); 5: TokenStream.offset;
 # 6: HelloAck carries the acceptor's identity (protocol version, model, draft method);
-# 7: DraftBranches (drafter -> verifier)
-PROTOCOL_VERSION = 7
+# 7: DraftBranches (drafter -> verifier); 8: msgspec header (a map with a "tag" key, nested
+# messages inline, absent fields with a default take it)
+PROTOCOL_VERSION = 8
 PLACEHOLDER_TOKEN_ID = -1
 
 
-
-@dataclass(frozen=True, slots=True)
-class Range:
-    """Bounds of an int field, as ``Annotated[int, Range(lo, hi)]`` metadata: decoding refuses a
-    value outside ``[lo, hi]`` (``None``: unbounded) with a ProtocolError (protocol/schema.py).
-    Constructing a message locally does not check them."""
-
-    lo: int | None = None
-    hi: int | None = None
-
-
 #: a count, length or output position (never negative)
-NonNegInt = Annotated[int, Range(0)]
+NonNegInt = Annotated[int, Meta(ge=0)]
 #: a token id (vocabulary bounds are the receiver's to check: the wire layer has no vocabulary)
-TokenId = Annotated[int, Range(0)]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+class _Registry(dict):
+    """tag -> message class, with a ``version`` bumped on every change so the codec knows when
+    to rebuild its decoders (tests register and unregister messages of their own)."""
+
+    version = 0
+
+    def __setitem__(self, tag: int, cls: type) -> None:
+        super().__setitem__(tag, cls)
+        self.version += 1
+
+    def __delitem__(self, tag: int) -> None:
+        super().__delitem__(tag)
+        self.version += 1
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def _frozen(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("REGISTRY changes one tag at a time (register / item assignment / del)")
+
+    update = setdefault = popitem = clear = _frozen
+
 
 #: tag -> message class; filled by :func:`register`.
-REGISTRY: dict[int, type] = {}
+REGISTRY: _Registry = _Registry()
 
 # dtype names a Buffer may carry, with their item size in bytes (no torch import here).
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -63,21 +88,34 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 }
 
 
-def register(tag: int):
-    """Class decorator: give a dataclass wire tag ``tag`` and add it to :data:`REGISTRY`.
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+              tag_field="tag"):
+    """Base of every wire message: a frozen Struct that refuses unknown fields on decoding,
+    declared ``class X(Message, tag=<int>, kw_only=True)``: ``tag`` is its wire tag (the
+    ``"tag"`` key of its header map; ``TAG`` repeats it once :func:`register` has run), and
+    ``kw_only`` must be repeated because msgspec does not inherit it."""
+
+    TAG: ClassVar[int]
+
+
+def register(cls: type) -> type:
+    """Class decorator: add :class:`Message` subclass ``cls`` to :data:`REGISTRY` under its
+    struct tag and set ``cls.TAG``.
 
     Raises:
+        TypeError: ``cls`` is not a Message subclass with an int tag and keyword-only fields.
         ValueError: the tag is already taken by another class.
     """
-
-    def wrap(cls: type) -> type:
-        if tag in REGISTRY and REGISTRY[tag].__name__ != cls.__name__:
-            raise ValueError(f"wire tag {tag} already used by {REGISTRY[tag].__name__}")
-        cls.TAG = tag
-        REGISTRY[tag] = cls
-        return cls
-
-    return wrap
+    tag = getattr(getattr(cls, "__struct_config__", None), "tag", None)
+    if not (isinstance(cls, type) and issubclass(cls, Message)) or type(tag) is not int:
+        raise TypeError(f"{getattr(cls, '__name__', cls)!r} is not a Message with an int tag")
+    if any(p.kind is not p.KEYWORD_ONLY for p in inspect.signature(cls).parameters.values()):
+        raise TypeError(f"{cls.__name__}: declare it with kw_only=True")
+    if tag in REGISTRY and REGISTRY[tag].__name__ != cls.__name__:
+        raise ValueError(f"wire tag {tag} already used by {REGISTRY[tag].__name__}")
+    cls.TAG = tag
+    REGISTRY[tag] = cls
+    return cls
 
 
 def buffer_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -99,17 +137,35 @@ def buffer_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return n
 
 
-@dataclass(frozen=True, slots=True)
 class Buffer:
-    """A binary buffer that travels as its own ZMQ frame.
+    """A binary buffer that travels as its own ZMQ frame (immutable).
 
     ``data`` holds ``prod(shape) * itemsize(dtype)`` bytes in C order. ``dtype`` is a name from
     :data:`DTYPE_ITEMSIZE` (``"bfloat16"`` included: protocol/ never touches numpy or torch).
+    A plain class on purpose, not a Struct or dataclass: msgspec then hands it to the codec's
+    hooks, which put ``data`` in a frame of its own and a reference in the header.
     """
 
+    __slots__ = ("dtype", "shape", "data")
     dtype: str
     shape: tuple[int, ...]
     data: bytes | memoryview
+
+    def __init__(self, dtype: str, shape: Sequence[int], data: bytes | memoryview) -> None:
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "shape", tuple(shape))
+        object.__setattr__(self, "data", data)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Buffer is immutable (cannot set {name!r})")
+
+    __delattr__ = __setattr__
+
+    def __reduce__(self) -> tuple:
+        return (Buffer, (self.dtype, self.shape, self.data))
+
+    def __repr__(self) -> str:
+        return f"Buffer(dtype={self.dtype!r}, shape={self.shape!r}, data=<{len(self.data)}>)"
 
     @property
     def nbytes(self) -> int:
@@ -133,9 +189,8 @@ class Buffer:
 # --------------------------------------------------------------------------------------------
 
 
-@register(1)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelIdentity:
+@register
+class ModelIdentity(Message, tag=1, kw_only=True):
     """What two peers must agree on before exchanging KV or tokens."""
 
     name: str
@@ -145,7 +200,6 @@ class ModelIdentity:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> ModelIdentity:
@@ -153,25 +207,23 @@ class ModelIdentity:
                    num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
 
 
-@register(2)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingParams:
+@register
+class SamplingParams(Message, tag=2, kw_only=True):
     """Per-request sampling (vLLM's semantics, kernels/logits_processing.py): ``temperature``
     below 1e-5 is greedy (top-p/k and min-p then ignored); ``top_k <= 0`` (or ``>= vocab``),
     ``top_p == 1`` and ``min_p == 0`` are off. ``seed`` set on a sampled request selects the
-    coupled rule (docs/architecture.md, 'Verification rules'): its output is a function of (prompt,
-    parameters, seed) alone,
-    the same with speculation on or off. ``max_tokens`` counts output tokens."""
+    coupled rule (docs/architecture.md, 'Verification rules'): its output is a function of
+    (prompt, parameters, seed) alone, the same with speculation on or off. ``max_tokens``
+    counts output tokens."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     min_p: float = 0.0
-    TAG: ClassVar[int]
 
     def invalid_reason(self) -> str:
         """Why these parameters can never be sampled ("" when they can): a temperature that is
@@ -201,9 +253,8 @@ class SamplingParams:
 # --------------------------------------------------------------------------------------------
 
 
-@register(10)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Hello:
+@register
+class Hello(Message, tag=10, kw_only=True):
     """First message on every connection, repeated after a reconnect."""
 
     protocol_version: int
@@ -212,7 +263,6 @@ class Hello:
     incarnation: int  # a restarted process has a new one
     model: ModelIdentity | None = None
     draft_method: str = ""
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> Hello:
@@ -220,9 +270,8 @@ class Hello:
                    incarnation=3, model=ModelIdentity.example(), draft_method="ngram")
 
 
-@register(11)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HelloAck:
+@register
+class HelloAck(Message, tag=11, kw_only=True):
     """Answer to :class:`Hello`; ``accepted=False`` carries the reason in ``error``.
 
     Carries the acceptor's own identity (the fields of a Hello), which the initiator compares
@@ -237,7 +286,6 @@ class HelloAck:
     model: ModelIdentity | None = None
     draft_method: str = ""
     error: str = ""
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> HelloAck:
@@ -251,16 +299,14 @@ class HelloAck:
 # --------------------------------------------------------------------------------------------
 
 
-@register(20)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GenerateRequest:
+@register
+class GenerateRequest(Message, tag=20, kw_only=True):
     """Gateway -> verifier: generate for an already tokenized prompt."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     num_speculative_tokens: int | None = None  # this request's kappa; None = the verifier's
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> GenerateRequest:
@@ -268,9 +314,8 @@ class GenerateRequest:
                    sampling=SamplingParams.example(), num_speculative_tokens=4)
 
 
-@register(21)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TokenStream:
+@register
+class TokenStream(Message, tag=21, kw_only=True):
     """Verifier -> gateway: newly committed output tokens (a delta) plus running spec stats.
 
     ``finish_reason`` is ``"stop"`` (EOS / stop token), ``"length"`` (max_tokens), ``"abort"`` or
@@ -296,7 +341,6 @@ class TokenStream:
     num_verify_steps: NonNegInt = 0  # verify forwards that included drafts
     error: str = ""
     synthetic_acceptance: bool = False
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> TokenStream:
@@ -306,22 +350,19 @@ class TokenStream:
                    num_verify_steps=2)
 
 
-@register(22)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Abort:
+@register
+class Abort(Message, tag=22, kw_only=True):
     """Gateway -> verifier (client gone, stop string hit) or verifier -> prefill.
 
     ``num_output_tokens``: the output tokens the client kept when a stop string ended the
     output (the token that completed the stop string included); the verifier counts usage and
     spec stats only up to there (docs/architecture.md, 'The verify step': nothing past the cut
-    counts). None: the
-    request is dropped where it stands (client gone).
+    is counted). None: the request is dropped where it stands (client gone).
     """
 
     request_id: str
     reason: str = "abort"
     num_output_tokens: NonNegInt | None = None
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> Abort:
@@ -333,9 +374,8 @@ class Abort:
 # --------------------------------------------------------------------------------------------
 
 
-@register(30)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefillRequest:
+@register
+class PrefillRequest(Message, tag=30, kw_only=True):
     """Verifier -> prefill: run the prompt and ship its KV into ``block_table`` of the verifier
     (the channel the request came on carries the KV back)."""
 
@@ -349,7 +389,6 @@ class PrefillRequest:
     #: no other prefill in flight) and shares its CPU cores with this prefill worker, which may
     #: then run the prompt on them all (cluster/hosts/prefill.py)
     verifier_idle: bool = False
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> PrefillRequest:
@@ -358,9 +397,8 @@ class PrefillRequest:
                    draft_method="ngram")
 
 
-@register(31)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KVFrame:
+@register
+class KVFrame(Message, tag=31, kw_only=True):
     """Prefill -> verifier: KV of prompt tokens ``[token_start, token_start + num_tokens)`` for
     layers ``[layer_start, layer_end)``.
 
@@ -376,7 +414,6 @@ class KVFrame:
     token_start: int
     num_tokens: int
     kv: Buffer
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> KVFrame:
@@ -386,9 +423,8 @@ class KVFrame:
                    token_start=0, num_tokens=3, kv=Buffer("float32", shape, data))
 
 
-@register(32)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefillDone:
+@register
+class PrefillDone(Message, tag=32, kw_only=True):
     """Prefill -> verifier: the prompt ran; ``first_token_id`` is output position 0.
 
     The transfer is complete when ``num_frames`` KVFrames with ``num_bytes`` bytes of KV in all
@@ -404,7 +440,6 @@ class PrefillDone:
     num_bytes: int
     seed_state: Buffer | None = None
     error: str = ""
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> PrefillDone:
@@ -412,28 +447,25 @@ class PrefillDone:
                    num_bytes=384, seed_state=Buffer("bfloat16", (1, 4), bytes(8)))
 
 
-@register(33)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefillCancel:
-    """Verifier -> prefill: stop a transfer; blocks stay reserved until :class:`PrefillCancelAck`."""
+@register
+class PrefillCancel(Message, tag=33, kw_only=True):
+    """Verifier -> prefill: stop a transfer; blocks stay reserved until
+    :class:`PrefillCancelAck`."""
 
     request_id: str
     transfer_id: int
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> PrefillCancel:
         return cls(request_id="req-1", transfer_id=11)
 
 
-@register(34)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefillCancelAck:
+@register
+class PrefillCancelAck(Message, tag=34, kw_only=True):
     """Prefill -> verifier: no frame of ``transfer_id`` will be sent after this message."""
 
     request_id: str
     transfer_id: int
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> PrefillCancelAck:
@@ -445,9 +477,8 @@ class PrefillCancelAck:
 # --------------------------------------------------------------------------------------------
 
 
-@register(40)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DraftSync:
+@register
+class DraftSync(Message, tag=40, kw_only=True):
     """Verifier -> drafter: open or re-open a request; the committed prefix is the truth."""
 
     request_id: str
@@ -455,7 +486,6 @@ class DraftSync:
     committed_token_ids: list[int]
     sampling: SamplingParams
     seed_state: Buffer | None = None
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> DraftSync:
@@ -463,9 +493,8 @@ class DraftSync:
                    sampling=SamplingParams.example())
 
 
-@register(41)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VerifyCommit:
+@register
+class VerifyCommit(Message, tag=41, kw_only=True):
     """Verifier -> drafter: output tokens committed at positions
     ``[pre_commit_len, pre_commit_len + len(committed_token_ids))``.
 
@@ -480,7 +509,6 @@ class VerifyCommit:
     committed_token_ids: list[int]
     seed_state: Buffer | None = None  # EAGLE family: [accept_len + 1, hidden_size]
     num_drafts_wanted: NonNegInt | None = None
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> VerifyCommit:
@@ -488,9 +516,8 @@ class VerifyCommit:
                    seed_state=Buffer("float32", (3, 2), bytes(24)), num_drafts_wanted=2)
 
 
-@register(42)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DraftTailStream:
+@register
+class DraftTailStream(Message, tag=42, kw_only=True):
     """Drafter -> verifier: draft tokens at output positions ``start_pos, start_pos + 1, ...``.
 
     A chain, or a tree when ``parents`` is given (index of each token's parent within this
@@ -512,7 +539,6 @@ class DraftTailStream:
     draft_token_ids: list[TokenId]
     draft_probs: Buffer | None = None
     parents: list[int] | None = None
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> DraftTailStream:
@@ -520,37 +546,32 @@ class DraftTailStream:
                    draft_token_ids=[8, 9, 10], parents=[-1, 0, 1])
 
 
-@register(43)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DraftClose:
+@register
+class DraftClose(Message, tag=43, kw_only=True):
     """Verifier -> drafter: the request ended (``finished`` | ``abort``); drop its state."""
 
     request_id: str
     reason: str = "finished"
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> DraftClose:
         return cls(request_id="req-1", reason="abort")
 
 
-@register(44)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DraftNeedSync:
+@register
+class DraftNeedSync(Message, tag=44, kw_only=True):
     """Drafter -> verifier: the drafter lost alignment; answer with a fresh DraftSync."""
 
     request_id: str
     reason: str = ""
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> DraftNeedSync:
         return cls(request_id="req-1", reason="commit at 9 but drafter holds 4 tokens")
 
 
-@register(45)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DraftBranches:
+@register
+class DraftBranches(Message, tag=45, kw_only=True):
     """Drafter -> verifier: drafts prepared for verification outcomes other than its path
     (the speculation cache of SSD / Saguaro, arXiv 2603.03251, kept at the verifier).
 
@@ -572,7 +593,6 @@ class DraftBranches:
     position: NonNegInt
     token_ids: list[TokenId]
     continuations: list[list[TokenId]]
-    TAG: ClassVar[int]
 
     @classmethod
     def example(cls) -> DraftBranches:
@@ -582,7 +602,7 @@ class DraftBranches:
 
 __all__ = [
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
-    "Range", "NonNegInt", "TokenId",
+    "Message", "NonNegInt", "TokenId", "buffer_nbytes",
     "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
     "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftBranches",

@@ -105,7 +105,7 @@ def test_a_commit_for_a_request_the_drafter_lost_is_answered_and_re_synced(tiny)
 
 
 def test_a_protocol_error_at_the_drafter_is_answered_with_need_sync(tiny):
-    import msgpack
+    import msgspec
 
     from specmesh.protocol.codec import encode
     from specmesh.protocol.messages import VerifyCommit
@@ -115,9 +115,9 @@ def test_a_protocol_error_at_the_drafter_is_answered_with_need_sync(tiny):
     _submit(c)
     _pump(c, out, 4)
     frames = encode(VerifyCommit(request_id="r1", pre_commit_len=1, committed_token_ids=[1]))
-    tag, body = msgpack.unpackb(frames[0], raw=False)
+    body = msgspec.msgpack.decode(frames[0])
     body["pre_commit_len"] = "not an int"
-    c.verifier.mailbox.send_frames("drafter-0", [msgpack.packb([tag, body])])
+    c.verifier.mailbox.send_frames("drafter-0", [msgspec.msgpack.encode(body)])
     c.drafter.step()
     assert c.drafter.stats.num_protocol_errors == 1
     assert "r1" not in c.drafter.requests and c.drafter.stats.num_need_sync == 1

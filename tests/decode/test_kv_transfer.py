@@ -3,8 +3,7 @@ PrefillDone
 before or after its frames, and late frames of a cancelled transfer after its blocks were
 freed and reused must not corrupt other requests."""
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 
@@ -121,7 +120,7 @@ def test_cancelled_transfer_late_frames_do_not_corrupt_reused_blocks(tiny):
     assert late
     # make A's late frames maximally harmful: zero KV
     c.prefill.mailbox.held = [
-        (p, dataclasses.replace(m, kv=type(m.kv)(m.kv.dtype, m.kv.shape, bytes(m.kv.nbytes))))
+        (p, msgspec.structs.replace(m, kv=type(m.kv)(m.kv.dtype, m.kv.shape, bytes(m.kv.nbytes))))
         if isinstance(m, KVFrame) else (p, m) for p, m in c.prefill.mailbox.held]
     _pump(c, results, 1)
     c.prefill.mailbox.hold = False

@@ -112,16 +112,16 @@ def test_garbage_from_drafter_quarantines_only_that_request(model):
 
 def _branch_frames(**fields):
     """Frames of a DraftBranches message whose header carries ``fields`` as given."""
-    import msgpack
+    import msgspec
 
     from specmesh.protocol.codec import encode
     from specmesh.protocol.messages import DraftBranches
 
     frames = encode(DraftBranches(request_id="x", base_committed_len=1, position=1,
                                   token_ids=[1], continuations=[[2]]))
-    tag, body = msgpack.unpackb(frames[0], raw=False)
+    body = msgspec.msgpack.decode(frames[0])
     body.update(fields)
-    return [msgpack.packb([tag, body])]
+    return [msgspec.msgpack.encode(body)]
 
 
 @pytest.mark.parametrize("bad", [
@@ -159,15 +159,15 @@ def test_bad_branches_are_a_protocol_error_and_the_request_continues_plain(model
 def _tail_frames(**fields):
     """Frames of a DraftTailStream whose header carries ``fields`` as given (out-of-range
     values included: a local constructor would not stop a peer from sending them)."""
-    import msgpack
+    import msgspec
 
     from specmesh.protocol.codec import encode
 
     frames = encode(DraftTailStream(request_id="x", base_committed_len=1, start_pos=1,
                                     draft_token_ids=[1]))
-    tag, body = msgpack.unpackb(frames[0], raw=False)
+    body = msgspec.msgpack.decode(frames[0])
     body.update(fields)
-    return [msgpack.packb([tag, body])]
+    return [msgspec.msgpack.encode(body)]
 
 
 @pytest.mark.parametrize("bad", [

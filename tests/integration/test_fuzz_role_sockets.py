@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from types import SimpleNamespace
 
-import msgpack
+import msgspec
 import pytest
 import torch
 import zmq
@@ -72,7 +72,7 @@ DRAFT_METHOD = "ngram"
 ALL_CLASSES = sorted((c for c in REGISTRY.values() if c not in (Hello, HelloAck)),
                      key=lambda c: c.TAG)
 #: wire values no field of any message accepts
-NEVER_VALID = [{"x": 1}, msgpack.ExtType(7, b"zz"), [{"a": 1}]]
+NEVER_VALID = [{"x": 1}, msgspec.msgpack.Ext(7, b"zz"), [{"a": 1}]]
 #: (class, field, value) outside the field's range: the codec refuses them
 OUT_OF_RANGE = [
     ("TokenStream", "token_ids", [1, -1]), ("TokenStream", "offset", -1),
@@ -132,17 +132,17 @@ class Fuzz:
 
 def _valid(cls: type, rid: str, transfer_id: int):
     """``cls.example()`` naming request ``rid`` (and transfer ``transfer_id``)."""
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(cls.__struct_fields__)
     changes = {}
     if "request_id" in names:
         changes["request_id"] = rid
     if "transfer_id" in names:
         changes["transfer_id"] = transfer_id
-    return dataclasses.replace(cls.example(), **changes)
+    return msgspec.structs.replace(cls.example(), **changes)
 
 
-def _with_header(frames: list, tag, body) -> list:
-    return [msgpack.packb([tag, body])] + list(frames[1:])
+def _with_header(frames: list, body: dict) -> list:
+    return [msgspec.msgpack.encode(body)] + list(frames[1:])
 
 
 def random_bytes(f: Fuzz) -> tuple[list, str]:
@@ -150,20 +150,23 @@ def random_bytes(f: Fuzz) -> tuple[list, str]:
 
 
 def wrong_type(f: Fuzz) -> tuple[list, str]:
-    """A valid header with one field of the wrong type, missing or extra, or a bad tag."""
-    frames = encode(_valid(f.choice(ALL_CLASSES), f.request_id(), 5))
-    tag, body = msgpack.unpackb(frames[0], raw=False)
+    """A valid header with one field of the wrong type, a required one missing, one extra, or
+    a bad tag."""
+    cls = f.choice(ALL_CLASSES)
+    frames = encode(_valid(cls, f.request_id(), 5))
+    body = msgspec.msgpack.decode(frames[0])
     name = f.choice(sorted(body))
     how = f.choice(["replace", "replace", "missing", "extra", "tag"])
     if how == "replace":
         body[name] = f.choice(NEVER_VALID + [1.5 if isinstance(body[name], str) else "s"])
-    elif how == "missing":
-        del body[name]
+    elif how == "missing":  # a field with a default may be left out: drop a required one
+        required = [x.name for x in msgspec.structs.fields(cls) if x.required]
+        del body[f.choice(required) if required else "tag"]
     elif how == "extra":
         body["no_such_field"] = f.choice(EDGE_INTS)
     else:
-        tag = f.choice(["7", 1.5, None, 999, -1, [tag]])
-    return _with_header(frames, tag, body), "wrong_type"
+        body["tag"] = f.choice(["7", 1.5, None, 999, -1, [body["tag"]]])
+    return _with_header(frames, body), "wrong_type"
 
 
 def out_of_range(f: Fuzz, semantic: type | None) -> tuple[list, str]:
@@ -174,9 +177,9 @@ def out_of_range(f: Fuzz, semantic: type | None) -> tuple[list, str]:
     cls_name, name, value = f.choice(OUT_OF_RANGE)
     cls = next(c for c in ALL_CLASSES if c.__name__ == cls_name)
     frames = encode(_valid(cls, f.request_id(), 5))
-    tag, body = msgpack.unpackb(frames[0], raw=False)
+    body = msgspec.msgpack.decode(frames[0])
     body[name] = value
-    return _with_header(frames, tag, body), "out_of_range"
+    return _with_header(frames, body), "out_of_range"
 
 
 def unrunnable(f: Fuzz, cls: type):

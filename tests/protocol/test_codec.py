@@ -1,22 +1,22 @@
-"""Tests of protocol/codec.py: round trips of every registered message, and rejection of every
-kind of malformed input with ProtocolError (and nothing else)."""
+"""Tests of protocol/codec.py: round trips of every registered message, the ``Meta`` bounds of
+the message fields, and rejection of every kind of malformed input with ProtocolError (and
+nothing else)."""
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
-from dataclasses import dataclass
 from typing import ClassVar
 
-import msgpack
+import msgspec
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from msgspec.msgpack import Ext
 
-from specmesh.protocol import codec, schema
-from specmesh.protocol.codec import EXT_BUFFER, EXT_MESSAGE, decode, encode, encoded_size
+from specmesh.protocol import codec
+from specmesh.protocol.codec import EXT_BUFFER, decode, encode, encoded_size
 from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.messages import (
     DTYPE_ITEMSIZE,
@@ -24,14 +24,17 @@ from specmesh.protocol.messages import (
     Abort,
     Buffer,
     DraftBranches,
+    DraftClose,
     DraftTailStream,
     GenerateRequest,
     Hello,
     KVFrame,
+    Message,
     ModelIdentity,
     SamplingParams,
     TokenStream,
     VerifyCommit,
+    register,
 )
 
 ALL_CLASSES = sorted(REGISTRY.values(), key=lambda c: c.TAG)
@@ -41,14 +44,14 @@ def _ids(cls: type) -> str:
     return cls.__name__
 
 
-def _header(frames: list) -> list:
-    """The header of encoded ``frames`` as python objects ([tag, {field: value}])."""
-    return msgpack.unpackb(frames[0], raw=False)
+def _header(frames: list) -> dict:
+    """The header of encoded ``frames`` as python objects ({"tag": tag, field: value})."""
+    return msgspec.msgpack.decode(frames[0])
 
 
 def _frames_with(header: object, frames: list) -> list:
     """``frames`` with the header replaced by msgpack of ``header``."""
-    return [msgpack.packb(header)] + list(frames[1:])
+    return [msgspec.msgpack.encode(header)] + list(frames[1:])
 
 
 def _rejects(frames: object) -> ProtocolError:
@@ -64,7 +67,8 @@ def _rejects(frames: object) -> ProtocolError:
 
 @pytest.mark.parametrize("cls", ALL_CLASSES, ids=_ids)
 def test_every_registered_message_has_an_example_and_round_trips(cls: type) -> None:
-    assert dataclasses.is_dataclass(cls)
+    assert issubclass(cls, Message) and cls.__struct_config__.tag == cls.TAG
+    assert cls.__struct_config__.frozen and cls.__struct_config__.forbid_unknown_fields
     assert hasattr(cls, "example"), f"{cls.__name__} needs an example() classmethod"
     msg = cls.example()
     assert type(msg) is cls
@@ -171,18 +175,39 @@ def test_property_round_trip(msg: object) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Unregistered:
+class _Unregistered(Message, tag=9_997):
     x: int = 0
 
 
+class _Opaque:
+    """Neither a message, a Buffer nor a msgpack-native value."""
+
+
 def test_encode_rejects_unregistered_objects() -> None:
-    for obj in (object(), _Unregistered(), Buffer("uint8", (1,), b"x"), {"a": 1}, 3):
+    for obj in (object(), _Unregistered(), _Opaque(), Buffer("uint8", (1,), b"x"), {"a": 1}, 3):
         with pytest.raises(TypeError):
             encode(obj)
-    with pytest.raises(TypeError):  # nested unregistered value
+    with pytest.raises(TypeError):  # nested value that msgpack cannot carry
         encode(DraftTailStream(request_id="r", base_committed_len=0, start_pos=0,
-                               draft_token_ids=[_Unregistered()]))  # type: ignore[list-item]
+                               draft_token_ids=[_Opaque()]))  # type: ignore[list-item]
+    with pytest.raises(TypeError):  # a Buffer in a message that has no field typed Buffer
+        encode(TokenStream(request_id="r", token_ids=[Buffer("uint8", (1,), b"x")]))  # type: ignore
+
+
+def test_messages_are_frozen_keyword_only_and_picklable() -> None:
+    import pickle
+
+    msg = VerifyCommit.example()
+    with pytest.raises(AttributeError):
+        msg.pre_commit_len = 2  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        msg.seed_state.dtype = "int8"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        VerifyCommit("r", 1, [5])  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(msg)) == msg  # Ray may pickle messages
+    assert msgspec.structs.replace(msg, pre_commit_len=2).pre_commit_len == 2
+    assert SamplingParams().stop_token_ids == [] and SamplingParams().stop_token_ids is not \
+        SamplingParams().stop_token_ids  # a fresh list per instance
 
 
 @pytest.mark.parametrize("buf", [
@@ -202,13 +227,17 @@ def test_encode_rejects_bad_buffers(buf: Buffer) -> None:
 
 
 _CANDIDATES = [True, False, 0, -5, 1.5, "s", b"b", None, [1, 2], [True], ["x"], {"a": 1},
-               [[1]], msgpack.ExtType(EXT_MESSAGE, msgpack.packb([2, {}])),
-               msgpack.ExtType(EXT_BUFFER, msgpack.packb([1, "uint8", [0]])),
-               msgpack.ExtType(7, b"zz")]
+               [[1]], {"tag": ModelIdentity.TAG},
+               Ext(EXT_BUFFER, msgspec.msgpack.encode([1, "uint8", [0]])), Ext(7, b"zz")]
 
 
 def _valid_for(hint: object, value: object) -> bool:
-    """Independent statement of which plain wire values a field annotation accepts."""
+    """Independent statement of which plain wire values a field annotation accepts
+    (``Annotated[int, Meta(ge=0)]``: an int >= 0)."""
+    if typing.get_origin(hint) is typing.Annotated:
+        inner, *meta = typing.get_args(hint)
+        bounds = [m.ge for m in meta if isinstance(m, msgspec.Meta) and m.ge is not None]
+        return _valid_for(inner, value) and all(value >= lo for lo in bounds)
     if hint is int:
         return type(value) is int
     if hint is float:
@@ -228,10 +257,9 @@ def _valid_for(hint: object, value: object) -> bool:
 def _wrong_type_cases() -> list:
     cases = []
     for cls in ALL_CLASSES:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+        for f in msgspec.structs.fields(cls):
             for i, cand in enumerate(_CANDIDATES):
-                if not _valid_for(hints[f.name], cand):
+                if not _valid_for(f.type, cand):
                     cases.append(pytest.param(cls, f.name, cand, id=f"{cls.__name__}.{f.name}-{i}"))
     return cases
 
@@ -239,11 +267,72 @@ def _wrong_type_cases() -> list:
 @pytest.mark.parametrize("cls,field_name,value", _wrong_type_cases())
 def test_wrong_field_type_is_rejected(cls: type, field_name: str, value: object) -> None:
     frames = encode(cls.example())
-    tag, body = _header(frames)
+    body = _header(frames)
     body[field_name] = value
-    err = _rejects(_frames_with([tag, body], frames))
+    err = _rejects(_frames_with(body, frames))
+    assert f"{cls.__name__}.{field_name}" in str(err)
     if "request_id" in body and type(body["request_id"]) is str:
         assert err.request_id == body["request_id"]
+
+
+def _bounded_fields() -> list:
+    """(class, field, how the value is placed) of every field whose type carries a ``Meta(ge=0)``
+    bound, directly, in a list, in a list of lists, or behind ``| None``."""
+    def bounded(tp: object) -> bool:
+        return typing.get_origin(tp) is typing.Annotated and any(
+            isinstance(m, msgspec.Meta) and m.ge == 0 for m in typing.get_args(tp)[1:])
+
+    cases = []
+    for cls in ALL_CLASSES:
+        for f in msgspec.structs.fields(cls):
+            tp = f.type
+            if typing.get_origin(tp) in (typing.Union, types.UnionType):
+                tp = next(a for a in typing.get_args(tp) if a is not type(None))
+            depth = 0
+            while typing.get_origin(tp) is list:
+                tp, depth = typing.get_args(tp)[0], depth + 1
+            if bounded(tp):
+                cases.append(pytest.param(cls, f.name, depth, id=f"{cls.__name__}.{f.name}"))
+    return cases
+
+
+BOUNDED = _bounded_fields()
+
+
+def test_the_meta_bounds_are_the_ones_the_glossary_names() -> None:
+    names = {p.id for p in BOUNDED}
+    assert {"TokenStream.token_ids", "TokenStream.offset", "TokenStream.num_accepted_tokens",
+            "Abort.num_output_tokens", "VerifyCommit.num_drafts_wanted",
+            "DraftTailStream.start_pos", "DraftTailStream.base_committed_len",
+            "DraftTailStream.draft_token_ids", "DraftBranches.continuations",
+            "DraftBranches.token_ids"} <= names
+
+
+@pytest.mark.parametrize("cls,field_name,depth", BOUNDED)
+def test_meta_bounds_refuse_minus_one_and_accept_zero(cls: type, field_name: str,
+                                                       depth: int) -> None:
+    """Every ``NonNegInt`` / ``TokenId`` field (or element) refuses -1 and -2**63 on the wire
+    with a ProtocolError naming the field, and takes 0. Cross-field checks are kept satisfied
+    by moving the fields they relate together."""
+    frames = encode(cls.example())
+    body = _header(frames)
+
+    def placed(v: int) -> object:
+        if depth == 0:
+            return v
+        old = body[field_name]
+        if depth == 1:
+            return [v] + old[1:]
+        return [[v] + old[0][1:]] + old[1:]
+
+    for bad in (-1, -(2**63)):
+        err = _rejects(_frames_with({**body, field_name: placed(bad)}, frames))
+        assert f"{cls.__name__}.{field_name}" in str(err) and ">= 0" in str(err), str(err)
+        assert err.request_id == body["request_id"]
+    zero = {**body, field_name: placed(0)}
+    if cls in (DraftTailStream, DraftBranches) and depth == 0:
+        zero.update({k: 0 for k in ("base_committed_len", "start_pos", "position") if k in body})
+    assert getattr(decode(_frames_with(zero, frames)), field_name) == zero[field_name]
 
 
 @pytest.mark.parametrize("cls,fields,what", [
@@ -265,8 +354,8 @@ def test_wrong_field_type_is_rejected(cls: type, field_name: str, value: object)
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_out_of_range_values_are_protocol_errors(cls: type, fields: dict, what: str) -> None:
     frames = encode(cls.example())
-    tag, body = _header(frames)
-    err = _rejects(_frames_with([tag, {**body, **fields}], frames))
+    body = _header(frames)
+    err = _rejects(_frames_with({**body, **fields}, frames))
     assert what in str(err)
     assert err.request_id == body["request_id"]  # names the request: only it is quarantined
 
@@ -281,63 +370,96 @@ def test_draft_probs_must_have_one_row_per_draft() -> None:
 
 def test_bool_is_not_int_and_int_is_not_bool() -> None:
     frames = encode(DraftTailStream.example())
-    tag, body = _header(frames)
-    assert "start_pos" in str(_rejects(_frames_with([tag, {**body, "start_pos": True}], frames)))
-    _rejects(_frames_with([tag, {**body, "draft_token_ids": [1, False]}], frames))
+    body = _header(frames)
+    assert "start_pos" in str(_rejects(_frames_with({**body, "start_pos": True}, frames)))
+    _rejects(_frames_with({**body, "draft_token_ids": [1, False]}, frames))
     frames = encode(TokenStream.example())
-    tag, body = _header(frames)
-    err = _rejects(_frames_with([tag, {**body, "finished": 1}], frames))
+    body = _header(frames)
+    err = _rejects(_frames_with({**body, "finished": 1}, frames))
     assert err.request_id == "req-1"
-    _rejects(_frames_with([tag, {**body, "finished": 0}], frames))
+    _rejects(_frames_with({**body, "finished": 0}, frames))
 
 
 def test_wrong_type_inside_a_nested_message() -> None:
-    inner = msgpack.unpackb(encode(SamplingParams.example())[0], raw=False)
+    inner = _header(encode(SamplingParams.example()))
     frames = encode(GenerateRequest.example())
-    tag, body = _header(frames)
+    body = _header(frames)
+    assert body["sampling"] == inner  # nested messages travel inline, tag included
     for field_name, bad in [("temperature", True), ("max_tokens", 2.0), ("seed", "7"),
-                            ("stop_token_ids", [1.0])]:
-        nested = [inner[0], {**inner[1], field_name: bad}]
-        body["sampling"] = msgpack.ExtType(EXT_MESSAGE, msgpack.packb(nested))
-        err = _rejects(_frames_with([tag, body], frames))
-        assert err.request_id == "req-1" and field_name in str(err)
-    # a nested message of the wrong class
-    body["sampling"] = msgpack.ExtType(EXT_MESSAGE, encode(ModelIdentity.example())[0])
-    _rejects(_frames_with([tag, body], frames))
-    # a nested payload that is not msgpack
-    body["sampling"] = msgpack.ExtType(EXT_MESSAGE, b"\xc1")
-    _rejects(_frames_with([tag, body], frames))
+                            ("stop_token_ids", [1.0]), ("bogus", 1)]:
+        body["sampling"] = {**inner, field_name: bad}
+        err = _rejects(_frames_with(body, frames))
+        assert err.request_id == "req-1" and "GenerateRequest.sampling" in str(err)
+        assert field_name in str(err)
+    # a nested message of the wrong class, or its tag alone
+    body["sampling"] = _header(encode(ModelIdentity.example()))
+    _rejects(_frames_with(body, frames))
+    body["sampling"] = {"tag": ModelIdentity.TAG}
+    _rejects(_frames_with(body, frames))
+    # a nested payload that is not a map
+    for bad in (Ext(7, b"\xc1"), [inner], b"\xc1"):
+        body["sampling"] = bad
+        _rejects(_frames_with(body, frames))
+    # the nested tag may be left out: the field's type says the class
+    body["sampling"] = {k: v for k, v in inner.items() if k != "tag"}
+    assert decode(_frames_with(body, frames)) == GenerateRequest.example()
 
 
-def test_missing_extra_and_unknown() -> None:
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=_ids)
+def test_missing_fields(cls: type) -> None:
+    """A field without a default must be there; one with a default may be left out (the
+    sender's msgspec writes every field: only a hand-made header leaves one out)."""
+    msg = cls.example()
+    frames = encode(msg)
+    body = _header(frames)
+    for f in msgspec.structs.fields(cls):
+        rest = {k: v for k, v in body.items() if k != f.name}
+        if f.required:
+            err = _rejects(_frames_with(rest, frames))
+            assert f.name in str(err)
+            if f.name != "request_id" and "request_id" in body:
+                assert err.request_id == body["request_id"]
+        else:
+            if isinstance(getattr(msg, f.name), Buffer):  # its frame goes too (the only one)
+                assert len(frames) == 2
+                back = decode(_frames_with(rest, frames[:1]))
+            else:
+                back = decode(_frames_with(rest, frames))
+            want = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+            assert getattr(back, f.name) == want
+
+
+def test_extra_and_unknown() -> None:
     frames = encode(TokenStream.example())
-    tag, body = _header(frames)
-    for name in body:
-        err = _rejects(_frames_with([tag, {k: v for k, v in body.items() if k != name}], frames))
-        if name != "request_id":
-            assert err.request_id == "req-1"
-    _rejects(_frames_with([tag, {**body, "bogus": 1}], frames))
-    _rejects(_frames_with([tag, {**body, b"raw-key": 1}], frames))
-    err = _rejects(_frames_with([9999, body], frames))
+    body = _header(frames)
+    assert body["tag"] == TokenStream.TAG
+    assert "bogus" in str(_rejects(_frames_with({**body, "bogus": 1}, frames)))
+    _rejects(_frames_with({**body, b"raw-key": 1}, frames))
+    _rejects(_frames_with({**body, 5: 1}, frames))
+    err = _rejects(_frames_with({**body, "tag": 9999}, frames))
+    assert "unknown message tag 9999" in str(err) and err.request_id == "req-1"
+    _rejects(_frames_with({**body, "tag": "21"}, frames))
+    _rejects(_frames_with({**body, "tag": True}, frames))
+    _rejects(_frames_with({**body, "tag": None}, frames))
+    err = _rejects(_frames_with({k: v for k, v in body.items() if k != "tag"}, frames))
     assert "tag" in str(err) and err.request_id == "req-1"
-    _rejects(_frames_with(["21", body], frames))
-    _rejects(_frames_with([True, body], frames))
-    _rejects(_frames_with([tag, [body]], frames))
-    _rejects(_frames_with([tag, body, 1], frames))
-    _rejects(_frames_with([tag], frames))
-    _rejects(_frames_with(msgpack.ExtType(EXT_MESSAGE, frames[0]), frames))
+    _rejects(_frames_with([body["tag"], body], frames))
+    _rejects(_frames_with([body], frames))
+    _rejects(_frames_with(Ext(1, frames[0]), frames))
 
 
 @pytest.mark.parametrize("header", [0, 7, -1, 2**63, "x", b"x", None, 1.5, {}, []])
 def test_header_that_is_not_a_list(header: object) -> None:
-    _rejects([msgpack.packb(header)])
+    _rejects([msgspec.msgpack.encode(header)])
 
 
 def test_not_msgpack_and_truncated() -> None:
     _rejects([b""])
     _rejects([b"\xc1"])  # never-used msgpack byte
     _rejects([b"\x92\x15\x81\xa1"])
-    _rejects([msgpack.packb([21, {}]) + b"\x00"])  # trailing bytes
+    _rejects([b"\x83\xa3tag\x15"])
+    _rejects([encode(DraftClose.example())[0] + b"\x00"])  # trailing bytes
+    _rejects([b"\x82\xa3tag\x2b\xaarequest_id\xa2\xff\xfe"])  # a str that is not UTF-8
     for cls in ALL_CLASSES:
         frames = encode(cls.example())
         for cut in range(len(frames[0])):
@@ -355,20 +477,20 @@ def test_zero_frames_and_non_frames() -> None:
     _rejects(iter([b"x"]))
 
 
-def _verify_commit_frames() -> tuple[list, list]:
+def _verify_commit_frames() -> tuple[list, dict]:
     frames = encode(VerifyCommit.example())
     assert len(frames) == 2
     return frames, _header(frames)
 
 
 def _with_ref(ref: object) -> list:
-    frames, (tag, body) = _verify_commit_frames()
-    body["seed_state"] = msgpack.ExtType(EXT_BUFFER, msgpack.packb(ref))
-    return _frames_with([tag, body], frames)
+    frames, body = _verify_commit_frames()
+    body["seed_state"] = Ext(EXT_BUFFER, msgspec.msgpack.encode(ref))
+    return _frames_with(body, frames)
 
 
 def test_buffer_frame_errors() -> None:
-    frames, (tag, body) = _verify_commit_frames()
+    frames, body = _verify_commit_frames()
     err = _rejects(frames[:1])  # missing frame
     assert err.request_id == "req-1"
     _rejects(frames + [b"extra"])  # extra frame
@@ -386,15 +508,21 @@ def test_buffer_frame_errors() -> None:
     _rejects(_with_ref([1, "float32"]))
     _rejects(_with_ref({"idx": 1}))
     _rejects(_with_ref([1, "float32", [1] * 100 + [6]]))  # too many dims
+    err = _rejects(_with_ref([1, "float32", [1] * (codec.MAX_NDIM + 1)]))  # Meta(max_length)
+    assert "length <= 16" in str(err) and err.request_id == "req-1"
+    _rejects(_with_ref([1, "float32", [3, 2], 0]))  # a fourth item
     assert decode(_with_ref([1, "uint8", [24]])).seed_state.shape == (24,)
+    assert decode(_with_ref([1, "float32", [1] * 14 + [3, 2]])).seed_state.shape[-2:] == (3, 2)
     # a buffer where a list is expected, and a list where a buffer is expected
     body2 = {**body, "committed_token_ids": body["seed_state"], "seed_state": None}
-    _rejects(_frames_with([tag, body2], frames))
-    _rejects(_frames_with([tag, {**body, "seed_state": [1, "float32", [3, 2]]}], frames))
+    _rejects(_frames_with(body2, frames))
+    _rejects(_frames_with({**body, "seed_state": [1, "float32", [3, 2]]}, frames))
+    # another extension code where a buffer is expected, with and without buffer frames
+    _rejects(_frames_with({**body, "seed_state": Ext(7, body["seed_state"].data)}, frames))
+    _rejects(_frames_with({**body, "seed_state": Ext(7, b"")}, frames[:1]))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _TwoBuffers:
+class _TwoBuffers(Message, tag=9_998):
     """A message with two buffers (registered only inside the test)."""
 
     request_id: str
@@ -409,9 +537,9 @@ def test_buffer_frames_with_two_buffers(monkeypatch: pytest.MonkeyPatch) -> None
                       second=Buffer("int16", (2,), b"abcd"))
     frames = encode(msg)
     assert len(frames) == 3 and decode(frames) == msg
-    tag, body = _header(frames)
+    body = _header(frames)
     first_ref = body["first"]
-    err = _rejects(_frames_with([tag, {**body, "second": first_ref}], frames))  # used twice
+    err = _rejects(_frames_with({**body, "second": first_ref}, frames))  # used twice
     assert "twice" in str(err) and err.request_id == "q"
     _rejects(frames[:2])  # second frame missing
     _rejects([frames[0], frames[2], frames[1]])  # frames swapped: sizes do not match
@@ -442,16 +570,34 @@ def test_huge_length_prefixes_do_not_allocate() -> None:
     _rejects([b"\xc9\xff\xff\xff\xff\x01"])  # ext32
 
 
-def test_too_deep_nesting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_deep_nesting() -> None:
     _rejects([b"\x91" * 100_000 + b"\x01"])
     _rejects([b"\x81\xa1a" * 50_000 + b"\x01"])
-    frames = encode(Hello.example())
-    monkeypatch.setattr(schema, "MAX_DEPTH", 0)
-    _rejects(frames)
+    tag = b"\xa3tag" + msgspec.msgpack.encode(TokenStream.TAG)
+    err = _rejects([b"\x82" + tag + b"\xa9token_ids" + b"\x91" * 100_000 + b"\x01"])
+    assert "token_ids" in str(err)
+    deep_map = b"\x81\xa1a" * 50_000 + b"\x01"
+    _rejects([b"\x82" + tag + b"\xa3zzz" + deep_map])  # an unknown field
+    _rejects([b"\x82\xa3zzz" + deep_map + tag])  # ... before the tag
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Checked:
+def _nesting(tp: object, stack: tuple = ()) -> int:
+    """Deepest nesting of messages inside a value of type ``tp`` (a message class: 0)."""
+    if isinstance(tp, type) and issubclass(tp, Message):
+        assert tp not in stack, f"{tp.__name__} contains itself: nesting would be unbounded"
+        inner = [_nesting(f.type, stack + (tp,)) for f in msgspec.structs.fields(tp)]
+        return max([i + 1 for i in inner if i >= 0], default=0)
+    return max([_nesting(a, stack) for a in typing.get_args(tp)], default=-1)
+
+
+def test_message_nesting_is_bounded_by_the_classes() -> None:
+    """No message contains itself, so the types bound the nesting a header can carry."""
+    depths = {cls.__name__: _nesting(cls) for cls in ALL_CLASSES}
+    assert depths["Hello"] == 1 and depths["GenerateRequest"] == 1
+    assert max(depths.values()) <= 2, depths
+
+
+class _Checked(Message, tag=9_999):
     """A message whose __post_init__ validates (registered only inside the test)."""
 
     request_id: str
@@ -467,16 +613,29 @@ def test_post_init_errors_become_protocol_errors(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(REGISTRY, _Checked.TAG, _Checked)
     ok = _Checked(request_id="q", count=1)
     assert decode(encode(ok)) == ok
-    err = _rejects([msgpack.packb([_Checked.TAG, {"request_id": "q", "count": -1}])])
+    err = _rejects([msgspec.msgpack.encode({"tag": _Checked.TAG, "request_id": "q",
+                                            "count": -1})])
     assert err.request_id == "q" and "count" in str(err)
+
+
+def test_registry_changes_reach_the_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    header = msgspec.msgpack.encode({"tag": _Checked.TAG, "request_id": "q", "count": 1})
+    assert "unknown message tag" in str(_rejects([header]))
+    monkeypatch.setitem(REGISTRY, _Checked.TAG, _Checked)
+    assert decode([header]) == _Checked(request_id="q", count=1)
+    monkeypatch.delitem(REGISTRY, _Checked.TAG)
+    assert "unknown message tag" in str(_rejects([header]))
+    with pytest.raises(TypeError):
+        REGISTRY.update({_Checked.TAG: _Checked})  # changes go one tag at a time
 
 
 def test_the_error_is_a_protocol_error_with_request_id() -> None:
     frames = encode(DraftTailStream.example())
-    tag, body = _header(frames)
-    err = _rejects(_frames_with([tag, {**body, "start_pos": "4"}], frames))
+    body = _header(frames)
+    err = _rejects(_frames_with({**body, "start_pos": "4"}, frames))
     assert err.request_id == "req-1" and "DraftTailStream.start_pos" in str(err)
-    err = _rejects(_frames_with([tag, {**body, "request_id": 5}], frames))
+    assert "Expected `int`, got `str`" in str(err)
+    err = _rejects(_frames_with({**body, "request_id": 5}, frames))
     assert err.request_id is None
 
 
@@ -524,5 +683,29 @@ def test_fuzz_mutated_valid_messages(cls: type, data: st.DataObject) -> None:
     max_leaves=20,
 ), st.sampled_from(sorted(REGISTRY)))
 def test_fuzz_structured_headers(body: object, tag: int) -> None:
-    _decode_or_protocol_error([msgpack.packb([tag, body])])
-    _decode_or_protocol_error([msgpack.packb(body)])
+    _decode_or_protocol_error([msgspec.msgpack.encode([tag, body])])
+    _decode_or_protocol_error([msgspec.msgpack.encode(body)])
+    if isinstance(body, dict):
+        _decode_or_protocol_error([msgspec.msgpack.encode({**body, "tag": tag})])
+
+
+def test_register_refuses_what_the_codec_cannot_carry() -> None:
+    before = dict(REGISTRY)
+
+    class Positional(Message, tag=9_996):  # kw_only not repeated: msgspec does not inherit it
+        x: int = 0
+
+    class Taken(Message, tag=TokenStream.TAG, kw_only=True):
+        x: int = 0
+
+    class Untagged(Message, kw_only=True):
+        x: int = 0
+
+    with pytest.raises(TypeError, match="kw_only"):
+        register(Positional)
+    with pytest.raises(ValueError, match="TokenStream"):
+        register(Taken)
+    for cls in (Untagged, _Opaque, int):
+        with pytest.raises(TypeError):
+            register(cls)
+    assert dict(REGISTRY) == before

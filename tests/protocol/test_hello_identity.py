@@ -6,9 +6,9 @@ not a wildcard; the HelloAck carries the acceptor's identity and the initiator c
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -24,7 +24,7 @@ MODEL = ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=2, nu
 #: a value for each ModelIdentity field that differs from MODEL's
 OTHER_VALUES = {"name": "other", "vocab_size": 11, "dtype": "bfloat16", "num_layers": 3,
                 "num_kv_heads": 2, "head_dim": 8, "block_size": 32}
-MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelIdentity)]
+MODEL_FIELDS = [f.name for f in msgspec.structs.fields(ModelIdentity)]
 
 
 def _hello(**changes) -> Hello:
@@ -58,7 +58,7 @@ def test_a_matching_hello_and_ack_are_accepted():
 
 @pytest.mark.parametrize("field", MODEL_FIELDS)
 def test_hello_with_a_different_model_field_is_refused_naming_it(field):
-    hello = _hello(model=dataclasses.replace(MODEL, **{field: OTHER_VALUES[field]}))
+    hello = _hello(model=msgspec.structs.replace(MODEL, **{field: OTHER_VALUES[field]}))
     why = _refusal(hello)
     assert why and field in why, why
 
@@ -75,7 +75,7 @@ def test_hello_with_a_different_field_is_refused_naming_it(field, value):
 @pytest.mark.parametrize("field", MODEL_FIELDS)
 def test_an_empty_model_field_is_not_a_wildcard(field):
     empty = "" if isinstance(getattr(MODEL, field), str) else 0
-    why = _refusal(_hello(model=dataclasses.replace(MODEL, **{field: empty})))
+    why = _refusal(_hello(model=msgspec.structs.replace(MODEL, **{field: empty})))
     assert why and field in why and "empty" in why, why
 
 
@@ -92,8 +92,8 @@ def test_empty_hello_fields_are_refused(changes, word):
     ({"instance_id": "drafter-1"}, "instance"), ({"role": "prefill"}, "role"),
     ({"role": "gateway"}, "role"), ({"incarnation": 0}, "incarnation"),
     ({"protocol_version": PROTOCOL_VERSION + 1}, "protocol"), ({"model": None}, "model"),
-    ({"model": dataclasses.replace(MODEL, block_size=8)}, "block_size"),
-    ({"model": dataclasses.replace(MODEL, dtype="")}, "dtype"),
+    ({"model": msgspec.structs.replace(MODEL, block_size=8)}, "block_size"),
+    ({"model": msgspec.structs.replace(MODEL, dtype="")}, "dtype"),
     ({"draft_method": "eagle"}, "draft"), ({"draft_method": ""}, "draft"),
 ])
 def test_the_initiator_refuses_an_ack_whose_identity_mismatches(changes, word):
@@ -113,7 +113,7 @@ def test_hello_ack_carries_the_acceptors_identity_on_the_wire():
     ack = _ack()
     assert decode(encode(ack)) == ack
     assert {"protocol_version", "model", "draft_method"} <= {
-        f.name for f in dataclasses.fields(HelloAck)}
+        f.name for f in msgspec.structs.fields(HelloAck)}
 
 
 # -- over ZMQ -----------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def _pump(mailboxes, cond, timeout_s=5.0):
 def test_zmq_block_size_mismatch_is_refused_by_the_acceptor_with_a_clear_error():
     drafter = ZmqMailbox("drafter-0", "drafter", model=MODEL, draft_method="ngram")
     verifier = ZmqMailbox("verifier-0", "verifier", draft_method="ngram",
-                          model=dataclasses.replace(MODEL, block_size=8))
+                          model=msgspec.structs.replace(MODEL, block_size=8))
     errors: list = []
     try:
         verifier.connect("drafter-0", drafter.endpoint)
@@ -155,7 +155,7 @@ def test_zmq_block_size_mismatch_is_refused_by_the_acceptor_with_a_clear_error()
 
 @pytest.mark.parametrize("changes, word", [
     ({"instance_id": "drafter-9"}, "instance"),
-    ({"model": dataclasses.replace(MODEL, name="another")}, "name"),
+    ({"model": msgspec.structs.replace(MODEL, name="another")}, "name"),
     ({"draft_method": "eagle"}, "draft"), ({"role": "gateway"}, "role"),
     ({"role": "prefill"}, "role"),
 ])
