@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from specmesh.benchmarks.harness.hf import load_hf_model
+    from specmesh.benchmarks.harness.systems import load_hf_model
 
     loaded = load_model(None, dtype=args.dtype)
     model, cfg = loaded.model, loaded.config
