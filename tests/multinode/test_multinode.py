@@ -193,7 +193,7 @@ class TwoNodeRay:
 
 
 @pytest.fixture(scope="module")
-def multinode(tiny_model_dir):
+def multinode(tiny_model_dir, cpu_kernels):  # the kernel cache warm before roles start
     cluster = TwoNodeRay()
     try:
         cluster.start()
