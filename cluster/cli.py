@@ -12,14 +12,15 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# the bench command's options live with its harness (benchmarks/harness/, a layer above
+# cluster/); no other cluster module imports the harness
+from specmesh.benchmarks.harness.options import add_bench_options, bench_options  # noqa: E402
 from specmesh.cluster.config import ROLES  # noqa: E402
 from specmesh.cluster.drafter_option import add_ngram_tree_option  # noqa: E402
 from specmesh.cluster.loopback import use_loopback  # noqa: E402
 from specmesh.cluster.options import (  # noqa: E402
-    add_bench_options,
     add_cluster_options,
     add_model_options,
-    bench_options,
     cluster_config,
     default_instance_id,
 )
@@ -128,6 +129,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         load_prompts_file(opts.prompts_file)
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
+    # lazy: the bench runner pulls in the gateway's HTTP stack (fastapi, uvicorn, httpx), which
+    # no other command needs
     from specmesh.benchmarks.harness.bench import bench
 
     cfg = cluster_config(args, port=0)

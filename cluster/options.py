@@ -80,54 +80,6 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "this long (a verifier alive but silent; 0: never)")
 
 
-def add_bench_options(p: argparse.ArgumentParser) -> None:
-    """Options of ``specmesh bench`` (besides the cluster's)."""
-    p.add_argument("--concurrency", default="1",
-                   help="comma list of concurrency levels: concurrent clients through the "
-                        "gateway, batch size of HF generate and of the in-process run (e.g. "
-                        "1,4,16)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median taken)")
-    p.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request")
-    p.add_argument("--num-prompts", type=int, default=None, help="the first N prompts only")
-    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
-                   help='your prompts, one JSON object a line: {"messages": [...]} or '
-                        '{"prompt": "..."}, optional "name" and "category" (default: the '
-                        "bundled prompts)")
-    p.add_argument("--profile", action="store_true",
-                   help="print the verifier step profiles and the measured forward-cost ratio")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the whole summary here")
-    p.add_argument("--markdown", default=None, metavar="PATH",
-                   help="write the tables (one per concurrency level) here")
-    p.add_argument("--plot", default=None, metavar="PATH.png",
-                   help="plot tokens/s vs concurrency and acceptance per draft position")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--drafters", default=None, metavar="LIST",
-                   help="comma list of draft methods to compare, each a --drafter form (e.g. "
-                        "ngram,eagle): served and in-process kappa=K systems per method, each "
-                        "method on its own cluster (default: just --drafter)")
-
-
-def bench_options(args: argparse.Namespace):
-    """The :class:`benchmarks.harness.bench.BenchOptions` the bench options in ``args`` describe.
-
-    Raises:
-        SystemExit: a malformed ``--concurrency`` or ``--drafters``, or a ``--repeats``
-            below 1.
-    """
-    from specmesh.benchmarks.harness.bench import BenchOptions
-    from specmesh.benchmarks.harness.drafters import parse_drafters
-    from specmesh.data.prompts import parse_concurrency
-
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
-    drafters = parse_drafters(args.drafters, args.model) if args.drafters else None
-    return BenchOptions(concurrency=parse_concurrency(args.concurrency), repeats=args.repeats,
-                        max_tokens=args.max_tokens, num_prompts=args.num_prompts,
-                        prompts_file=args.prompts, profile=args.profile, json_path=args.json,
-                        markdown_path=args.markdown, plot_path=args.plot,
-                        progress=not args.no_progress, drafters=drafters)
-
-
 def cluster_config(args: argparse.Namespace, **overrides):
     """The ClusterConfig the options in ``args`` describe; ``overrides`` replace top-level
     fields (e.g. ``port=0``).

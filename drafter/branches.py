@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from specmesh.drafter.draft_state import DraftState
 from specmesh.drafter.proposer import BranchCall
 from specmesh.engine.sampling import GREEDY, sampling_mode
-
-if TYPE_CHECKING:
-    from specmesh.drafter.worker import DraftState
 
 #: most branch candidates (head rows) one propose_branches call drafts: bounds how long a
 #: commit arriving meanwhile waits for the drafter

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from specmesh.drafter.branches import MAX_BRANCH_REQUESTS, kept_candidates, plan_branches
 from specmesh.drafter.config import RUN_AHEAD_STEPS, DrafterConfig
 from specmesh.drafter.draft_sampling import DraftSampling
+from specmesh.drafter.draft_state import DraftState
 from specmesh.drafter.proposer import ProposeCall, Proposer, get_proposer
 from specmesh.drafter.seed_state import hidden_rows
 from specmesh.engine.frames import tensor_to_buffer
@@ -44,7 +45,6 @@ from specmesh.protocol.messages import (
     DraftNeedSync,
     DraftSync,
     DraftTailStream,
-    SamplingParams,
     VerifyCommit,
 )
 
@@ -58,31 +58,6 @@ from specmesh.protocol.step_profile import StepProfile
 from specmesh.protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DraftState:
-    """Token state of one request on the drafter (output positions as in protocol.messages)."""
-
-    request_id: str
-    verifier: str  # peer that owns the request
-    prompt_token_ids: list[int]
-    committed: list[int]  # committed output tokens, as the verifier told us
-    path: list[int] = field(default_factory=list)  # speculative tokens after `committed`
-    probs: list = field(default_factory=list)  # row each path token was drawn from, or None
-    sampling: SamplingParams | None = None  # the request's (DraftSync.sampling)
-    num_sent: int = 0  # tokens of `path` already streamed
-    tree: tuple[list[int], list[int]] | None = None  # (tokens, parents) for the next segment
-    exhausted: bool = False  # proposer found nothing for the current context
-    news: bool = True  # synced or committed since the last segment: the verifier may wait
-    commit_received_at: float | None = None  # perf_counter() of the last unanswered commit
-    num_drafts_wanted: int | None = None  # VerifyCommit's: the verifier's cap (None: kappa)
-    #: output position -> {candidate: drafts after it} sent as DraftBranches ({}: none made)
-    branches: dict[int, dict[int, list[int]]] = field(default_factory=dict)
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt_token_ids + self.committed + self.path
 
 
 @dataclass

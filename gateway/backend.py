@@ -106,19 +106,23 @@ class MailboxBackend:
             verifier connected yet) before it fails with an error.
         verifier_lost_grace_s: how long a verifier whose connection dropped
             (:meth:`verifier_disconnected`) may take to come back before its requests fail.
+        clock: monotonic seconds, what ``verifier_wait_s`` and ``verifier_lost_grace_s`` are
+            measured on (a fake clock in tests).
     """
 
     def __init__(self, mailbox: Mailbox, pick_verifier: Callable[[], str],
                  recv_timeout_s: float = 1.0,
                  stream_timeout_s: float | None = STREAM_IDLE_TIMEOUT_S,
                  verifier_wait_s: float = VERIFIER_WAIT_S,
-                 verifier_lost_grace_s: float = VERIFIER_LOST_GRACE_S) -> None:
+                 verifier_lost_grace_s: float = VERIFIER_LOST_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.mailbox = mailbox
         self.pick_verifier = pick_verifier
         self.recv_timeout_s = recv_timeout_s
         self.stream_timeout_s = stream_timeout_s
         self.verifier_wait_s = verifier_wait_s
         self.verifier_lost_grace_s = verifier_lost_grace_s
+        self.clock = clock
         self._pending: dict[str, _Pending] = {}
         self._incarnations: dict[str, int] = {}  # verifier -> newest incarnation seen
         self._lost: dict[str, float] = {}  # verifier -> when its connection dropped
@@ -255,7 +259,7 @@ class MailboxBackend:
         requests fail unless it comes back as the same incarnation within
         ``verifier_lost_grace_s``. Thread-safe."""
         with self._lock:
-            self._lost.setdefault(peer, time.monotonic())
+            self._lost.setdefault(peer, self.clock())
             self._gone.discard(peer)
 
     def set_verifiers(self, verifiers: dict[str, int | None]) -> None:
@@ -282,14 +286,14 @@ class MailboxBackend:
             if not self._lost:
                 return self.recv_timeout_s
             first = min(self._lost.values())
-        left = first + self.verifier_lost_grace_s - time.monotonic()
+        left = first + self.verifier_lost_grace_s - self.clock()
         return min(self.recv_timeout_s, max(left, 0.0) + 0.01)
 
     def _check_lost(self) -> None:
         """Fail the requests of every verifier lost for longer than the grace period."""
         if not self._lost:
             return
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             expired = [p for p, t in self._lost.items()
                        if now - t >= self.verifier_lost_grace_s]
@@ -395,12 +399,12 @@ class MailboxBackend:
             ConnectionError: still no verifier after ``verifier_wait_s`` (the last error says
                 why).
         """
-        deadline = time.monotonic() + self.verifier_wait_s
+        deadline = self.clock() + self.verifier_wait_s
         while True:
             try:
                 return self.pick_verifier()
             except Exception as err:  # noqa: BLE001 - whatever says "not now"
-                if time.monotonic() >= deadline:
+                if self.clock() >= deadline:
                     raise ConnectionError(f"{err} (waited {self.verifier_wait_s:g} s)") from err
             await asyncio.sleep(VERIFIER_POLL_S)
 

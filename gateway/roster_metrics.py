@@ -98,12 +98,16 @@ class RosterMetrics:
         registry: the gateway's registry; ``specmesh:metrics_scrape_errors_total`` is added to
             it (labels ``role``, ``instance``).
         timeout_s: how long a scrape waits for each role (all are fetched concurrently).
+        transport: the HTTP transport of the fetches (None: httpx's own; a test passes
+            ``httpx.MockTransport``).
     """
 
     def __init__(self, registry: CollectorRegistry,
-                 timeout_s: float = ROLE_SCRAPE_TIMEOUT_S) -> None:
+                 timeout_s: float = ROLE_SCRAPE_TIMEOUT_S,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.registry = registry
         self.timeout_s = timeout_s
+        self.transport = transport
         self._targets: tuple[MetricsTarget, ...] = ()
         self.scrape_errors = Counter("specmesh:metrics_scrape_errors",
                                      "Role metrics endpoints that did not answer a scrape of "
@@ -134,7 +138,7 @@ class RosterMetrics:
         targets = self._targets
         if not targets:
             return []
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.timeout_s, transport=self.transport) as client:
             results = await asyncio.gather(*(self._fetch(client, t) for t in targets))
         return [fam for fams in results for fam in fams]
 

@@ -14,16 +14,28 @@ from specmesh.cluster.loopback import use_loopback  # noqa: E402
 use_loopback()  # the embedded test Ray stays on 127.0.0.1; must precede every `import ray`
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cpu_attention_kernel():
-    """Build the compiled CPU attention (kernels/cpu_attention.py) once, before any test
-    starts role processes, so they load it from the cache instead of all compiling it at
-    once (tests/kernels/test_cpu_attention.py fails where it cannot be built)."""
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
+    """A test that starts Ray (through the ``ray_session`` fixture) must be marked ``ray``, so
+    that ``-m "not ray"`` (the fast tier) leaves it out."""
+    unmarked = [item.nodeid for item in items if "ray_session" in getattr(
+        item, "fixturenames", ()) and item.get_closest_marker("ray") is None]
+    if unmarked:
+        raise pytest.UsageError("tests that start Ray (ray_session) need @pytest.mark.ray: "
+                                + ", ".join(unmarked))
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """Build the compiled CPU kernels (kernels/cpu_attention.py, gguf_matmul.py, layer_ops.py)
+    into the kernel cache, for tests that start role processes: each process then loads them
+    from the cache instead of all compiling them at once. In-process tests need not ask: the
+    engine builds a kernel on its first use (tests/kernels/test_cpu_attention.py fails where
+    it cannot be built)."""
     from specmesh.kernels import cpu_attention, gguf_matmul, layer_ops
 
     cpu_attention.library()
-    gguf_matmul.KERNEL.library()  # the same for the GGUF matmul kernel
-    layer_ops.KERNEL.library()  # and the layer ops
+    gguf_matmul.KERNEL.library()
+    layer_ops.KERNEL.library()
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +65,9 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """One embedded Ray (127.0.0.1, no dashboard) shared by every Ray test of the session."""
+def ray_session(cpu_kernels):
+    """One embedded Ray (127.0.0.1, no dashboard) shared by every Ray test of the session (the
+    kernel cache warm before any role process starts)."""
     import ray
 
     from specmesh.cluster.launcher import init_local_ray

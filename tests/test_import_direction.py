@@ -6,6 +6,7 @@ imports included.
 - engine: may import kernels and protocol; not ray, prefill, decode, drafter, cluster;
 - prefill, decode, drafter: engine / kernels / protocol, never each other, cluster or ray;
 - only cluster imports ray;
+- of cluster, only the CLI imports the bench harness (benchmarks/), for the bench command;
 - no runtime package imports the tests' helpers (test-only models and references);
 - module rules (below): the verifier's scheduler and request state are pure Python (no torch),
   the in-process cluster, the configs and the CLI options import no ray (lazily included), and
@@ -14,16 +15,13 @@ imports included.
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-PROJECT = ("protocol", "kernels", "engine", "prefill", "decode", "drafter", "cluster", "gateway",
-           "data", "benchmarks")
+from helpers.imports import PROJECT, REPO_ROOT, imported_modules, module_name, project_sources
+
 WORKERS = ("prefill", "decode", "drafter")
 
 #: package -> top-level modules it must not import
@@ -32,7 +30,7 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "engine": frozenset({"ray", *WORKERS, "cluster", "gateway", "benchmarks"}),
     **{w: frozenset({"ray", "cluster", "gateway", "benchmarks", *WORKERS} - {w}) for w in WORKERS},
     "gateway": frozenset({"ray", "kernels", "benchmarks", *WORKERS}),
-    "cluster": frozenset(),
+    "cluster": frozenset({"benchmarks"}),
     "benchmarks": frozenset(),
 }
 TEST_ONLY = frozenset({"helpers", "tests", "conftest"})
@@ -45,62 +43,15 @@ MODULE_FORBIDDEN: dict[str, frozenset[str]] = {
         "engine.block_manager", "prefill.config", "drafter.config")},
     **{m: frozenset({"ray", "cluster.cli", "cluster.launcher", "cluster.actors"}) for m in (
         "cluster.inprocess", "cluster.config", "cluster.options", "cluster.runs",
-        "cluster.loopback")},
+        "cluster.loopback", "benchmarks.harness.options")},
     **{m: frozenset({"cluster.cli"}) for m in ("cluster.demo", "benchmarks.harness.bench")},
 }
+#: module -> top-level modules it may import that its package's FORBIDDEN rule bans
+ALLOWED: dict[str, frozenset[str]] = {"cluster.cli": frozenset({"benchmarks"})}
 #: package -> the only top-level modules it may import (besides the standard library)
 ONLY: dict[str, frozenset[str]] = {"kernels": frozenset({"torch", "triton", "kernels"}),
                                    "data": frozenset({"data"})}
 STDLIB = frozenset(sys.stdlib_module_names)
-
-
-def module_name(package: str, relpath: str) -> tuple[str, bool]:
-    """``("decode.worker", False)`` for ``decode/worker.py``; ``("decode", True)`` for its
-    ``__init__.py`` (the bool says whether the module is a package)."""
-    parts = [package, *Path(relpath).with_suffix("").parts]
-    if parts[-1] == "__init__":
-        return ".".join(parts[:-1]), True
-    return ".".join(parts), False
-
-
-def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """Every module ``source`` imports, anywhere (functions and ``if`` blocks included), as
-    ``(line, absolute dotted name)``; relative imports are resolved against ``module``.
-    ``importlib.import_module("x")`` / ``__import__("x")`` with a literal name count too.
-
-    Raises:
-        SyntaxError: ``source`` does not parse.
-    """
-    found: list[tuple[int, str]] = []
-    package = module if is_package else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:
-                found.append((node.lineno, node.module or ""))
-                # `from pkg import mod` imports pkg.mod when mod is a module
-                found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-                continue
-            base = package.split(".") if package else []
-            if node.level - 1 > len(base) - 1:
-                found.append((node.lineno, "<relative import beyond the top-level package>"))
-                continue
-            base = base[: len(base) - (node.level - 1)]
-            target = ".".join([*base, node.module] if node.module else base)
-            if node.module:
-                found.append((node.lineno, target))
-            else:  # from . import a, b
-                found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
-        elif isinstance(node, ast.Call) and node.args:
-            func = node.func
-            name = (func.attr if isinstance(func, ast.Attribute)
-                    else func.id if isinstance(func, ast.Name) else "")
-            arg = node.args[0]
-            if (name in ("import_module", "__import__") and isinstance(arg, ast.Constant)
-                    and isinstance(arg.value, str)):
-                found.append((node.lineno, arg.value))
-    return found
 
 
 def violations(package: str, source: str, relpath: str = "mod.py") -> list[str]:
@@ -120,19 +71,14 @@ def violations(package: str, source: str, relpath: str = "mod.py") -> list[str]:
         elif package in ONLY:
             ok = top in ONLY[package] or top in STDLIB
         else:
-            ok = top not in FORBIDDEN[package]
+            ok = top not in FORBIDDEN[package] or top in ALLOWED.get(module, frozenset())
         if not ok:
             bad.append(f"{package}/{relpath}:{line}: imports {name}")
     return bad
 
 
-def _sources() -> list[tuple[str, Path]]:
-    return [(pkg, path) for pkg in PROJECT if (REPO_ROOT / pkg).is_dir()
-            for path in sorted((REPO_ROOT / pkg).rglob("*.py")) if "__pycache__" not in path.parts]
-
-
 def test_project_tree_respects_import_direction() -> None:
-    sources = _sources()
+    sources = project_sources()
     scanned = {path.relative_to(REPO_ROOT).as_posix() for _, path in sources}
     assert {"protocol/codec.py", "protocol/messages.py", "kernels/greedy_verify.py"} <= scanned
     bad: list[str] = []
@@ -155,6 +101,7 @@ def test_pure_modules_stay_pure_transitively() -> None:
             "import specmesh.cluster.inprocess, specmesh.cluster.config\n"
             "import specmesh.cluster.options, specmesh.cluster.runs\n"
             "import specmesh.cluster.demo, specmesh.benchmarks.harness.bench\n"
+            "import specmesh.benchmarks.harness.options\n"
             "assert 'ray' not in sys.modules, 'a Ray-free module pulled in ray'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
 
@@ -195,6 +142,9 @@ def test_pure_modules_stay_pure_transitively() -> None:
     ("cluster", "from cluster.launcher import start_cluster", "config.py"),
     ("cluster", "from cluster.cli import main", "demo.py"),
     ("cluster", "from cluster import cli", "bench.py"),
+    ("cluster", "def f():\n    from benchmarks.harness.bench import bench\n", "options.py"),
+    ("cluster", "from specmesh.benchmarks.harness import options", "config.py"),
+    ("benchmarks", "def f():\n    import ray\n", "harness/options.py"),
 ])
 def test_checker_flags_violations(package: str, source: str, relpath: str) -> None:
     assert violations(package, source, relpath), f"{package}: {source!r} should be refused"
@@ -217,6 +167,7 @@ def test_checker_flags_violations(package: str, source: str, relpath: str) -> No
     ("cluster", "import ray\nfrom decode import worker\nfrom prefill import worker", "actors.py"),
     ("decode", "import torch\nfrom decode.scheduler import Scheduler", "verify_step.py"),
     ("cluster", "def f():\n    from cluster.launcher import start_cluster\n", "demo.py"),
+    ("cluster", "from specmesh.benchmarks.harness.options import add_bench_options", "cli.py"),
 ])
 def test_checker_accepts_allowed_imports(package: str, source: str, relpath: str) -> None:
     assert violations(package, source, relpath) == []

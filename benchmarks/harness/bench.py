@@ -8,11 +8,12 @@ level and optionally writes JSON, markdown and a plot.
 
 The draft methods are ``--drafters`` (``ngram,eagle``; default: the cluster's ``--drafter``).
 Their served clusters are all started before the runs and run side by side in one Ray
-session, each in its own Ray namespace (:func:`benchmarks.harness.drafters.namespace_for`).
+session, each in its own Ray namespace (:func:`benchmarks.harness.options.namespace_for`).
 
-Modules: bench_prompts (inputs), bench_drafters (the methods), bench_served / bench_inprocess /
-bench_hf (the systems), bench_stats (counter and profile deltas), bench_report (summary,
-markdown, plot).
+Modules: options (the command's options and the compared methods), systems (served,
+in-process, Hugging Face), report (counter and profile deltas, the summary), render
+(markdown, plot), forward_cost (the measured forward-cost ratio of ``--profile``); the prompts
+come from specmesh.data.prompts.
 """
 
 from __future__ import annotations
@@ -20,39 +21,28 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from specmesh.benchmarks.harness.drafters import BenchDrafter, cluster_drafter, namespace_for, with_drafter
-from specmesh.benchmarks.harness.hf import generation_eos_ids, load_hf_model, run_hf
-from specmesh.data.prompts import level_requests, load_prompts_file
+from specmesh.benchmarks.harness.options import (
+    BenchDrafter,
+    BenchOptions,
+    cluster_drafter,
+    namespace_for,
+    with_drafter,
+)
 from specmesh.benchmarks.harness.render import markdown, write_plot
 from specmesh.benchmarks.harness.report import System, mismatch_lines, summarize, systems_for
-from specmesh.cluster.config import ClusterConfig
+from specmesh.benchmarks.harness.systems import (
+    InProcessSystems,
+    generation_eos_ids,
+    load_hf_model,
+    run_hf,
+    run_served,
+)
+from specmesh.cluster.config import ClusterConfig, default_threads
+from specmesh.cluster.options import is_model_drafter
 from specmesh.cluster.runs import RunResult, load_prompts, openai_client, run_openai
-
-__all__ = ["BenchOptions", "bench", "load_hf_model"]
-
-
-@dataclass
-class BenchOptions:
-    """What one bench run does. ``concurrency``: the levels (clients / batch size);
-    ``max_tokens``: completion tokens per request; ``num_prompts``: the first N prompts (of
-    ``prompts_file`` when given, else the bundled ones); ``profile``: print the verifier step
-    profiles and measure the forward-cost ratio; ``*_path``: outputs (None: not written);
-    ``drafters``: the draft methods compared (None: the cluster's own ``--drafter``)."""
-
-    concurrency: list[int] = field(default_factory=lambda: [1])
-    repeats: int = 3
-    max_tokens: int = 64
-    num_prompts: int | None = None
-    prompts_file: str | None = None
-    profile: bool = False
-    json_path: str | None = None
-    markdown_path: str | None = None
-    plot_path: str | None = None
-    progress: bool = True
-    drafters: list[BenchDrafter] | None = None
-
+from specmesh.data.prompts import level_requests, load_prompts_file
+from specmesh.gateway.tokens import chat_prompt_ids
 
 def bench_prompts(opts: BenchOptions) -> list[dict]:
     """The prompts of the run: the user's file or the bundled prompts, the first
@@ -113,9 +103,6 @@ def bench_process_threads(cfg: ClusterConfig) -> int:
     most a role has when the user set the plan (``--threads`` / ``--thread-plan``). A model
     drafter's default plan, which leaves its served verifier one core fewer, does not count
     as set: the baselines keep every core."""
-    from specmesh.cluster.config import default_threads
-    from specmesh.cluster.options import is_model_drafter
-
     if cfg.threads == default_threads(model_drafter=is_model_drafter(cfg.drafter.method)):
         return default_threads()["verifier"]
     return max(cfg.threads.values())
@@ -131,9 +118,6 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     import torch
     from tqdm import tqdm
 
-    from specmesh.benchmarks.harness.inprocess import InProcessSystems
-    from specmesh.benchmarks.harness.served import run_served
-    from specmesh.gateway.tokens import chat_prompt_ids
     from specmesh.engine.devices import resolve_device
     from specmesh.engine.loader import load_model, load_tokenizer, model_name
 

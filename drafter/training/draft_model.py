@@ -13,12 +13,13 @@ import argparse
 
 import torch
 
+from specmesh.drafter.training.record import training_record
+
 DEFAULT_NUM_LAYERS = 2
 
 
 def train_draft_model(prep: dict, args: argparse.Namespace) -> dict:
     """Train, evaluate and save; returns the evaluation (also in specmesh_draft.json)."""
-    from specmesh.drafter.training.eagle import training_record
     from specmesh.drafter.draft_model_files import engine_model, save_draft_model
     from specmesh.drafter.draft_model_training import acceptance, init_draft_model, train
     from specmesh.drafter.eagle.checkpoint import target_identity

@@ -21,12 +21,13 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from specmesh.drafter.training.draft_model import train_draft_model
+from specmesh.drafter.training.record import training_record
 
 #: the bundled prompt sets (data/)
 PROMPTS_DIR = Path(next(iter(importlib.util.find_spec("specmesh.data").submodule_search_locations)))
@@ -215,26 +216,10 @@ def prepare(args: argparse.Namespace) -> dict:
             "generate_seconds": time.perf_counter() - t_gen, "t_start": t_start}
 
 
-def training_record(prep: dict, args: argparse.Namespace, summary: dict,
-                    evaluation: dict) -> dict:
-    """What a checkpoint records of how it was made: command, split, data, timings, numbers."""
-    return {"command": "specmesh train-drafter " + " ".join(shlex.quote(a) for a in
-                                                            sys.argv[2:]),
-            "train_prompts": len(prep["train_p"]), "heldout_prompts": len(prep["held_p"]),
-            "heldout_names": [p["name"] for p in prep["held_p"]],
-            "train_output_tokens": sum(s.num_output_tokens for s in prep["samples"]["train"]),
-            "generate_seconds": round(prep["generate_seconds"], 1),
-            "total_seconds": round(time.perf_counter() - prep["t_start"], 1),
-            "threads": torch.get_num_threads(), **summary, "evaluation": evaluation,
-            "args": {k: v for k, v in vars(args).items() if k != "func"}}
-
-
 def train_drafter(args: argparse.Namespace) -> dict:
     """Run the whole pipeline; returns the evaluation (also written to the checkpoint)."""
     prep = prepare(args)
     if args.method == "draft-model":
-        from specmesh.drafter.training.draft_model import train_draft_model
-
         return train_draft_model(prep, args)
     return _train_eagle(prep, args)
 

@@ -7,7 +7,7 @@ model (n-gram and a random EAGLE head: the output is the plain-decode output).""
 import pytest
 
 from specmesh.benchmarks.harness.bench import _schedule
-from specmesh.benchmarks.harness.drafters import (
+from specmesh.benchmarks.harness.options import (
     cluster_drafter,
     namespace_for,
     parse_drafters,
@@ -207,7 +207,7 @@ def random_head(tiny_model_dir, tmp_path_factory):
 
 
 def test_inprocess_systems_per_method_are_exact(tiny_model_dir, random_head):
-    from specmesh.benchmarks.harness.inprocess import InProcessSystems
+    from specmesh.benchmarks.harness.systems import InProcessSystems
     from specmesh.engine.loader import load_model
 
     cfg = ClusterConfig.create(model=tiny_model_dir, dtype="float32", num_speculative_tokens=3)

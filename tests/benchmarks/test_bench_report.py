@@ -4,10 +4,10 @@ batching helpers and the run schedule (no cluster, no model)."""
 import pytest
 
 from specmesh.benchmarks.harness.bench import _schedule
-from specmesh.benchmarks.harness.hf import cut_at_eos, left_pad
+from specmesh.benchmarks.harness.systems import cut_at_eos, left_pad
 from specmesh.benchmarks.harness.render import markdown, write_plot
 from specmesh.benchmarks.harness.report import HF_BASELINE, same_outputs, summarize, systems_for
-from specmesh.benchmarks.harness.stats import (
+from specmesh.benchmarks.harness.report import (
     acceptance_per_position,
     bucket_quantile,
     merge_snapshots,
@@ -214,7 +214,7 @@ def test_accepted_per_step_counts_every_request_step():
 
 
 def test_drafter_profiles_join_the_snapshot_under_their_prefix():
-    from specmesh.benchmarks.harness.stats import verifier_snapshot, with_drafter_profiles
+    from specmesh.benchmarks.harness.report import verifier_snapshot, with_drafter_profiles
     from specmesh.protocol.step_profile import StepProfile
 
     v, d1, d2 = StepProfile(), StepProfile(), StepProfile()

@@ -1,7 +1,10 @@
 """The controller actor's probes through a real Ray (docs/architecture.md, 'Cluster and health'): a
 role that
 stops heartbeating while its actor lives stays in the roster (a starved role is not dead); once
-its actor is killed it leaves within a few heartbeat intervals, long before MAX_MISSED_BEATS."""
+its actor is killed the probe finds it gone and deregisters it, before MAX_MISSED_BEATS would.
+Which check removed it shows in the reason the controller records, not in how long it took (a
+busy machine makes everything later); the timing itself is Controller's, on a fake clock, in
+tests/cluster/test_health.py."""
 
 from __future__ import annotations
 
@@ -14,6 +17,10 @@ from specmesh.cluster.actors import ControllerActor
 from specmesh.cluster.health import HEARTBEAT_INTERVAL_S, MAX_MISSED_BEATS, SUSPECT_MISSED_BEATS
 
 pytestmark = pytest.mark.ray
+
+#: seconds after which a wait for something that must happen fails as hung (well past
+#: MAX_MISSED_BEATS intervals, so a probe that failed shows as the wrong reason, not a hang)
+HANG_S = 3 * MAX_MISSED_BEATS * HEARTBEAT_INTERVAL_S
 
 
 @ray.remote(num_cpus=0)
@@ -54,16 +61,16 @@ def test_a_killed_role_leaves_after_three_missed_beats_a_live_silent_one_stays(r
         time.sleep((SUSPECT_MISSED_BEATS + 2) * HEARTBEAT_INTERVAL_S)
         assert _roster(controller) == ["drafter-9"]
         _beat_for(controller, 2 * HEARTBEAT_INTERVAL_S, progress)
-        killed_at = time.monotonic()  # its last heartbeat: silent from here
-        ray.kill(role, no_restart=True)
-        deadline = killed_at + (MAX_MISSED_BEATS + 3) * HEARTBEAT_INTERVAL_S
-        while "drafter-9" in _roster(controller) and time.monotonic() < deadline:
+        ray.kill(role, no_restart=True)  # its last heartbeat was just sent: silent from here
+        deadline = time.monotonic() + HANG_S
+        while "drafter-9" in _roster(controller):
+            assert time.monotonic() < deadline, "a killed role stayed in the roster"
             time.sleep(0.1)
-        took = time.monotonic() - killed_at
-        assert _roster(controller) == [], "a killed role stayed in the roster"
-        # 3 missed beats, then the first probe finds the actor gone (without probes: 10)
-        assert took < (MAX_MISSED_BEATS - 3) * HEARTBEAT_INTERVAL_S, took
         report = ray.get(controller.health_report.remote())
         assert report["num_deregistered"] == 1
+        # removed by the probe (3 missed beats, then its actor found gone), not by the
+        # MAX_MISSED_BEATS bound ("... missed, limit 10): dead")
+        reason = report["removed"]["drafter-9"]
+        assert "its actor is gone" in reason and "limit" not in reason, reason
     finally:
         ray.kill(controller)

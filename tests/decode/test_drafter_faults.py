@@ -146,10 +146,10 @@ def test_a_silent_drafter_is_not_waited_for_after_the_bound(tiny):
         _pump(c, out, drafter=False)
     waits = c.verifier.stats.num_tail_waits
     assert waits >= 1
-    t1 = time.monotonic()
     _pump(c, out, 5, drafter=False)
-    assert c.verifier.stats.num_tail_waits == waits  # no per-step wait any more
-    assert time.monotonic() - t1 < 0.3
+    # no per-step wait any more: a step that waits for a tail counts it before it blocks
+    # (VerifierWorker._wait_for_tails), so the count, not a clock, shows there was none
+    assert c.verifier.stats.num_tail_waits == waits
     _pump(c, out, 1)  # heard from again: waited for again (it answers at once)
     for _ in range(200):
         if _done(c, out):

@@ -216,6 +216,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # thousands of sampled requests end to end; seeded runs above stay fast
 def test_sampled_distribution_at_positions_2_and_3_does_not_depend_on_speculation(one_thread):
     hf, model, cfg = tiny_llama(seed=5, dtype=torch.float64, vocab_size=SMALL_VOCAB,
                                 init_std=0.15)

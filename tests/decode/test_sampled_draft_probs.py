@@ -103,6 +103,7 @@ NUM_SAMPLES = 400
 BATCH = 200
 
 
+@pytest.mark.slow  # thousands of sampled requests end to end; seeded runs above stay fast
 @pytest.mark.parametrize("rule", ["auto", "block"])
 def test_sampled_distribution_with_draft_probs_matches_the_target(rule, one_thread):
     hf, model, cfg = tiny_llama(seed=5, dtype=torch.float64, vocab_size=SMALL_VOCAB,

@@ -205,7 +205,7 @@ def test_bench_runs_synthetic_in_process_too_and_says_so(tiny):
     """``specmesh bench --verify-rule synthetic``: the in-process kappa > 0 systems judge
     drafts by the same curve as the served ones (kappa 0 stays plain), and the report's
     header says the outputs are not the target's."""
-    from specmesh.benchmarks.harness.inprocess import InProcessSystems
+    from specmesh.benchmarks.harness.systems import InProcessSystems
     from specmesh.benchmarks.harness.render import markdown
 
     _, model, cfg = tiny

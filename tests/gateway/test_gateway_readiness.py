@@ -90,6 +90,9 @@ def test_health_is_503_until_a_request_can_be_served_and_early_requests_wait(lat
 
 
 def test_no_verifier_within_the_bound_is_a_clear_error():
+    """A request with no verifier to go to asks again every poll for ``verifier_wait_s`` on
+    the backend's clock, then fails with an error saying so (a fake clock: each ask takes
+    1/8 s of it)."""
     class Mailbox:
         def recv(self, timeout_s=0.0):
             time.sleep(timeout_s)
@@ -100,12 +103,18 @@ def test_no_verifier_within_the_bound_is_a_clear_error():
         def send(self, peer, msg):  # pragma: no cover - no verifier, nothing is sent
             raise AssertionError("sent without a verifier")
 
+    now = [100.0]
+    asked = []
+
     def pick():
+        asked.append(now[0])
+        now[0] += 0.125
         raise ConnectionError("no verifier is connected yet")
 
     import asyncio
 
-    backend = MailboxBackend(Mailbox(), pick, recv_timeout_s=0.05, verifier_wait_s=0.3)
+    backend = MailboxBackend(Mailbox(), pick, recv_timeout_s=0.05, verifier_wait_s=0.5,
+                             clock=lambda: now[0])
 
     async def one():
         from specmesh.protocol.messages import GenerateRequest
@@ -113,11 +122,11 @@ def test_no_verifier_within_the_bound_is_a_clear_error():
         req = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams())
         return [m async for m in backend.generate(req)]
 
-    t0 = time.monotonic()
     (msg,) = asyncio.run(one())
-    assert 0.3 <= time.monotonic() - t0 < 5
+    # asked at 0, 1/8, 2/8 and 3/8 s into the wait; after the last ask the clock read 0.5 s
+    assert asked == [100.0, 100.125, 100.25, 100.375]
     assert msg.finished and msg.finish_reason == "error"
-    assert "no verifier" in msg.error and "waited" in msg.error
+    assert "no verifier" in msg.error and "waited 0.5 s" in msg.error
     assert backend.num_in_flight == 0
     backend.close()
 

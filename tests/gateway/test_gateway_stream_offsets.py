@@ -114,7 +114,8 @@ def test_a_lost_delta_fails_the_request_instead_of_a_200_with_a_hole(served, str
     link.arm(drop=3)
     body = {"prompt": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": stream,
             "return_token_ids": True}
-    t0 = time.monotonic()
+    # the gap ends the request at once: its error names the gap (a stream idle timeout would
+    # say so instead), and the client's 30 s timeout catches a hang
     if not stream:
         r = client.post("/v1/completions", json=body)
         assert r.status_code >= 500, r.text
@@ -131,7 +132,6 @@ def test_a_lost_delta_fails_the_request_instead_of_a_200_with_a_hole(served, str
         # what the client saw is exactly the committed output up to the hole, in order
         assert ids and ids == list(ref[:len(ids)])
         assert not any(ch.get("finish_reason") for e in events[:-1] for ch in e["choices"])
-    assert time.monotonic() - t0 < 10
     assert served["backend"].num_in_flight == 0
     _wait_verifier_idle(c)  # the gateway aborted it on the verifier
 

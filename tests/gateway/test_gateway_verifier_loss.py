@@ -1,9 +1,14 @@
 """Issue 9 scenario 3: a verifier that dies, restarts or goes silent must not leave the
 gateway waiting forever. The real GatewayHost (HTTP app, MailboxBackend, ZMQ mailbox) against
 a fake verifier on a real ZMQ mailbox: a request whose verifier died fails with a clear error
-within 10 s (SSE: an error event, then the end; JSON: a 5xx naming the cause) and its pending
-entry is gone; a new incarnation (new HelloAck) fails the old one's requests at once; a
-verifier that left the roster, or is alive but silent (stream idle timeout), is bounded too."""
+once the grace period is over (SSE: an error event, then the end; JSON: a 5xx naming the
+cause) and its pending entry is gone; a new incarnation (new HelloAck) fails the old one's
+requests at once; a verifier that left the roster, or is alive but silent (stream idle
+timeout), is bounded too.
+
+Which bound ended a request shows in its error, never in how long it took (a busy machine
+makes everything later); the grace period itself runs on a fake clock in
+test_a_lost_verifiers_requests_fail_when_the_grace_is_over."""
 
 from __future__ import annotations
 
@@ -16,12 +21,13 @@ import pytest
 import zmq
 
 from specmesh.cluster.config import ClusterConfig
-from specmesh.gateway.backend import STREAM_IDLE_TIMEOUT_S
-from specmesh.protocol.messages import Abort, GenerateRequest, TokenStream
+from specmesh.gateway.backend import STREAM_IDLE_TIMEOUT_S, MailboxBackend
+from specmesh.protocol.messages import Abort, GenerateRequest, SamplingParams, TokenStream
 from specmesh.protocol.zmq_transport import ZmqMailbox
 
 VERIFIER = "verifier-0"
-BOUND_S = 10.0  # a request whose verifier died fails within this
+#: seconds after which a wait for something that must happen fails as hung
+HANG_S = 60.0
 PREFILL_ENTRY = {"instance_id": "prefill-0", "role": "prefill", "endpoint": "tcp://127.0.0.1:9",
                  "incarnation": 1}
 
@@ -100,7 +106,7 @@ def gateway(tiny_model_dir):
     host = GatewayHost("gateway-0", cfg)
     torch.set_num_threads(threads)  # the host set the gateway's plan for this process
     FakeVerifier.identity = (host.mailbox.model, host.mailbox.draft_method)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{host.port}", timeout=BOUND_S + 5)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{host.port}", timeout=HANG_S)
     ids = host.tokenizer(" Hello there, general Kenobi")["input_ids"]
     yield host, client, ids
     client.close()
@@ -112,7 +118,7 @@ def _connect(host, fake: FakeVerifier) -> None:
     _wait(lambda: host.mailbox.ready(VERIFIER) and not host.not_ready_reason(), "connected")
 
 
-def _wait(cond, what: str, timeout_s: float = 5.0) -> None:
+def _wait(cond, what: str, timeout_s: float = HANG_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
@@ -124,7 +130,6 @@ def _post_in_thread(client, body: dict) -> tuple[threading.Thread, dict]:
 
     def ask():
         out["r"] = client.post("/v1/completions", json=body)
-        out["t"] = time.monotonic()
 
     t = threading.Thread(target=ask, daemon=True)
     t.start()
@@ -139,17 +144,16 @@ def _error_message(r: httpx.Response) -> str:
     return r.json()["error"]["message"]
 
 
-def test_verifier_killed_non_streaming_gets_a_5xx_within_the_bound(gateway):
+def test_verifier_killed_non_streaming_gets_a_5xx_after_the_grace(gateway):
     host, client, ids = gateway
     fake = FakeVerifier(ids)
     _connect(host, fake)
     t, out = _post_in_thread(client, BODY)
-    assert fake.answered.wait(5)
-    t0 = time.monotonic()
+    assert fake.answered.wait(HANG_S)
     fake.kill()
-    t.join(BOUND_S + 5)
+    t.join(HANG_S)
     assert "r" in out, "the request still hangs"
-    assert out["t"] - t0 < BOUND_S
+    # ended by the lost connection's grace, not the stream idle timeout
     msg = _error_message(out["r"])
     assert VERIFIER in msg and "lost the connection" in msg
     assert host.backend.num_in_flight == 0
@@ -159,20 +163,21 @@ def test_verifier_killed_streaming_gets_an_sse_error_then_the_end(gateway):
     host, client, ids = gateway
     fake = FakeVerifier(ids)
     _connect(host, fake)
-    events, t0 = [], None
+    events, killed = [], False
     with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
             events.append(line[6:])
-            if t0 is None and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
-                t0 = time.monotonic()  # the client has text: now the verifier dies
+            if not killed and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
+                killed = True  # the client has text: now the verifier dies
                 fake.kill()
-    assert t0 is not None and time.monotonic() - t0 < BOUND_S
-    assert events[-1] == "[DONE]"
+    assert killed and events[-1] == "[DONE]"
     err = json.loads(events[-2])
+    # ended by the lost connection's grace, not the stream idle timeout
     assert "error" in err and VERIFIER in err["error"]["message"], err
+    assert "lost the connection" in err["error"]["message"], err
     assert host.backend.num_in_flight == 0
 
 
@@ -183,14 +188,15 @@ def test_a_new_incarnation_fails_the_old_ones_requests_at_once(gateway):
         fake = FakeVerifier(ids)
         _connect(host, fake)
         t, out = _post_in_thread(client, BODY)
-        assert fake.answered.wait(5)
+        assert fake.answered.wait(HANG_S)
         old, port = fake.mb.incarnation, fake.port
         fake.kill()
         # Ray restarted it: same instance id (here the same port), a new incarnation
-        t0 = time.monotonic()
         fake = FakeVerifier(ids, mode="finish", port=port, incarnation=old + 1)
-        t.join(BOUND_S)
-        assert "r" in out and out["t"] - t0 < 5
+        t.join(HANG_S)
+        assert "r" in out, "the request still hangs"
+        # ended by the new incarnation's Hello, not the grace (that error says "lost the
+        # connection ... within 60 s")
         msg = _error_message(out["r"])
         assert VERIFIER in msg and "restarted" in msg
         assert host.backend.num_in_flight == 0
@@ -209,11 +215,10 @@ def test_a_verifier_that_left_the_roster_fails_its_requests(gateway):
     fake = FakeVerifier(ids)
     _connect(host, fake)
     t, out = _post_in_thread(client, BODY)
-    assert fake.answered.wait(5)
-    t0 = time.monotonic()
+    assert fake.answered.wait(HANG_S)
     host.update_roster([PREFILL_ENTRY])  # the controller deregistered it (dead or hung)
-    t.join(BOUND_S)
-    assert "r" in out and out["t"] - t0 < 3
+    t.join(HANG_S)
+    assert "r" in out, "the request still hangs"
     assert "left the roster" in _error_message(out["r"])
     assert host.backend.num_in_flight == 0
     fake.kill()
@@ -229,7 +234,7 @@ def test_a_live_but_silent_verifier_is_bounded_by_the_stream_idle_timeout(gatewa
         _connect(host, fake)
         t0 = time.monotonic()
         r = client.post("/v1/completions", json=BODY)
-        assert 1.0 <= time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 >= 1.0  # not before the timeout (later is no error)
         msg = _error_message(r)
         assert "stream idle timeout" in msg and VERIFIER in msg
         assert host.backend.num_in_flight == 0
@@ -237,6 +242,66 @@ def test_a_live_but_silent_verifier_is_bounded_by_the_stream_idle_timeout(gatewa
     finally:
         host.backend.stream_timeout_s = STREAM_IDLE_TIMEOUT_S
         fake.kill()
+
+
+def test_a_lost_verifiers_requests_fail_when_the_grace_is_over():
+    """A verifier whose connection dropped has ``verifier_lost_grace_s`` on the backend's clock
+    to come back: its request waits while the clock is short of it and fails, naming the lost
+    connection, once it is over (a fake clock and mailbox: no sockets)."""
+    import asyncio
+
+    class Mailbox:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def recv(self, timeout_s=0.0):
+            time.sleep(0.002)  # nothing arrives
+
+        def wake(self):
+            pass
+
+        def send(self, peer, msg):
+            self.sent.append((peer, msg))
+
+    now = [50.0]
+    mailbox = Mailbox()
+    backend = MailboxBackend(mailbox, lambda: VERIFIER, recv_timeout_s=0.01,
+                             stream_timeout_s=None, verifier_lost_grace_s=2.0,
+                             clock=lambda: now[0])
+
+    async def reader_turns(n: int) -> None:
+        """Until the reader thread has gone round ``n`` more times (it checks the grace)."""
+        start, deadline = backend.num_reader_turns, time.monotonic() + HANG_S
+        while backend.num_reader_turns < start + n:
+            assert time.monotonic() < deadline, "the reader thread stopped"
+            await asyncio.sleep(0.002)
+
+    async def scenario() -> list[TokenStream]:
+        got: list[TokenStream] = []
+
+        async def consume() -> None:
+            req = GenerateRequest(request_id="r", prompt_token_ids=[1],
+                                  sampling=SamplingParams())
+            got.extend([m async for m in backend.generate(req)])
+
+        task = asyncio.create_task(consume())
+        while not mailbox.sent:
+            await asyncio.sleep(0.002)
+        backend.verifier_disconnected(VERIFIER)
+        now[0] += 1.75  # within the grace: the request waits
+        await reader_turns(3)
+        assert not got and backend.num_in_flight == 1
+        now[0] += 0.25  # the grace is over
+        await asyncio.wait_for(task, HANG_S)
+        return got
+
+    try:
+        (msg,) = asyncio.run(scenario())
+    finally:
+        backend.close()
+    assert msg.finished and msg.finish_reason == "error"
+    assert "lost the connection" in msg.error and "within 2 s" in msg.error
+    assert backend.num_verifier_losses == 1 and backend.num_in_flight == 0
 
 
 def test_stream_idle_timeout_is_a_cluster_option():

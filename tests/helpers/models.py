@@ -101,6 +101,6 @@ def hf_greedy(hf_model: Any, prompt_ids: list[int], max_new_tokens: int,
 
 def hf_reference_model(model: str | None = None, dtype: str = "float32") -> Any:
     """The transformers model (eval) with the same weights as specmesh loads for ``model``."""
-    from specmesh.benchmarks.harness.bench import load_hf_model
+    from specmesh.benchmarks.harness.systems import load_hf_model
 
     return load_hf_model(model, dtype)

@@ -61,6 +61,8 @@ from specmesh.protocol.messages import (
 )
 from specmesh.protocol.zmq_transport import ZmqMailbox
 
+pytestmark = pytest.mark.slow  # 10,000 messages per socket, six sockets
+
 MESSAGES_PER_SOCKET = 10_000
 BURST = 50
 PROMPTS = [[5, 6, 7, 8, 5, 6], [9, 10, 11]]

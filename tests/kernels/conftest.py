@@ -1,4 +1,7 @@
-"""Helpers of the kernel tests: run ops under the Triton interpreter in a subprocess."""
+"""Helpers of the kernel tests: run ops under the Triton interpreter in a subprocess. A test
+that does (it requests ``run_interpreted``, directly or through a module's fixture) is marked
+``slow``: each module's interpreted cases take tens of seconds of CPU, so the fast tier
+(``-m "not slow and not ray and not multinode"``) leaves them to CI."""
 
 from __future__ import annotations
 
@@ -31,6 +34,13 @@ def _run_interpreted(cases: list[dict[str, Any]], tmp_path: Path, timeout: float
     if proc.returncode != 0:
         pytest.fail(f"interpreter worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return torch.load(out_path, weights_only=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` every test that runs kernels under the Triton interpreter."""
+    for item in items:
+        if "run_interpreted" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

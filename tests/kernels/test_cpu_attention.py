@@ -8,6 +8,7 @@ implementations."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from test_paged_attention import SHAPES, TOL, _case, _oracle
 
 from specmesh.kernels import cpu_attention
+from specmesh.kernels.cpu_build import CpuKernel
 from specmesh.kernels.paged_attention import paged_attention, paged_attention_ref
 
 pytestmark = pytest.mark.skipif(not cpu_attention.has_compiler(),
@@ -119,11 +121,21 @@ def test_build_failure_is_a_clear_error_and_falls_back(monkeypatch, tmp_path, ca
 
 
 def test_built_library_is_reused(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECMESH_KERNEL_CACHE", str(tmp_path))
-    first = cpu_attention.build()
-    assert first.parent == tmp_path and first.exists()
+    """A build lands in ``$SPECMESH_KERNEL_CACHE`` and the next build of the same source reuses
+    it, while another source gets a library of its own. A one-function source takes the same
+    path through kernels/cpu_build.py as the attention kernel, without compiling it again."""
+    source = tmp_path / "tiny_kernel.cpp"
+    source.write_text('extern "C" int specmesh_tiny(int x) { return x + 1; }\n')
+    kernel = CpuKernel(source, "a tiny kernel", "SPECMESH_TINY_KERNEL", "nothing",
+                       {"specmesh_tiny": ([ctypes.c_int], ctypes.c_int)})
+    monkeypatch.setenv("SPECMESH_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = kernel.build()
+    assert first.parent == tmp_path / "cache" and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert cpu_attention.build() == first and first.stat().st_mtime_ns == stamp
+    assert kernel.build() == first and first.stat().st_mtime_ns == stamp
+    assert kernel.library().specmesh_tiny(41) == 42
+    source.write_text('extern "C" int specmesh_tiny(int x) { return x + 2; }\n')
+    assert kernel.build() != first
 
 
 def test_block_ids_outside_the_cache_are_a_clear_error():

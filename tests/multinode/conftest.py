@@ -7,6 +7,7 @@ from _mn_setup import run_driver
 
 
 @pytest.fixture(scope="session")
-def m_to_n(tiny_model_dir):
-    """(driver report, reference): see tests/multinode/_mn_setup.py."""
+def m_to_n(tiny_model_dir, cpu_kernels):
+    """(driver report, reference): see tests/multinode/_mn_setup.py (the kernel cache warm
+    before its roles start)."""
     yield from run_driver(tiny_model_dir)

@@ -193,7 +193,7 @@ class TwoNodeRay:
 
 
 @pytest.fixture(scope="module")
-def multinode(tiny_model_dir):
+def multinode(tiny_model_dir, cpu_kernels):  # the kernel cache warm before roles start
     cluster = TwoNodeRay()
     try:
         cluster.start()
@@ -201,7 +201,7 @@ def multinode(tiny_model_dir):
         args = [tiny_model_dir if a is None else a for a in ROLE_ARGS]
         launched = cluster.run(["bash", str(REPO / "deploy" / "launch_roles.sh"), *args],
                                timeout=240, RAY_ADDRESS=cluster.address, GATEWAY_PORT="0",
-                               SPECMESH=f"{sys.executable} -m cluster.cli")
+                               SPECMESH=f"{sys.executable} -m specmesh.cluster.cli")
         infos = [json.loads(line) for line in launched.stdout.splitlines()
                  if line.startswith("{")]
         ready = cluster.probe("ready", "90")

@@ -1,0 +1,184 @@
+"""What one ``specmesh bench`` run does: its command-line options (registered on the CLI's
+``bench`` subparser by :func:`add_bench_options`), the :class:`BenchOptions` they parse into,
+and the draft methods the run compares.
+
+``--drafters`` lists the methods, each a ``--drafter`` form (``ngram``, ``eagle``,
+``eagle:PATH``, ``draft-model:PATH``, ``auto``), optionally with a thread plan of its served
+cluster after ``@`` (``eagle@verifier=1+drafter=1``: the same method again under another plan,
+served only, so that plans are compared in one run). Each method gets the cluster
+configuration it runs under (the bench's config with that method, in its own Ray namespace, so
+the methods' served clusters run side by side in one Ray session). Imports no torch and no Ray
+at load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import PurePath
+
+from specmesh.cluster.config import DEFAULT_NAMESPACE, ClusterConfig, default_threads
+from specmesh.cluster.drafter_option import parse_drafter
+from specmesh.cluster.options import is_model_drafter, parse_thread_plan
+from specmesh.data.prompts import parse_concurrency
+
+#: user-facing name of each registry method (as ``--drafter`` spells it)
+_KIND = {"draft_model": "draft-model"}
+
+
+@dataclass(frozen=True)
+class BenchDrafter:
+    """One compared method: ``label`` (in system names, e.g. ``served k=4 eagle``), ``spec``
+    (as typed), ``method`` (registry name) and its ``method_kwargs``."""
+
+    label: str
+    spec: str
+    method: str
+    method_kwargs: dict = field(default_factory=dict, hash=False)
+    #: torch threads per role of its served cluster over the bench's plan (empty: the plan)
+    threads: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def served_only(self) -> bool:
+        """A thread-plan variant: in-process runs would repeat its method's."""
+        return bool(self.threads)
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "spec": self.spec, "method": self.method,
+                "method_kwargs": dict(self.method_kwargs), "threads": dict(self.threads)}
+
+
+def _label(method: str, kwargs: dict) -> str:
+    kind = _KIND.get(method, method)
+    path = kwargs.get("head") or kwargs.get("model")
+    return f"{kind}:{PurePath(path).name or path}" if path else kind
+
+
+def parse_drafters(text: str, model: str | None = None) -> list[BenchDrafter]:
+    """``"ngram,eagle"`` -> one :class:`BenchDrafter` per form, in order (``auto`` resolved for
+    target ``model``). Two forms that name the same method and arguments are refused; two
+    different heads whose directory names agree are labelled by their forms as typed.
+
+    Raises:
+        SystemExit: an empty list, an unknown form (naming it and the forms accepted), or a
+            method listed twice.
+    """
+    out: list[BenchDrafter] = []
+    for part in (text or "").split(","):
+        spec = part.strip()
+        if not spec:
+            continue
+        form, _, plan = spec.partition("@")
+        try:
+            method, kwargs = parse_drafter(form, model)
+            threads = parse_thread_plan(plan.replace("+", ",")) if plan else {}
+        except SystemExit as e:
+            raise SystemExit(f"--drafters: {e}") from None
+        for d in out:
+            if (d.method, d.method_kwargs, d.threads) == (method, kwargs, threads):
+                raise SystemExit(f"--drafters: {spec!r} is the same method as {d.spec!r} "
+                                 f"({d.label}); list each method once")
+        suffix = "@" + "+".join(f"{r}={n}" for r, n in threads.items()) if threads else ""
+        label = _label(method, kwargs) + suffix
+        if any(d.label == label for d in out):
+            label = form + suffix
+        out.append(BenchDrafter(label, spec, method, kwargs, threads))
+    if not out:
+        raise SystemExit("--drafters: no draft method given (e.g. ngram,eagle)")
+    return out
+
+
+def cluster_drafter(cfg: ClusterConfig) -> BenchDrafter:
+    """The method ``cfg`` already runs (the bench's default: the cluster's ``--drafter``)."""
+    kwargs = dict(cfg.drafter.method_kwargs)
+    return BenchDrafter(_label(cfg.drafter.method, kwargs), cfg.drafter.method,
+                        cfg.drafter.method, kwargs)
+
+
+def namespace_for(d: BenchDrafter, index: int) -> str:
+    """A Ray namespace of its own for the served cluster of the ``index``-th method."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", d.label).strip("-") or "method"
+    return f"{DEFAULT_NAMESPACE}-bench-{index}-{slug}"
+
+
+def with_drafter(cfg: ClusterConfig, d: BenchDrafter, namespace: str | None = None,
+                 ) -> ClusterConfig:
+    """``cfg`` running method ``d`` on verifier and drafter (and in ``namespace`` when
+    given), under ``d``'s thread plan over ``cfg``'s (``cfg``'s default plan becomes ``d``'s
+    method's default: a model drafter leaves the verifier one core fewer); everything else
+    as it is."""
+    threads = cfg.threads
+    if threads == default_threads(model_drafter=is_model_drafter(cfg.drafter.method)):
+        # the default plan, not one the user set: each method gets its own default
+        threads = default_threads(model_drafter=is_model_drafter(d.method))
+    out = replace(cfg, verifier=replace(cfg.verifier, draft_method=d.method),
+                  drafter=replace(cfg.drafter, method=d.method,
+                                  method_kwargs=dict(d.method_kwargs)),
+                  threads={**threads, **d.threads})
+    return replace(out, namespace=namespace) if namespace else out
+
+
+@dataclass
+class BenchOptions:
+    """What one bench run does. ``concurrency``: the levels (clients / batch size);
+    ``max_tokens``: completion tokens per request; ``num_prompts``: the first N prompts (of
+    ``prompts_file`` when given, else the bundled ones); ``profile``: print the verifier step
+    profiles and measure the forward-cost ratio; ``*_path``: outputs (None: not written);
+    ``drafters``: the draft methods compared (None: the cluster's own ``--drafter``)."""
+
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    repeats: int = 3
+    max_tokens: int = 64
+    num_prompts: int | None = None
+    prompts_file: str | None = None
+    profile: bool = False
+    json_path: str | None = None
+    markdown_path: str | None = None
+    plot_path: str | None = None
+    progress: bool = True
+    drafters: list[BenchDrafter] | None = None
+
+
+def add_bench_options(p: argparse.ArgumentParser) -> None:
+    """Options of ``specmesh bench`` (besides the cluster's)."""
+    p.add_argument("--concurrency", default="1",
+                   help="comma list of concurrency levels: concurrent clients through the "
+                        "gateway, batch size of HF generate and of the in-process run (e.g. "
+                        "1,4,16)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median taken)")
+    p.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request")
+    p.add_argument("--num-prompts", type=int, default=None, help="the first N prompts only")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='your prompts, one JSON object a line: {"messages": [...]} or '
+                        '{"prompt": "..."}, optional "name" and "category" (default: the '
+                        "bundled prompts)")
+    p.add_argument("--profile", action="store_true",
+                   help="print the verifier step profiles and the measured forward-cost ratio")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the whole summary here")
+    p.add_argument("--markdown", default=None, metavar="PATH",
+                   help="write the tables (one per concurrency level) here")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="plot tokens/s vs concurrency and acceptance per draft position")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--drafters", default=None, metavar="LIST",
+                   help="comma list of draft methods to compare, each a --drafter form (e.g. "
+                        "ngram,eagle): served and in-process kappa=K systems per method, each "
+                        "method on its own cluster (default: just --drafter)")
+
+
+def bench_options(args: argparse.Namespace) -> BenchOptions:
+    """The :class:`BenchOptions` the bench options in ``args`` describe.
+
+    Raises:
+        SystemExit: a malformed ``--concurrency`` or ``--drafters``, or a ``--repeats``
+            below 1.
+    """
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    drafters = parse_drafters(args.drafters, args.model) if args.drafters else None
+    return BenchOptions(concurrency=parse_concurrency(args.concurrency), repeats=args.repeats,
+                        max_tokens=args.max_tokens, num_prompts=args.num_prompts,
+                        prompts_file=args.prompts, profile=args.profile, json_path=args.json,
+                        markdown_path=args.markdown, plot_path=args.plot,
+                        progress=not args.no_progress, drafters=drafters)
