@@ -1,6 +1,7 @@
 """What running the decoder layers as one compiled call buys (engine/compiled_stack.py): one
 SmolLM2 float32 forward (GGUF blocks) with the compiled call against the layer-by-layer path
-(``SPECMESH_COMPILED_STACK=0``), switched in one process and interleaved; prints the medians
+(the model loaded again with the CPU backend's ``compiled_stack`` off, engine/backend.py), in
+one process and interleaved; prints the medians
 (ms), their ratio and whether the logits are the same bits, for one decode token, a 5-token
 verify chunk and 16 decode tokens (16 requests), at 250 positions of context.
 
@@ -9,7 +10,6 @@ verify chunk and 16 decode tokens (16 requests), at 250 positions of context.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -17,6 +17,7 @@ import time
 import torch
 
 from specmesh.engine import compiled_stack
+from specmesh.engine.backend import BackendOverrides, cpu_backend
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.loader import load_model
 from specmesh.engine.runner import ModelRunner, SeqChunk
@@ -25,11 +26,14 @@ from specmesh.engine.runner import ModelRunner, SeqChunk
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 15
     torch.set_num_threads(2)
-    loaded = load_model(None, dtype="float32")
     bs, ctx = 16, 250
     per_seq = -(-(ctx + 260) // bs)
-    cache = KVCache(loaded.config, per_seq * 16 + 4, bs, dtype="float32")
-    runner = ModelRunner(loaded.model, loaded.config, cache)
+    runners = {}
+    for switch in ("1", "0"):  # compiled, layer by layer
+        loaded = load_model(None, dtype="float32", backend=cpu_backend(
+            BackendOverrides(compiled_stack=switch == "1")))
+        cache = KVCache(loaded.config, per_seq * 16 + 4, bs, dtype="float32")
+        runners[switch] = ModelRunner(loaded.model, loaded.config, cache)
     ran: list[bool] = []
     real = compiled_stack.CompiledStack.run
 
@@ -40,8 +44,8 @@ def main() -> None:
 
     compiled_stack.CompiledStack.run = counted
 
-    def run(q_len: int, batch: int) -> list[torch.Tensor]:
-        return runner.forward([SeqChunk([100 + i] * q_len, ctx,
+    def run(switch: str, q_len: int, batch: int) -> list[torch.Tensor]:
+        return runners[switch].forward([SeqChunk([100 + i] * q_len, ctx,
                                         list(range(i * per_seq, (i + 1) * per_seq)))
                                for i in range(batch)], logits="last")
 
@@ -51,10 +55,9 @@ def main() -> None:
         out = {}
         for rep in range(repeats + 2):
             for switch, times_of in times.items():
-                os.environ[compiled_stack.SWITCH] = switch
                 ran.clear()
                 t0 = time.perf_counter()
-                out[switch] = run(q_len, batch)
+                out[switch] = run(switch, q_len, batch)
                 if rep >= 2:
                     times_of.append(time.perf_counter() - t0)
                 assert ran == [switch == "1"], "the compiled call did not run as switched"

@@ -1,6 +1,6 @@
 """What rounding the EAGLE head to Q8_0 (drafter/eagle/quantize.py) costs and buys: the shipped
-head for SmolLM2 loaded twice in one process, float32 (``SPECMESH_EAGLE_Q8_0=0``) and on Q8_0
-blocks, then
+head for SmolLM2 loaded twice in one process, float32 (the CPU backend's ``eagle_q8_0`` off,
+engine/backend.py) and on Q8_0 blocks, then
 
 - the time of one draft's pieces on the drafter's one thread, interleaved, medians (ms): the
   LM head over the draft vocabulary, one head entry (fusion layer + decoder layer) at 40 entries
@@ -15,7 +15,6 @@ blocks, then
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,14 +26,14 @@ from specmesh.drafter.eagle.data import chat_token_ids, generate_samples
 from specmesh.drafter.eagle.head_kv import HeadKV
 from specmesh.drafter.eagle.train import acceptance, acceptance_report, windows
 from specmesh.drafter.proposers.eagle import load_eagle_head
+from specmesh.engine.backend import BackendOverrides, cpu_backend
 from specmesh.engine.loader import load_model
 
 PROMPTS = Path(__file__).resolve().parent.parent / "data/drafter_heldout_chat.jsonl"
 
 
 def load(q8: bool):  # noqa: ANN201
-    os.environ["SPECMESH_EAGLE_Q8_0"] = "1" if q8 else "0"
-    return load_eagle_head(None, None)
+    return load_eagle_head(None, None, backend=cpu_backend(BackendOverrides(eagle_q8_0=q8)))
 
 
 def median_ms(fn, n: int = 100) -> float:  # noqa: ANN001

@@ -1,6 +1,7 @@
 """What prepacked oneDNN weights buy (engine/onednn.py): one SmolLM2 forward through the
 engine with every linear product on its prepacked weight (``packed``) against ``F.linear``
-(``eager``), switched in one process and interleaved; Hugging Face's own forward (eager, with
+(``eager``: the model loaded again with ``prepacked_linear`` off, engine/backend.py), in one
+process and interleaved; Hugging Face's own forward (eager, with
 its KV cache) at the same shape as a reference. Prints the median and min of 15 runs per case
 (ms), eager/packed and HF/packed, for one decode token, a 5-token verify chunk and a batch of
 16 decode tokens.
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from specmesh.engine import onednn
+from specmesh.engine.backend import BackendOverrides, cpu_backend
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.loader import load_model
 from specmesh.engine.runner import ModelRunner, SeqChunk
@@ -32,18 +33,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from specmesh.benchmarks.harness.hf import load_hf_model
 
-    loaded = load_model(None, dtype=args.dtype)
-    model, cfg = loaded.model, loaded.config
-    hf = load_hf_model(None, args.dtype)
+    runners = {}
     bs, ctx = 16, args.context
     per_seq = -(-(ctx + 8) // bs)
-    cache = KVCache(cfg, per_seq * 16 + 4, bs, dtype=args.dtype)
-    runner = ModelRunner(model, cfg, cache)
+    for name, packed in (("packed", True), ("eager", False)):
+        loaded = load_model(None, dtype=args.dtype,
+                            backend=cpu_backend(BackendOverrides(prepacked_linear=packed)))
+        cfg = loaded.config
+        cache = KVCache(cfg, per_seq * 16 + 4, bs, dtype=args.dtype)
+        runners[name] = ModelRunner(loaded.model, cfg, cache)
+    hf = load_hf_model(None, args.dtype)
 
-    def ours(q_len: int, batch: int):
+    def ours(name: str, q_len: int, batch: int):
         chunks = [SeqChunk([100 + i] * q_len, ctx, list(range(i * per_seq, (i + 1) * per_seq)))
                   for i in range(batch)]
-        return lambda: runner.forward(chunks, logits="last")
+        return lambda: runners[name].forward(chunks, logits="last")
 
     def theirs(q_len: int, batch: int):
         with torch.no_grad():
@@ -60,17 +64,15 @@ def main() -> None:
     print(f"SmolLM2 {args.dtype}, {args.threads} threads, context {ctx}, "
           f"median (min) of {args.repeats} runs, ms")
     for q_len, batch in [(1, 1), (5, 1), (1, 16)]:
-        cases = {"packed": ours(q_len, batch), "eager": ours(q_len, batch),
+        cases = {"packed": ours("packed", q_len, batch), "eager": ours("eager", q_len, batch),
                  "hf": theirs(q_len, batch)}
         times: dict[str, list[float]] = {k: [] for k in cases}
         for rep in range(args.repeats + 2):
             for name, fn in cases.items():
-                onednn.set_enabled(name != "eager")
                 t0 = time.perf_counter()
                 fn()
                 if rep >= 2:  # two warm-up rounds
                     times[name].append(time.perf_counter() - t0)
-        onednn.set_enabled(True)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         low = {k: min(v) * 1e3 for k, v in times.items()}
         print(f"q_len {q_len} batch {batch:2d}: packed {med['packed']:6.1f} ({low['packed']:.1f})"
