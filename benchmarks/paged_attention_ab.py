@@ -19,7 +19,7 @@ cache = KVCache(cfg, 400, bs, dtype=dt)
 runner = ModelRunner(m, cfg, cache)
 new_pa = em.paged_attention
 
-def old_pa(q, kb, vb, tables, q_lens, kv_lens, scale, plan=None):
+def old_pa(q, kb, vb, tables, q_lens, kv_lens, scale, plan=None, cpu_kernel=True):
     out = torch.empty_like(q); off = 0
     H, Hkv = q.shape[1], kb.shape[2]
     for t, ql, n in zip(tables, q_lens, kv_lens):
