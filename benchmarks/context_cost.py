@@ -1,7 +1,9 @@
 """Per-token cost of a SmolLM2 decode / verify forward against context length: the compiled CPU
 paged attention (kernels/cpu_attention.py, what the engine runs) against the torch reference
-(kernels/paged_attention.py), interleaved in one process; each request's blocks are scattered
-through the cache as a long-running server leaves them.
+(kernels/paged_attention.py: the model loaded again with the CPU backend's ``cpu_attention``
+off, engine/backend.py, which also keeps the compiled float32 stack off), interleaved in one
+process; each request's blocks are scattered through the cache as a long-running server
+leaves them.
 
 Prints per case the median of the runs (ms per forward and per token) for both, and the ratio
 of the per-token time at the longest context to that at the shortest (the issue's "flat in
@@ -13,18 +15,15 @@ context" figure).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
-import specmesh.engine.model as em
-from specmesh.engine.compiled_stack import SWITCH
+from specmesh.engine.backend import BackendOverrides, cpu_backend
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.loader import load_model
 from specmesh.engine.runner import ModelRunner, SeqChunk
-from specmesh.kernels.paged_attention import paged_attention_ref
 
 CASES = [  # (context tokens, query tokens per request, requests)
     (128, 1, 1), (2048, 1, 1), (128, 5, 1), (2048, 5, 1), (128, 1, 16), (512, 1, 16),
@@ -38,16 +37,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load_model(None, dtype=args.dtype)
     bs = 16
     need = max(b * -(-(c + q) // bs) for c, q, b in CASES)
-    cache = KVCache(loaded.config, need + 8, bs, dtype=args.dtype)
-    runner = ModelRunner(loaded.model, loaded.config, cache)
+    impls = {}
+    for name, kernel in (("kernel", True), ("reference", False)):
+        loaded = load_model(None, dtype=args.dtype,
+                            backend=cpu_backend(BackendOverrides(cpu_attention=kernel)))
+        cache = KVCache(loaded.config, need + 8, bs, dtype=args.dtype)
+        impls[name] = ModelRunner(loaded.model, loaded.config, cache)
     order = torch.randperm(need + 8, generator=torch.Generator().manual_seed(0)).tolist()
-    kernel = em.paged_attention
-    impls = {"kernel": kernel, "reference": paged_attention_ref}
 
-    def run(ctx: int, q_len: int, batch: int) -> None:
+    def run(runner: ModelRunner, ctx: int, q_len: int, batch: int) -> None:
         nb = -(-(ctx + q_len) // bs)
         chunks = [SeqChunk([100 + i] * q_len, ctx, order[i * nb:(i + 1) * nb])
                   for i in range(batch)]
@@ -57,16 +57,11 @@ def main() -> None:
     with torch.inference_mode():
         for rep in range(args.repeats + 2):
             for case in CASES:
-                for name, fn in impls.items():
-                    em.paged_attention = fn
-                    # the compiled float32 stack calls the kernel itself: off for the reference
-                    os.environ[SWITCH] = "1" if name == "kernel" else "0"
+                for name, runner in impls.items():
                     t = time.perf_counter()
-                    run(*case)
+                    run(runner, *case)
                     if rep >= 2:  # two warm-up rounds
                         times[case][name].append(time.perf_counter() - t)
-    em.paged_attention = kernel
-    os.environ.pop(SWITCH, None)
     print(f"SmolLM2 {args.dtype}, {args.threads} threads, median of {args.repeats} "
           f"(ms per forward / ms per token)")
     print(f"{'context':>8} {'q':>2} {'batch':>5} | {'kernel':>15} | {'reference':>15}")

@@ -1,4 +1,5 @@
-"""The ``specmesh`` command line."""
+"""The ``specmesh`` command line. ``specmesh env`` says what this machine computes with: CPU
+features, the dtype ``--dtype auto`` picks, and each CPU backend on or off with why."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from specmesh.cluster.config import ROLES  # noqa: E402
 from specmesh.cluster.drafter_option import add_ngram_tree_option  # noqa: E402
 from specmesh.cluster.loopback import use_loopback  # noqa: E402
 from specmesh.cluster.options import (  # noqa: E402
+    CLI_DTYPES,
     add_cluster_options,
+    add_cpu_backend_option,
     add_model_options,
+    backend_overrides,
     cluster_config,
     default_instance_id,
 )
@@ -41,10 +45,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     from specmesh.cluster.config import ClusterConfig
     from specmesh.cluster.hosts.drafter import build_proposer
+    from specmesh.engine.backend import cpu_backend
     from specmesh.engine.devices import resolve_device, resolve_dtype
 
     args.dtype = resolve_dtype(args.dtype, args.device)
-    loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device))
+    overrides = backend_overrides(args)
+    loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device),
+                        backend=cpu_backend(overrides))
     tok = loaded.tokenizer
     load_s = time.perf_counter() - t0
     if args.raw:
@@ -57,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     proposer = build_proposer(ClusterConfig.create(
         model=args.model, dtype=args.dtype, device=args.device,
         num_speculative_tokens=args.num_speculative_tokens, draft_method=method,
-        drafter_method_kwargs=method_kwargs))
+        drafter_method_kwargs=method_kwargs, backend=overrides))
     cluster = InProcessCluster(loaded.model, loaded.config,
                                num_speculative_tokens=args.num_speculative_tokens,
                                eos_token_ids=loaded.config.eos_token_ids,
@@ -140,6 +147,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if summary.get("mismatches") else 0  # a method whose output is not exact
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from specmesh.engine.environment import environment_report, render_report
+
+    try:
+        report = environment_report(device=args.device, dtype=args.dtype,
+                                    overrides=backend_overrides(args))
+    except ValueError as err:  # an unknown device
+        raise SystemExit(f"specmesh env: {err}") from None
+    print(json.dumps(report, indent=2) if args.json else render_report(report))
+    return 0
+
+
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from specmesh.drafter.training.eagle import train_drafter
 
@@ -192,6 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_options(b)
     add_bench_options(b)
     b.set_defaults(func=cmd_bench)
+
+    e = sub.add_parser("env", help="what this machine computes with: CPU features, the dtype "
+                                   "--dtype auto picks, each CPU backend on/off and why")
+    e.add_argument("--json", action="store_true", help="the report as JSON")
+    e.add_argument("--device", default="auto",
+                   help="the device --dtype auto is resolved for (auto, cpu, cuda, cuda:N)")
+    e.add_argument("--dtype", default="auto", choices=("auto",) + CLI_DTYPES,
+                   help="the model dtype to show the backends for (auto: what --dtype auto "
+                        "picks here)")
+    add_cpu_backend_option(e)
+    e.set_defaults(func=cmd_env)
 
     from specmesh.drafter.training.eagle import add_train_drafter_options
 

@@ -3,8 +3,9 @@
 A :class:`ClusterConfig` is one frozen value shared by every role of a deployment. The worker
 settings live in the workers' config classes (``VerifierConfig``, ``PrefillConfig``,
 ``DrafterConfig``), so a knob is defined once; the cluster adds what only a deployment has
-(model, dtype, KV layout and memory, addresses, the thread plan) and keeps the settings two
-workers share consistent (the draft method, the drafter's run-ahead window from kappa).
+(model, dtype, KV layout and memory, addresses, the thread plan, the CPU backend overrides)
+and keeps the settings two workers share consistent (the draft method, the drafter's run-ahead
+window from kappa).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from specmesh.decode.config import VerifierConfig
 from specmesh.drafter.config import DrafterConfig
+from specmesh.engine.backend import BackendOverrides
 from specmesh.engine.devices import check_device
 from specmesh.engine.dtypes import MODEL_DTYPES
 from specmesh.prefill.config import PrefillConfig
@@ -60,10 +62,14 @@ class ClusterConfig:
     ``namespace``: the Ray namespace of the cluster's named actors (controller
     ``specmesh-controller``, roles ``specmesh-<instance id>``); clusters sharing one Ray
     session need distinct ones (``specmesh bench --drafters`` runs one per method).
+    ``backend``: the CPU backend overrides (engine/backend.py; ``--cpu-backend``, a
+    :class:`~engine.backend.BackendOverrides` or its ``NAME=on|off,...`` text): every role
+    builds its backend from what its own machine has plus these, so the roles of a cluster
+    make the same asks wherever they run (no role reads the ``SPECMESH_*`` switches itself).
 
     Raises:
-        ValueError: an unsupported dtype, an empty KV layout, or a drafter whose method is not
-            the one the verifier announces.
+        ValueError: an unsupported dtype, an empty KV layout, a drafter whose method is not
+            the one the verifier announces, or malformed backend overrides.
     """
 
     model: str | None = None
@@ -78,6 +84,7 @@ class ClusterConfig:
     stream_idle_timeout_s: float | None = 120.0
     threads: dict[str, int] = field(default_factory=default_threads)
     namespace: str = DEFAULT_NAMESPACE
+    backend: BackendOverrides = BackendOverrides()
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
         max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
@@ -88,6 +95,11 @@ class ClusterConfig:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {MODEL_DTYPES}")
         check_device(self.device)
+        if isinstance(self.backend, str):  # "NAME=on|off,..." (frozen: set through object)
+            object.__setattr__(self, "backend", BackendOverrides.parse(self.backend))
+        if not isinstance(self.backend, BackendOverrides):
+            raise ValueError(f"backend must be BackendOverrides or NAME=on|off text, got "
+                             f"{type(self.backend).__name__}")
         if self.block_size < 1 or self.kv_cache_mb < 1:
             raise ValueError("block_size and kv_cache_mb must be >= 1")
         if self.stream_idle_timeout_s is not None and not self.stream_idle_timeout_s > 0:

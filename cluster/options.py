@@ -31,6 +31,18 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thread-plan", default=None, metavar="ROLE=N,...",
                    help="torch threads per role over the default plan, e.g. "
                         "verifier=2,drafter=1 (roles: verifier, prefill, drafter, gateway)")
+    add_cpu_backend_option(p)
+
+
+def add_cpu_backend_option(p: argparse.ArgumentParser) -> None:
+    """``--cpu-backend``: overrides of the CPU compute choices (engine/backend.py)."""
+    from specmesh.engine.backend import CHOICES
+
+    p.add_argument("--cpu-backend", default=None, metavar="NAME=on|off,...",
+                   help="switch CPU fast paths off (or back on over a SPECMESH_* environment "
+                        f"switch): NAME one of {', '.join(CHOICES)}; every role applies the "
+                        "same overrides to what its machine has (`specmesh env` shows the "
+                        "result)")
 
 
 def add_cluster_options(p: argparse.ArgumentParser) -> None:
@@ -80,6 +92,23 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "this long (a verifier alive but silent; 0: never)")
 
 
+def backend_overrides(args: argparse.Namespace):  # noqa: ANN201 - engine BackendOverrides
+    """The CPU backend overrides of a command: the environment's ``SPECMESH_*`` switches
+    (:func:`engine.backend.read_overrides`, read here on the machine the command runs on) with
+    ``--cpu-backend`` on top.
+
+    Raises:
+        SystemExit: a malformed ``--cpu-backend`` or environment switch.
+    """
+    from specmesh.engine.backend import BackendOverrides, read_overrides
+
+    try:
+        return read_overrides().merged(
+            BackendOverrides.parse(getattr(args, "cpu_backend", None)))
+    except ValueError as err:
+        raise SystemExit(f"--cpu-backend: {err}") from None
+
+
 def cluster_config(args: argparse.Namespace, **overrides):
     """The ClusterConfig the options in ``args`` describe; ``overrides`` replace top-level
     fields (e.g. ``port=0``).
@@ -103,7 +132,8 @@ def cluster_config(args: argparse.Namespace, **overrides):
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
               **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0),
-              num_branches=getattr(args, "draft_branches", 4))
+              num_branches=getattr(args, "draft_branches", 4),
+              backend=backend_overrides(args))
     if getattr(args, "port", None) is not None:
         kw["port"] = args.port
     if getattr(args, "host", None):

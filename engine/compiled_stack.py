@@ -11,14 +11,13 @@ path's batch invariance.
 It runs when every part of a layer has a compiled kernel: float32 CPU inference (no autograd),
 every linear layer on GGUF blocks (engine/gguf_weights.py) without biases, a paged KV cache
 attended through a plan (decode, verify, chunked prefill: whole prompts keep SDPA), the CPU
-attention kernel in use, and ``SPECMESH_COMPILED_STACK`` not ``0``. Otherwise the model runs
-layer by layer.
+attention kernel in use, and the model's CPU backend (engine/backend.py) with
+``compiled_stack`` on. Otherwise the model runs layer by layer.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
@@ -27,7 +26,6 @@ from specmesh.kernels import cpu_attention, gguf_matmul, layer_ops
 from specmesh.kernels.paged_attention import attention_runs_compiled
 from specmesh.kernels.paged_attention_plan import check_block_ids
 
-SWITCH = "SPECMESH_COMPILED_STACK"
 _FORMATS = {"Q4_1": 0, "Q8_0": 1}
 
 
@@ -66,10 +64,9 @@ class CompiledStack:
         self._layers = None
         self._keep: list = []  # tensors the pointers point into
 
-    @staticmethod
-    def enabled() -> bool:
-        """False when ``SPECMESH_COMPILED_STACK=0``."""
-        return os.environ.get(SWITCH, "1") != "0"
+    def enabled(self) -> bool:
+        """Whether the model's backend runs the compiled stack (``compiled_stack`` on)."""
+        return self.model.backend.compiled_stack.on
 
     def _blocks(self, x: torch.Tensor) -> list[tuple] | None:
         """Per layer the (qkv, o, gate_up, down) blocks for input ``x``, or None where any
@@ -104,7 +101,7 @@ class CompiledStack:
         plan = getattr(meta, "_plan", None)
         if h.dtype is not torch.float32 or not h.is_cpu or h.dim() != 2 or plan is None \
                 or not isinstance(kv_cache, KVCache) or not self.enabled() \
-                or not attention_runs_compiled(h):
+                or not attention_runs_compiled(h, self.model.backend.cpu_attention.on):
             return None
         # unchanged since the pointers were built, the per-layer checks of _blocks (a large
         # share of the call's overhead) need not run again (the grad check is per call)
@@ -200,4 +197,4 @@ class CompiledStack:
                             _product(gate_up), _product(down), k.data_ptr(), v.data_ptr())
         self._layers = arr
 
-__all__ = ["SWITCH", "CompiledStack"]
+__all__ = ["CompiledStack"]

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.engine.linear import RowInvariantLinear
 from specmesh.kernels import gguf_matmul
 from specmesh.kernels.gguf_matmul import BlockWeight
@@ -127,15 +128,19 @@ def _from_gguf(model: nn.Module, path: Path, tied: bool) -> dict[str, BlockWeigh
 
 
 def attach_block_weights(model: nn.Module, path: Path, tied: bool,
-                         cache_dir: Path | None = None) -> int:
+                         cache_dir: Path | None = None, backend: CpuBackend | None = None) -> int:
     """Give each float32 CPU :class:`RowInvariantLinear` of ``model`` its GGUF blocks from the
     file ``path`` (``tied``: the LM head is the token embedding). With ``cache_dir`` the
     matched blocks are kept there (:data:`BLOCKS_FILE`) and read back on later loads; every
-    layer's blocks are checked against its weight either way. Returns how many layers got
-    them: 0 when the kernel is off or cannot be built, or the model is not float32 on CPU."""
+    layer's blocks are checked against its weight either way. ``backend``: the CPU backend
+    (default: the model's ``backend``, else the process's). Returns how many layers got them:
+    0 when the backend's ``gguf_matmul`` is off, the kernel cannot be built, or the model is
+    not float32 on CPU."""
+    if backend is None:
+        backend = getattr(model, "backend", None) or default_backend()
     first = next(model.parameters())
     if first.dtype != torch.float32 or first.device.type != "cpu" \
-            or not gguf_matmul.available():
+            or not backend.gguf_matmul.on or not gguf_matmul.available():
         return 0
     cached = None if cache_dir is None else cache_dir / BLOCKS_FILE
     modules = dict(model.named_modules())

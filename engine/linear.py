@@ -13,7 +13,9 @@ bf16's (no test or bench prompt has flipped), but they are not ruled out. Infere
 float32 and bf16 runs on prepacked oneDNN weights instead (engine/onednn.py), where one-row inputs
 also run as two rows, which rules them out for float32 too. A float32 layer loaded from a GGUF file
 computes on the file's quantized blocks instead (kernels/gguf_matmul.py, attached by
-engine/gguf_weights.py), row-invariant by construction."""
+engine/gguf_weights.py), row-invariant by construction. Which of these a layer uses is its CPU
+backend's choice (engine/backend.py), given at construction and shared by every layer of a model.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from specmesh.engine import onednn
+from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.kernels.gguf_matmul import BlockWeight, gguf_matmul
 
 #: Dtypes whose one-row products are computed as two rows.
@@ -34,13 +37,17 @@ class RowInvariantLinear(nn.Linear):
 
     Inference on CPU in fp32 / bf16 (no autograd) runs on a prepacked oneDNN copy of the
     weight (:mod:`engine.onednn`: faster decode-size products, row-invariant in fp32
-    too), packed on first use and again whenever the weight or bias changes (a new tensor, an
-    in-place update such as ``load_state_dict``, another dtype). Other cases are plain
-    ``nn.Linear``.
+    too) where ``backend.prepacked_linear`` is on, packed on first use and again whenever the
+    weight or bias changes (a new tensor, an in-place update such as ``load_state_dict``,
+    another dtype). Other cases are plain ``nn.Linear``.
+
+    ``backend``: the CPU backend (engine/backend.py; None: the process's
+    :func:`~engine.backend.default_backend`); the other arguments are ``nn.Linear``'s.
     """
 
-    def __init__(self, *args, **kwargs) -> None:  # nn.Linear's arguments
+    def __init__(self, *args, backend: CpuBackend | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.backend = backend if backend is not None else default_backend()
         self._pack_cache = onednn.PackCache()
         self._fused_into: FusedLinears | None = None  # packed with others (prepack skips it)
         self._blocks: BlockWeight | None = None
@@ -76,9 +83,10 @@ class RowInvariantLinear(nn.Linear):
         if blocks is not None:
             y = gguf_matmul(x, blocks)
             return y if self.bias is None else y.add_(self.bias)
-        packed = self._pack_cache.get(x, self.weight, self.bias)
-        if packed is not None:
-            return onednn.linear(x, packed, self.bias)
+        if self.backend.prepacked_linear.on:
+            packed = self._pack_cache.get(x, self.weight, self.bias)
+            if packed is not None:
+                return onednn.linear(x, packed, self.bias)
         if x.dim() == 2 and x.shape[0] == 1 and x.dtype in PADDED_DTYPES:
             return super().forward(torch.cat([x, x]))[:1]
         return super().forward(x)
@@ -90,8 +98,8 @@ class FusedLinears:
     fewer, larger calls (docs/benchmarks.md, 'Linear layers'; each output equal bit for bit to
     its own layer's on the hosts measured, and row-invariant as the pack checks). The layers
     keep their parameters and state-dict names; where no pack applies (GPU, float64, autograd,
-    packing off) each runs on its own. A plain object, not a module: the layers stay where they are
-    registered."""
+    the first layer's backend without ``prepacked_linear``) each runs on its own. A plain
+    object, not a module: the layers stay where they are registered."""
 
     def __init__(self, *linears: RowInvariantLinear) -> None:
         self.linears = linears
@@ -116,7 +124,7 @@ class FusedLinears:
 
     def pack_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The fused pack for input ``x`` [M, in], or None (run the layers one by one)."""
-        if not self._fusable:
+        if not self._fusable or not self.linears[0].backend.prepacked_linear.on:
             return None
         biases = None if self.linears[0].bias is None else [lin.bias for lin in self.linears]
         return self._pack_cache.get_fused(x, [lin.weight for lin in self.linears], biases)
@@ -147,14 +155,15 @@ class FusedLinears:
 def prepack(model: nn.Module) -> int:
     """Pack every :class:`RowInvariantLinear` of ``model`` for CPU inference now, at load time,
     so the first request does not pay it (SmolLM2: ~0.4 s, packing and the pack checks).
-    Returns how many weights were packed (0 on GPU, in float64, or with packing off)."""
+    Returns how many weights were packed (0 on GPU, in float64, or where the layers' backend
+    has ``prepacked_linear`` off)."""
     packed = 0
     groups: set[int] = set()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RowInvariantLinear):
-                if module._blocks is not None:
-                    continue  # computes on its GGUF blocks; packed only if they are dropped
+                if module._blocks is not None or not module.backend.prepacked_linear.on:
+                    continue  # on its GGUF blocks (packed only if they are dropped), or no packs
                 w = module.weight
                 probe = torch.empty(2, module.in_features, dtype=w.dtype, device=w.device)
                 group = module._fused_into

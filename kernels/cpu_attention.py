@@ -11,8 +11,9 @@ reduction in a fixed order, so it keeps the reference's batch invariance by cons
 float32, float64 for a float64 model), not bit for bit; the engine uses one of them for every step,
 so output with speculation still equals output without it.
 
-Build: see :mod:`kernels.cpu_build` (``SPECMESH_CPU_ATTENTION=0`` turns it off; without a
-compiler :func:`available` is False and the engine uses the torch reference).
+Build: see :mod:`kernels.cpu_build` (without a compiler :func:`available` is False and the
+engine uses the torch reference). Whether the engine uses it is the ``cpu_attention`` choice of
+its CPU backend (engine/backend.py), passed to :func:`kernels.paged_attention.paged_attention`.
 
 Dtypes: float32, bfloat16, float64 (others: the reference).
 """
@@ -33,14 +34,8 @@ _ENTRIES = {torch.float32: "specmesh_paged_attention_f32",
             torch.float64: "specmesh_paged_attention_f64"}
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
     + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_double, ctypes.c_int]
-KERNEL = CpuKernel(SOURCE, "the CPU attention kernel", "SPECMESH_CPU_ATTENTION",
-                   "using the torch reference",
+KERNEL = CpuKernel(SOURCE, "the CPU attention kernel", "using the torch reference",
                    {name: (_ARGTYPES, None) for name in _ENTRIES.values()})
-
-
-def enabled() -> bool:
-    """False when ``SPECMESH_CPU_ATTENTION=0`` (the engine then keeps the torch reference)."""
-    return KERNEL.enabled()
 
 
 def has_compiler() -> bool:
@@ -59,13 +54,13 @@ def build() -> Path:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on first call; None when disabled or when it cannot be
-    built (logged once, the engine then uses the torch reference)."""
+    """The loaded kernel library, built on first call; None when it cannot be built (logged
+    once, the engine then uses the torch reference)."""
     return KERNEL.library()
 
 
 def available() -> bool:
-    """Whether :func:`paged_attention_cpu` can run (enabled, and built and loaded)."""
+    """Whether :func:`paged_attention_cpu` can run (built and loaded)."""
     return library() is not None
 
 
@@ -109,7 +104,7 @@ def paged_attention_cpu(
     lib = library()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is not available: "
-                           f"{KERNEL.failed or 'disabled'}")
+                           f"{KERNEL.failed}")
     plan = resolve_plan(q, k_cache, v_cache, block_tables, query_lens, kv_lens, plan,
                         tree_masks)
     check_block_ids(plan, k_cache.shape[0])
@@ -129,5 +124,5 @@ def paged_attention_cpu(
     return out
 
 
-__all__ = ["available", "build", "cache_dir", "enabled", "has_compiler", "library",
+__all__ = ["available", "build", "cache_dir", "has_compiler", "library",
            "paged_attention_cpu", "supports"]

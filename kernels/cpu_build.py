@@ -9,8 +9,9 @@ source, the flags, the compiler and the CPU's feature flags, so a shared home ac
 never loads code built for another CPU; written to a temporary name and renamed, so concurrent
 processes can build at once. The OpenMP runtime is the one torch already loaded
 (``libgomp.so.1``), so a kernel runs on torch's threads (``torch.get_num_threads()``).
-Without a compiler, or with the kernel's switch set to ``0`` in the environment, the kernel is
-unavailable and its caller keeps its torch path.
+Without a compiler the kernel is unavailable and its caller keeps its torch path. Whether a
+caller uses a kernel at all is the process's CPU backend's choice (engine/backend.py), made by
+the caller: this module only builds and loads.
 """
 
 from __future__ import annotations
@@ -60,21 +61,17 @@ class CpuKernel:
     """One compiled kernel library: built once per source, flags, compiler and CPU, loaded
     once per process, its entry points typed from ``entries`` (name -> (argtypes, restype)).
 
-    ``what`` names it in messages ("the CPU attention kernel"); ``switch`` is the environment
-    variable that turns it off with ``0``; ``fallback`` says what runs instead (logged once).
+    ``what`` names it in messages ("the CPU attention kernel"); ``fallback`` says what runs
+    instead when it cannot be built (logged once).
     """
 
-    def __init__(self, source: Path, what: str, switch: str, fallback: str,
+    def __init__(self, source: Path, what: str, fallback: str,
                  entries: dict[str, tuple[list, object]]) -> None:
-        self.source, self.what, self.switch, self.fallback = source, what, switch, fallback
+        self.source, self.what, self.fallback = source, what, fallback
         self.entries = entries
         self.lib: ctypes.CDLL | None = None
         self.failed: str | None = None
         self._lock = threading.Lock()
-
-    def enabled(self) -> bool:
-        """False when the switch is ``0`` in this process's environment."""
-        return os.environ.get(self.switch, "1") != "0"
 
     def build(self) -> Path:
         """Compile the source (once per source, flags, compiler and CPU) and return the
@@ -108,10 +105,8 @@ class CpuKernel:
         return out
 
     def library(self) -> ctypes.CDLL | None:
-        """The loaded library, built on first call; None when switched off or when it cannot
-        be built (logged once; the caller then keeps its torch path)."""
-        if not self.enabled():
-            return None
+        """The loaded library, built on first call; None when it cannot be built (logged
+        once; the caller then keeps its torch path)."""
         if self.lib is not None or self.failed is not None:
             return self.lib
         with self._lock:

@@ -103,9 +103,7 @@ static void tile_dot(const float *x, int M, int K, const float *w, int nt, float
 }
 
 #define FUSED_ROWS 8
-#ifndef PREFETCH_GROUPS
-#define PREFETCH_GROUPS 2
-#endif
+#define PREFETCH_GROUPS 2 /* weight-row groups a thread asks for ahead of its product */
 
 /* y[0 .. ROWS, n .. n + NB] for NB weight rows from n, ROWS <= FUSED_ROWS: each block is
  * expanded in registers and used by every row at once (no weight buffer); NB weight rows at a
@@ -145,7 +143,6 @@ static inline void fused_rows(const float *x, int K, const float *scale, const f
  * memory once per product, and the hardware prefetcher alone leaves the core waiting on them */
 static inline void prefetch_row(int fmt, const float *scale, const float *minv,
                                 const uint8_t *qs, int kb, size_t n) {
-#ifndef SPECMESH_NO_PREFETCH
     const int qbytes = fmt == 0 ? 16 : 32;
     const char *q = (const char *)(qs + n * kb * qbytes);
     for (int at = 0; at < kb * qbytes; at += 64) _mm_prefetch(q + at, _MM_HINT_T0);
@@ -155,7 +152,6 @@ static inline void prefetch_row(int fmt, const float *scale, const float *minv,
         const char *m = (const char *)(minv + n * kb);
         for (int at = 0; at < kb * 4; at += 64) _mm_prefetch(m + at, _MM_HINT_T0);
     }
-#endif
 }
 
 /* rows i .. i + ROWS of y for every weight row, NB at a time, the last N % NB one by one */

@@ -22,7 +22,8 @@ Layout of a :class:`BlockWeight` (blocks of 32 along the input dim K; KB = K / 3
 byte j holds q[j] in its low and q[j + 16] in its high nibble, as GGUF stores it) or
 [N, KB, 32] int8 (Q8_0).
 
-``SPECMESH_GGUF_MATMUL=0`` turns the kernel off (the engine keeps dense float32 weights).
+Whether the engine uses it is the ``gguf_matmul`` choice of its CPU backend (engine/backend.py):
+off, the engine keeps dense float32 weights.
 """
 
 from __future__ import annotations
@@ -38,11 +39,9 @@ from specmesh.kernels.cpu_build import CpuKernel
 BLOCK = 32
 #: format -> (kernel code, bytes per GGUF block, quant bytes per block)
 FORMATS = {"Q4_1": (0, 20, 16), "Q8_0": (1, 34, 32)}
-SWITCH = "SPECMESH_GGUF_MATMUL"
-
 _P, _I = ctypes.c_void_p, ctypes.c_int
 KERNEL = CpuKernel(
-    Path(__file__).with_name("gguf_matmul.cpp"), "the GGUF matmul kernel", SWITCH,
+    Path(__file__).with_name("gguf_matmul.cpp"), "the GGUF matmul kernel",
     "keeping dense float32 weights",
     {"specmesh_q4_1_matmul": ([_P, _I, _I, _P, _P, _P, _I, _P, _I], _I),
      "specmesh_q8_0_matmul": ([_P, _I, _I, _P, _P, _I, _P, _I], _I),
@@ -50,7 +49,7 @@ KERNEL = CpuKernel(
 
 
 def available() -> bool:
-    """Whether the compiled kernel is built and loaded (switch on, a compiler, AVX2 + FMA)."""
+    """Whether the compiled kernel is built and loaded (a compiler, AVX2 + FMA)."""
     return KERNEL.library() is not None
 
 
@@ -168,9 +167,9 @@ def gguf_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
             or x.shape[1] != weight.in_features:
         raise ValueError(f"gguf_matmul takes a float32 CPU [M, {weight.in_features}] input, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    lib = KERNEL.lib or KERNEL.library()  # once loaded, no switch read per product
+    lib = KERNEL.lib or KERNEL.library()  # once loaded, one attribute read per product
     if lib is None:
-        raise RuntimeError(f"the GGUF matmul kernel is not available: {KERNEL.failed or 'off'}")
+        raise RuntimeError(f"the GGUF matmul kernel is not available: {KERNEL.failed}")
     x = x.contiguous()
     m, k = x.shape
     n = weight.out_features
@@ -196,7 +195,7 @@ def dequantize_compiled(weight: BlockWeight) -> torch.Tensor:
     """
     lib = KERNEL.library()
     if lib is None:
-        raise RuntimeError(f"the GGUF matmul kernel is not available: {KERNEL.failed or 'off'}")
+        raise RuntimeError(f"the GGUF matmul kernel is not available: {KERNEL.failed}")
     n, k = weight.out_features, weight.in_features
     w = torch.empty(n, k, dtype=torch.float32)
     minv = 0 if weight.minv is None else weight.minv.data_ptr()
@@ -205,5 +204,5 @@ def dequantize_compiled(weight: BlockWeight) -> torch.Tensor:
     return w
 
 
-__all__ = ["BLOCK", "FORMATS", "KERNEL", "SWITCH", "BlockWeight", "available",
+__all__ = ["BLOCK", "FORMATS", "KERNEL", "BlockWeight", "available",
            "dequantize_compiled", "gguf_matmul", "matmul_ref"]

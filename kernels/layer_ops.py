@@ -11,7 +11,8 @@ stays batch-invariant: see the .cpp header). RoPE is the same bits as the torch 
 ``x * cos + rotate_half(x) * sin``; RMSNorm differs from torch only in the summation order of
 its mean of squares (rounding).
 
-``SPECMESH_LAYER_OPS=0`` (or no compiler) keeps the torch ops: :func:`available` is then False.
+Without a compiler :func:`available` is False and the engine keeps the torch ops; whether it
+uses these at all is the ``layer_ops`` choice of its CPU backend (engine/backend.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import torch
 
 from specmesh.kernels.cpu_build import CpuKernel
 
-SWITCH = "SPECMESH_LAYER_OPS"
 _P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 KERNEL = CpuKernel(
-    Path(__file__).with_name("cpu_layer_ops.cpp"), "the CPU layer-ops kernel", SWITCH,
+    Path(__file__).with_name("cpu_layer_ops.cpp"), "the CPU layer-ops kernel",
     "keeping the torch ops",
     {"specmesh_add_rms_norm_f32": ([_P, _L, _P, _L, _P, _L, _P, _P, _L, _L, ctypes.c_float, _I],
                                    _I),
@@ -38,7 +38,7 @@ KERNEL = CpuKernel(
 
 
 def available() -> bool:
-    """Whether the compiled ops are built and loaded (switch on and a compiler)."""
+    """Whether the compiled ops are built and loaded (a compiler that built them)."""
     return KERNEL.library() is not None
 
 
@@ -73,7 +73,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     tensors = (x, weight) if residual is None else (x, weight, residual)
     lib = KERNEL.lib or KERNEL.library()
     if lib is None:
-        raise RuntimeError(f"the CPU layer-ops kernel is not available: {KERNEL.failed or 'off'}")
+        raise RuntimeError(f"the CPU layer-ops kernel is not available: {KERNEL.failed}")
     if any(t.dtype is not torch.float32 or not t.is_cpu for t in tensors):
         raise ValueError("add_rms_norm takes float32 CPU tensors")
     hidden = weight.shape[-1]
@@ -114,7 +114,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """
     lib = KERNEL.lib or KERNEL.library()
     if lib is None:
-        raise RuntimeError(f"the CPU layer-ops kernel is not available: {KERNEL.failed or 'off'}")
+        raise RuntimeError(f"the CPU layer-ops kernel is not available: {KERNEL.failed}")
     if any(t.dtype is not torch.float32 or not t.is_cpu for t in (x, cos, sin)):
         raise ValueError("rope takes float32 CPU tensors")
     if x.dim() != 3 or x.shape[2] % 2:
@@ -145,7 +145,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     """
     lib = KERNEL.lib or KERNEL.library()
     if lib is None:
-        raise RuntimeError(f"the CPU layer-ops kernel is not available: {KERNEL.failed or 'off'}")
+        raise RuntimeError(f"the CPU layer-ops kernel is not available: {KERNEL.failed}")
     if gate_up.dtype is not torch.float32 or not gate_up.is_cpu:
         raise ValueError("silu_mul takes a float32 CPU tensor")
     gate_up = _rows(gate_up, 2 * inter, "gate_up")
@@ -158,4 +158,4 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return y
 
 
-__all__ = ["KERNEL", "SWITCH", "add_rms_norm", "applies", "available", "rope", "silu_mul"]
+__all__ = ["KERNEL", "add_rms_norm", "applies", "available", "rope", "silu_mul"]

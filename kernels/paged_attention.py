@@ -25,7 +25,8 @@ Entry points, one signature:
 - :func:`kernels.cpu_attention.paged_attention_cpu`: compiled C++ for the CPU (built on first
   use; equal to the reference up to float rounding, batch invariant by construction);
 - :func:`paged_attention`: the launcher (CUDA or interpreter → Triton kernel; CPU → the C++
-  kernel when it could be built, else the reference).
+  kernel when the caller's backend uses it (``cpu_kernel``) and it could be built, else the
+  reference).
 
 Shapes: ``q`` [T, H, D] (T = sum(query_lens)); ``k_cache``/``v_cache`` [num_blocks,
 block_size, Hkv, D]; ``block_tables`` int [B, max_blocks] (entries past a request's last block
@@ -176,30 +177,32 @@ def paged_attention(
     scale: float,
     plan: PagedAttentionPlan | None = None,
     tree_masks: list[torch.Tensor | None] | None = None,
+    cpu_kernel: bool = True,
 ) -> torch.Tensor:
     """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``); on the
-    CPU the compiled kernel of :mod:`kernels.cpu_attention` where it is available for q's
-    dtype; else :func:`paged_attention_ref`. Arguments, result and errors as the reference
-    (plus the kernels', see :func:`paged_attention_triton`)."""
+    CPU the compiled kernel of :mod:`kernels.cpu_attention` where ``cpu_kernel`` (the
+    caller's backend choice, engine/backend.py ``cpu_attention``) and the kernel is available
+    for q's dtype; else :func:`paged_attention_ref`. Arguments, result and errors as the
+    reference (plus the kernels', see :func:`paged_attention_triton`)."""
     kernel = _triton_entry()
     if kernel is not None and (q.is_cuda or _interpret_mode()):
         return kernel(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale, plan,
                       tree_masks)
-    if cpu_attention.supports(q):
+    if cpu_kernel and cpu_attention.supports(q):
         return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, block_tables, query_lens,
                                                  kv_lens, scale, plan, tree_masks)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale,
                                plan, tree_masks)
 
 
-def attention_runs_compiled(q: torch.Tensor) -> bool:
-    """Whether :func:`paged_attention` would run ``q`` (or a tensor of its dtype and device)
-    on the compiled CPU kernel (:mod:`kernels.cpu_attention`), as code that calls that kernel
-    itself must check to keep the same path."""
+def attention_runs_compiled(q: torch.Tensor, cpu_kernel: bool = True) -> bool:
+    """Whether :func:`paged_attention` with ``cpu_kernel`` would run ``q`` (or a tensor of
+    its dtype and device) on the compiled CPU kernel (:mod:`kernels.cpu_attention`), as code
+    that calls that kernel itself must check to keep the same path."""
     kernel = _triton_entry()
     if kernel is not None and (q.is_cuda or _interpret_mode()):
         return False
-    return cpu_attention.supports(q)
+    return cpu_kernel and cpu_attention.supports(q)
 
 
 def _triton_entry():  # noqa: ANN202

@@ -118,6 +118,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     import torch
     from tqdm import tqdm
 
+    from specmesh.engine.backend import cpu_backend
     from specmesh.engine.devices import resolve_device
     from specmesh.engine.loader import load_model, load_tokenizer, model_name
 
@@ -135,7 +136,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     torch.set_num_threads(bench_threads)  # HF and in-process run here
     hf_model = load_hf_model(cfg.model, cfg.dtype)
     eos = generation_eos_ids(hf_model)
-    loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device))
+    loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                        backend=cpu_backend(cfg.backend))  # the served roles' choices
     prompt_ids = [chat_prompt_ids(tokenizer, p["messages"]) for p in prompts]
     synthetic = cfg.verifier.synthetic_acceptance  # the ablation harness (decode/synthetic.py)
     inproc = InProcessSystems(loaded, max(len(p) for p in prompt_ids), opts.max_tokens,

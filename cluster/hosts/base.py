@@ -248,9 +248,21 @@ def peers_of(roster: list[dict], role: Role) -> list[dict]:
     return [r for r in roster if r["role"] == role.value]
 
 
+def role_backend(cfg: ClusterConfig):  # noqa: ANN201 - an engine.backend.CpuBackend
+    """The CPU backend of this role: what this machine has, with the cluster's overrides
+    (``cfg.backend``; the environment's ``SPECMESH_*`` switches are not read here, so every
+    role of the cluster applies the same ones). Logged: the role's log says what it ran."""
+    from specmesh.engine.backend import cpu_backend
+
+    backend = cpu_backend(cfg.backend)
+    log.info("cpu backend: %s", backend.summary())
+    return backend
+
+
 def loaded_runner(cfg: ClusterConfig):
-    """Load the target and build (LoadedModel, ModelRunner, BlockManager) with
-    ``cfg.kv_cache_mb`` of KV in blocks of ``cfg.block_size``.
+    """Load the target with the role's CPU backend (:func:`role_backend`) and build
+    (LoadedModel, ModelRunner, BlockManager) with ``cfg.kv_cache_mb`` of KV in blocks of
+    ``cfg.block_size``.
 
     Raises:
         ValueError: the KV memory holds no block.
@@ -261,7 +273,8 @@ def loaded_runner(cfg: ClusterConfig):
     from specmesh.engine.loader import load_model
     from specmesh.engine.runner import ModelRunner
 
-    loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device))
+    loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                        backend=role_backend(cfg))
     n = num_blocks_for_memory(loaded.config, cfg.block_size, cfg.dtype, cfg.kv_cache_mb << 20)
     if n < 1:
         raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds no block of {cfg.block_size} tokens")

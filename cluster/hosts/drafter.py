@@ -8,7 +8,7 @@ vocabulary against the target's tokenizer at startup (:func:`build_proposer`).
 from __future__ import annotations
 
 from specmesh.cluster.config import ClusterConfig
-from specmesh.cluster.hosts.base import RoleHost, watch_model
+from specmesh.cluster.hosts.base import RoleHost, role_backend, watch_model
 from specmesh.protocol.enums import Role
 
 
@@ -33,6 +33,9 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
     embedding and LM head are read from ``cfg.model``'s weights, and a head trained for another
     target is refused (:class:`~drafter.eagle.checkpoint.HeadMismatch`).
 
+    Either computes with the role's CPU backend (:func:`~cluster.hosts.base.role_backend`:
+    this machine with the cluster's overrides).
+
     ``draft_model``: ``method_kwargs`` holds ``model`` (the draft model's path) and optionally
     ``dtype`` / ``device`` (default: the cluster's) and further
     :class:`~drafter.proposers.draft_model.DraftModelProposer` arguments; the target is
@@ -48,7 +51,7 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
 
         kwargs = dict(cfg.drafter.method_kwargs)
         return EagleProposer(head=kwargs.get("head"), model=kwargs.get("model", cfg.model),
-                             dtype=kwargs.get("dtype", cfg.dtype))
+                             dtype=kwargs.get("dtype", cfg.dtype), backend=role_backend(cfg))
     if cfg.drafter.method != "draft_model":
         return None
     from specmesh.drafter.proposers.draft_model import build_draft_model_proposer
@@ -67,7 +70,7 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
     device = resolve_device(kwargs.pop("device", cfg.device))
     return build_draft_model_proposer(path, target_identity, load_tokenizer(cfg.model), dtype,
                                       target_name=model_name(cfg.model), device=device,
-                                      **kwargs)
+                                      backend=role_backend(cfg), **kwargs)
 
 
 class DrafterHost(RoleHost):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
+from specmesh.engine.backend import CpuBackend
 
 WEIGHTS = "head.safetensors"
 CONFIG = "config.json"
@@ -124,9 +125,11 @@ def target_embeddings(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor
 
 
 def load_head(path: str | Path, embed: torch.Tensor, lm_head: torch.Tensor, target: dict,
-              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> EagleHead:
+              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              backend: CpuBackend | None = None) -> EagleHead:
     """Load the head at ``path`` for the target described by ``target`` (see
-    :func:`target_identity`), with the target's ``embed`` / ``lm_head`` [vocab, d].
+    :func:`target_identity`), with the target's ``embed`` / ``lm_head`` [vocab, d], computing
+    with ``backend`` (the CPU backend, engine/backend.py; None: the process's default).
 
     Raises:
         HeadMismatch: the head was trained for another target.
@@ -138,7 +141,7 @@ def load_head(path: str | Path, embed: torch.Tensor, lm_head: torch.Tensor, targ
     check_target(cfg.target, target, str(path))
     tensors = load_file(str(Path(path) / WEIGHTS))
     ids = tensors.pop("draft_to_target")
-    head = EagleHead(cfg)
+    head = EagleHead(cfg, backend)
     missing, unexpected = head.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"head weights at {path} do not fit its config: missing {missing}, "

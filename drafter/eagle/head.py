@@ -29,6 +29,7 @@ from specmesh.drafter.eagle.config import EagleHeadConfig
 from specmesh.drafter.eagle.head_kv import HeadKV
 from specmesh.drafter.eagle.layer import DecoderLayer, RMSNorm
 from specmesh.engine import onednn
+from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.engine.linear import RowInvariantLinear
 from specmesh.kernels.gguf_matmul import gguf_matmul
 
@@ -37,22 +38,27 @@ class EagleHead(nn.Module):
     """Trainable parameters: ``fc`` (2d -> d), ``layers``, ``norm``. Frozen buffers set by
     :meth:`set_target_weights`: ``embed`` [vocab, d] and ``lm_head`` [draft_vocab, d] with
     ``draft_to_target`` [draft_vocab] (target token id of each draft-vocabulary row).
-    Inference runs its products on prepacked oneDNN weights (engine/onednn.py)."""
+    Inference runs its products on prepacked oneDNN weights (engine/onednn.py) where
+    ``backend`` (the CPU backend, engine/backend.py; None: the process's default) has
+    ``prepacked_linear`` on."""
 
-    def __init__(self, config: EagleHeadConfig) -> None:
+    def __init__(self, config: EagleHeadConfig, backend: CpuBackend | None = None) -> None:
         super().__init__()
         self.config = config
+        self.backend = backend = backend if backend is not None else default_backend()
         self._lm_head_pack = onednn.PackCache()  # of the frozen lm_head buffer
         # (Q8_0 blocks that expand to lm_head, (its data_ptr, _version) then):
         # drafter/eagle/quantize.py
         self.lm_head_blocks = None
         d = config.hidden_size
-        self.fc = RowInvariantLinear(2 * d, d, bias=False)
+        self.fc = RowInvariantLinear(2 * d, d, bias=False, backend=backend)
         n_feat = len(config.feature_layers)
         self.feature_norms = nn.ModuleList([RMSNorm(d, config.rms_norm_eps)
                                             for _ in range(n_feat)])
-        self.fuse = RowInvariantLinear(n_feat * d, d, bias=False) if n_feat else None
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
+        self.fuse = RowInvariantLinear(n_feat * d, d, bias=False, backend=backend) \
+            if n_feat else None
+        self.layers = nn.ModuleList([DecoderLayer(config, backend)
+                                     for _ in range(config.num_layers)])
         self.norm = RMSNorm(d, config.rms_norm_eps)
         n_draft = config.draft_vocab_size or config.vocab_size
         self.register_buffer("embed", torch.zeros(config.vocab_size, d), persistent=False)
@@ -115,9 +121,10 @@ class EagleHead(nn.Module):
             if b is not None and features.dtype == torch.float32 and features.is_cpu \
                     and b[1] == (self.lm_head.data_ptr(), self.lm_head._version):
                 return gguf_matmul(features, b[0])
-            packed = self._lm_head_pack.get(features, self.lm_head)
-            if packed is not None:
-                return onednn.linear(features, packed, None)
+            if self.backend.prepacked_linear.on:
+                packed = self._lm_head_pack.get(features, self.lm_head)
+                if packed is not None:
+                    return onednn.linear(features, packed, None)
         return features @ self.lm_head.T
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from specmesh.engine.linear import RowInvariantLinear
 
 if TYPE_CHECKING:
     from specmesh.drafter.eagle.config import EagleHeadConfig
+    from specmesh.engine.backend import CpuBackend
 
 
 class RMSNorm(nn.Module):
@@ -35,19 +36,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer (GQA self-attention + SiLU MLP) of the target's shape."""
+    """Pre-norm decoder layer (GQA self-attention + SiLU MLP) of the target's shape; its
+    products compute with ``backend`` (engine/backend.py; None: the process's default)."""
 
-    def __init__(self, c: EagleHeadConfig) -> None:
+    def __init__(self, c: EagleHeadConfig, backend: CpuBackend | None = None) -> None:
         super().__init__()
-        d, hd = c.hidden_size, c.head_dim
+        d, hd, inter = c.hidden_size, c.head_dim, c.intermediate_size
         self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, hd
-        self.q_proj = RowInvariantLinear(d, c.num_heads * hd, bias=False)
-        self.k_proj = RowInvariantLinear(d, c.num_kv_heads * hd, bias=False)
-        self.v_proj = RowInvariantLinear(d, c.num_kv_heads * hd, bias=False)
-        self.o_proj = RowInvariantLinear(c.num_heads * hd, d, bias=False)
-        self.gate_proj = RowInvariantLinear(d, c.intermediate_size, bias=False)
-        self.up_proj = RowInvariantLinear(d, c.intermediate_size, bias=False)
-        self.down_proj = RowInvariantLinear(c.intermediate_size, d, bias=False)
+
+        def linear(n_in: int, n_out: int) -> RowInvariantLinear:
+            return RowInvariantLinear(n_in, n_out, bias=False, backend=backend)
+
+        self.q_proj = linear(d, c.num_heads * hd)
+        self.k_proj = linear(d, c.num_kv_heads * hd)
+        self.v_proj = linear(d, c.num_kv_heads * hd)
+        self.o_proj = linear(c.num_heads * hd, d)
+        self.gate_proj = linear(d, inter)
+        self.up_proj = linear(d, inter)
+        self.down_proj = linear(inter, d)
         self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
 

@@ -15,31 +15,29 @@ which SmolLM2's GGUF file holds as Q8_0 already, come back bit for bit. Drafts a
 the verifier's exactness does not depend on them. Acceptance measured on the held-out chat
 prompts is in drafter/heads/smollm2-135m-instruct/README.md.
 
-Applies to a float32 head on CPU when the GGUF matmul kernel is available;
-``SPECMESH_EAGLE_Q8_0=0`` keeps the float32 head.
+Applies to a float32 head on CPU when the GGUF matmul kernel is available and the CPU backend
+(engine/backend.py) has ``eagle_q8_0`` on; off, the head keeps float32.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specmesh.drafter.eagle.head import EagleHead
+from specmesh.engine.backend import CpuBackend
 from specmesh.engine.linear import RowInvariantLinear
 from specmesh.kernels import gguf_matmul
 from specmesh.kernels.gguf_matmul import BlockWeight
 
-SWITCH = "SPECMESH_EAGLE_Q8_0"
 
-
-def quantize_head(head: EagleHead) -> int:
+def quantize_head(head: EagleHead, backend: CpuBackend | None = None) -> int:
     """Round ``head``'s linear layers and LM head to Q8_0 in place and compute them on their
-    blocks (inference only: the blocks drop out as soon as a weight changes). Returns how
-    many products run on blocks (0: not a float32 CPU head, the kernel is unavailable, or
-    the switch is off)."""
+    blocks (inference only: the blocks drop out as soon as a weight changes). ``backend``: the
+    CPU backend that decides (default: the head's own). Returns how many products run on
+    blocks (0: not a float32 CPU head, the kernel is unavailable, or ``eagle_q8_0`` is off)."""
+    backend = backend if backend is not None else head.backend
     w = head.fc.weight
-    if os.environ.get(SWITCH, "1") == "0" or w.dtype != torch.float32 \
+    if not backend.eagle_q8_0.on or w.dtype != torch.float32 \
             or w.device.type != "cpu" or not gguf_matmul.available():
         return 0
     n = 0
@@ -59,4 +57,4 @@ def quantize_head(head: EagleHead) -> int:
     return n
 
 
-__all__ = ["SWITCH", "quantize_head"]
+__all__ = ["quantize_head"]

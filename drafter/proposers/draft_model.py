@@ -29,6 +29,7 @@ import torch
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
 from specmesh.drafter.proposer import Proposer, register_proposer
 from specmesh.drafter.tokenizer_match import check_same_vocabulary
+from specmesh.engine.backend import CpuBackend
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
 from specmesh.engine.model import LlamaForCausalLM
@@ -83,6 +84,8 @@ class DraftModelProposer(Proposer):
         loaded: an already loaded draft model: an ``engine.loader.LoadedModel`` or a
             ``LlamaForCausalLM`` (tests; it may be the target's own module: the weights are
             only read).
+        backend: the CPU backend (engine/backend.py) ``model`` is loaded with (None: the
+            process's default); ignored when ``loaded`` is given.
 
     Raises:
         ValueError: the tokenizers differ (see ``check_same_vocabulary``); without a target
@@ -101,11 +104,12 @@ class DraftModelProposer(Proposer):
                  kv_cache_mb: int = DEFAULT_KV_CACHE_MB, max_model_len: int | None = None,
                  prefill_chunk_size: int = 512, target_vocab_size: int | None = None,
                  target_tokenizer: Any = None, target_name: str = "target",
-                 draft_tokenizer: Any = None, loaded: Any = None) -> None:
+                 draft_tokenizer: Any = None, loaded: Any = None,
+                 backend: CpuBackend | None = None) -> None:
         if loaded is None:
             from specmesh.engine.loader import load_model
 
-            loaded = load_model(model, dtype=dtype, device=device)
+            loaded = load_model(model, dtype=dtype, device=device, backend=backend)
         if isinstance(loaded, LlamaForCausalLM):
             net, draft_name = loaded, "draft"
         else:  # LoadedModel
@@ -288,12 +292,14 @@ class DraftModelProposer(Proposer):
 def build_draft_model_proposer(path: str | None, target_model_config: Any,
                                target_tokenizer: Any, dtype: str = "float32", *,
                                target_name: str = "target", device: Any = "cpu",
+                               backend: CpuBackend | None = None,
                                **kwargs: Any) -> DraftModelProposer:
     """A :class:`DraftModelProposer` drafting with the model at ``path`` (Hugging Face dir,
     ``.gguf`` or ``"smollm2"``) for a target described by ``target_model_config`` (anything
     with ``vocab_size``, its embedding rows: an ``engine.config.ModelConfig`` or a
     ``protocol.messages.ModelIdentity``) and ``target_tokenizer``; ``kwargs`` are further
-    constructor arguments (``num_blocks``, ``block_size``, ``kv_cache_mb``, ...).
+    constructor arguments (``num_blocks``, ``block_size``, ``kv_cache_mb``, ...); ``backend``
+    the CPU backend the draft model computes with (engine/backend.py; None: the process's).
 
     Raises:
         ValueError: the vocabularies differ (the message names both models and the first
@@ -302,7 +308,7 @@ def build_draft_model_proposer(path: str | None, target_model_config: Any,
     """
     from specmesh.engine.loader import load_model
 
-    loaded = load_model(path, dtype=dtype, device=device)
+    loaded = load_model(path, dtype=dtype, device=device, backend=backend)
     return DraftModelProposer(dtype=dtype, device=device, loaded=loaded,
                               target_vocab_size=int(target_model_config.vocab_size),
                               target_tokenizer=target_tokenizer, target_name=target_name,

@@ -25,6 +25,7 @@ import torch
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
 from specmesh.drafter.proposer import BranchCall, ProposeCall, Proposer, register_proposer
+from specmesh.engine.backend import CpuBackend
 from specmesh.engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class EagleProposer(Proposer):
     """Kwargs: ``head`` (checkpoint dir; default: the head shipped for the target), ``model``
     (the target: "smollm2", a .gguf or a HF dir, of which only the embedding and LM head are
     read), ``dtype`` of the head ("float32"), or ``head_module`` (a loaded
-    :class:`EagleHead`, tests).
+    :class:`EagleHead`, tests); ``backend``: the CPU backend the head computes with
+    (engine/backend.py; None: the process's default; the drafter role passes its cluster's).
 
     Raises:
         drafter.eagle.checkpoint.HeadMismatch: the head was trained for another target.
@@ -86,8 +88,10 @@ class EagleProposer(Proposer):
     runs_a_model = True
 
     def __init__(self, head: str | None = None, model: str | None = None,
-                 dtype: str = "float32", head_module: EagleHead | None = None) -> None:
-        self.head = head_module if head_module is not None else load_eagle_head(head, model, dtype)
+                 dtype: str = "float32", head_module: EagleHead | None = None,
+                 backend: CpuBackend | None = None) -> None:
+        self.head = head_module if head_module is not None else load_eagle_head(
+            head, model, dtype, backend)
         self.seed_state = self.head.config.seed_state  # "hidden" or "hidden:L1,L2,L3"
         self.seed_hidden_size = self.head.config.seed_width  # the drafter checks row widths
         self.states: dict[str, _HeadState] = {}
@@ -317,10 +321,12 @@ def _shipped_head_for(model: str | None) -> Path | None:
     return shipped_head(model_identity(model, "float32", 16)["name"])
 
 
-def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32") -> EagleHead:
+def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32",
+                    backend: CpuBackend | None = None) -> EagleHead:
     """The head at ``head`` (or the one shipped for ``model``) with only the target's embedding
-    and LM head loaded from its weights; a float32 head on CPU computes on Q8_0 blocks
-    (drafter/eagle/quantize.py).
+    and LM head loaded from its weights, computing with ``backend`` (engine/backend.py; None:
+    the process's default); a float32 head on CPU computes on Q8_0 blocks where the backend
+    has ``eagle_q8_0`` on (drafter/eagle/quantize.py).
 
     Raises:
         FileNotFoundError: no head given and none shipped for the target; missing weights.
@@ -345,7 +351,7 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32")
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(files))
     embed, lm_head = target_embeddings(files)
     loaded = load_head(head, embed, lm_head, target_identity(name, config, embed),
-                       dtype=model_dtype(dtype))
+                       dtype=model_dtype(dtype), backend=backend)
     from specmesh.drafter.eagle.quantize import quantize_head
 
     on_blocks = quantize_head(loaded)

@@ -5,6 +5,7 @@ accepted, and a head trained for another target is refused."""
 import pytest
 import torch
 
+from helpers.backends import backend
 from specmesh.drafter.eagle.checkpoint import HeadMismatch, load_head, target_embeddings, target_identity
 from specmesh.drafter.proposers.eagle import load_eagle_head
 from specmesh.engine.loader import load_model
@@ -24,12 +25,10 @@ def test_float64_greedy_output_equals_plain_decode_with_drafts_accepted(tiny_mod
 
 
 def test_the_proposer_loads_only_embedding_and_lm_head_of_its_target(tiny_model_dir,
-                                                                    tiny_eagle_head,
-                                                                    monkeypatch):
+                                                                    tiny_eagle_head):
     """(With the Q8_0 rounding off: tests/drafter/test_eagle_quantize.py covers it.)"""
-    monkeypatch.setenv("SPECMESH_EAGLE_Q8_0", "0")
     head_dir, _ = tiny_eagle_head
-    head = load_eagle_head(head_dir, tiny_model_dir)
+    head = load_eagle_head(head_dir, tiny_model_dir, backend=backend(eagle_q8_0=False))
     lm = load_model(tiny_model_dir)
     torch.testing.assert_close(head.embed, lm.model.model.embed_tokens.weight)
     rows = lm.model.lm_head.weight[head.draft_to_target]

@@ -1,11 +1,12 @@
 """The EAGLE head on Q8_0 blocks (drafter/eagle/quantize.py): llama.cpp's Q8_0 rounding, the
 head computing on blocks that hold exactly its (rounded) weights, row invariance of its
-products, the switch, and drafting through the in-process workers with the rounded head."""
+products, the backend's ``eagle_q8_0`` choice, and drafting through the in-process workers with the rounded head."""
 
 import pytest
 import torch
 
-from specmesh.drafter.eagle.quantize import SWITCH, quantize_head
+from helpers.backends import backend
+from specmesh.drafter.eagle.quantize import quantize_head
 from specmesh.drafter.proposers.eagle import load_eagle_head
 from specmesh.engine.linear import RowInvariantLinear
 from specmesh.engine.loader import load_model
@@ -18,10 +19,10 @@ needs_kernel = pytest.mark.skipif("not gguf_matmul.available()",
                                   reason="the GGUF matmul kernel cannot be built here")
 
 
-def load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0: bool):  # noqa: ANN001, ANN201
-    """The tiny test head loaded with the Q8_0 switch on or off."""
-    monkeypatch.setenv(SWITCH, "1" if q8_0 else "0")
-    return load_eagle_head(tiny_eagle_head[0], tiny_model_dir)
+def load_head(tiny_model_dir, tiny_eagle_head, q8_0: bool):  # noqa: ANN001, ANN201
+    """The tiny test head loaded with the CPU backend's ``eagle_q8_0`` on or off."""
+    return load_eagle_head(tiny_eagle_head[0], tiny_model_dir,
+                           backend=backend(eagle_q8_0=q8_0))
 
 
 def test_q8_0_rounding_gives_back_the_blocks_a_q8_0_weight_came_from():
@@ -55,9 +56,9 @@ def test_q8_0_rounding_refuses_what_it_cannot_hold(bad):
 
 @needs_kernel
 def test_a_loaded_head_computes_on_blocks_that_hold_its_rounded_weights(
-        tiny_model_dir, tiny_eagle_head, monkeypatch):
-    plain = load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0=False)
-    head = load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0=True)
+        tiny_model_dir, tiny_eagle_head):
+    plain = load_head(tiny_model_dir, tiny_eagle_head, q8_0=False)
+    head = load_head(tiny_model_dir, tiny_eagle_head, q8_0=True)
     x = torch.randn(5, head.config.hidden_size)
     linears = {n: m for n, m in head.named_modules() if isinstance(m, RowInvariantLinear)}
     plain_linears = dict(plain.named_modules())
@@ -84,20 +85,21 @@ def test_a_loaded_head_computes_on_blocks_that_hold_its_rounded_weights(
 
 @needs_kernel
 def test_quantize_head_leaves_the_head_alone_when_switched_off_or_not_float32(
-        tiny_model_dir, tiny_eagle_head, monkeypatch):
-    head = load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0=False)
+        tiny_model_dir, tiny_eagle_head):
+    head = load_head(tiny_model_dir, tiny_eagle_head, q8_0=False)
     before = {k: v.clone() for k, v in head.state_dict().items()}
-    assert quantize_head(head) == 0
+    assert quantize_head(head) == 0  # the head's own backend: eagle_q8_0 off
     assert head.fc._blocks is None and head.lm_head_blocks is None
-    monkeypatch.setenv(SWITCH, "1")
-    assert quantize_head(head.to(torch.float64)) == 0
+    assert not backend(gguf_matmul=False).eagle_q8_0.on  # no kernel, no Q8_0 head
+    assert quantize_head(head, backend(gguf_matmul=False)) == 0
+    assert quantize_head(head.to(torch.float64), backend(eagle_q8_0=True)) == 0
     assert all(torch.equal(v.double(), head.state_dict()[k]) for k, v in before.items())
 
 
 @needs_kernel
 def test_float32_greedy_output_with_the_rounded_head_equals_plain_decode_with_drafts_accepted(
-        tiny_model_dir, tiny_eagle_head, monkeypatch):
+        tiny_model_dir, tiny_eagle_head):
     lm = load_model(tiny_model_dir, "float32")
-    head = load_head(tiny_model_dir, tiny_eagle_head, monkeypatch, q8_0=True)
+    head = load_head(tiny_model_dir, tiny_eagle_head, q8_0=True)
     assert head.fc._blocks is not None and head.lm_head_blocks is not None
     assert_eagle_equals_plain_decode(lm, head, tiny_eagle_head[1])

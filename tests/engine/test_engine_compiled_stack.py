@@ -1,7 +1,8 @@
 """The decoder layers as one compiled call (engine/compiled_stack.py): on a model whose linear
 layers are GGUF blocks, decode, verify (chains and token trees), batches and chunked prefill
 give the same logits, hidden states and cache contents, bit for bit, as the layer-by-layer
-path; anything the call cannot run falls back to that path; bad slots are clear errors."""
+path (the same model built with the CPU backend's ``compiled_stack`` off); anything the call
+cannot run falls back to that path; bad slots are clear errors."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.backends import backend
 from specmesh.engine import compiled_stack
 from specmesh.engine.config import ModelConfig
 from specmesh.engine.kv_cache import KVCache
@@ -21,6 +23,7 @@ from specmesh.kernels.gguf_matmul import BlockWeight
 CONFIG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
                      rope_theta=10000.0, tie_word_embeddings=False)
+ON, OFF = backend(compiled_stack=True), backend(compiled_stack=False)
 
 
 def _blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> BlockWeight:
@@ -33,12 +36,13 @@ def _blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> BlockWeight:
     return BlockWeight.from_gguf(fmt, torch.from_numpy(raw.reshape(n, -1)))
 
 
-def _model(fmt: str = "Q4_1") -> LlamaForCausalLM:
+def _model(fmt: str = "Q4_1", cpu_backend=ON) -> LlamaForCausalLM:  # noqa: ANN001
     """A tiny float32 Llama whose linear layers (all but the LM head) compute on GGUF blocks,
-    their dense weights the blocks' values, as engine/gguf_weights.py attaches them."""
+    their dense weights the blocks' values, as engine/gguf_weights.py attaches them; the same
+    weights for every ``cpu_backend`` (seeded)."""
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    model = LlamaForCausalLM(CONFIG).eval()
+    model = LlamaForCausalLM(CONFIG, cpu_backend).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.5)
     with torch.no_grad():
@@ -55,12 +59,12 @@ def _model(fmt: str = "Q4_1") -> LlamaForCausalLM:
 def _kernels():
     if not (layer_ops.available() and gguf_matmul.available()):
         pytest.fail("the compiled kernels did not build")
+    assert ON.compiled_stack.on, ON.compiled_stack.why
 
 
-def _steps(model: LlamaForCausalLM, compiled: bool, monkeypatch) -> tuple[list, torch.Tensor]:
+def _steps(model: LlamaForCausalLM) -> tuple[list, torch.Tensor]:
     """Prefill two requests, then a decode batch, a verify chain, a token-tree verify and a
     chunked-prefill chunk with hidden layers; returns every output and the cache."""
-    monkeypatch.setenv(compiled_stack.SWITCH, "1" if compiled else "0")
     cache = KVCache(CONFIG, 16, 4, dtype="float32")
     runner = ModelRunner(model, CONFIG, cache)
     a, b = [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]
@@ -84,7 +88,6 @@ def _flat(x) -> list[torch.Tensor]:  # noqa: ANN001
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_the_compiled_layers_equal_the_layer_by_layer_path_bit_for_bit(fmt, monkeypatch):
-    model = _model(fmt)
     runs = []
     real = compiled_stack.CompiledStack.run
     ran = []
@@ -97,7 +100,7 @@ def test_the_compiled_layers_equal_the_layer_by_layer_path_bit_for_bit(fmt, monk
     monkeypatch.setattr(compiled_stack.CompiledStack, "run", counted)
     for compiled in (True, False):
         ran.clear()
-        runs.append(_steps(model, compiled, monkeypatch))
+        runs.append(_steps(_model(fmt, ON if compiled else OFF)))
         # the whole-prompt prefill keeps SDPA; every later forward ran compiled (or not at all)
         assert ran == ([False, True, True, True, True] if compiled else [False] * 5)
     (outs, cache), (outs_ref, cache_ref) = runs
@@ -158,34 +161,36 @@ def test_a_slot_outside_the_cache_is_a_clear_error_and_writes_nothing():
     assert torch.equal(cache.data, before)
 
 
-def test_switched_off_it_does_not_run(monkeypatch):
-    monkeypatch.setenv(compiled_stack.SWITCH, "0")
-    model = _model()
-    cache = KVCache(CONFIG, 4, 4, dtype="float32")
-    runner = ModelRunner(model, CONFIG, cache)
-    runner.forward([SeqChunk([1, 2, 3], 0, [0])])
+@pytest.mark.parametrize("off", ["compiled_stack", "layer_ops", "gguf_matmul",
+                                 "cpu_attention"])
+def test_a_backend_without_it_does_not_run_it(off):
+    """Off by override, or a part it needs off (decided by engine/backend.py), the model runs
+    layer by layer; the same model with the stack on runs it."""
     from specmesh.engine.model import AttentionMetadata
 
-    meta = AttentionMetadata.build([1], [3], [[0]], 4)
-    meta.prepare(torch.device("cpu"))
-    cos, sin = model.rope(torch.tensor([3]), torch.float32)
-    with torch.inference_mode():
-        assert compiled_stack.CompiledStack(model).run(torch.randn(1, 64), cos, sin, meta,
-                                                       cache) is None
-        monkeypatch.setenv(compiled_stack.SWITCH, "1")
-        assert compiled_stack.CompiledStack(model).run(torch.randn(1, 64), cos, sin, meta,
-                                                       cache) is not None
+    assert not backend(**{off: False}).compiled_stack.on
+    for cpu_backend, runs in ((backend(**{off: False}), False), (ON, True)):
+        model = _model(cpu_backend=cpu_backend)
+        cache = KVCache(CONFIG, 4, 4, dtype="float32")
+        ModelRunner(model, CONFIG, cache).forward([SeqChunk([1, 2, 3], 0, [0])])
+        meta = AttentionMetadata.build([1], [3], [[0]], 4)
+        meta.prepare(torch.device("cpu"))
+        cos, sin = model.rope(torch.tensor([3]), torch.float32)
+        with torch.inference_mode():
+            out = compiled_stack.CompiledStack(model).run(torch.randn(1, 64), cos, sin, meta,
+                                                          cache)
+        assert (out is not None) == runs
 
 
-def test_the_compiled_call_follows_a_new_cache_and_replaced_norm_weights(monkeypatch):
+def test_the_compiled_call_follows_a_new_cache_and_replaced_norm_weights():
     """Its pointers are cached between forwards: a new KV cache, a norm weight replaced by
     another tensor, or a weight whose storage was swapped must rebuild them (else it reads
-    freed or stale memory); each forward then still equals the layer-by-layer path."""
-    model = _model()
+    freed or stale memory); each forward then still equals the layer-by-layer path (the same
+    model, changed the same way, with ``compiled_stack`` off)."""
+    models = {True: _model(), False: _model(cpu_backend=OFF)}
 
     def decode_logits(compiled: bool, cache: KVCache) -> torch.Tensor:
-        monkeypatch.setenv(compiled_stack.SWITCH, "1" if compiled else "0")
-        runner = ModelRunner(model, CONFIG, cache)
+        runner = ModelRunner(models[compiled], CONFIG, cache)
         runner.forward([SeqChunk([1, 2, 3], 0, [0])])
         return runner.forward([SeqChunk([4], 3, [0])])[0]
 
@@ -194,10 +199,12 @@ def test_the_compiled_call_follows_a_new_cache_and_replaced_norm_weights(monkeyp
         assert torch.equal(got, decode_logits(False, KVCache(CONFIG, 8, 4, dtype="float32")))
 
     same_both_ways()
-    norm = model.model.layers[1].post_attention_layernorm
-    norm.weight = torch.nn.Parameter(norm.weight.detach() * 1.5)  # another tensor
+    for model in models.values():
+        norm = model.model.layers[1].post_attention_layernorm
+        norm.weight = torch.nn.Parameter(norm.weight.detach() * 1.5)  # another tensor
     same_both_ways()
-    with torch.no_grad():  # the same Parameter on new storage
-        model.model.layers[2].input_layernorm.weight.data = \
-            model.model.layers[2].input_layernorm.weight.detach() * 0.5
+    for model in models.values():
+        with torch.no_grad():  # the same Parameter on new storage
+            model.model.layers[2].input_layernorm.weight.data = \
+                model.model.layers[2].input_layernorm.weight.detach() * 0.5
     same_both_ways()

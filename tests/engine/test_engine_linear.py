@@ -1,12 +1,16 @@
 """RowInvariantLinear (engine/linear.py): nn.Linear's parameters and results, with one-row
-bf16 / fp16 inputs computed as two rows, and inference on prepacked oneDNN weights."""
+bf16 / fp16 inputs computed as two rows, and inference on prepacked oneDNN weights where the
+layer's CPU backend has them on."""
 
 import pytest
 import torch
 from torch import nn
 
+from helpers.backends import backend
 from specmesh.engine import onednn
 from specmesh.engine.linear import RowInvariantLinear
+
+PACKED = backend(prepacked_linear=True)  # on wherever torch has oneDNN, whatever the env says
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
@@ -26,7 +30,7 @@ def test_same_parameters_and_results_as_nn_linear(dtype):
         assert torch.equal(one, plain(x[:1]))
 
 
-needs_onednn = pytest.mark.skipif(not onednn.enabled(), reason="torch without oneDNN")
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason="torch without oneDNN")
 
 
 @needs_onednn
@@ -39,7 +43,7 @@ def test_inference_runs_on_a_prepacked_weight_whose_rows_do_not_depend_on_the_ca
     # in_features 1536 / 2048: sizes where a one-row oneDNN call takes a kernel whose last
     # bits differ (measured); the two-row rule must hide it
     for n_in, n_out in [(64, 48), (1536, 576), (2048, 320)]:
-        ours = RowInvariantLinear(n_in, n_out, bias=bias).to(dtype)
+        ours = RowInvariantLinear(n_in, n_out, bias=bias, backend=PACKED).to(dtype)
         x = torch.randn(33, n_in).to(dtype)
         with torch.no_grad():
             full = ours(x)
@@ -55,7 +59,7 @@ def test_inference_runs_on_a_prepacked_weight_whose_rows_do_not_depend_on_the_ca
 @needs_onednn
 def test_the_pack_follows_the_weight():
     torch.manual_seed(0)
-    ours = RowInvariantLinear(32, 16, bias=True).to(torch.bfloat16)
+    ours = RowInvariantLinear(32, 16, bias=True, backend=PACKED).to(torch.bfloat16)
     x = torch.randn(4, 32).to(torch.bfloat16)
     with torch.no_grad():
         before = ours(x)
@@ -71,26 +75,27 @@ def test_the_pack_follows_the_weight():
 
 
 @needs_onednn
-def test_training_and_the_switch_keep_nn_linear(monkeypatch):
+def test_training_and_a_backend_without_packs_keep_nn_linear():
+    from specmesh.engine.linear import FusedLinears, prepack
+
     torch.manual_seed(0)
     plain = nn.Linear(24, 8)
-    ours = RowInvariantLinear(24, 8)
+    ours = RowInvariantLinear(24, 8, backend=PACKED)
     ours.load_state_dict(plain.state_dict())
     x = torch.randn(5, 24)
     ours(x).sum().backward()  # autograd: F.linear, gradients flow
     assert ours.weight.grad is not None and ours._packed is None
-    monkeypatch.setattr(onednn, "_switch", False)
-    with torch.no_grad():
-        assert torch.equal(ours(x), plain(x)) and ours._packed is None
-    monkeypatch.setattr(onednn, "_switch", True)
     with torch.no_grad():
         assert ours(x).shape == (5, 8) and ours._packed is not None
-    onednn.set_enabled(False)
-    try:
-        with torch.no_grad():  # switched off after packing: F.linear again
-            assert torch.equal(ours(x), plain(x))
-    finally:
-        onednn.set_enabled(True)
+    off = backend(prepacked_linear=False)
+    unpacked = RowInvariantLinear(24, 8, backend=off)
+    unpacked.load_state_dict(plain.state_dict())
+    group = FusedLinears(RowInvariantLinear(24, 4, backend=off),
+                         RowInvariantLinear(24, 4, backend=off))
+    with torch.no_grad():  # prepacked_linear off: F.linear, never a pack
+        assert torch.equal(unpacked(x), plain(x)) and unpacked._packed is None
+        assert group.joint(x) is None and group.pack_for(x) is None
+        assert prepack(nn.Sequential(unpacked, *group.linears)) == 0
 
 
 @needs_onednn
@@ -102,8 +107,8 @@ def test_fused_linears_compute_their_layers_in_one_product(bias):
     from specmesh.engine.linear import FusedLinears, prepack
 
     torch.manual_seed(0)
-    layers = [RowInvariantLinear(96, n, bias=(bias == "all" or (bias == "mixed" and i == 0)))
-              for i, n in enumerate((64, 32, 32))]
+    layers = [RowInvariantLinear(96, n, bias=(bias == "all" or (bias == "mixed" and i == 0)),
+                                 backend=PACKED) for i, n in enumerate((64, 32, 32))]
     group = FusedLinears(*layers)
     model = nn.Sequential(*layers)
     assert prepack(model) == (0 if bias == "mixed" else 1)

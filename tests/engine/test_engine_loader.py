@@ -10,6 +10,7 @@ from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.linear import RowInvariantLinear
 from specmesh.engine.loader import load_model, model_identity_fields
 from specmesh.engine.runner import ModelRunner, SeqChunk
+from helpers.backends import backend
 from helpers.models import tiny_llama
 
 
@@ -43,13 +44,19 @@ def _linears(model: torch.nn.Module) -> list[RowInvariantLinear]:
     return [m for m in model.modules() if isinstance(m, RowInvariantLinear)]
 
 
-@pytest.mark.skipif(not onednn.enabled(), reason="no oneDNN")
+@pytest.mark.skipif(not onednn.available(), reason="no oneDNN")
 def test_a_loaded_cpu_model_is_prepacked_before_its_first_forward(tmp_path):
     """Packing every weight (engine/onednn.py) costs ~0.4 s on SmolLM2: load_model pays it,
     not the first request."""
     hf, _, _ = tiny_llama(seed=5, dtype=torch.float32)
     hf.save_pretrained(tmp_path / "tiny")
-    fp32 = load_model(str(tmp_path / "tiny"), dtype="float32").model
+    packed = backend(prepacked_linear=True)
+    fp32 = load_model(str(tmp_path / "tiny"), dtype="float32", backend=packed).model
+    users = [m for m in fp32.modules() if hasattr(m, "backend")]  # norms, attention, linears
+    assert len(users) > len(_linears(fp32)) and all(m.backend is packed for m in users)
     assert _linears(fp32) and all(x._packed is not None for x in _linears(fp32))
+    off = load_model(str(tmp_path / "tiny"), dtype="float32",
+                     backend=backend(prepacked_linear=False)).model
+    assert all(x._packed is None for x in _linears(off))  # the backend's choice, passed down
     fp64 = load_model(str(tmp_path / "tiny"), dtype="float64").model  # F.linear there
     assert all(x._packed is None for x in _linears(fp64))

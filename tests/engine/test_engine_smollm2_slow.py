@@ -8,6 +8,7 @@ import torch
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.loader import load_model, load_tokenizer, model_files, model_identity_fields
 from specmesh.engine.runner import ModelRunner, SeqChunk
+from helpers.backends import backend
 from helpers.models import hf_reference_model
 from specmesh.protocol.messages import ModelIdentity
 
@@ -69,9 +70,8 @@ def test_smollm2_float32_computes_on_its_gguf_blocks(monkeypatch, tmp_path):
     from specmesh.engine.gguf_weights import BLOCKS_FILE, attach_block_weights
     from specmesh.engine.linear import RowInvariantLinear
     from specmesh.engine.loader import _resolve
-    from specmesh.kernels import gguf_matmul
 
-    loaded = load_model(dtype="float32")
+    loaded = load_model(dtype="float32", backend=backend(gguf_matmul=True))
     model = loaded.model
     layers = {n: m for n, m in model.named_modules() if isinstance(m, RowInvariantLinear)}
     assert len(layers) == 30 * 7 + 1 and all(m._blocks is not None for m in layers.values())
@@ -96,7 +96,8 @@ def test_smollm2_float32_computes_on_its_gguf_blocks(monkeypatch, tmp_path):
         assert (attn.q_proj(x) - 2 * dense).abs().max().item() < 1e-4
 
     gguf = _resolve(None)[1]
-    fresh = load_model(dtype="float32").model  # the blocks file: written once, then read
+    fresh = load_model(dtype="float32", backend=backend(gguf_matmul=True)).model  # the blocks
+    # file: written once, then read
     assert attach_block_weights(fresh, gguf, tied=True, cache_dir=tmp_path) == 211
     assert (tmp_path / BLOCKS_FILE).is_file()
     with monkeypatch.context() as m:
@@ -108,23 +109,27 @@ def test_smollm2_float32_computes_on_its_gguf_blocks(monkeypatch, tmp_path):
         fresh.model.layers[0].mlp.up_proj.weight.add_(1)
         assert attach_block_weights(fresh, gguf, tied=True, cache_dir=tmp_path) == 210
 
-    monkeypatch.setenv(gguf_matmul.SWITCH, "0")
-    assert attach_block_weights(model, gguf, tied=True) == 0
+    off = backend(gguf_matmul=False)
+    assert attach_block_weights(model, gguf, tied=True, backend=off) == 0
+    dense = load_model(dtype="float32", backend=off).model  # the backend passed down
+    assert not any(m._blocks is not None for m in dense.modules()
+                   if isinstance(m, RowInvariantLinear))
 
 
 def test_smollm2_float32_decode_and_verify_run_its_layers_as_one_compiled_call(monkeypatch):
     from specmesh.engine import compiled_stack
 
-    model = load_model(dtype="float32").model
-    config = model.config
+    models = {switch: load_model(dtype="float32",
+                                 backend=backend(compiled_stack=switch == "1")).model
+              for switch in ("1", "0")}
+    config = models["1"].config
     calls = []
     real = compiled_stack.CompiledStack.run
     monkeypatch.setattr(compiled_stack.CompiledStack, "run",
                         lambda self, *a, **k: calls.append(real(self, *a, **k)) or calls[-1])
 
     def steps(switch: str) -> list[torch.Tensor]:
-        monkeypatch.setenv(compiled_stack.SWITCH, switch)
-        runner = ModelRunner(model, config, KVCache(config, 8, 16, dtype="float32"))
+        runner = ModelRunner(models[switch], config, KVCache(config, 8, 16, dtype="float32"))
         a, b = [0, 1, 2], [3, 4, 5]
         runner.forward([SeqChunk(list(range(100, 140)), 0, a),
                         SeqChunk(list(range(300, 321)), 0, b)], logits="last")
@@ -136,4 +141,5 @@ def test_smollm2_float32_decode_and_verify_run_its_layers_as_one_compiled_call(m
     on = steps("1")
     assert [c is not None for c in calls] == [False, True, True]  # prefill keeps SDPA
     off = steps("0")
+    assert [c is not None for c in calls[3:]] == [False] * 3
     assert all(torch.equal(x, y) for x, y in zip(on, off))

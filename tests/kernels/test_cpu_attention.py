@@ -83,16 +83,15 @@ def test_thread_count_does_not_change_results():
         torch.set_num_threads(threads)
 
 
-def test_launcher_takes_the_kernel_on_cpu_and_the_switch_turns_it_off(monkeypatch):
+def test_launcher_takes_the_kernel_on_cpu_unless_the_caller_turns_it_off():
     h, hkv, d, bs, q_lens, kv_lens = SHAPES[0]
     q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, torch.bfloat16)
     args = (q, k, v, tables, q_lens, kv_lens, 0.125)
     kernel, ref = attend(*args), paged_attention_ref(*args)
     assert not torch.equal(kernel, ref)  # they round differently, so the choice shows
     assert torch.equal(paged_attention(*args), kernel)
-    monkeypatch.setenv("SPECMESH_CPU_ATTENTION", "0")
-    assert not cpu_attention.available()
-    assert torch.equal(paged_attention(*args), ref)
+    assert torch.equal(paged_attention(*args, cpu_kernel=False), ref)  # backend choice off
+    assert cpu_attention.available()  # the kernel itself stays loaded for other callers
 
 
 def test_unsupported_dtype_is_refused_and_left_to_the_reference():

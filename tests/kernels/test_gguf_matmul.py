@@ -98,11 +98,11 @@ def test_bad_inputs_are_clear_errors():
         BlockWeight.from_gguf("Q8_0", torch.zeros(2, 35, dtype=torch.uint8))
 
 
-def test_switched_off_the_kernel_is_unavailable_and_says_so(monkeypatch):
-    monkeypatch.setenv(gguf_matmul.SWITCH, "0")
+def test_an_unavailable_kernel_says_so(monkeypatch):
+    monkeypatch.setattr(gguf_matmul.KERNEL, "lib", None)  # as in a process that could not build
+    monkeypatch.setattr(gguf_matmul.KERNEL, "failed", "no C++ compiler")
     assert not gguf_matmul.available()
-    monkeypatch.setattr(gguf_matmul.KERNEL, "lib", None)  # as in a process started with it off
-    with pytest.raises(RuntimeError, match="not available"):
+    with pytest.raises(RuntimeError, match="not available: no C"):
         weight = BlockWeight.from_gguf("Q8_0", torch.from_numpy(_raw("Q8_0", 4, 64)))
         matmul(torch.randn(1, 64), weight)
 

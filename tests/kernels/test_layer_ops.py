@@ -13,6 +13,7 @@ from specmesh.engine.model import LlamaForCausalLM, _rotate_half
 from specmesh.engine.runner import ModelRunner, SeqChunk
 from specmesh.engine.kv_cache import KVCache
 from specmesh.kernels import layer_ops
+from helpers.backends import backend
 from helpers.kernels import loads_with_a_failing_compiler
 
 
@@ -78,12 +79,14 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads():
         torch.set_num_threads(threads)
 
 
-def _tiny_model() -> tuple[LlamaForCausalLM, ModelConfig]:
+def _tiny_model(on: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """A tiny float32 Llama (the same weights every call) whose CPU backend has the layer ops
+    ``on`` or off."""
     config = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=3,
                          num_heads=6, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
                          rope_theta=10000.0, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config, backend(layer_ops=on)).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return model, config
@@ -91,7 +94,7 @@ def _tiny_model() -> tuple[LlamaForCausalLM, ModelConfig]:
 
 def test_the_forward_on_the_ops_equals_the_torch_ops_forward(monkeypatch):
     model, config = _tiny_model()
-    calls = {"rms": 0, "rope": 0}
+    calls = {"rms": 0, "rope": 0, "silu": 0}
     real_rms, real_rope = layer_ops.add_rms_norm, layer_ops.rope
 
     def count(name, fn):
@@ -100,7 +103,7 @@ def test_the_forward_on_the_ops_equals_the_torch_ops_forward(monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    def forward() -> tuple[list[torch.Tensor], ...]:
+    def forward(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], ...]:
         cache = KVCache(config, 8, 4, dtype="float32")
         runner = ModelRunner(model, config, cache)
         runner.forward([SeqChunk(list(range(1, 10)), 0, [0, 1, 2])], logits="last")
@@ -112,13 +115,16 @@ def test_the_forward_on_the_ops_equals_the_torch_ops_forward(monkeypatch):
 
     monkeypatch.setattr(layer_ops, "add_rms_norm", count("rms", real_rms))
     monkeypatch.setattr(layer_ops, "rope", count("rope", real_rope))
-    logits, hidden, captured = forward()
+    monkeypatch.setattr(layer_ops, "silu_mul", count("silu", layer_ops.silu_mul))
+    logits, hidden, captured = forward(model)
     forwards = 3
-    assert calls == {"rms": forwards * (2 * config.num_layers + 1),
-                     "rope": forwards * 2 * config.num_layers}
-    monkeypatch.setattr(layer_ops, "applies", lambda *a: False)
-    logits_torch, hidden_torch, captured_torch = forward()
-    assert calls["rms"] == forwards * (2 * config.num_layers + 1)  # not called again
+    assert calls["rms"] == forwards * (2 * config.num_layers + 1)
+    assert calls["rope"] == forwards * 2 * config.num_layers
+    ops = dict(calls)  # silu_mul too where the fused gate/up product runs (prepacked)
+    off, _ = _tiny_model(on=False)  # the same weights, the backend's layer_ops off
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), off.parameters()))
+    logits_torch, hidden_torch, captured_torch = forward(off)
+    assert calls == ops  # none called again
     for a, b in zip(logits, logits_torch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -150,13 +156,13 @@ def test_bad_inputs_are_clear_errors():
         layer_ops.rope(torch.randn(2, 3, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4))
 
 
-def test_switched_off_the_ops_are_unavailable_and_the_model_keeps_torch(monkeypatch):
-    monkeypatch.setenv(layer_ops.SWITCH, "0")
-    monkeypatch.setattr(layer_ops.KERNEL, "lib", None)  # as in a process started with it off
+def test_unavailable_the_ops_say_so_and_the_model_keeps_torch(monkeypatch):
+    monkeypatch.setattr(layer_ops.KERNEL, "lib", None)  # as in a process that could not build
+    monkeypatch.setattr(layer_ops.KERNEL, "failed", "no C++ compiler")
     assert not layer_ops.available() and not layer_ops.applies(torch.randn(2, 8))
-    with pytest.raises(RuntimeError, match="not available"):
+    with pytest.raises(RuntimeError, match="not available: no C"):
         layer_ops.rope(torch.randn(2, 3, 4), torch.randn(2, 1, 4), torch.randn(2, 1, 4))
-    model, config = _tiny_model()
+    model, config = _tiny_model()  # its backend has layer_ops on: the ops' own check decides
     runner = ModelRunner(model, config, KVCache(config, 4, 4, dtype="float32"))
     assert runner.forward([SeqChunk([1, 2, 3], 0, [0])], logits="last")[0].shape == (1, 97)
 

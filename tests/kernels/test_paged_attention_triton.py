@@ -325,8 +325,8 @@ def test_launcher_on_cpu_runs_no_triton(monkeypatch: pytest.MonkeyPatch) -> None
     expect = paged_attention_cpu(*_small()) if cpu_attention.supports(_small()[0]) \
         else paged_attention_ref(*_small())
     assert torch.equal(paged_attention(*_small()), expect)
-    monkeypatch.setenv("SPECMESH_CPU_ATTENTION", "0")
-    assert torch.equal(paged_attention(*_small()), paged_attention_ref(*_small()))
+    assert torch.equal(paged_attention(*_small(), cpu_kernel=False),
+                       paged_attention_ref(*_small()))
 
 
 def test_reference_matches_the_oracle() -> None:
