@@ -136,11 +136,10 @@ def cluster_config(args: argparse.Namespace, **overrides):
         ValueError: an invalid combination (from the configs' own checks).
     """
     from specmesh.cluster.config import ClusterConfig, default_threads
-    from specmesh.cluster.drafter_option import parse_drafter
+    from specmesh.cluster.drafter_option import drafter_from_args
     from specmesh.engine.devices import resolve_dtype
 
-    method, method_kwargs = parse_drafter(args.drafter, args.model,
-                                          getattr(args, "ngram_tree_width", None))
+    method, method_kwargs = drafter_from_args(args)
 
     kw = dict(model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
               kv_cache_mb=args.kv_cache_mb,
@@ -172,13 +171,9 @@ def cluster_config(args: argparse.Namespace, **overrides):
 def is_model_drafter(method: str) -> bool:
     """Whether the registered ``method`` runs a model (its drafts cost forwards that compete
     with the verifier's for the cores): see :attr:`drafter.proposer.Proposer.runs_a_model`."""
-    import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
-    from specmesh.drafter.proposer import get_proposer
+    from specmesh.drafter.registry import runs_a_model
 
-    try:
-        return bool(get_proposer(method).runs_a_model)
-    except KeyError:
-        return False
+    return runs_a_model(method)
 
 
 def parse_thread_plan(text: str) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """``specmesh bench --drafters``: the draft methods one bench run compares, each a
-``--drafter`` form (``ngram``, ``eagle``, ``eagle:PATH``, ``draft-model:PATH``, ``auto``),
+``--drafter`` form (``ngram``, ``eagle:PATH``, ``auto``, a plugin...: cluster/drafter_option.py),
 optionally with a thread plan of its served cluster after ``@`` (``eagle@verifier=1+drafter=1``:
 the same method again under another plan, served only, so that plans are compared in one run),
 and the cluster configuration of each (the bench's config with that method, in its own Ray
@@ -15,8 +15,6 @@ from pathlib import PurePath
 from specmesh.cluster.config import DEFAULT_NAMESPACE, ClusterConfig
 from specmesh.cluster.drafter_option import parse_drafter
 
-#: user-facing name of each registry method (as ``--drafter`` spells it)
-_KIND = {"draft_model": "draft-model"}
 
 
 @dataclass(frozen=True)
@@ -42,9 +40,14 @@ class BenchDrafter:
 
 
 def _label(method: str, kwargs: dict) -> str:
-    kind = _KIND.get(method, method)
-    path = kwargs.get("head") or kwargs.get("model")
-    return f"{kind}:{PurePath(path).name or path}" if path else kind
+    """The method as users type it (drafter/registry.py), with the last part of the value of
+    its positional option (a head's or a draft model's path) when it has one."""
+    from specmesh.drafter.registry import get_method, spelling
+
+    kind = spelling(method)
+    positional = get_method(method).options.positional
+    path = kwargs.get(positional.kwarg) if positional is not None else None
+    return f"{kind}:{PurePath(str(path)).name or path}" if path else kind
 
 
 def parse_drafters(text: str, model: str | None = None) -> list[BenchDrafter]:
