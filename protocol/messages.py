@@ -23,8 +23,9 @@ from typing import Annotated, ClassVar
 # 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges;
 # 4: SamplingParams.min_p (sampled and seeded requests); 5: TokenStream.offset;
 # 6: HelloAck carries the acceptor's identity (protocol version, model, draft method);
-# 7: DraftBranches (drafter -> verifier)
-PROTOCOL_VERSION = 7
+# 7: DraftBranches (drafter -> verifier); 8: TokenStream loses synthetic_acceptance (the gateway
+# flags synthetic acceptance from the cluster's configuration)
+PROTOCOL_VERSION = 8
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -277,10 +278,6 @@ class TokenStream:
     ``offset``: the output position of the first token of ``token_ids`` (the number of output
     tokens the verifier streamed before this delta), so the gateway sees a lost or repeated
     delta (a gap or an overlap) and fails the request rather than return text with a hole.
-
-    ``synthetic_acceptance``: the verifier runs the synthetic-acceptance ablation harness
-    (``--verify-rule synthetic``): drafts were accepted along a given curve, not verified, so
-    the output is not the target's.
     """
 
     request_id: str
@@ -293,7 +290,6 @@ class TokenStream:
     num_accepted_tokens: NonNegInt = 0  # of which accepted
     num_verify_steps: NonNegInt = 0  # verify forwards that included drafts
     error: str = ""
-    synthetic_acceptance: bool = False
     TAG: ClassVar[int]
 
     @classmethod

@@ -18,6 +18,7 @@ from helpers.proposers import GarbageProposer
 from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from specmesh.cluster.metrics import RoleCollector
 from specmesh.decode.config import VerifierConfig
+from specmesh.decode.rules import outputs_exact
 from specmesh.decode.synthetic import conditional_rates, curve_from_mean_accept_len, parse_curve
 from specmesh.protocol.messages import SamplingParams
 
@@ -164,7 +165,9 @@ def test_responses_and_metrics_say_synthetic_acceptance_was_used(tiny_model_dir)
         thread = threading.Thread(target=drive, daemon=True)
         thread.start()
         backend = MailboxBackend(c.client, lambda: VERIFIER, recv_timeout_s=0.1)
-        app = create_app(backend, loaded.tokenizer, "tiny", 1024, default_max_tokens=12)
+        # the gateway flags responses from the cluster's configuration (no message says so)
+        app = create_app(backend, loaded.tokenizer, "tiny", 1024, default_max_tokens=12,
+                         synthetic_acceptance=not outputs_exact(rule))
         server, _, port = serve_gateway(app)
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
