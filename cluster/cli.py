@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # cluster/); no other cluster module imports the harness
 from specmesh.benchmarks.harness.options import add_bench_options, bench_options  # noqa: E402
 from specmesh.cluster.config import ROLES  # noqa: E402
-from specmesh.cluster.drafter_option import add_ngram_tree_option  # noqa: E402
+from specmesh.cluster.drafter_option import add_drafter_options, drafter_help  # noqa: E402
 from specmesh.cluster.loopback import use_loopback  # noqa: E402
 from specmesh.cluster.options import (  # noqa: E402
     CLI_DTYPES,
@@ -33,13 +33,12 @@ from specmesh.cluster.options import (  # noqa: E402
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from specmesh.cluster.drafter_option import parse_drafter
+    from specmesh.cluster.drafter_option import drafter_from_args
     from specmesh.cluster.inprocess import InProcessCluster
     from specmesh.engine.loader import load_model
     from specmesh.protocol.messages import SamplingParams
 
-    method, method_kwargs = parse_drafter(args.drafter, args.model,  # fails before loading
-                                          args.ngram_tree_width)
+    method, method_kwargs = drafter_from_args(args)  # fails before loading
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -60,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from specmesh.gateway.tokens import chat_prompt_ids
 
         prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
-    # the proposer the drafter role would build for this method (None: the registry's)
+    # the proposer the drafter role would build for this method
     proposer = build_proposer(ClusterConfig.create(
         model=args.model, dtype=args.dtype, device=args.device,
         num_speculative_tokens=args.num_speculative_tokens, draft_method=method,
@@ -142,7 +141,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = cluster_config(args, port=0)
     summary = bench(cfg, opts)
-    if cfg.verifier.synthetic_acceptance:  # the ablation harness: outputs differ by design
+    from specmesh.decode.rules import outputs_exact
+
+    if not outputs_exact(cfg.verifier.verify_rule):  # the ablation harness: outputs differ
         return 0
     return 1 if summary.get("mismatches") else 0  # a method whose output is not exact
 
@@ -169,23 +170,26 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="run prefill, verifier and drafter in one process")
+    # the commands that take --drafter list the methods and their keys after their options
+    with_methods = {"epilog": drafter_help(),
+                    "formatter_class": argparse.RawDescriptionHelpFormatter}
+    g = sub.add_parser("generate", help="run prefill, verifier and drafter in one process",
+                       **with_methods)
     add_model_options(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
-    g.add_argument("--drafter", default="auto",
-                   help="draft method, as for serve: auto, ngram, eagle, eagle:PATH, "
-                        "draft-model:PATH")
-    add_ngram_tree_option(g)
+    add_drafter_options(g)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="embedded local Ray: prefill, verifier, drafter, gateway")
+    s = sub.add_parser("serve", help="embedded local Ray: prefill, verifier, drafter, gateway",
+                       **with_methods)
     add_cluster_options(s)
     s.add_argument("--port", type=int, default=8000)
     s.set_defaults(func=cmd_serve)
 
-    la = sub.add_parser("launch", help="join one role to an existing Ray cluster")
+    la = sub.add_parser("launch", help="join one role to an existing Ray cluster",
+                        **with_methods)
     la.add_argument("role", choices=list(ROLES))
     la.add_argument("--address", default="auto", help="Ray address (default: auto)")
     la.add_argument("--instance-id", default=None)
@@ -199,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_options(la)
     la.set_defaults(func=cmd_launch)
 
-    d = sub.add_parser("demo", help="start the cluster and run bundled prompts through HTTP")
+    d = sub.add_parser("demo", help="start the cluster and run bundled prompts through HTTP",
+                       **with_methods)
     add_cluster_options(d)
     d.add_argument("--num-prompts", type=int, default=None)
     d.add_argument("--max-tokens", type=int, default=96)
@@ -207,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="specmesh served / in-process (k>0 per draft method, k=0) "
                                      "vs HF generate per concurrency level, interleaved "
-                                     "repeats")
+                                     "repeats", **with_methods)
     add_cluster_options(b)
     add_bench_options(b)
     b.set_defaults(func=cmd_bench)

@@ -1,18 +1,32 @@
-"""``--drafter``: which draft method a cluster runs, as a user names it.
+"""``--drafter``: which drafting method a cluster runs, as a user names it. The methods, their
+options (typed, bounded, with help text) and their flags come from the registry
+(drafter/registry.py, drafter/options.py); nothing here knows a method by name.
 
-``ngram`` (prompt lookup; ``ngram:min=1+max=4+width=2`` sets its shortest and longest suffix
-match and its tree width, any subset of the three), ``eagle`` (the EAGLE head shipped for the
-target), ``eagle:PATH`` (a head trained with ``specmesh train-drafter``), ``draft-model:PATH``
-(a standalone draft model with the target's tokenizer), or ``auto`` (the default: the shipped
-EAGLE head when the target has one, else n-gram).
+Forms (:data:`DRAFTER_FORMS`):
+
+- ``NAME`` or ``NAME:KEY=VALUE+KEY=VALUE``: a registered method (built-in, or an entry point
+  of the group ``specmesh.drafters``) with keys of its option schema; a method with a
+  positional option also takes ``NAME:VALUE`` (``eagle:PATH``, ``draft-model:PATH``);
+- ``package.module:Class`` or ``package.module:Class:KEY=VALUE+...``: a plugin class by its
+  import path. The part before the first colon is looked up as a method name first, so the
+  two forms never clash: it is an import path only when no method has that name (a plugin
+  module named like a method needs its package path);
+- ``auto`` (the default): the form :func:`resolve_auto_drafter` picks for the target.
 """
 
 from __future__ import annotations
 
-DRAFTER_CHOICES = "auto | ngram[:min=N+max=N+width=N] | eagle[:PATH] | draft-model:PATH"
+import argparse
+import textwrap
+from collections.abc import Mapping
+from typing import Any
 
-#: ``ngram:KEY=N`` keys -> NgramProposer arguments
-NGRAM_KEYS = {"min": "min_ngram", "max": "max_ngram", "width": "tree_width"}
+#: the forms of ``--drafter``, for help and error messages
+DRAFTER_FORMS = "auto | NAME[:KEY=VALUE+...] | NAME:VALUE | package.module:Class[:KEY=VALUE+...]"
+#: width of the method list in ``--help``
+HELP_WIDTH = 100
+#: what ``--drafter auto`` means, for ``--help`` (:func:`resolve_auto_drafter` decides)
+AUTO_HELP = "the EAGLE head shipped for the target when it has one, else ngram (the default)"
 
 
 def shipped_head_for(model: str | None):  # noqa: ANN201
@@ -26,75 +40,138 @@ def shipped_head_for(model: str | None):  # noqa: ANN201
         return None
 
 
+def resolve_auto_drafter(model: str | None) -> str:
+    """The ``--drafter`` form ``auto`` stands for with target ``model`` (:data:`AUTO_HELP`);
+    :func:`parse_drafter` is its one caller."""
+    return "eagle" if shipped_head_for(model) is not None else "ngram"
+
+
+def split_drafter(form: str) -> tuple[str, str | None]:
+    """``(method name or import path, option text)`` of a ``--drafter`` form other than
+    ``auto``; the option text is None when the form has no colon after the method.
+
+    Raises:
+        KeyError: no method has the name and the form is no import path.
+        TypeError, ValueError, ImportError: a plugin the registry cannot register.
+    """
+    from specmesh.drafter.registry import method_key
+    from specmesh.plugins import is_import_path
+
+    head, sep, rest = form.partition(":")
+    try:
+        method_key(head)
+        return head, rest if sep else None
+    except KeyError:
+        if sep:
+            cls_name, sep2, options = rest.partition(":")
+            path = f"{head}:{cls_name}"
+            if is_import_path(path):
+                method_key(path)
+                return path, options if sep2 else None
+        raise
+
+
 def parse_drafter(spec: str, model: str | None = None,
-                  ngram_tree_width: int | None = None) -> tuple[str, dict]:
-    """(registry method name, method kwargs) of a ``--drafter`` value for target ``model``;
-    ``ngram_tree_width`` (``--ngram-tree-width``; None: the proposer's default) is the n-gram
-    method's ``tree_width`` (branches of its draft trees, 1: chains only).
+                  flags: Mapping[str, Any] | None = None) -> tuple[str, dict]:
+    """(registry key, keyword arguments of the method's factory) of a ``--drafter`` value for
+    target ``model``; ``flags`` holds the values of the methods' own command-line flags by
+    argparse destination (``{"ngram_tree_width": 3}``; None: not given), which set the keys
+    they stand for unless ``spec`` sets them.
 
     Raises:
-        SystemExit: an unknown form, a method that needs a path and got none, or a tree width
-            below 1.
+        SystemExit: an unknown method (naming the known ones and the forms), a key or value
+            the method's schema refuses (naming the key and what it accepts), a flag value
+            out of bounds, or a plugin that cannot be loaded or registered.
     """
-    if ngram_tree_width is not None and ngram_tree_width < 1:
-        raise SystemExit(f"--ngram-tree-width must be >= 1, got {ngram_tree_width}")
-    method, kwargs = _parse_drafter(spec, model)
-    if method == "ngram" and ngram_tree_width is not None:
-        kwargs = {**kwargs, "tree_width": ngram_tree_width}
-    return method, kwargs
+    from specmesh.drafter.options import OptionError
+    from specmesh.drafter.registry import get_method, method_key
 
-
-def add_ngram_tree_option(p) -> None:  # noqa: ANN001
-    """``--ngram-tree-width`` on an argparse parser."""
-    p.add_argument("--ngram-tree-width", type=int, default=None, metavar="N",
-                   help="n-gram drafter: up to N distinct continuations of earlier matches as "
-                        "the branches of a draft tree (tree verification; 1: chains only; "
-                        "default 2)")
-
-
-def _parse_drafter(spec: str, model: str | None) -> tuple[str, dict]:
+    flags = dict(flags or {})
     spec = (spec or "auto").strip()
-    kind, sep, path = spec.partition(":")
-    if kind == "auto" and not sep:
-        return ("eagle", {}) if shipped_head_for(model) is not None else ("ngram", {})
-    if kind == "ngram":
-        return "ngram", _ngram_kwargs(path) if sep else {}
-    if kind == "eagle":
-        if sep and not path:
-            raise SystemExit("--drafter eagle:PATH needs the head's directory after the colon")
-        return "eagle", ({"head": path} if path else {})
-    if kind in ("draft-model", "draft_model"):
-        if not path:
-            raise SystemExit("--drafter draft-model:PATH needs the draft model's path "
-                             "(a Hugging Face dir or .gguf with the target's tokenizer)")
-        return "draft_model", {"model": path}
-    raise SystemExit(f"--drafter {spec!r}: expected {DRAFTER_CHOICES}")
+    try:
+        _check_flags(flags)
+        form = resolve_auto_drafter(model) if spec == "auto" else spec
+        name, text = split_drafter(form)
+        key = method_key(name)
+        schema = get_method(key).options
+        if text == "":
+            raise OptionError("nothing after the colon; " + schema.accepted())
+        return key, schema.parse(text or "", flags)
+    except KeyError as err:
+        raise SystemExit(f"--drafter {spec!r}: {err.args[0]}; forms: {DRAFTER_FORMS}") from None
+    except (OptionError, TypeError, ValueError, ImportError) as err:
+        raise SystemExit(f"--drafter {spec}: {err}") from None
 
 
-def _ngram_kwargs(text: str) -> dict:
-    """``"min=1+width=4"`` -> ``{"min_ngram": 1, "tree_width": 4}``.
+def drafter_from_args(args: argparse.Namespace) -> tuple[str, dict]:
+    """:func:`parse_drafter` of the parsed options in ``args`` (``--drafter``, ``--model`` and
+    the methods' flags). Raises as it."""
+    return parse_drafter(getattr(args, "drafter", "auto"), getattr(args, "model", None),
+                         vars(args))
 
-    Raises:
-        SystemExit: an unknown key, a value that is not a positive integer, or min > max.
-    """
-    out: dict = {}
-    for item in text.split("+"):
-        key, eq, value = item.strip().partition("=")
-        if key not in NGRAM_KEYS or not eq:
-            raise SystemExit(f"--drafter ngram:{text}: expected KEY=N joined by '+', KEY one of "
-                             f"{', '.join(NGRAM_KEYS)} (e.g. ngram:min=1+width=2)")
+
+def _flag_options() -> list:
+    """Every option of every method that has a command-line flag."""
+    from specmesh.drafter.registry import get_method, registered_methods
+
+    return [o for key in registered_methods() for o in get_method(key).options.options
+            if o.flag]
+
+
+def _check_flags(flags: Mapping[str, Any]) -> None:
+    """SystemExit naming the flag for a flag value its option refuses (whichever method
+    runs)."""
+    from specmesh.drafter.options import OptionError
+
+    for o in _flag_options():
+        value = flags.get(o.flag_dest)
+        if value is None:
+            continue
         try:
-            n = int(value)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise SystemExit(f"--drafter ngram:{text}: {key} must be a positive integer, "
-                             f"got {value!r}")
-        out[NGRAM_KEYS[key]] = n
-    from specmesh.drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+            o.convert(value)
+        except OptionError as err:
+            raise SystemExit(f"{o.flag}: {err}") from None
 
-    lo = out.get("min_ngram", DEFAULT_MIN_NGRAM)
-    hi = out.get("max_ngram", DEFAULT_MAX_NGRAM)
-    if lo > hi:
-        raise SystemExit(f"--drafter ngram:{text}: min ({lo}) is above max ({hi})")
-    return out
+
+def add_drafter_options(p: argparse.ArgumentParser) -> None:
+    """``--drafter`` and the flags the registered methods' options declare (e.g.
+    ``--ngram-tree-width``), on an argparse parser; the methods and their keys are listed by
+    :func:`drafter_help` (the parser's epilog)."""
+    from specmesh.drafter.registry import get_method, registered_methods, spelling
+
+    p.add_argument("--drafter", default="auto", metavar="METHOD",
+                   help=f"drafting method: {DRAFTER_FORMS} (methods and their keys: below)")
+    seen: set[str] = set()
+    for key in registered_methods():
+        for o in get_method(key).options.options:
+            if not o.flag or o.flag in seen:
+                continue
+            seen.add(o.flag)
+            p.add_argument(o.flag, type=o.type if o.type in (int, float) else str,
+                           default=None, metavar=o.key.upper(),
+                           help=f"{spelling(key)} drafter: {o.help} (= {spelling(key)}:"
+                                f"{o.key}=...; {o.describe()}, default {o.default})")
+
+
+def drafter_help() -> str:
+    """The drafting methods, their summaries and keys, for ``--help`` (raw text)."""
+    from specmesh.drafter.registry import ENTRY_POINT_GROUP, get_method, spellings
+
+    def block(text: str, indent: int) -> list[str]:
+        return textwrap.wrap(text, width=HELP_WIDTH, initial_indent=" " * indent,
+                             subsequent_indent=" " * (indent + 2))
+
+    lines = ["drafting methods (--drafter METHOD[:KEY=VALUE+...]):",
+             *block(f"auto: {AUTO_HELP}", 2)]
+    for name in spellings():
+        cls = get_method(name)
+        schema = cls.options
+        summary = cls.summary or (cls.__doc__ or "").strip().split("\n")[0]
+        lines += block(f"{name}: {summary}", 2)
+        if schema.positional is not None:
+            lines += block(f"{name}:VALUE is {name}:{schema.positional.key}=VALUE", 6)
+        for line in schema.help_lines():
+            lines += block(line, 6)
+    lines += block(f"plugins: an entry point of the group {ENTRY_POINT_GROUP} (its name is the "
+                   "method's), or --drafter package.module:Class[:KEY=VALUE+...]", 0)
+    return "\n".join(lines)

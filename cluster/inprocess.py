@@ -8,11 +8,12 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
 from specmesh.decode.config import VerifierConfig
+from specmesh.decode.rules import outputs_exact
 from specmesh.decode.worker import VerifierWorker
 from specmesh.drafter.config import DrafterConfig
-from specmesh.drafter.proposer import Proposer, seed_state_for, seed_state_kinds
+from specmesh.drafter.proposer import Proposer
+from specmesh.drafter.registry import seed_state_for, seed_state_kinds
 from specmesh.drafter.worker import DrafterWorker
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.config import ModelConfig
@@ -39,13 +40,15 @@ class Completion:
     num_prompt_tokens: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
 
-    def add(self, msg: TokenStream) -> None:
+    def add(self, msg: TokenStream, synthetic_acceptance: bool = False) -> None:
+        """Take in one TokenStream of the request (``synthetic_acceptance``: the cluster's
+        verifier runs the synthetic-acceptance ablation, by its configuration)."""
         self.token_ids.extend(msg.token_ids)
         self.finish_reason = FinishReason(msg.finish_reason) if msg.finish_reason else None
         self.error = msg.error
         self.num_prompt_tokens = msg.num_prompt_tokens
         self.spec = SpecStats(msg.num_draft_tokens, msg.num_accepted_tokens,
-                              msg.num_verify_steps, msg.synthetic_acceptance)
+                              msg.num_verify_steps, synthetic_acceptance)
 
 
 class InProcessCluster:
@@ -118,6 +121,9 @@ class InProcessCluster:
                 request_id=rid, prompt_token_ids=list(prompt), sampling=sp,
                 num_speculative_tokens=num_speculative_tokens))
         pending = set(ids)
+        # the gateway's flag, from the configuration: drafts accepted by a rule that is not
+        # exact (synthetic acceptance)
+        synthetic = not outputs_exact(self.verifier.config.verify_rule)
         deadline = time.monotonic() + timeout_s
         while pending:
             if time.monotonic() > deadline:
@@ -132,7 +138,7 @@ class InProcessCluster:
             for env in self.client.drain():
                 msg = env.msg
                 if isinstance(msg, TokenStream) and msg.request_id in results:
-                    results[msg.request_id].add(msg)
+                    results[msg.request_id].add(msg, synthetic)
                     if msg.finished:
                         pending.discard(msg.request_id)
         return [results[rid] for rid in ids]

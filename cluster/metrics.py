@@ -76,7 +76,9 @@ class RoleCollector:
             per_pos.add_metric([*labels.values(), str(pos)], float(n))
         yield per_pos
         cfg = h.worker.config
-        synthetic = cfg.verify_rule == "synthetic"
+        from specmesh.decode.rules import outputs_exact
+
+        synthetic = not outputs_exact(cfg.verify_rule)  # the ablation harness (decode/rules.py)
         yield _gauge("specmesh:spec_decode_synthetic_acceptance",
                      "1 when drafts are accepted by the synthetic-acceptance ablation harness "
                      "(--verify-rule synthetic), not verified", float(synthetic), labels)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specmesh.cluster.drafter_option import add_ngram_tree_option
-from specmesh.decode.config import VERIFY_RULES
+from specmesh.cluster.drafter_option import add_drafter_options
 from specmesh.engine.dtypes import MODEL_DTYPES
 
 #: dtypes a user may pick on the command line (float16 is not supported on CPU here).
@@ -53,24 +52,14 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output of a request, tokens")
     p.add_argument("--max-num-seqs", type=int, default=32,
                    help="requests the verifier runs (or prefills) at once")
-    p.add_argument("--drafter", default="auto",
-                   help="draft method: auto (the shipped EAGLE head when the target has one, "
-                        "else ngram), ngram, eagle, eagle:PATH (a head from specmesh "
-                        "train-drafter), draft-model:PATH (a model with the target's tokenizer)")
-    add_ngram_tree_option(p)
+    add_drafter_options(p)
     p.add_argument("--draft-branches", type=int, default=4, metavar="N",
                    help="a model drafter (eagle) prepares, while the verifier runs, the next "
                         "draft after each of its N likeliest tokens other than its own at the "
                         "first two positions of its path (DraftBranches, SSD arXiv "
                         "2603.03251): a commit whose bonus token is one of them has its next "
                         "draft at once; 0: off")
-    p.add_argument("--verify-rule", default="auto", choices=VERIFY_RULES,
-                   help="verification of sampled requests without a seed: auto (standard "
-                        "rejection sampling) or block (block verification, arXiv 2403.10444); "
-                        "temperature 0 stays greedy and seeded requests coupled; synthetic: "
-                        "the ablation harness, every request's drafts accepted along "
-                        "--synthetic-acceptance or --synthetic-mean-accept-len, not verified "
-                        "(responses and metrics say so)")
+    add_verify_rule_option(p)
     p.add_argument("--goodput-drafts", default="on", choices=("on", "off"),
                    help="on: each verify step carries the drafts that maximise committed "
                         "tokens per second, from each request's measured acceptance and the "
@@ -90,6 +79,17 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="the gateway fails a request that gets no output from its verifier for "
                         "this long (a verifier alive but silent; 0: never)")
+
+
+def add_verify_rule_option(p: argparse.ArgumentParser) -> None:
+    """``--verify-rule``: the choices and their help come from the verification-rule registry
+    (decode/rules.py): ``auto`` and every rule a deployment may pick."""
+    from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
+
+    rules = selectable_rules()
+    p.add_argument("--verify-rule", default=AUTO, choices=(AUTO, *rules),
+                   help=f"verification rule of the deployment: {AUTO}: {AUTO_HELP}; "
+                        + "; ".join(f"{name}: {cls.help}" for name, cls in rules.items()))
 
 
 def backend_overrides(args: argparse.Namespace):  # noqa: ANN201 - engine BackendOverrides
@@ -117,11 +117,10 @@ def cluster_config(args: argparse.Namespace, **overrides):
         ValueError: an invalid combination (from the configs' own checks).
     """
     from specmesh.cluster.config import ClusterConfig, default_threads
-    from specmesh.cluster.drafter_option import parse_drafter
+    from specmesh.cluster.drafter_option import drafter_from_args
     from specmesh.engine.devices import resolve_dtype
 
-    method, method_kwargs = parse_drafter(args.drafter, args.model,
-                                          getattr(args, "ngram_tree_width", None))
+    method, method_kwargs = drafter_from_args(args)
 
     kw = dict(model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
               kv_cache_mb=args.kv_cache_mb,
@@ -154,13 +153,9 @@ def cluster_config(args: argparse.Namespace, **overrides):
 def is_model_drafter(method: str) -> bool:
     """Whether the registered ``method`` runs a model (its drafts cost forwards that compete
     with the verifier's for the cores): see :attr:`drafter.proposer.Proposer.runs_a_model`."""
-    import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
-    from specmesh.drafter.proposer import get_proposer
+    from specmesh.drafter.registry import runs_a_model
 
-    try:
-        return bool(get_proposer(method).runs_a_model)
-    except KeyError:
-        return False
+    return runs_a_model(method)
 
 
 def parse_thread_plan(text: str) -> dict[str, int]:
@@ -182,32 +177,23 @@ def parse_thread_plan(text: str) -> dict[str, int]:
 
 
 def synthetic_settings(args: argparse.Namespace) -> dict:
-    """The cluster settings of ``--verify-rule synthetic`` (decode/synthetic.py): the verifier's
-    ``synthetic_acceptance`` curve, and no draft probabilities from the drafter (the rule
-    does not read them); ``{}`` for any other rule.
+    """The cluster settings of the synthetic-acceptance rule's options (``--synthetic-acceptance``
+    / ``--synthetic-mean-accept-len``, decode/synthetic.py decides what they mean); ``{}`` when
+    the deployment runs another rule.
 
     Raises:
-        SystemExit: synthetic without a curve, with both forms, a curve with another rule, or
-            a malformed curve.
+        SystemExit: what the rule refuses (a rule without its curve, a curve with another
+            rule, both forms, a malformed curve), with its reason.
     """
-    from specmesh.decode.synthetic import curve_from_mean_accept_len, parse_curve
+    from specmesh.decode.synthetic import synthetic_settings as settings
 
-    rates = getattr(args, "synthetic_acceptance", None)
-    mean = getattr(args, "synthetic_mean_accept_len", None)
-    if getattr(args, "verify_rule", "auto") != "synthetic":
-        if rates is not None or mean is not None:
-            raise SystemExit("--synthetic-acceptance / --synthetic-mean-accept-len need "
-                             "--verify-rule synthetic")
-        return {}
-    if (rates is None) == (mean is None):
-        raise SystemExit("--verify-rule synthetic needs one of --synthetic-acceptance RATES "
-                         "or --synthetic-mean-accept-len M")
     try:
-        curve = parse_curve(rates) if rates is not None else curve_from_mean_accept_len(
-            mean, args.num_speculative_tokens)
+        return settings(getattr(args, "verify_rule", "auto"),
+                        getattr(args, "synthetic_acceptance", None),
+                        getattr(args, "synthetic_mean_accept_len", None),
+                        args.num_speculative_tokens)
     except ValueError as err:
-        raise SystemExit(f"synthetic acceptance: {err}") from None
-    return {"synthetic_acceptance": curve, "draft_probs": False}
+        raise SystemExit(str(err)) from None
 
 
 def default_instance_id(role: str) -> str:

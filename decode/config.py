@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specmesh.engine.hidden_layers import seed_state_layers
+from specmesh.decode.rules import AUTO as AUTO_VERIFY_RULE
+from specmesh.decode.rules import check_rule_settings
+from specmesh.engine.hidden_layers import check_seed_state
 
 #: Weight of the newest verify step in a request's accept-length EMA (SGLang's adaptive
 #: speculation keeps a similar moving average of accepted drafts).
@@ -17,16 +19,11 @@ STEP_TIME_EMA_WEIGHT = 0.2
 #: Default for ``max_num_batched_tokens``: large enough that a full batch of ``max_num_seqs``
 #: requests with kappa drafts each always fits (the budget only bites when set lower).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-#: Seed states the verifier can ship to a drafter ("" none; "hidden" target hidden states).
-SEED_STATES = ("", "hidden")
 #: Hidden-state rows the verifier keeps per request for a re-sync (DraftSync after DraftNeedSync
 #: or a drafter change): the latest ones, ending at the last committed token's predecessor.
 MAX_SEED_ROWS = 64
-#: Verification rules a deployment may pick for unseeded sampled requests (``verify_rule``):
-#: "auto" standard rejection sampling, "block" block verification (arXiv 2403.10444). Greedy
-#: and seeded requests keep their rules (greedy, coupled) either way. "synthetic" is the
-#: ablation harness (decode/synthetic.py): every request's drafts pass along a given curve.
-VERIFY_RULES = ("auto", "block", "synthetic")
+# AUTO_VERIFY_RULE: ``verify_rule`` of a deployment that picks no rule (decode/rules.py: each
+# request gets the rules that apply by themselves)
 
 
 @dataclass(frozen=True)
@@ -61,15 +58,14 @@ class VerifierConfig:
     (a ``time.time_ns()`` stamp, as in Hello): transfer ids are ``incarnation + 1, + 2, ...``,
     so a restarted verifier's ids never collide with its previous life's
     (docs/architecture.md, 'KV transfer').
-    ``verify_rule`` (:data:`VERIFY_RULES`): the rule of unseeded sampled requests, ``"auto"``
-    (rejection sampling) or ``"block"`` (block verification); temperature 0 stays greedy and a
-    seeded request coupled (decode/verification.py). ``max_tree_nodes``: most draft-tree nodes
-    verified per request per step (tree verification; 0: twice the request's kappa); the
-    tree's depth is capped by kappa like a chain.
-
-    ``verify_rule="synthetic"`` (the ablation harness, decode/synthetic.py) accepts every
-    request's drafts along ``synthetic_acceptance``, a per-position acceptance curve (required
-    with that rule, refused without it).
+    ``verify_rule``: ``"auto"`` or a rule the deployment picks (decode/rules.py, the registry
+    that lists them and chooses each request's rule: ``"block"``, block verification of
+    unseeded sampled requests; ``"synthetic"``, the ablation harness of decode/synthetic.py,
+    which accepts every request's drafts along ``synthetic_acceptance``, a per-position
+    acceptance curve required with that rule and refused without it); checked by the
+    registry. ``max_tree_nodes``: most draft-tree nodes verified per request per step (tree
+    verification; 0: twice the request's kappa); the tree's depth is capped by kappa like a
+    chain.
 
     Raises:
         ValueError: a setting out of range.
@@ -92,7 +88,7 @@ class VerifierConfig:
     eos_token_ids: tuple[int, ...] = ()
     adaptive_drafts: bool = True
     goodput_drafts: bool = False
-    verify_rule: str = "auto"
+    verify_rule: str = AUTO_VERIFY_RULE
     synthetic_acceptance: tuple[float, ...] = ()
     max_tree_nodes: int = 0
 
@@ -106,22 +102,11 @@ class VerifierConfig:
         if self.max_num_batched_tokens < 1 + self.max_num_speculative_tokens:
             raise ValueError(f"max_num_batched_tokens must be >= {1 + self.max_num_speculative_tokens}"
                              " (one request with its full kappa)")
-        if self.seed_state not in SEED_STATES:
-            try:
-                seed_state_layers(self.seed_state)
-            except ValueError:
-                raise ValueError(f"seed_state must be one of {SEED_STATES} or "
-                                 f"'hidden:L1,L2,...', got {self.seed_state!r}") from None
-        if self.verify_rule not in VERIFY_RULES:
-            raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, "
-                             f"got {self.verify_rule!r}")
-        if (self.verify_rule == "synthetic") != bool(self.synthetic_acceptance):
-            raise ValueError("verify_rule 'synthetic' needs a synthetic_acceptance curve, and "
-                             "a curve needs verify_rule 'synthetic'")
-        if self.synthetic_acceptance:
-            from specmesh.decode.synthetic import check_curve  # (imports decode.verification)
-
-            check_curve(self.synthetic_acceptance)
+        check_seed_state(self.seed_state)
+        if self.verify_rule != AUTO_VERIFY_RULE or self.synthetic_acceptance:
+            # the registry checks a picked rule and the rules' own settings (it loads the
+            # rules, and torch, so a default config does not)
+            check_rule_settings(self)
         if self.tail_wait_fraction < 0:
             raise ValueError("tail_wait_fraction must be >= 0")
         if self.max_tree_nodes < 0:

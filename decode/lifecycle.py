@@ -312,8 +312,7 @@ class RequestLifecycle:
             finish_reason=None if reason is None else FinishReason(reason).value,
             num_prompt_tokens=req.prompt_len, num_draft_tokens=req.spec.num_draft_tokens,
             num_accepted_tokens=req.spec.num_accepted_tokens,
-            num_verify_steps=req.spec.num_verify_steps, error=req.error,
-            synthetic_acceptance=self.scheduler.config.verify_rule == "synthetic"))
+            num_verify_steps=req.spec.num_verify_steps, error=req.error))
 
     # -- ending ----------------------------------------------------------------------------
 

@@ -81,6 +81,9 @@ class Scheduler:
         # the latest step's goodput decision (None: off, or no step with tails yet)
         self.goodput_caps: DraftCaps | None = None
         self._prefill_turn = 0  # rotates the prefill peer that wins a tie
+        #: whether a request's drafts may be verified as a tree (the verifier sets it from its
+        #: verification rules, decode/rules.py RuleSet.judges_trees); default: always
+        self.tree_verifiable: Callable[[SamplingParams], bool] = lambda sampling: True
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -238,9 +241,9 @@ class Scheduler:
             drafts = req.tail.usable(k)
             probs = req.tail.usable_probs(len(drafts))
             tree = None
-            # synthetic acceptance judges chains: a tree's branch 0 is planned as one
+            # a rule that judges chains only (synthetic acceptance): branch 0 as a chain
             if req.tail.tree is not None and all(r is None for r in probs) \
-                    and self.config.verify_rule != "synthetic":
+                    and self.tree_verifiable(req.sampling):
                 tree = req.tail.usable_tree(k, min(self.max_tree_nodes(req), budget - 1))
             if tree is not None:
                 drafts, parents = tree

@@ -3,9 +3,11 @@
 
 A deployment that asks for it accepts drafts along a given acceptance curve instead of
 verifying them, to measure what speculation would buy at that acceptance (vLLM offers the same
-for benchmarking). Off unless asked for; every response (``spec_stats.synthetic_acceptance``)
-and the verifier's and gateway's metrics say it was used, since the output is then no longer
-the target's.
+for benchmarking). It is a registered verification rule (decode/rules.py) that a deployment
+picks (``verify_rule="synthetic"``, selectable) and that is not exact: off unless picked, and
+then every response (``spec_stats.synthetic_acceptance``, flagged by the gateway from the
+cluster's configuration) and the verifier's and gateway's metrics say it was used, since the
+output is then no longer the target's. Nothing on the wire carries it.
 
 The curve is per draft position: ``curve[j]`` is the share of verify steps with at least
 ``j + 1`` drafts that accept at least ``j + 1`` (vLLM's per-position acceptance,
@@ -27,7 +29,8 @@ from itertools import pairwise
 
 import torch
 
-from specmesh.decode.verification import RuleBatch, VerificationRule
+from specmesh.decode.rules import RuleQuery, VerificationRule
+from specmesh.decode.verification import RuleBatch
 from specmesh.engine.sampling import sample_tokens
 from specmesh.kernels.synthetic_accept import synthetic_accept
 
@@ -106,17 +109,72 @@ def parse_curve(text: str) -> tuple[float, ...]:
     return check_curve(values)
 
 
+def synthetic_settings(verify_rule: str, rates: str | None, mean_accept_len: float | None,
+                       num_speculative_tokens: int) -> dict:
+    """The cluster settings of the rule's options: ``rates`` (``--synthetic-acceptance``, a
+    comma list) or ``mean_accept_len`` (``--synthetic-mean-accept-len``) give the verifier's
+    ``synthetic_acceptance`` curve, and the drafter sends no draft probabilities (the rule does
+    not read them); ``{}`` when ``verify_rule`` picks another rule.
+
+    Raises:
+        ValueError: the rule without a curve, a curve with another rule, both forms, or a
+            malformed curve.
+    """
+    if verify_rule != SYNTHETIC:
+        if rates is not None or mean_accept_len is not None:
+            raise ValueError("--synthetic-acceptance / --synthetic-mean-accept-len need "
+                             f"--verify-rule {SYNTHETIC}")
+        return {}
+    if (rates is None) == (mean_accept_len is None):
+        raise ValueError(f"--verify-rule {SYNTHETIC} needs one of --synthetic-acceptance RATES "
+                         "or --synthetic-mean-accept-len M")
+    try:
+        curve = parse_curve(rates) if rates is not None else curve_from_mean_accept_len(
+            mean_accept_len, num_speculative_tokens)
+    except ValueError as err:
+        raise ValueError(f"synthetic acceptance: {err}") from None
+    return {"synthetic_acceptance": curve, "draft_probs": False}
+
+
 class SyntheticRule(VerificationRule):
     """Accepts drafts along ``curve`` (module docstring); the extra token is the request's own
-    mode's token at that row. Randomness: the batch's generator."""
+    mode's token at that row. Randomness: the batch's generator. Applies to every request of
+    a deployment that picks it (before any other rule), chains only: the scheduler plans a
+    draft tree's branch 0 as a chain. An empty ``curve`` makes the rule of a verifier that did
+    not pick it (it never applies)."""
 
     name = SYNTHETIC
+    priority = 100
+    selectable = True
+    exact = False
+    help = ("the ablation harness: every request's drafts accepted along "
+            "--synthetic-acceptance or --synthetic-mean-accept-len, not verified (responses "
+            "and metrics say so)")
 
-    def __init__(self, curve: Sequence[float]) -> None:
-        self.curve = check_curve(curve)
-        self._rates = torch.tensor(conditional_rates(self.curve), dtype=torch.float64)
+    def __init__(self, curve: Sequence[float] = ()) -> None:
+        self.curve = check_curve(curve) if len(curve) else ()
+        self._rates = torch.tensor(conditional_rates(self.curve) if self.curve else [],
+                                   dtype=torch.float64)
+
+    @classmethod
+    def from_config(cls, config) -> SyntheticRule:  # noqa: ANN001
+        return cls(config.synthetic_acceptance)
+
+    @classmethod
+    def check_config(cls, config) -> None:  # noqa: ANN001
+        """The curve is given exactly when the rule is picked, and valid."""
+        if (config.verify_rule == cls.name) != bool(config.synthetic_acceptance):
+            raise ValueError(f"verify_rule {cls.name!r} needs a synthetic_acceptance curve, "
+                             f"and a curve needs verify_rule {cls.name!r}")
+        if config.synthetic_acceptance:
+            check_curve(config.synthetic_acceptance)
+
+    def applies(self, query: RuleQuery) -> bool:
+        return query.verify_rule == self.name
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.curve:
+            raise ValueError(f"the {self.name!r} rule runs without a synthetic_acceptance curve")
         counts = batch.num_draft_tokens()
         device = batch.target_logits.device
         rows = [k + 1 for k in counts]
@@ -133,4 +191,4 @@ class SyntheticRule(VerificationRule):
 
 
 __all__ = ["SYNTHETIC", "SyntheticRule", "check_curve", "conditional_rates",
-           "curve_from_mean_accept_len", "parse_curve"]
+           "curve_from_mean_accept_len", "parse_curve", "synthetic_settings"]

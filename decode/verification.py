@@ -11,13 +11,12 @@ rows of the verify forward over ``[last committed token] + drafts``). A rule ret
 when all passed or the recovered token after a rejection, then ``PLACEHOLDER_TOKEN_ID``
 padding) and ``accept_len`` [batch] (int64; excludes the bonus / recovered token).
 
-A rule is chosen per request from its sampling parameters (:func:`rule_name_for`; the mode of
-engine/sampling.py) and the deployment's ``verify_rule`` (VerifierConfig): ``greedy``
-(temperature 0), ``coupled`` (sampled with a seed) and, for sampled requests without a seed,
-``rejection`` (``verify_rule="auto"``) or ``block`` (``verify_rule="block"``: block
-verification, Sun et al. arXiv 2403.10444). The verify step groups a batch by rule, so greedy, sampled and
-seeded requests mix in one forward. Rules register by name (:func:`register_rule`), like the
-drafter's proposers.
+Each rule declares when it applies (decode/rules.py, the registry that chooses a request's
+rule): ``tree`` (draft trees), ``greedy`` (temperature 0), ``coupled`` (sampled with a seed)
+and, for sampled requests without a seed, ``block`` when the deployment picks it
+(``verify_rule="block"``: block verification, Sun et al. arXiv 2403.10444), else
+``rejection``. The verify step groups a batch by rule, so greedy, sampled and seeded
+requests mix in one forward. Every concrete rule class of this module is registered.
 
 The sampled rules process every verified row with the row's request parameters (temperature,
 top-k, top-p, min-p; engine.sampling.processed_probs) into ``target_probs`` [num_draft_total +
@@ -27,13 +26,11 @@ the request actually samples from, at every position, not only the bonus one.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from specmesh.decode.config import VERIFY_RULES
+from specmesh.decode.rules import RuleQuery, VerificationRule
 from specmesh.engine.row_argmax import row_argmax
 from specmesh.engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
 from specmesh.kernels.block_verify import block_verify, block_verify_noise
@@ -85,30 +82,16 @@ class RuleBatch:
         return processed_probs(self.target_logits, self.sampling, rows)
 
 
-class VerificationRule(ABC):
-    """Decides, for each request of a :class:`RuleBatch`, how many drafts pass and which target
-    token follows them. Must be exact: the committed tokens are distributed as the target's own
-    (greedy: equal to the target's argmax)."""
-
-    name: ClassVar[str]
-    #: whether the rule reads ``RuleBatch.draft_probs`` (the verify step builds them only then)
-    uses_draft_probs: ClassVar[bool] = False
-
-    @abstractmethod
-    def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(output_token_ids [batch, max_k + 1], accept_len [batch])``.
-
-        Raises:
-            ValueError: inconsistent shapes (as the kernels raise).
-        """
-
-
 class GreedyRule(VerificationRule):
     """Greedy prefix match: a draft passes while it equals the target's argmax at its position
     (the rule of greedy speculative decoding, Leviathan et al. arXiv 2211.17192 at temperature
     0); runs ``kernels.greedy_verify``."""
 
     name = "greedy"
+    priority = 40
+
+    def applies(self, query: RuleQuery) -> bool:
+        return query.mode == GREEDY
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
         target_token_ids = row_argmax(batch.target_logits)
@@ -125,7 +108,11 @@ class RejectionRule(VerificationRule):
     ``kernels.rejection_sample`` with noise from the batch's generator."""
 
     name = "rejection"
+    priority = 0  # every sampled request that no other rule takes
     uses_draft_probs = True
+
+    def applies(self, query: RuleQuery) -> bool:
+        return query.mode not in (GREEDY, COUPLED)
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
         target_probs = batch.target_probs()
@@ -150,7 +137,14 @@ class BlockRule(VerificationRule):
     from the batch's generator."""
 
     name = "block"
+    priority = 20
+    selectable = True
+    help = ("block verification (arXiv 2403.10444) of sampled requests without a seed, "
+            "greedy and seeded requests as auto")
     uses_draft_probs = True
+
+    def applies(self, query: RuleQuery) -> bool:
+        return query.verify_rule == self.name and query.mode not in (GREEDY, COUPLED)
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
         target_probs = batch.target_probs()
@@ -172,6 +166,10 @@ class CoupledRule(VerificationRule):
     the drafter proposed. Runs ``kernels.coupled_sample``."""
 
     name = "coupled"
+    priority = 40
+
+    def applies(self, query: RuleQuery) -> bool:
+        return query.mode == COUPLED
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if batch.positions is None:
@@ -194,6 +192,11 @@ class TreeRule(VerificationRule):
     :meth:`verify_tree` also returns the accepted path's node ids."""
 
     name = "tree"
+    priority = 50
+    judges_trees = True
+
+    def applies(self, query: RuleQuery) -> bool:
+        return query.tree
 
     def verify(self, batch: RuleBatch) -> tuple[torch.Tensor, torch.Tensor]:
         out, accept_len, _ = self.verify_tree(batch)
@@ -308,70 +311,5 @@ def _stitch(batch_size: int, results: list) -> tuple[torch.Tensor, torch.Tensor,
     return out, accept_len, nodes
 
 
-_RULES: dict[str, VerificationRule] = {}
-
-
-def register_rule(rule: VerificationRule) -> VerificationRule:
-    """Make ``rule`` available under ``rule.name``.
-
-    Raises:
-        TypeError: not a VerificationRule, or no name.
-        ValueError: the name is taken by another rule.
-    """
-    if not isinstance(rule, VerificationRule):
-        raise TypeError(f"{rule!r} is not a VerificationRule")
-    name = getattr(rule, "name", None)
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"{type(rule).__name__} has no string `name`")
-    if name in _RULES and type(_RULES[name]) is not type(rule):
-        raise ValueError(f"verification rule {name!r} already registered")
-    _RULES[name] = rule
-    return rule
-
-
-def get_rule(name: str) -> VerificationRule:
-    """The rule registered as ``name``. Raises KeyError listing the known rules."""
-    try:
-        return _RULES[name]
-    except KeyError:
-        raise KeyError(f"unknown verification rule {name!r}; known: {sorted(_RULES)}") from None
-
-
-def check_verify_rule(verify_rule: str) -> str:
-    """``verify_rule`` if it is one of :data:`decode.config.VERIFY_RULES`.
-
-    Raises:
-        ValueError: any other value, naming the known ones.
-    """
-    if verify_rule not in VERIFY_RULES:
-        raise ValueError(f"unknown verify_rule {verify_rule!r}; use one of {VERIFY_RULES}")
-    return verify_rule
-
-
-def rule_name_for(sampling: SamplingParams, verify_rule: str = "auto") -> str:
-    """The rule a request with ``sampling`` is verified with: ``greedy`` at temperature 0 (below
-    1e-5), ``coupled`` for a sampled request with a seed, else ``rejection`` (``verify_rule``
-    ``"auto"``) or ``block`` (``verify_rule="block"``).
-
-    Raises:
-        ValueError: an unknown ``verify_rule``; parameters no rule can verify
-            (SamplingParams.invalid_reason; the verifier refuses such requests at admission,
-            so this is never reached mid-request).
-    """
-    check_verify_rule(verify_rule)
-    why = sampling.invalid_reason()
-    if why:
-        raise ValueError(why)
-    mode = sampling_mode(sampling)
-    if mode == GREEDY:
-        return GreedyRule.name
-    if mode == COUPLED:
-        return CoupledRule.name
-    return BlockRule.name if verify_rule == "block" else RejectionRule.name
-
-
-register_rule(GreedyRule())
-register_rule(RejectionRule())
-register_rule(CoupledRule())
-register_rule(BlockRule())
-register_rule(TreeRule())
+__all__ = ["BlockRule", "CoupledRule", "GreedyRule", "RejectionRule", "RuleBatch", "TreeRule",
+           "VerificationRule"]

@@ -9,16 +9,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from specmesh.decode.config import AUTO_VERIFY_RULE, VerifierConfig
 from specmesh.decode.draft_probs import batch_draft_probs
+from specmesh.decode.rules import RuleSet, VerificationRule
 from specmesh.decode.scheduler import PlannedRequest
-from specmesh.decode.synthetic import SYNTHETIC, SyntheticRule
-from specmesh.decode.verification import (
-    RuleBatch,
-    TreeRule,
-    check_verify_rule,
-    get_rule,
-    rule_name_for,
-)
+from specmesh.decode.verification import RuleBatch
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
 from specmesh.engine.runner import ModelRunner, SeqChunk
 from specmesh.protocol.step_profile import StepProfile
@@ -50,18 +45,19 @@ class VerifyStep:
     ``seed`` seeds the verifier's own ``torch.Generator`` (on the logits' device), the
     randomness of unseeded sampled requests (the rejection rule); None draws a fresh one.
     Seeded requests never touch it (their noise is keyed by (seed, position)).
-    ``verify_rule`` (VerifierConfig.verify_rule): the rule of unseeded sampled requests,
-    ``"auto"`` (rejection) or ``"block"`` (block verification); ``"synthetic"``: every chain
-    is judged by synthetic acceptance along ``synthetic_acceptance`` (decode/synthetic.py).
+    ``config`` (the verifier's VerifierConfig; None: one with ``verify_rule`` and
+    ``synthetic_acceptance``): the deployment's verification settings, from which
+    :attr:`rules` (decode/rules.py) are built and choose each request's rule.
 
     Raises:
-        ValueError: an unknown ``verify_rule``; ``"synthetic"`` without a valid curve.
+        ValueError: a ``verify_rule`` no deployment may pick, or settings a rule refuses
+            (e.g. ``"synthetic"`` without a valid curve).
     """
 
     def __init__(self, runner: ModelRunner, profile: StepProfile | None = None,
-                 seed: int | None = None, verify_rule: str = "auto",
+                 seed: int | None = None, verify_rule: str = AUTO_VERIFY_RULE,
                  synthetic_acceptance: tuple[float, ...] = (),
-                 seed_state: str = "") -> None:
+                 seed_state: str = "", config: VerifierConfig | None = None) -> None:
         self.runner = runner
         #: the decoder layers whose outputs the hidden rows carry (None: the final-norm state),
         #: from the draft method's seed state (engine/hidden_layers.py)
@@ -70,9 +66,9 @@ class VerifyStep:
         self.profile = profile or StepProfile()
         self.last_forward_s = 0.0  # seconds of the latest verify forward
         self._seed = seed
-        self.verify_rule = check_verify_rule(verify_rule)
-        self._synthetic = SyntheticRule(synthetic_acceptance) if verify_rule == SYNTHETIC \
-            else None
+        self.rules = RuleSet(config or VerifierConfig(
+            verify_rule=verify_rule, synthetic_acceptance=tuple(synthetic_acceptance)))
+        self.verify_rule = self.rules.verify_rule
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
@@ -145,15 +141,15 @@ class VerifyStep:
                                                     [s for s, _ in moved], [d for _, d in moved])
 
     def _verify(self, plan: list[PlannedRequest], logits: list[torch.Tensor]) -> list[VerifyOutput]:
-        groups: dict[str, list[int]] = {}
+        groups: dict[str, tuple[VerificationRule, list[int]]] = {}
         for i, p in enumerate(plan):
-            groups.setdefault(self._rule_name(p), []).append(i)
+            rule = self.rules.select(p.request.sampling, tree=p.parents is not None)
+            groups.setdefault(rule.name, (rule, []))[1].append(i)
         outputs: list[VerifyOutput | None] = [None] * len(plan)
-        for name, idx in groups.items():
-            rule = self._synthetic if name == SYNTHETIC else get_rule(name)
+        for rule, idx in groups.values():
             batch = self._rule_batch([plan[i] for i in idx], [logits[i] for i in idx],
-                                     getattr(rule, "uses_draft_probs", False))
-            if name == TreeRule.name:
+                                     rule.uses_draft_probs)
+            if rule.judges_trees:
                 out, accept_len, nodes = rule.verify_tree(batch)
                 for i, row, a, path in zip(idx, out.tolist(), accept_len.tolist(),
                                            nodes.tolist()):
@@ -167,16 +163,6 @@ class VerifyStep:
             for i, row, a in zip(idx, out.tolist(), accept_len.tolist()):
                 outputs[i] = VerifyOutput(row[: a + 1], a, len(plan[i].draft_token_ids))
         return outputs  # type: ignore[return-value]
-
-    def _rule_name(self, p: PlannedRequest) -> str:
-        if p.parents is not None:
-            return TreeRule.name
-        sampling = p.request.sampling
-        if self._synthetic is not None:
-            return SYNTHETIC
-        if self.verify_rule == "auto":  # the one-argument form (tests patch rule_name_for)
-            return rule_name_for(sampling)
-        return rule_name_for(sampling, self.verify_rule)
 
     def _rule_batch(self, plan: list[PlannedRequest], logits: list[torch.Tensor],
                     with_draft_probs: bool = False) -> RuleBatch:

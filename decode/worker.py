@@ -65,9 +65,10 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self.profile = StepProfile()
         #: envelopes received between a forward and its commit that wait for the next ingest
         self._deferred: list[Envelope] = []
-        self.verify_step = VerifyStep(runner, self.profile, verify_rule=config.verify_rule,
-                                      synthetic_acceptance=config.synthetic_acceptance,
-                                      seed_state=config.seed_state)
+        self.verify_step = VerifyStep(runner, self.profile, seed_state=config.seed_state,
+                                      config=config)
+        # a draft tree is planned only where the rules would verify it as one
+        self.scheduler.tree_verifiable = self.verify_step.rules.judges_trees
         self.stats = VerifierStats(max_num_speculative_tokens=config.max_num_speculative_tokens)
         self.lifecycle = RequestLifecycle(self.scheduler, self.kv, self.stats, self.vocab_size,
                                           frozenset(config.eos_token_ids), self.send,

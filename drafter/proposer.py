@@ -1,16 +1,38 @@
-"""Proposer interface and the method registry of the drafter (docs/architecture.md, 'Drafting')."""
+"""The interface of a drafting method (docs/architecture.md, 'Drafting'): what a method
+declares to the rest of the system (name, options, seed state, trainer, whether it runs a
+model, its factory) and what its proposer answers. The registry that finds methods by name is drafter/registry.py."""
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from specmesh.drafter.options import NO_OPTIONS, OptionSchema
 
 if TYPE_CHECKING:
     import torch
 
     from specmesh.drafter.draft_sampling import DraftSampling
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """The target a proposer drafts for, as the cluster describes it to a method's factory
+    (:meth:`Proposer.create`): ``model`` (a Hugging Face dir, a ``.gguf`` or None for the
+    default SmolLM2), ``dtype`` and ``device`` of the cluster's model roles, ``block_size``
+    (tokens per KV block), ``identity`` (its ``protocol.messages.ModelIdentity`` when the
+    caller has it; None: a method that needs it reads it from the model's config files),
+    ``backend`` (the ``engine.backend.CpuBackend`` a method that computes uses: the role's,
+    this machine with the cluster's overrides; None: the process's default)."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    identity: Any = None
+    backend: Any = None
 
 
 @dataclass
@@ -42,9 +64,17 @@ class Proposer(ABC):
     answers ``propose`` for a context and keeps whatever private per-request state it needs
     (a model drafter's KV, a suffix tree), rolled back with ``rollback``.
 
-    ``name`` is the registry key. ``seed_state`` declares the seed state the method needs
-    from the target (docs/architecture.md, 'Messages'): ``""`` none (the seed is rebuilt from
-    tokens);
+    A subclass is one drafting method. It declares, as class attributes: ``name`` (the
+    registry key and what ``--drafter`` calls it; ``cli_name`` when users type another
+    spelling, e.g. ``draft-model``), ``summary`` (one line of ``--help``), ``options`` (the
+    keys of ``--drafter NAME:KEY=VALUE+...``, drafter/options.py; the parsed values are the
+    keyword arguments of :meth:`create`), ``trainer`` (``specmesh train-drafter --method
+    NAME``: a callable ``(prepared data, args) -> evaluation``, see drafter/training/; None:
+    the method is not trained), ``runs_a_model`` and ``seed_state`` (below), and the factory
+    :meth:`create`.
+
+    ``seed_state`` declares the seed state the method needs
+    from the target (docs/architecture.md, 'Messages'): ``""`` none (the seed is rebuilt from tokens);
     ``"hidden"`` the target's final hidden states (final-norm output, the input of its LM
     head), which reach the proposer through :meth:`observe_seed_state`; an instance may
     narrow it to ``"hidden:L1,L2,..."`` (those decoder layers' outputs, engine/hidden_layers.py),
@@ -55,6 +85,10 @@ class Proposer(ABC):
     """
 
     name: ClassVar[str]
+    cli_name: ClassVar[str | None] = None
+    summary: ClassVar[str] = ""
+    options: ClassVar[OptionSchema] = NO_OPTIONS
+    trainer: ClassVar[Callable[[dict, Any], dict] | None] = None
     seed_state: ClassVar[str] = ""
     #: most drafts the worker asks for per request per call (0: as many as the window has
     #: room for). Model drafters pay a forward per draft: asking for one at a time streams each
@@ -105,8 +139,21 @@ class Proposer(ABC):
         return out
 
     @classmethod
-    def seed_state_for(cls, kwargs: dict) -> str:
-        """The seed state an instance built with ``kwargs`` needs (default: the class's)."""
+    def create(cls, kwargs: dict, target: DraftTarget) -> Proposer:
+        """The method's factory: a proposer for ``target`` from ``kwargs`` (what ``--drafter``
+        parsed with :attr:`options`, or ``DrafterConfig.method_kwargs``). The default is
+        ``cls(**kwargs)``; a method that loads weights for the target overrides it.
+
+        Raises:
+            ValueError, FileNotFoundError: what the method refuses (the drafter role fails
+                at startup with it).
+        """
+        return cls(**kwargs)
+
+    @classmethod
+    def seed_state_for(cls, kwargs: dict, target: DraftTarget | None = None) -> str:
+        """The seed state an instance built with ``kwargs`` for ``target`` needs (default: the
+        class's), told to the prefill and verifier roles before any drafter starts."""
         return cls.seed_state
 
     @abstractmethod
@@ -150,76 +197,5 @@ class Proposer(ABC):
         return drafts, list(range(-1, len(drafts) - 1))
 
 
-#: the kinds of seed state a proposer may declare
-SEED_STATES = ("", "hidden")
 #: what a proposer may draft (Proposer.draft_shape)
 DRAFT_SHAPES = ("chain", "tree")
-
-_REGISTRY: dict[str, type[Proposer]] = {}
-_INTERFACE = ("open", "propose", "rollback", "close")
-
-
-def register_proposer(cls: type[Proposer]) -> type[Proposer]:
-    """Class decorator adding ``cls`` to the registry under ``cls.name``.
-
-    Raises:
-        TypeError: ``cls`` is not a Proposer, leaves part of the interface unimplemented, has a
-            method with the wrong arity, or has no name.
-        ValueError: another class already took the name.
-    """
-    if not (inspect.isclass(cls) and issubclass(cls, Proposer)):
-        raise TypeError(f"{cls!r} is not a Proposer subclass")
-    missing = sorted(getattr(cls, "__abstractmethods__", ()))
-    if missing:
-        raise TypeError(f"proposer {cls.__name__} does not implement {', '.join(missing)}")
-    for meth in _INTERFACE:
-        want = len(inspect.signature(getattr(Proposer, meth)).parameters)
-        got = inspect.signature(getattr(cls, meth)).parameters
-        if len(got) != want and not any(p.kind == p.VAR_POSITIONAL for p in got.values()):
-            raise TypeError(f"{cls.__name__}.{meth} takes {len(got)} parameters, expected {want}")
-    if cls.draft_shape not in DRAFT_SHAPES:
-        raise TypeError(f"proposer {cls.__name__} declares unknown draft_shape "
-                        f"{cls.draft_shape!r}; known: {DRAFT_SHAPES}")
-    if cls.seed_state not in SEED_STATES:
-        raise TypeError(f"proposer {cls.__name__} declares unknown seed_state "
-                        f"{cls.seed_state!r}; known: {SEED_STATES}")
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"proposer {cls.__name__} has no string `name`")
-    if name in _REGISTRY and _REGISTRY[name] is not cls:
-        raise ValueError(f"draft method {name!r} already registered by {_REGISTRY[name].__name__}")
-    _REGISTRY[name] = cls
-    return cls
-
-
-def get_proposer(name: str) -> type[Proposer]:
-    """The proposer class registered as ``name``. Raises KeyError listing the known methods."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown draft method {name!r}; known: {sorted(_REGISTRY)}") from None
-
-
-def registered_methods() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def seed_state_of(method: str) -> str:
-    """The seed state the registered ``method`` needs (see :attr:`Proposer.seed_state`);
-    ``""`` for an unknown method."""
-    cls = _REGISTRY.get(method)
-    return cls.seed_state if cls is not None else ""
-
-
-def seed_state_for(method: str, kwargs: dict | None = None) -> str:
-    """The seed state a drafter of ``method`` built with ``kwargs`` needs (a feature head's
-    depends on the head it loads, see :meth:`Proposer.seed_state_for`); ``""`` for an unknown
-    method."""
-    cls = _REGISTRY.get(method)
-    return cls.seed_state_for(dict(kwargs or {})) if cls is not None else ""
-
-
-def seed_state_kinds() -> dict[str, str]:
-    """Method -> seed state, for every registered method that needs one: what the cluster tells
-    the prefill worker (``PrefillConfig.seed_states``), which may not import drafter/."""
-    return {name: cls.seed_state for name, cls in sorted(_REGISTRY.items()) if cls.seed_state}

@@ -32,7 +32,8 @@ from specmesh.drafter.branches import MAX_BRANCH_REQUESTS, kept_candidates, plan
 from specmesh.drafter.config import RUN_AHEAD_STEPS, DrafterConfig
 from specmesh.drafter.draft_sampling import DraftSampling
 from specmesh.drafter.draft_state import DraftState
-from specmesh.drafter.proposer import ProposeCall, Proposer, get_proposer
+from specmesh.drafter.proposer import ProposeCall, Proposer
+from specmesh.drafter.registry import create_proposer
 from specmesh.drafter.seed_state import hidden_rows
 from specmesh.engine.frames import tensor_to_buffer
 from specmesh.engine.sampling import GREEDY, sampling_mode
@@ -86,7 +87,7 @@ class DrafterWorker(MailboxWorker):
             raise ValueError(f"window must be >= 1, got {config.window}")
         self.config = config
         self.mailbox = mailbox
-        self.proposer = proposer or get_proposer(config.method)(**config.method_kwargs)
+        self.proposer = proposer or create_proposer(config.method, config.method_kwargs)
         self.requests: dict[str, DraftState] = {}
         #: (verifier, request id) told DraftNeedSync and not synced since: asked only once
         self._asked_sync: dict[tuple[str, str], None] = {}  # insertion-ordered set

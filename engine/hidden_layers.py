@@ -11,6 +11,9 @@ kind ``"hidden:2,15,26"`` of a model with hidden size d is ``3 * d`` wide.
 from __future__ import annotations
 
 HIDDEN = "hidden"
+#: the seed-state kinds a draft method may declare (its instances may narrow ``"hidden"`` to
+#: ``"hidden:L1,L2,..."``); defined here, once, for the drafter, the verifier and prefill
+SEED_STATE_KINDS = ("", HIDDEN)
 
 
 def is_hidden_seed(kind: str) -> bool:
@@ -41,6 +44,23 @@ def seed_state_layers(kind: str) -> tuple[int, ...] | None:
 def hidden_seed_kind(layers: tuple[int, ...] | list[int] | None) -> str:
     """The kind of a feature head reading ``layers`` (None or empty: the final-norm state)."""
     return HIDDEN if not layers else f"{HIDDEN}:" + ",".join(str(int(x)) for x in layers)
+
+
+def check_seed_state(kind: str) -> str:
+    """``kind`` if it is a seed state the workers can ship: ``""``, ``"hidden"`` or
+    ``"hidden:L1,L2,..."``.
+
+    Raises:
+        ValueError: any other value, or a malformed layer list.
+    """
+    if kind in SEED_STATE_KINDS:
+        return kind
+    try:
+        seed_state_layers(kind)
+    except ValueError as err:
+        raise ValueError(f"seed state must be one of {SEED_STATE_KINDS} or "
+                         f"'{HIDDEN}:L1,L2,...', got {kind!r} ({err})") from None
+    return kind
 
 
 def seed_state_width(kind: str, hidden_size: int) -> int:

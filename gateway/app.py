@@ -72,7 +72,8 @@ class _Gateway:
 
     def __init__(self, backend, tokenizer, model_name: str, max_model_len: int,
                  default_max_tokens: int, default_temperature: float,
-                 metrics: GatewayMetrics, vocab_size: int | None = None) -> None:
+                 metrics: GatewayMetrics, vocab_size: int | None = None,
+                 synthetic_acceptance: bool = False) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -81,6 +82,7 @@ class _Gateway:
         self.default_temperature = default_temperature
         self.metrics = metrics
         self.vocab_size = vocab_size
+        self.synthetic_acceptance = synthetic_acceptance
         self.created = int(time.time())
 
     # ---------------------------------------------------------------- request -> GenerateRequest
@@ -247,7 +249,8 @@ class _Gateway:
 def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                default_max_tokens: int = 256, metrics_registry: CollectorRegistry | None = None,
                default_temperature: float = 1.0, vocab_size: int | None = None,
-               readiness: Callable[[], str] | None = None) -> FastAPI:
+               readiness: Callable[[], str] | None = None,
+               synthetic_acceptance: bool = False) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -262,10 +265,13 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
             outside it are refused with 400. None: not checked.
         readiness: why a request cannot be served end to end right now ("" when it can);
             ``/health`` answers 503 with that reason until it is "". None: always ready.
+        synthetic_acceptance: the backend's verifiers accept drafts by the synthetic-acceptance
+            ablation (the cluster's configuration says so; no message does): every response's
+            spec stats and headers and the gateway's metrics flag it.
     """
     metrics = GatewayMetrics(metrics_registry, backend=backend)
     gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
-                  default_temperature, metrics, vocab_size)
+                  default_temperature, metrics, vocab_size, synthetic_acceptance)
     app = FastAPI(title="specmesh gateway")
     app.state.gateway = gw
     app.state.metrics = metrics
@@ -308,7 +314,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
             req = gw.build(body, prompt_ids, limit, rid)
             run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,
-                             arrival)
+                             arrival, synthetic_acceptance=gw.synthetic_acceptance)
             if body.stream:
                 resp = await gw.stream(run, chat, body.include_usage, body.return_token_ids)
             else:

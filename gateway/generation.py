@@ -60,7 +60,6 @@ def update_spec_stats(stats: SpecStats, msg: TokenStream) -> None:
     stats.num_draft_tokens = max(stats.num_draft_tokens, msg.num_draft_tokens)
     stats.num_accepted_tokens = max(stats.num_accepted_tokens, msg.num_accepted_tokens)
     stats.num_verify_steps = max(stats.num_verify_steps, msg.num_verify_steps)
-    stats.synthetic_acceptance = stats.synthetic_acceptance or msg.synthetic_acceptance
 
 
 def spec_stats_headers(stats: SpecStats) -> dict[str, str]:
@@ -84,11 +83,14 @@ class RequestRun:
         metrics: where TTFT / ITL / token counts go (optional).
         http_request: the Starlette request, polled for a client disconnect (optional).
         arrival: ``time.perf_counter()`` at arrival, for TTFT and e2e latency.
+        synthetic_acceptance: the cluster's verifiers accept drafts by a rule that is not
+            exact (the synthetic-acceptance ablation, picked by the cluster's configuration):
+            the spec stats, headers and metrics of the request say so.
     """
 
     def __init__(self, backend, tokenizer, req: GenerateRequest, stops: list[str],
                  metrics: GatewayMetrics | None = None, http_request=None,
-                 arrival: float | None = None) -> None:
+                 arrival: float | None = None, synthetic_acceptance: bool = False) -> None:
         self.backend = backend
         self.req = req
         self.metrics = metrics
@@ -96,7 +98,7 @@ class RequestRun:
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
         self.matcher = StopStringMatcher(stops)
-        self.stats = SpecStats()
+        self.stats = SpecStats(synthetic_acceptance=synthetic_acceptance)
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.num_output_tokens = 0
         self.finish: Finish | None = None

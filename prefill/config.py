@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
+from specmesh.engine.hidden_layers import check_seed_state
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,10 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         for method, kind in self.seed_states.items():
-            if kind and not is_hidden_seed(kind):
-                raise ValueError(f"seed state {kind!r} of draft method {method!r}: expected "
-                                 f"'', 'hidden' or 'hidden:L1,L2,...'")
-            if kind:
-                seed_state_layers(kind)  # raises ValueError for a malformed layer list
+            try:
+                check_seed_state(kind)
+            except ValueError as err:
+                raise ValueError(f"draft method {method!r}: {err}") from None
         if not self.max_kv_send_mb_s >= 0:
             raise ValueError(f"max_kv_send_mb_s must be >= 0 (0: no cap), got "
                              f"{self.max_kv_send_mb_s}")

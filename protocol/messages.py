@@ -36,7 +36,9 @@ from msgspec import Meta
 # 6: HelloAck carries the acceptor's identity (protocol version, model, draft method);
 # 7: DraftBranches (drafter -> verifier); 8: msgspec header (a map with a "tag" key, nested
 # messages inline, absent fields with a default take it)
-PROTOCOL_VERSION = 8
+# 9: TokenStream loses synthetic_acceptance (the gateway flags synthetic acceptance from the
+# cluster's configuration)
+PROTOCOL_VERSION = 9
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -324,10 +326,6 @@ class TokenStream(Message, tag=21, kw_only=True):
     ``offset``: the output position of the first token of ``token_ids`` (the number of output
     tokens the verifier streamed before this delta), so the gateway sees a lost or repeated
     delta (a gap or an overlap) and fails the request rather than return text with a hole.
-
-    ``synthetic_acceptance``: the verifier runs the synthetic-acceptance ablation harness
-    (``--verify-rule synthetic``): drafts were accepted along a given curve, not verified, so
-    the output is not the target's.
     """
 
     request_id: str
@@ -340,7 +338,6 @@ class TokenStream(Message, tag=21, kw_only=True):
     num_accepted_tokens: NonNegInt = 0  # of which accepted
     num_verify_steps: NonNegInt = 0  # verify forwards that included drafts
     error: str = ""
-    synthetic_acceptance: bool = False
 
     @classmethod
     def example(cls) -> TokenStream:

@@ -13,15 +13,9 @@ from helpers.imports import (
     strongly_connected,
 )
 
-#: cycles known today, each a strongly connected component (sorted), with the work that
-#: removes it. VerifierConfig's check (decode/config.py) imports decode.synthetic in a function
-#: (check_curve), which imports decode.verification, which imports decode.config (VERIFY_RULES):
-#: the verify-rule registry work rewrites those three modules and removes the loop; delete the
-#: entry with it (test_known_cycles_are_still_there fails until then).
-KNOWN_CYCLES: dict[tuple[str, ...], str] = {
-    ("decode.config", "decode.synthetic", "decode.verification"):
-        "the verify-rule registry (decode/config.py VERIFY_RULES) removes it",
-}
+#: cycles known today, each a strongly connected component (sorted) -> the work that removes
+#: it; none now (the verify-rule registry, decode/rules.py, took the last one apart)
+KNOWN_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 def _describe(graph: dict[str, dict[str, int]], component: list[str]) -> str:

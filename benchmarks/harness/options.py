@@ -2,8 +2,8 @@
 ``bench`` subparser by :func:`add_bench_options`), the :class:`BenchOptions` they parse into,
 and the draft methods the run compares.
 
-``--drafters`` lists the methods, each a ``--drafter`` form (``ngram``, ``eagle``,
-``eagle:PATH``, ``draft-model:PATH``, ``auto``), optionally with a thread plan of its served
+``--drafters`` lists the methods, each a ``--drafter`` form (``ngram``, ``eagle:PATH``,
+``auto``, a plugin...: cluster/drafter_option.py), optionally with a thread plan of its served
 cluster after ``@`` (``eagle@verifier=1+drafter=1``: the same method again under another plan,
 served only, so that plans are compared in one run). Each method gets the cluster
 configuration it runs under (the bench's config with that method, in its own Ray namespace, so
@@ -23,8 +23,6 @@ from specmesh.cluster.drafter_option import parse_drafter
 from specmesh.cluster.options import is_model_drafter, parse_thread_plan
 from specmesh.data.prompts import parse_concurrency
 
-#: user-facing name of each registry method (as ``--drafter`` spells it)
-_KIND = {"draft_model": "draft-model"}
 
 
 @dataclass(frozen=True)
@@ -50,9 +48,14 @@ class BenchDrafter:
 
 
 def _label(method: str, kwargs: dict) -> str:
-    kind = _KIND.get(method, method)
-    path = kwargs.get("head") or kwargs.get("model")
-    return f"{kind}:{PurePath(path).name or path}" if path else kind
+    """The method as users type it (drafter/registry.py), with the last part of the value of
+    its positional option (a head's or a draft model's path) when it has one."""
+    from specmesh.drafter.registry import get_method, spelling
+
+    kind = spelling(method)
+    positional = get_method(method).options.positional
+    path = kwargs.get(positional.kwarg) if positional is not None else None
+    return f"{kind}:{PurePath(str(path)).name or path}" if path else kind
 
 
 def parse_drafters(text: str, model: str | None = None) -> list[BenchDrafter]:

@@ -129,8 +129,8 @@ class InProcessSystems:
     (draft method, kappa, concurrency), built on first use; ``max_num_seqs`` = concurrency, so
     the verifier runs at most that many requests at once and the rest queue, like C concurrent
     clients. ``methods``: label -> the ClusterConfig running that method (its proposer is
-    built as the drafter role builds it, :func:`cluster.hosts.drafter.build_proposer`; None
-    for a registry method such as n-gram); no methods: n-gram only. ``verifier_options``:
+    built as the drafter role builds it, :func:`cluster.hosts.drafter.build_proposer`); no
+    methods: n-gram only. ``verifier_options``:
     further VerifierConfig fields of every kappa > 0 cluster (the deployment's
     ``verify_rule`` and ``synthetic_acceptance``, so in-process and served systems verify
     alike)."""

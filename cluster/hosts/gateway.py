@@ -51,7 +51,8 @@ class GatewayHost(RoleHost):
 
         self.app = create_app(self.backend, self.tokenizer, self.model_name,
                               self.cfg.max_model_len, default_temperature=0.0,
-                              vocab_size=self.vocab_size, readiness=self.not_ready_reason)
+                              vocab_size=self.vocab_size, readiness=self.not_ready_reason,
+                              synthetic_acceptance=synthetic_outputs(self.cfg))
         self.server, self._server_thread, self.port = serve_gateway(self.app, self.bind_host,
                                                                     self._port)
 
@@ -128,6 +129,15 @@ class GatewayHost(RoleHost):
         self.server.stop()
         self.backend.close()
         self.mailbox.close()
+
+
+def synthetic_outputs(cfg) -> bool:  # noqa: ANN001
+    """Whether the verifiers of ``cfg`` (a ClusterConfig) commit tokens by a verification rule
+    that is not exact (the synthetic-acceptance ablation, decode/rules.py): the gateway then
+    flags every response, from this configuration, not from any message."""
+    from specmesh.decode.rules import outputs_exact
+
+    return not outputs_exact(cfg.verifier.verify_rule)
 
 
 def least_loaded_verifier(ready: list[str], in_flight: dict[str, int],

@@ -15,9 +15,8 @@ class PrefillHost(RoleHost):
     role = Role.PREFILL
 
     def build_worker(self):
-        import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
         from specmesh.cluster.hosts.drafter import cluster_seed_state
-        from specmesh.drafter.proposer import seed_state_kinds
+        from specmesh.drafter.registry import seed_state_kinds
         from specmesh.prefill.worker import PrefillWorker
 
         _, runner, bm = loaded_runner(self.cfg)

@@ -18,7 +18,6 @@ class VerifierHost(RoleHost):
     def build_worker(self):
         import torch
 
-        import specmesh.drafter.proposers  # noqa: F401  (registers the built-in methods)
         from specmesh.decode.core_sharing import CoreSharing
         from specmesh.decode.worker import VerifierWorker
         from specmesh.cluster.hosts.drafter import cluster_seed_state

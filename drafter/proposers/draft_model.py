@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
-from specmesh.drafter.proposer import Proposer, register_proposer
+from specmesh.drafter.options import Option, OptionSchema
+from specmesh.drafter.proposer import DraftTarget, Proposer
+from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.tokenizer_match import check_same_vocabulary
 from specmesh.engine.backend import CpuBackend
 from specmesh.engine.block_manager import BlockManager
@@ -59,6 +61,13 @@ class DraftModelStats:
     num_recomputes: int = 0  # proposes whose context diverged from the KV's tokens
     num_out_of_blocks: int = 0  # proposes answered [] for want of KV blocks
     num_out_of_vocab: int = 0  # proposes answered [] for a context id past the draft vocab
+
+
+def _train(prep: dict, args) -> dict:  # noqa: ANN001
+    """``specmesh train-drafter --method draft-model``: drafter/training/draft_model.py."""
+    from specmesh.drafter.training.draft_model import train_draft_model
+
+    return train_draft_model(prep, args)
 
 
 @register_proposer
@@ -95,9 +104,50 @@ class DraftModelProposer(Proposer):
     """
 
     name = "draft_model"
+    cli_name = "draft-model"
+    summary = "a standalone draft model with the target's tokenizer"
+    options = OptionSchema((
+        Option("model", "path", "the draft model: a Hugging Face dir or .gguf with the "
+               "target's tokenizer", required=True, positional=True),
+        Option("dtype", str, "dtype of the draft model", "the cluster's dtype",
+               choices=("float32", "bfloat16", "float64")),
+        Option("kv_cache_mb", int, "KV memory of the draft model, MiB", DEFAULT_KV_CACHE_MB,
+               minimum=1),
+    ))
+    trainer = staticmethod(_train)
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     returns_draft_probs = True
     runs_a_model = True
+
+    @classmethod
+    def create(cls, kwargs: dict, target: DraftTarget) -> DraftModelProposer:
+        """The draft model at ``kwargs["model"]`` for ``target``, whose tokenizer and
+        vocabulary size (``target.identity``, read from its config files when None) it must
+        match; ``dtype`` / ``device`` default to the cluster's; further ``kwargs`` are
+        constructor arguments.
+
+        Raises:
+            ValueError: no ``model`` in ``kwargs``, or the vocabularies differ.
+            FileNotFoundError: a model cannot be found.
+        """
+        from specmesh.engine.devices import resolve_device
+        from specmesh.engine.loader import load_tokenizer, model_identity, model_name
+        from specmesh.protocol.messages import ModelIdentity
+
+        kwargs = dict(kwargs)
+        path = kwargs.pop("model", None)
+        if not path:
+            raise ValueError("draft method 'draft_model' needs the draft model's path: "
+                             "method_kwargs={'model': PATH}")
+        identity = target.identity
+        if identity is None:
+            identity = ModelIdentity(**model_identity(target.model, target.dtype,
+                                                      target.block_size))
+        dtype = kwargs.pop("dtype", target.dtype)
+        device = resolve_device(kwargs.pop("device", target.device))
+        return build_draft_model_proposer(path, identity, load_tokenizer(target.model), dtype,
+                                          target_name=model_name(target.model), device=device,
+                                          backend=target.backend, **kwargs)
 
     def __init__(self, model: str | None = "smollm2", dtype: str = "float32",
                  device: Any = "cpu", *, num_blocks: int | None = None, block_size: int = 16,

@@ -24,8 +24,11 @@ import torch
 
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
-from specmesh.drafter.proposer import BranchCall, ProposeCall, Proposer, register_proposer
+from specmesh.drafter.options import Option, OptionSchema
+from specmesh.drafter.proposer import BranchCall, DraftTarget, ProposeCall, Proposer
+from specmesh.drafter.registry import register_proposer
 from specmesh.engine.backend import CpuBackend
+from specmesh.engine.dtypes import MODEL_DTYPES
 from specmesh.engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,13 @@ class _Cursor:
     s: int
 
 
+def _train(prep: dict, args) -> dict:  # noqa: ANN001
+    """``specmesh train-drafter --method eagle``: drafter/training/eagle.py."""
+    from specmesh.drafter.training.eagle import train_eagle_head
+
+    return train_eagle_head(prep, args)
+
+
 @register_proposer
 class EagleProposer(Proposer):
     """Kwargs: ``head`` (checkpoint dir; default: the head shipped for the target), ``model``
@@ -82,6 +92,15 @@ class EagleProposer(Proposer):
     """
 
     name = "eagle"
+    summary = ("EAGLE feature head over the target's hidden states (the head shipped for the "
+               "target, or one from specmesh train-drafter)")
+    options = OptionSchema((
+        Option("head", "path", "the head's checkpoint directory (specmesh train-drafter "
+               "--method eagle --out DIR)", "the head shipped for the target", positional=True),
+        Option("dtype", str, "dtype of the head's weights", "the cluster's dtype",
+               choices=tuple(d for d in MODEL_DTYPES if d != "float16")),
+    ))
+    trainer = staticmethod(_train)
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     seed_state = "hidden"
     returns_draft_probs = True
@@ -98,7 +117,18 @@ class EagleProposer(Proposer):
         self.num_recomputed_entries = 0
 
     @classmethod
-    def seed_state_for(cls, kwargs: dict) -> str:
+    def create(cls, kwargs: dict, target: DraftTarget) -> EagleProposer:
+        """The head of ``kwargs`` (``head``: default the one shipped for the target; ``dtype``:
+        default the cluster's, so a bfloat16 cluster drafts with bfloat16 weights: half the
+        bytes per draft, which the drafter's core otherwise pulls through the memory bus the
+        verifier's forward is bound by); only the target's embedding and LM head are read
+        from ``target.model``'s weights, and a head trained for another target is refused
+        (:class:`~drafter.eagle.checkpoint.HeadMismatch`)."""
+        return cls(**{"model": target.model, "dtype": target.dtype,
+                      "backend": target.backend, **kwargs})
+
+    @classmethod
+    def seed_state_for(cls, kwargs: dict, target: DraftTarget | None = None) -> str:
         """The seed state a drafter built with ``kwargs`` needs: the head's (read from its
         config.json, no weights loaded); ``"hidden"`` when no head can be found (the drafter
         then fails at startup with the reason)."""
@@ -107,7 +137,8 @@ class EagleProposer(Proposer):
         try:
             from specmesh.drafter.eagle.checkpoint import read_head_config
 
-            path = kwargs.get("head") or _shipped_head_for(kwargs.get("model"))
+            model = kwargs.get("model", target.model if target is not None else None)
+            path = kwargs.get("head") or _shipped_head_for(model)
             return read_head_config(path).seed_state if path else cls.seed_state
         except (OSError, ValueError) as err:
             log.warning("EAGLE seed state: %s; assuming %r", err, cls.seed_state)

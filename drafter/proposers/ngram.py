@@ -16,15 +16,38 @@ for the segment that starts at the committed prefix (drafter/worker.py).
 from __future__ import annotations
 
 from specmesh.drafter.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-from specmesh.drafter.proposer import Proposer, register_proposer
+from specmesh.drafter.options import Option, OptionSchema
+from specmesh.drafter.proposer import Proposer
+from specmesh.drafter.registry import register_proposer
 
 #: Branches of an n-gram tree by default (docs/benchmarks.md, 'Drafting')
 DEFAULT_TREE_WIDTH = 2
 
 
+def _check_lengths(kwargs: dict) -> None:
+    """``min`` may not exceed ``max`` (either one defaulted). Raises ValueError."""
+    lo = kwargs.get("min_ngram", DEFAULT_MIN_NGRAM)
+    hi = kwargs.get("max_ngram", DEFAULT_MAX_NGRAM)
+    if lo > hi:
+        raise ValueError(f"min ({lo}) is above max ({hi})")
+
+
 @register_proposer
 class NgramProposer(Proposer):
+    """Prompt lookup (module docstring). Options: ``min`` / ``max`` suffix match lengths,
+    ``width`` branches of its trees."""
+
     name = "ngram"
+    summary = "prompt lookup: drafts what followed earlier matches of the context's suffix"
+    options = OptionSchema((
+        Option("min", int, "shortest suffix match", DEFAULT_MIN_NGRAM, kwarg="min_ngram",
+               minimum=1),
+        Option("max", int, "longest suffix match", DEFAULT_MAX_NGRAM, kwarg="max_ngram",
+               minimum=1),
+        Option("width", int, "distinct continuations of earlier matches as the branches of "
+               "a draft tree (tree verification; 1: chains only)", DEFAULT_TREE_WIDTH,
+               kwarg="tree_width", minimum=1, flag="--ngram-tree-width"),
+    ), check=_check_lengths)
     draft_shape = "tree"  # a chain when tree_width is 1 or the matches agree
 
     def __init__(self, min_ngram: int = DEFAULT_MIN_NGRAM, max_ngram: int = DEFAULT_MAX_NGRAM,

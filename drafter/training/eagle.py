@@ -4,7 +4,7 @@ Steps: load the target through engine/; split the instruction prompts by prompt 
 and held-out; generate the target's greedy outputs with their hidden states in continuous
 batches (drafter/eagle/data.py; ``--samples-per-prompt`` adds sampled continuations of each
 training prompt, labelled with the target's greedy tokens; cached in ``--data`` so training
-can be re-run, by either method); then per ``--method``:
+can be re-run, by either method); then the trainer ``--method`` declares (drafter/registry.py):
 
 - ``eagle``: pick the draft vocabulary; train an EAGLE head (drafter/eagle/train.py, progress
   bar with loss and tokens/s); evaluate acceptance per draft position on the held-out prompts
@@ -37,9 +37,12 @@ DEFAULT_TRAIN_PROMPTS = (PROMPTS_DIR / "drafter_train.jsonl", PROMPTS_DIR / "dra
 
 
 def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=["eagle", "draft-model"], default="eagle",
-                   help="eagle: a feature head over the target's hidden states; draft-model: "
-                        "a small Llama with the target's vocabulary (--drafter draft-model:OUT)")
+    from specmesh.drafter.registry import get_method, trainable_methods
+
+    methods = trainable_methods()  # the methods that declare a trainer (drafter/registry.py)
+    p.add_argument("--method", choices=methods, default="eagle",
+                   help="the drafting method to train: " + "; ".join(
+                       f"{m}: {get_method(m).summary}" for m in methods))
     p.add_argument("--model", default=None, help="target: smollm2 (default), a .gguf or a HF dir")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="dtype the target generates the data in")
@@ -187,6 +190,8 @@ def prepare(args: argparse.Namespace) -> dict:
     """Load the target, split the prompts and generate (or read) the samples: what both
     methods train and evaluate on."""
     from specmesh.drafter.eagle.data import split_by_prompt
+    from specmesh.drafter.registry import get_method
+    from specmesh.engine.hidden_layers import is_hidden_seed
     from specmesh.engine.loader import load_model
 
     if args.threads:
@@ -194,8 +199,9 @@ def prepare(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     lm = load_model(args.model, args.dtype)
     args.resolved_feature_layers = feature_layers(args.feature_layers, lm.config.num_layers)
-    if args.resolved_feature_layers and args.method != "eagle":
-        raise SystemExit("--feature-layers is for --method eagle")
+    if args.resolved_feature_layers and not is_hidden_seed(get_method(args.method).seed_state):
+        raise SystemExit(f"--feature-layers is for a method that reads the target's hidden "
+                         f"states (eagle), not --method {args.method}")
     if args.samples_per_prompt < 1 or args.sample_temperature <= 0:
         raise SystemExit("--samples-per-prompt must be >= 1 and --sample-temperature > 0")
     prompts = _load_prompts(args.prompts, args.max_prompts)
@@ -217,14 +223,24 @@ def prepare(args: argparse.Namespace) -> dict:
 
 
 def train_drafter(args: argparse.Namespace) -> dict:
-    """Run the whole pipeline; returns the evaluation (also written to the checkpoint)."""
-    prep = prepare(args)
-    if args.method == "draft-model":
-        return train_draft_model(prep, args)
-    return _train_eagle(prep, args)
+    """Run the whole pipeline: the shared steps (:func:`prepare`), then the trainer of
+    ``args.method`` (the method's declared trainer, drafter/registry.py); returns the
+    evaluation (also written to the checkpoint).
+
+    Raises:
+        SystemExit: a method that has no trainer.
+    """
+    from specmesh.drafter.registry import get_method
+
+    trainer = get_method(args.method).trainer
+    if trainer is None:
+        raise SystemExit(f"--method {args.method}: the method has no trainer")
+    return trainer(prepare(args), args)
 
 
-def _train_eagle(prep: dict, args: argparse.Namespace) -> dict:
+def train_eagle_head(prep: dict, args: argparse.Namespace) -> dict:
+    """``--method eagle``: train, evaluate and save an EAGLE head on the prepared samples;
+    returns the evaluation."""
     from specmesh.drafter.eagle.checkpoint import round_weights, save_head, target_identity
     from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
     from specmesh.drafter.eagle.train import acceptance, acceptance_report, draft_vocabulary, train, windows

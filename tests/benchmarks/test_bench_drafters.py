@@ -37,8 +37,9 @@ def test_drafters_forms_and_labels(tiny_model_dir):
 
 @pytest.mark.parametrize("text,match", [
     ("ngram,medusa",
-     r"--drafters: --drafter 'medusa': expected auto \| ngram\[:min=N\+max=N\+width=N\] \| eagle"),
-    ("ngram,draft-model", r"--drafters: .*draft model's path"),
+     r"--drafters: --drafter 'medusa': unknown drafting method 'medusa'; known: "
+     r"draft-model, eagle, ngram"),
+    ("ngram,draft-model", r"--drafters: .*key 'model' is required.*the draft model"),
     (" , ", r"--drafters: no draft method given"),
     ("ngram,ngram", r"--drafters: 'ngram' is the same method as 'ngram'"),
 ])

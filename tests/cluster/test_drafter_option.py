@@ -17,13 +17,13 @@ def test_forms():
 def test_ngram_settings_form(tiny_model_dir):
     """``ngram:min=1+max=3+width=4`` sets the proposer's match lengths and tree width (any
     subset), and reaches the drafter's config and a built proposer."""
-    import specmesh.drafter.proposers  # noqa: F401 - registers the methods
-    from specmesh.drafter.proposer import get_proposer
+    from specmesh.drafter.registry import get_proposer
 
     assert parse_drafter("ngram:min=1") == ("ngram", {"min_ngram": 1})
     assert parse_drafter("ngram:width=4+max=3+min=1") == (
         "ngram", {"tree_width": 4, "max_ngram": 3, "min_ngram": 1})
-    assert parse_drafter("ngram:min=1", None, 3) == ("ngram", {"min_ngram": 1, "tree_width": 3})
+    assert parse_drafter("ngram:min=1", None, {"ngram_tree_width": 3}) == (
+        "ngram", {"min_ngram": 1, "tree_width": 3})
     args = build_parser().parse_args(["serve", "--model", tiny_model_dir,
                                       "--drafter", "ngram:min=1+width=1"])
     cfg = cluster_config(args)
@@ -61,10 +61,12 @@ def test_the_option_reaches_verifier_and_drafter_configs(tiny_model_dir):
 
 
 def test_ngram_tree_width_option(tiny_model_dir):
-    assert parse_drafter("ngram", None, 3) == ("ngram", {"tree_width": 3})
-    assert parse_drafter("eagle", None, 3) == ("eagle", {})  # n-gram only
+    width = {"ngram_tree_width": 3}
+    assert parse_drafter("ngram", None, width) == ("ngram", {"tree_width": 3})
+    assert parse_drafter("ngram:width=2", None, width) == ("ngram", {"tree_width": 2})  # key wins
+    assert parse_drafter("eagle", None, width) == ("eagle", {})  # n-gram only
     with pytest.raises(SystemExit, match="tree-width"):
-        parse_drafter("ngram", None, 0)
+        parse_drafter("ngram", None, {"ngram_tree_width": 0})
     args = build_parser().parse_args(["serve", "--model", tiny_model_dir, "--drafter", "ngram",
                                       "--ngram-tree-width", "1"])
     assert cluster_config(args).drafter.method_kwargs == {"tree_width": 1}

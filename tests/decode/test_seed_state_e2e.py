@@ -13,7 +13,8 @@ import torch
 
 from specmesh.cluster.inprocess import InProcessCluster
 from specmesh.decode.seed_state import SeedWindow
-from specmesh.drafter.proposer import Proposer, register_proposer, seed_state_kinds, seed_state_of
+from specmesh.drafter.proposer import Proposer
+from specmesh.drafter.registry import register_proposer, seed_state_kinds, seed_state_of
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.runner import ModelRunner
 from helpers.models import tiny_llama
@@ -95,8 +96,6 @@ def _tap(worker, kinds):
 
 
 def test_registry_reports_seed_state_kinds():
-    import specmesh.drafter.proposers  # noqa: F401
-
     assert seed_state_of("ngram") == ""
     assert seed_state_of("no-such-method") == ""
     assert seed_state_of(RecordingProposer.name) == "hidden"

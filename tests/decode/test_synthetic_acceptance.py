@@ -18,6 +18,7 @@ from helpers.proposers import GarbageProposer
 from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from specmesh.cluster.metrics import RoleCollector
 from specmesh.decode.config import VerifierConfig
+from specmesh.decode.rules import outputs_exact
 from specmesh.decode.synthetic import conditional_rates, curve_from_mean_accept_len, parse_curve
 from specmesh.protocol.messages import SamplingParams
 
@@ -166,7 +167,9 @@ def test_responses_and_metrics_say_synthetic_acceptance_was_used(tiny_model_dir)
         thread = threading.Thread(target=drive, daemon=True)
         thread.start()
         backend = MailboxBackend(c.client, lambda: VERIFIER, recv_timeout_s=0.1)
-        app = create_app(backend, loaded.tokenizer, "tiny", 1024, default_max_tokens=12)
+        # the gateway flags responses from the cluster's configuration (no message says so)
+        app = create_app(backend, loaded.tokenizer, "tiny", 1024, default_max_tokens=12,
+                         synthetic_acceptance=not outputs_exact(rule))
         server, _, port = serve_gateway(app)
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
@@ -221,3 +224,19 @@ def test_bench_runs_synthetic_in_process_too_and_says_so(tiny):
     assert "SYNTHETIC ACCEPTANCE" in text and "[0.800, 0.500]" in text
     assert "SYNTHETIC" not in markdown({"config": {**conf, "synthetic_acceptance": []},
                                         "levels": {}, "mismatches": []})
+
+
+def test_the_gateway_flag_comes_from_the_cluster_configuration_not_the_wire():
+    """No message carries the flag; the gateway host derives it from the cluster's verifier
+    configuration (the registered rule it picks is not exact)."""
+    import dataclasses
+
+    from specmesh.cluster.config import ClusterConfig
+    from specmesh.cluster.hosts.gateway import synthetic_outputs
+    from specmesh.protocol.messages import TokenStream
+
+    assert "synthetic_acceptance" not in {f.name for f in dataclasses.fields(TokenStream)}
+    assert synthetic_outputs(ClusterConfig.create(verify_rule="synthetic",
+                                                  synthetic_acceptance=(0.5,)))
+    assert not synthetic_outputs(ClusterConfig.create(verify_rule="block"))
+    assert not synthetic_outputs(ClusterConfig())

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.decode.verification import RuleBatch, _sub_batch, get_rule
+from specmesh.decode.rules import get_rule
+from specmesh.decode.verification import RuleBatch, _sub_batch
 from specmesh.protocol.messages import SamplingParams
 
 V = 32

@@ -9,17 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-import specmesh.decode.verification as verification
+import specmesh.decode.rules as rules
+from specmesh.decode.config import VerifierConfig
 from specmesh.decode.request import Request
+from specmesh.decode.rules import RuleSet, VerificationRule, get_rule, register_rule
 from specmesh.decode.scheduler import PlannedRequest
-from specmesh.decode.verification import (
-    GreedyRule,
-    RuleBatch,
-    VerificationRule,
-    get_rule,
-    register_rule,
-    rule_name_for,
-)
+from specmesh.decode.verification import GreedyRule, RuleBatch
 from specmesh.decode.verify_step import VerifyStep
 from specmesh.protocol.messages import SamplingParams
 
@@ -47,27 +42,35 @@ def test_greedy_rule_on_a_ragged_batch():
         [[3, 4, 9], [6], [2, 7]]
 
 
-def test_registry_refuses_non_rules_nameless_rules_and_name_clashes():
+def test_registry_refuses_non_rules_nameless_rules_and_name_clashes(monkeypatch):
+    rules.rule_classes()  # loaded before the copy the test registers into
+    monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))
     with pytest.raises(TypeError):
         register_rule(object())  # type: ignore[arg-type]
 
     class Nameless(VerificationRule):
+        def applies(self, query):
+            return False
+
         def verify(self, batch):
             raise AssertionError
 
     with pytest.raises(TypeError, match="no string `name`"):
-        register_rule(Nameless())
+        register_rule(Nameless)
 
     class Impostor(GreedyRule):
         pass
 
-    with pytest.raises(ValueError, match="already registered"):
-        register_rule(Impostor())
+    with pytest.raises(ValueError, match="'greedy' is built in .*cannot shadow"):
+        register_rule(Impostor)
     with pytest.raises(KeyError, match="known: .*greedy"):
         get_rule("beam")
 
 
 def test_rule_for_sampling_params():
+    def rule_name_for(sampling):
+        return RuleSet(VerifierConfig()).select(sampling).name
+
     assert rule_name_for(SamplingParams(temperature=0.0)) == "greedy"
     assert rule_name_for(SamplingParams(temperature=0.0, seed=3)) == "greedy"
     assert rule_name_for(SamplingParams(temperature=1e-6, seed=3)) == "greedy"
@@ -105,7 +108,13 @@ def test_verify_step_groups_requests_by_rule(monkeypatch):
     seen: list[RuleBatch] = []
 
     class AcceptAll(VerificationRule):
+        """Takes the sampled requests, before rejection sampling (priority 5 > 0)."""
+
         name = "accept-all"
+        priority = 5
+
+        def applies(self, query):
+            return query.sampling.temperature > 0
 
         def verify(self, batch):
             seen.append(batch)
@@ -118,10 +127,9 @@ def test_verify_step_groups_requests_by_rule(monkeypatch):
                 start += n
             return out, k
 
-    monkeypatch.setattr(verification, "_RULES", dict(verification._RULES))
-    register_rule(AcceptAll())
-    monkeypatch.setattr("specmesh.decode.verify_step.rule_name_for",
-                        lambda s: "accept-all" if s.temperature > 0 else "greedy")
+    rules.rule_classes()  # loaded before the copy the test registers into
+    monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))
+    register_rule(AcceptAll)
     plan = [planned("g", [4, 5]), planned("s", [7, 7, 7], temperature=1.0), planned("g2", [])]
     runner = ScriptedRunner([one_hot_logits([4, 9, 3]), torch.randn(4, VOCAB),
                              one_hot_logits([2])])

@@ -10,11 +10,11 @@ import argparse
 import pytest
 import torch
 
-import specmesh.decode.verification as verification
-from specmesh.decode.config import VERIFY_RULES, VerifierConfig
+from specmesh.decode.config import VerifierConfig
 from specmesh.decode.request import Request
+from specmesh.decode.rules import RuleSet, get_rule, rule_classes, verify_rule_choices
 from specmesh.decode.scheduler import PlannedRequest
-from specmesh.decode.verification import BlockRule, RuleBatch, get_rule, rule_name_for
+from specmesh.decode.verification import BlockRule, RuleBatch
 from specmesh.decode.verify_step import VerifyStep
 from specmesh.engine.sampling import processed_probs
 from specmesh.kernels.block_verify import block_verify_noise, block_verify_ref
@@ -26,8 +26,13 @@ SEEDED = SamplingParams(max_tokens=16, temperature=0.9, seed=123)
 SAMPLED = SamplingParams(max_tokens=16, temperature=1.0, top_k=6)
 
 
+def rule_name_for(sampling: SamplingParams, verify_rule: str = "auto") -> str:
+    """The name of the rule the registry picks for a chain request under ``verify_rule``."""
+    return RuleSet(VerifierConfig(verify_rule=verify_rule)).select(sampling).name
+
+
 def test_rule_choice_with_verify_rule_block():
-    assert VERIFY_RULES == ("auto", "block", "synthetic")  # synthetic: test_synthetic_acceptance
+    assert verify_rule_choices() == ("auto", "block", "synthetic")  # synthetic: its own tests
     assert rule_name_for(SAMPLED, "block") == "block"
     assert rule_name_for(GREEDY, "block") == "greedy"
     assert rule_name_for(SamplingParams(temperature=1e-6), "block") == "greedy"
@@ -41,8 +46,8 @@ def test_rule_choice_with_verify_rule_block():
 def test_unknown_verify_rules_are_refused():
     with pytest.raises(ValueError, match="unknown verify_rule 'tree'.*auto.*block"):
         rule_name_for(SAMPLED, "tree")
-    with pytest.raises(ValueError, match="verify_rule must be one of"):
-        VerifierConfig(verify_rule="rejection")
+    with pytest.raises(ValueError, match="unknown verify_rule 'rejection'"):
+        VerifierConfig(verify_rule="rejection")  # a rule, but not one a deployment picks
     with pytest.raises(ValueError, match="unknown verify_rule"):
         VerifyStep(runner=None, verify_rule="Block")  # type: ignore[arg-type]
     assert VerifierConfig().verify_rule == "auto"
@@ -86,16 +91,12 @@ def planned(rid: str, drafts: list[int], sampling: SamplingParams) -> PlannedReq
 def test_verify_step_selects_block_for_unseeded_sampled_requests_only(monkeypatch, verify_rule):
     seen: dict[str, list[list[int]]] = {}
 
-    class Spy:
-        def __init__(self, rule):
-            self.rule = rule
+    for cls in rule_classes():
+        def spy(self, batch, _verify=cls.verify):
+            seen.setdefault(self.name, []).append(batch.draft_token_ids.tolist())
+            return _verify(self, batch)
 
-        def verify(self, batch):
-            seen.setdefault(self.rule.name, []).append(batch.draft_token_ids.tolist())
-            return self.rule.verify(batch)
-
-    monkeypatch.setattr(verification, "_RULES",
-                        {n: Spy(r) for n, r in verification._RULES.items()})
+        monkeypatch.setattr(cls, "verify", spy)
     torch.manual_seed(1)
     logits = [torch.randn(3, VOCAB), torch.randn(3, VOCAB), torch.randn(4, VOCAB),
               torch.randn(2, VOCAB)]

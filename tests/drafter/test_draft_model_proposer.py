@@ -13,7 +13,7 @@ import torch
 
 import specmesh.drafter.proposers  # noqa: F401
 from specmesh.cluster.inprocess import InProcessCluster
-from specmesh.drafter.proposer import get_proposer
+from specmesh.drafter.registry import get_proposer
 from specmesh.drafter.proposers.draft_model import DraftModelProposer, build_draft_model_proposer
 from specmesh.drafter.tokenizer_match import check_same_vocabulary
 from helpers.models import hf_greedy, tiny_llama
@@ -258,6 +258,8 @@ def test_drafter_host_builds_the_draft_model_method(draft_dir):
                                drafter_method_kwargs={"model": draft_dir, "kv_cache_mb": 1})
     p = build_proposer(cfg)
     assert isinstance(p, DraftModelProposer) and p.model.dtype == torch.float32
-    assert build_proposer(ClusterConfig.create(model=draft_dir)) is None  # ngram: the registry
+    from specmesh.drafter.proposers.ngram import NgramProposer
+
+    assert isinstance(build_proposer(ClusterConfig.create(model=draft_dir)), NgramProposer)
     with pytest.raises(ValueError, match="method_kwargs"):
         build_proposer(ClusterConfig.create(model=draft_dir, draft_method="draft_model"))

@@ -4,7 +4,7 @@ scratch on the same true states and context."""
 import torch
 
 from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
-from specmesh.drafter.proposer import get_proposer
+from specmesh.drafter.registry import get_proposer
 from specmesh.drafter.proposers.eagle import EagleProposer
 
 V, D = 40, 32

@@ -4,7 +4,7 @@ import pytest
 
 import specmesh.drafter.proposers  # noqa: F401
 from specmesh.drafter.config import DrafterConfig
-from specmesh.drafter.proposer import register_proposer
+from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.proposers.ngram import NgramProposer
 from specmesh.drafter.worker import DrafterWorker
 from specmesh.protocol.messages import DraftSync, DraftTailStream, SamplingParams, VerifyCommit
