@@ -4,7 +4,8 @@
 match and its tree width, any subset of the three), ``eagle`` (the EAGLE head shipped for the
 target), ``eagle:PATH`` (a head trained with ``specmesh train-drafter``), ``draft-model:PATH``
 (a standalone draft model with the target's tokenizer), or ``auto`` (the default: the shipped
-EAGLE head when the target has one, else n-gram).
+EAGLE head where the target has one and it does not slow the verifier, else n-gram;
+cluster/auto.py).
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def add_ngram_tree_option(p) -> None:  # noqa: ANN001
 def _parse_drafter(spec: str, model: str | None) -> tuple[str, dict]:
     spec = (spec or "auto").strip()
     kind, sep, path = spec.partition(":")
-    if kind == "auto" and not sep:
-        return ("eagle", {}) if shipped_head_for(model) is not None else ("ngram", {})
+    if kind == "auto" and not sep:  # cluster/auto.py: a model drafter only where it pays
+        from specmesh.cluster.auto_resolve import auto_drafter
+
+        return _parse_drafter(auto_drafter(model)[0], model)
     if kind == "ngram":
         return "ngram", _ngram_kwargs(path) if sep else {}
     if kind == "eagle":

@@ -1,0 +1,126 @@
+"""A short measurement of what one model's decode and verify forwards cost in each of several
+dtypes on the machine at hand: what ``--dtype auto`` measures at first start
+(``cluster/auto_resolve.py``).
+
+Each dtype's model is loaded as the roles load it (:func:`engine.loader.load_model`: on CPU a
+float32 GGUF model computes on its quantized blocks through the compiled stack, bf16 on
+prepacked oneDNN weights), a random context is prefilled, then the forwards of one token and
+of ``num_verify_tokens`` tokens after it are timed, the dtypes taking turns round by round so
+that load from other processes falls on every candidate alike (the medians are taken).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+#: prompt tokens cached before the timed forwards (a short chat turn)
+PROBE_CONTEXT_LEN = 128
+#: the tokens of the timed verify forward: a request's token and kappa = 4 drafts
+PROBE_VERIFY_TOKENS = 5
+#: timed rounds per dtype, after one untimed warm-up round
+PROBE_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class ForwardTiming:
+    """Median milliseconds of a one-token (decode) forward and of a ``num_verify_tokens``
+    forward (verify) of one request after ``context_len`` cached tokens."""
+
+    decode_ms: float
+    verify_ms: float
+    context_len: int = PROBE_CONTEXT_LEN
+    num_verify_tokens: int = PROBE_VERIFY_TOKENS
+
+    @property
+    def step_ms(self) -> float:
+        """Decode plus verify: the two forwards a verifier runs, the cost auto compares."""
+        return self.decode_ms + self.verify_ms
+
+    def as_dict(self) -> dict:
+        return {"decode_ms": self.decode_ms, "verify_ms": self.verify_ms,
+                "context_len": self.context_len, "num_verify_tokens": self.num_verify_tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ForwardTiming:
+        """The inverse of :meth:`as_dict`.
+
+        Raises:
+            KeyError, TypeError, ValueError: not such a dict.
+        """
+        return cls(float(d["decode_ms"]), float(d["verify_ms"]), int(d["context_len"]),
+                   int(d["num_verify_tokens"]))
+
+
+def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_threads: int,
+                   device: str = "cpu", context_len: int = PROBE_CONTEXT_LEN,
+                   num_verify_tokens: int = PROBE_VERIFY_TOKENS,
+                   rounds: int = PROBE_ROUNDS) -> dict[str, ForwardTiming | str]:
+    """Time ``model``'s forwards in each of ``dtypes`` on ``num_threads`` torch threads (the
+    verifier's; restored afterwards). A dtype whose model cannot be loaded or run maps to why
+    (a string), so one failing candidate leaves the others measured.
+
+    Raises:
+        ValueError: ``rounds < 1``, ``num_threads < 1`` or ``num_verify_tokens < 2``.
+        FileNotFoundError: the model cannot be found.
+    """
+    import torch
+
+    from specmesh.engine.devices import resolve_device
+    from specmesh.engine.kv_cache import KVCache
+    from specmesh.engine.loader import load_model
+    from specmesh.engine.runner import ModelRunner, SeqChunk
+
+    if rounds < 1 or num_threads < 1 or num_verify_tokens < 2:
+        raise ValueError("rounds and num_threads must be >= 1, num_verify_tokens >= 2")
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        runners: dict[str, tuple] = {}
+        out: dict[str, ForwardTiming | str] = {}
+        for dtype in dtypes:
+            try:
+                loaded = load_model(model, dtype=dtype, device=resolve_device(device))
+            except FileNotFoundError:
+                raise
+            except Exception as err:  # noqa: BLE001 - one candidate failing is a result
+                out[dtype] = f"cannot load in {dtype}: {err}"
+                continue
+            cfg = loaded.config
+            ctx = min(context_len, cfg.max_position_embeddings - num_verify_tokens)
+            block_size = 16
+            blocks = -(-(ctx + num_verify_tokens) // block_size)
+            runner = ModelRunner(loaded.model, cfg, KVCache(cfg, blocks, block_size,
+                                                            loaded.model.dtype,
+                                                            loaded.model.device))
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, cfg.vocab_size, (ctx + num_verify_tokens,),
+                                generator=gen).tolist()
+            table = list(range(blocks))
+            runner.prefill(ids[:ctx], table)
+            runners[dtype] = (runner, ids, ctx, table)
+
+        def timed(dtype: str, n: int) -> float:
+            runner, ids, ctx, table = runners[dtype]
+            chunk = SeqChunk(ids[ctx:ctx + n], ctx, table)
+            t0 = time.perf_counter()
+            runner.forward([chunk], logits="all")
+            return (time.perf_counter() - t0) * 1e3
+
+        samples: dict[str, tuple[list[float], list[float]]] = {d: ([], []) for d in runners}
+        for r in range(rounds + 1):  # round 0 warms up (first packs, page faults)
+            for dtype in runners:
+                one, many = timed(dtype, 1), timed(dtype, num_verify_tokens)
+                if r:
+                    samples[dtype][0].append(one)
+                    samples[dtype][1].append(many)
+        for dtype, (one, many) in samples.items():
+            out[dtype] = ForwardTiming(statistics.median(one), statistics.median(many),
+                                       runners[dtype][2], num_verify_tokens)
+        return {d: out[d] for d in dtypes if d in out}
+    finally:
+        torch.set_num_threads(before)
