@@ -51,12 +51,16 @@ def dtype_key(model: str | None, num_threads: int) -> dict:
     import torch
 
     from specmesh.engine.devices import cpu_identity
-    from specmesh.engine.forward_probe import PROBE_CONTEXT_LEN, PROBE_VERIFY_TOKENS
+    from specmesh.engine.forward_probe import (
+        PROBE_CONTEXT_LEN,
+        PROBE_STATISTIC,
+        PROBE_VERIFY_TOKENS,
+    )
     from specmesh.engine.loader import model_fingerprint
 
     return {"what": "dtype", "model": model_fingerprint(model), "cpu": cpu_identity(),
             "torch": torch.__version__, "threads": int(num_threads),
-            "probe": [PROBE_CONTEXT_LEN, PROBE_VERIFY_TOKENS],
+            "probe": [PROBE_CONTEXT_LEN, PROBE_VERIFY_TOKENS, PROBE_STATISTIC],
             "candidates": [[c.dtype, c.exact] for c in CPU_CANDIDATES]}
 
 

@@ -6,17 +6,15 @@ Each dtype's model is loaded as the roles load it (:func:`engine.loader.load_mod
 float32 GGUF model computes on its quantized blocks through the compiled stack, bf16 on
 prepacked oneDNN weights), a random context is prefilled, then the forwards of one token and
 of ``num_verify_tokens`` tokens after it are timed, the dtypes taking turns round by round so
-that load from other processes falls on every candidate alike (the medians are taken).
+that load from other processes falls on every candidate alike; each forward's fastest round is
+kept (the one least disturbed by other processes: on shared cores an OpenMP team whose threads
+are descheduled waits at every barrier, and a median can be many times the forward's cost).
 """
 
 from __future__ import annotations
 
-import logging
-import statistics
 import time
 from dataclasses import dataclass
-
-log = logging.getLogger(__name__)
 
 #: prompt tokens cached before the timed forwards (a short chat turn)
 PROBE_CONTEXT_LEN = 128
@@ -24,36 +22,24 @@ PROBE_CONTEXT_LEN = 128
 PROBE_VERIFY_TOKENS = 5
 #: timed rounds per dtype, after one untimed warm-up round
 PROBE_ROUNDS = 5
+#: what a timing is of the rounds (a cached measurement of another statistic is not reused)
+PROBE_STATISTIC = "min"
 
 
 @dataclass(frozen=True)
 class ForwardTiming:
-    """Median milliseconds of a one-token (decode) forward and of a ``num_verify_tokens``
-    forward (verify) of one request after ``context_len`` cached tokens."""
+    """Milliseconds of a one-token (decode) forward and of a ``num_verify_tokens`` forward
+    (verify) of one request after ``context_len`` cached tokens: the fastest of the rounds."""
 
     decode_ms: float
     verify_ms: float
     context_len: int = PROBE_CONTEXT_LEN
     num_verify_tokens: int = PROBE_VERIFY_TOKENS
 
-    @property
-    def step_ms(self) -> float:
-        """Decode plus verify: the two forwards a verifier runs, the cost auto compares."""
-        return self.decode_ms + self.verify_ms
-
     def as_dict(self) -> dict:
+        """The timing as ``cluster.auto`` compares and caches it (JSON)."""
         return {"decode_ms": self.decode_ms, "verify_ms": self.verify_ms,
                 "context_len": self.context_len, "num_verify_tokens": self.num_verify_tokens}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ForwardTiming:
-        """The inverse of :meth:`as_dict`.
-
-        Raises:
-            KeyError, TypeError, ValueError: not such a dict.
-        """
-        return cls(float(d["decode_ms"]), float(d["verify_ms"]), int(d["context_len"]),
-                   int(d["num_verify_tokens"]))
 
 
 def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_threads: int,
@@ -61,8 +47,8 @@ def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_t
                    num_verify_tokens: int = PROBE_VERIFY_TOKENS,
                    rounds: int = PROBE_ROUNDS) -> dict[str, ForwardTiming | str]:
     """Time ``model``'s forwards in each of ``dtypes`` on ``num_threads`` torch threads (the
-    verifier's; restored afterwards). A dtype whose model cannot be loaded or run maps to why
-    (a string), so one failing candidate leaves the others measured.
+    verifier's; restored afterwards). A dtype whose model cannot be loaded or prefilled maps to
+    why (a string), so one failing candidate leaves the others measured.
 
     Raises:
         ValueError: ``rounds < 1``, ``num_threads < 1`` or ``num_verify_tokens < 2``.
@@ -70,10 +56,7 @@ def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_t
     """
     import torch
 
-    from specmesh.engine.devices import resolve_device
-    from specmesh.engine.kv_cache import KVCache
-    from specmesh.engine.loader import load_model
-    from specmesh.engine.runner import ModelRunner, SeqChunk
+    from specmesh.engine.runner import SeqChunk
 
     if rounds < 1 or num_threads < 1 or num_verify_tokens < 2:
         raise ValueError("rounds and num_threads must be >= 1, num_verify_tokens >= 2")
@@ -84,25 +67,12 @@ def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_t
         out: dict[str, ForwardTiming | str] = {}
         for dtype in dtypes:
             try:
-                loaded = load_model(model, dtype=dtype, device=resolve_device(device))
+                runners[dtype] = _prefilled(model, dtype, device, context_len,
+                                            num_verify_tokens)
             except FileNotFoundError:
                 raise
             except Exception as err:  # noqa: BLE001 - one candidate failing is a result
-                out[dtype] = f"cannot load in {dtype}: {err}"
-                continue
-            cfg = loaded.config
-            ctx = min(context_len, cfg.max_position_embeddings - num_verify_tokens)
-            block_size = 16
-            blocks = -(-(ctx + num_verify_tokens) // block_size)
-            runner = ModelRunner(loaded.model, cfg, KVCache(cfg, blocks, block_size,
-                                                            loaded.model.dtype,
-                                                            loaded.model.device))
-            gen = torch.Generator().manual_seed(0)
-            ids = torch.randint(0, cfg.vocab_size, (ctx + num_verify_tokens,),
-                                generator=gen).tolist()
-            table = list(range(blocks))
-            runner.prefill(ids[:ctx], table)
-            runners[dtype] = (runner, ids, ctx, table)
+                out[dtype] = f"cannot run in {dtype}: {err}"
 
         def timed(dtype: str, n: int) -> float:
             runner, ids, ctx, table = runners[dtype]
@@ -119,8 +89,33 @@ def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_t
                     samples[dtype][0].append(one)
                     samples[dtype][1].append(many)
         for dtype, (one, many) in samples.items():
-            out[dtype] = ForwardTiming(statistics.median(one), statistics.median(many),
-                                       runners[dtype][2], num_verify_tokens)
+            out[dtype] = ForwardTiming(min(one), min(many), runners[dtype][2],
+                                       num_verify_tokens)
         return {d: out[d] for d in dtypes if d in out}
     finally:
         torch.set_num_threads(before)
+
+
+def _prefilled(model: str | None, dtype: str, device: str, context_len: int,
+               num_verify_tokens: int) -> tuple:
+    """(runner, token ids, context length, block table) of ``model`` loaded in ``dtype``, a
+    random context of up to ``context_len`` tokens prefilled, room for ``num_verify_tokens``
+    more."""
+    import torch
+
+    from specmesh.engine.devices import resolve_device
+    from specmesh.engine.kv_cache import KVCache
+    from specmesh.engine.loader import load_model
+    from specmesh.engine.runner import ModelRunner
+
+    loaded = load_model(model, dtype=dtype, device=resolve_device(device))
+    cfg, block_size = loaded.config, 16
+    ctx = min(context_len, cfg.max_position_embeddings - num_verify_tokens)
+    blocks = -(-(ctx + num_verify_tokens) // block_size)
+    runner = ModelRunner(loaded.model, cfg, KVCache(cfg, blocks, block_size, loaded.model.dtype,
+                                                    loaded.model.device))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (ctx + num_verify_tokens,), generator=gen).tolist()
+    table = list(range(blocks))
+    runner.prefill(ids[:ctx], table)
+    return runner, ids, ctx, table
