@@ -34,8 +34,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: the settings ``auto`` decides, as the controller keys them
-SETTINGS = ("dtype", "max_model_len", "drafter")
 #: the command-line flag of each setting (for error messages)
 FLAGS = {"dtype": "--dtype", "max_model_len": "--max-model-len", "drafter": "--drafter"}
 
@@ -66,9 +64,9 @@ CPU_CANDIDATES = (
 @dataclass(frozen=True)
 class DtypeChoice:
     """What ``--dtype auto`` chose and why. ``source``: ``measured`` (now), ``cached`` (an
-    earlier measurement of this model on this CPU), ``rule`` (not measured) or ``given`` /
-    ``controller`` (not auto here). ``timings``: dtype -> {"decode_ms", "verify_ms", ...} of
-    the measurement, or why a candidate could not be measured (a string)."""
+    earlier measurement of this model on this CPU) or ``rule`` (the choice was not measured).
+    ``timings``: dtype -> {"decode_ms", "verify_ms", ...} of the measurement, or why a
+    candidate could not be measured (a string)."""
 
     dtype: str
     reason: str
@@ -125,7 +123,7 @@ def pick_dtype(candidates: tuple[Candidate, ...], timings: Mapping[str, Any]) ->
     if shared_why is not None:
         head += f", not measured ({shared_why})" if shared_why else ", not measured"
     return DtypeChoice(best.dtype, "; ".join([head, *parts]),
-                       "measured" if measured else "rule", dict(timings))
+                       "measured" if best.dtype in measured else "rule", dict(timings))
 
 
 class AutoCache:
@@ -178,10 +176,13 @@ def choose_dtype(candidates: tuple[Candidate, ...],
     Raises:
         ValueError: no candidates.
     """
-    if cache is not None and key is not None:
-        stored = cache.get(key)
-        if stored is not None and isinstance(stored.get("timings"), dict):
+    stored = cache.get(key) if cache is not None and key is not None else None
+    if stored is not None:
+        try:
             got = pick_dtype(candidates, stored["timings"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            got = None  # a malformed entry: measured again
+        if got is not None and got.source == "measured":
             return DtypeChoice(got.dtype, got.reason + "; measured at an earlier start, "
                                "cached", "cached", got.timings)
     timings = {d: (t.as_dict() if hasattr(t, "as_dict") else t)

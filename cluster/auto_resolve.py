@@ -29,9 +29,10 @@ from specmesh.cluster.auto import (
     resolve_auto_drafter,
     settled_reason,
 )
+from specmesh.cluster.config import ClusterConfig
 
-#: KV tokens per block the roles use (ClusterConfig.block_size; no command-line option)
-BLOCK_SIZE = 16
+#: KV tokens per block the roles use (no command-line option: ClusterConfig's default)
+BLOCK_SIZE: int = ClusterConfig.__dataclass_fields__["block_size"].default
 
 
 def auto_cache() -> AutoCache:
@@ -115,11 +116,10 @@ def auto_drafter(model: str | None = None, device: str = "auto",
     from specmesh.cluster.config import default_threads
     from specmesh.cluster.drafter_option import shipped_head_for
     from specmesh.engine.devices import resolve_device
+    from specmesh.engine.loader import model_name
 
     head = shipped_head_for(model)
     try:
-        from specmesh.engine.loader import model_name
-
         target = model_name(model)
     except (FileNotFoundError, ValueError):
         target = str(model)
@@ -136,7 +136,8 @@ def auto_drafter(model: str | None = None, device: str = "auto",
 def auto_max_model_len(model: str | None, dtype: str, kv_cache_mb: int,
                        given: int | None = None, block_size: int = BLOCK_SIZE) -> Setting:
     """``--max-model-len``: ``given`` when it fits, else the model's context bounded by the KV
-    tokens a role's ``kv_cache_mb`` holds in ``dtype`` (:func:`cluster.auto.default_max_model_len`).
+    tokens a role's ``kv_cache_mb`` holds in ``dtype``
+    (:func:`cluster.auto.default_max_model_len`).
 
     Raises:
         SystemExit: a ``given`` value the model or the KV memory cannot hold, or a KV memory

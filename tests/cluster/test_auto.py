@@ -103,7 +103,10 @@ def test_a_measurement_is_cached_and_made_again_for_another_key(tmp_path):
     assert choose_dtype(CPU_CANDIDATES, measure, cache, key).source == "measured"
     cache.path(key).write_text(json.dumps({"key": {"other": 1}, "value": {"timings": {}}}))
     assert choose_dtype(CPU_CANDIDATES, measure, cache, key).source == "measured"
-    assert len(measure.calls) == 5
+    broken = {"timings": {"float32": {"decode_ms": 1}}}  # no verify_ms
+    cache.path(key).write_text(json.dumps({"key": key, "value": broken}))
+    assert choose_dtype(CPU_CANDIDATES, measure, cache, key).source == "measured"
+    assert len(measure.calls) == 6
 
 
 def test_a_rule_choice_is_not_cached(tmp_path):
