@@ -122,6 +122,12 @@ def pick_dtype(candidates: tuple[Candidate, ...], timings: Mapping[str, Any]) ->
             else "the exact candidate" if best.exact else "no exact candidate: the fastest")
     if shared_why is not None:
         head += f", not measured ({shared_why})" if shared_why else ", not measured"
+    busy = [t for t in timings.values() if isinstance(t, Mapping)
+            and 0 < float(t.get("num_cpus", 0)) < float(t.get("load_avg", -1))]
+    if busy:
+        parts.append(f"measured while other processes shared the cores (load average "
+                     f"{float(busy[0]['load_avg']):.1f} on {int(busy[0]['num_cpus'])} CPUs): "
+                     f"the times are higher than on an idle machine")
     return DtypeChoice(best.dtype, "; ".join([head, *parts]),
                        "measured" if best.dtype in measured else "rule", dict(timings))
 

@@ -13,6 +13,7 @@ are descheduled waits at every barrier, and a median can be many times the forwa
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -29,17 +30,23 @@ PROBE_STATISTIC = "min"
 @dataclass(frozen=True)
 class ForwardTiming:
     """Milliseconds of a one-token (decode) forward and of a ``num_verify_tokens`` forward
-    (verify) of one request after ``context_len`` cached tokens: the fastest of the rounds."""
+    (verify) of one request after ``context_len`` cached tokens: the fastest of the rounds.
+    ``load_avg``: the machine's one-minute load average when they were taken (-1: unknown),
+    ``num_cpus`` its CPUs: a load above them says other processes shared the cores, and the
+    times are higher than the forwards cost on an idle machine."""
 
     decode_ms: float
     verify_ms: float
     context_len: int = PROBE_CONTEXT_LEN
     num_verify_tokens: int = PROBE_VERIFY_TOKENS
+    load_avg: float = -1.0
+    num_cpus: int = 0
 
     def as_dict(self) -> dict:
         """The timing as ``cluster.auto`` compares and caches it (JSON)."""
         return {"decode_ms": self.decode_ms, "verify_ms": self.verify_ms,
-                "context_len": self.context_len, "num_verify_tokens": self.num_verify_tokens}
+                "context_len": self.context_len, "num_verify_tokens": self.num_verify_tokens,
+                "load_avg": self.load_avg, "num_cpus": self.num_cpus}
 
 
 def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_threads: int,
@@ -88,9 +95,13 @@ def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_t
                 if r:
                     samples[dtype][0].append(one)
                     samples[dtype][1].append(many)
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = -1.0
         for dtype, (one, many) in samples.items():
             out[dtype] = ForwardTiming(min(one), min(many), runners[dtype][2],
-                                       num_verify_tokens)
+                                       num_verify_tokens, load, os.cpu_count() or 0)
         return {d: out[d] for d in dtypes if d in out}
     finally:
         torch.set_num_threads(before)

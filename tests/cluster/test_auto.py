@@ -58,6 +58,13 @@ def test_the_fastest_exact_candidate_wins_whatever_the_inexact_ones_cost():
     assert "0.41x float32's" in pick_dtype(CPU_CANDIDATES, fast_bf16).reason
 
 
+def test_a_measurement_on_busy_cores_says_so():
+    quiet = {"float32": {**timing(8, 9), "load_avg": 0.5, "num_cpus": 2}}
+    busy = {"float32": {**timing(60, 250), "load_avg": 7.5, "num_cpus": 2}}
+    assert "shared the cores" not in pick_dtype(CPU_CANDIDATES, quiet).reason
+    assert "load average 7.5 on 2 CPUs" in pick_dtype(CPU_CANDIDATES, busy).reason
+
+
 def test_the_measurement_decides_between_exact_candidates():
     cands = (Candidate("float32", True), Candidate("float64", True),
              Candidate("bfloat16", False, "rounds"))
