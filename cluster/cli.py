@@ -27,7 +27,21 @@ from specmesh.cluster.options import (  # noqa: E402
     backend_overrides,
     cluster_config,
     default_instance_id,
+    drafter_plans,
 )
+
+
+def decided_config(args: argparse.Namespace, **overrides):
+    """The ClusterConfig of a driver that starts a whole cluster (serve, demo, bench): ``auto``
+    resolved once here, measured where it measures (cluster/auto_resolve.py), the decision
+    printed with its reasons, then handed to every role in the config."""
+    from specmesh.cluster.auto import banner
+    from specmesh.cluster.auto_resolve import resolve_settings
+
+    settings = resolve_settings(args, measure=True, plans=drafter_plans(args))
+    for line in banner(settings):
+        print(line, flush=True)
+    return cluster_config(args, settings, **overrides)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -89,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
     from specmesh.cluster.launcher import start_cluster
 
-    cfg = cluster_config(args)
+    cfg = decided_config(args)
     handle = start_cluster(cfg)
     print(f"[specmesh] serving {handle.url}/v1 (Ctrl-C to stop)", flush=True)
     stop = threading.Event()
@@ -101,17 +115,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    """Join one role to a running cluster (``ray up deploy/...yaml``)."""
+    """Join one role to a running cluster (``ray up deploy/...yaml``). The settings ``auto``
+    decides are the controller's: the first launch settles them (measuring the dtype unless
+    it launches the gateway, which runs no model), every later one follows them, and a launch
+    given another value explicitly is refused before its role starts."""
     import ray
 
     from specmesh.cluster.actors import NAMESPACE
+    from specmesh.cluster.auto import banner
+    from specmesh.cluster.auto_resolve import launch_settings
     from specmesh.cluster.launcher import get_controller, start_role
 
     ray.init(address=args.address, namespace=NAMESPACE)
-    cfg = cluster_config(args)
     # Detached: the role (and the controller it registers with, created by the first launch)
     # must outlive this command, which exits once the role is up.
-    get_controller(lifetime="detached")
+    controller = get_controller(lifetime="detached")
+    settings = launch_settings(args, lambda p: ray.get(controller.settle.remote(p)),
+                               args.role, drafter_plans(args))
+    for line in banner(settings):
+        print(line, file=sys.stderr, flush=True)
+    cfg = cluster_config(args, settings)
     actor = start_role(args.role, args.instance_id or default_instance_id(args.role), cfg,
                        num_gpus=args.num_gpus, lifetime="detached")
     print(json.dumps(ray.get(actor.info.remote())), flush=True)
@@ -124,7 +147,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
     from specmesh.cluster.demo import demo
 
-    demo(cluster_config(args, port=0), num_prompts=args.num_prompts, max_tokens=args.max_tokens)
+    demo(decided_config(args, port=0), num_prompts=args.num_prompts, max_tokens=args.max_tokens)
     return 0
 
 
@@ -139,7 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # no other command needs
     from specmesh.benchmarks.harness.bench import bench
 
-    cfg = cluster_config(args, port=0)
+    cfg = decided_config(args, port=0)
     summary = bench(cfg, opts)
     from specmesh.decode.rules import outputs_exact
 

@@ -1,5 +1,6 @@
-"""Controller: the roster of role instances, pushed into every registered role on change, and
-the roles' health (docs/architecture.md, 'Cluster and health').
+"""Controller: the roster of role instances, pushed into every registered role on change, the
+roles' health (docs/architecture.md, 'Cluster and health'), and the settings ``auto`` decided
+for the cluster, once (:meth:`Controller.settle`: every role launched later follows them).
 
 Plain class; cluster/actors.py makes it the named Ray actor ``specmesh-controller`` (and runs
 :meth:`Controller.check_health` about once a second in a thread of it). Roles register
@@ -54,6 +55,9 @@ class Controller:
         self.dismissed: set[tuple[str, int | None]] = set()
         #: instance id -> the load its last heartbeat reported (verifier: KV room, queue)
         self.loads: dict[str, dict] = {}
+        #: the cluster's decided settings (dtype, max_model_len, drafter: cluster/auto.py),
+        #: name -> {"value", "reason", "given"}: the first value each was given stays
+        self.settings: dict[str, dict] = {}
         self.num_deregistered = 0  # roles removed as dead or hung
         self.num_checks = 0  # check_health calls
         self._last_check_at: float | None = None
@@ -98,6 +102,18 @@ class Controller:
         self.version += 1
         self._push()
         return True
+
+    def settle(self, proposal: dict[str, dict]) -> dict[str, dict]:
+        """Decide once: keep each setting of ``proposal`` (name -> {"value", "reason",
+        "given"}) the cluster has not settled yet, and return every settled one. A role
+        launched later follows them (``cluster.auto.follow_settled``); ``{}`` only reads."""
+        with self._lock:
+            for name, setting in proposal.items():
+                if name not in self.settings:
+                    self.settings[name] = dict(setting)
+                    log.info("settled %s = %r (%s)", name, setting.get("value"),
+                             setting.get("reason", ""))
+            return {k: dict(v) for k, v in self.settings.items()}
 
     def get_roster(self) -> list[dict]:
         with self._lock:

@@ -17,16 +17,21 @@ Forms (:data:`DRAFTER_FORMS`):
 from __future__ import annotations
 
 import argparse
+import os
 import textwrap
 from collections.abc import Mapping
 from typing import Any
+
+from specmesh.cluster.auto import resolve_auto_drafter as choose_auto_drafter
 
 #: the forms of ``--drafter``, for help and error messages
 DRAFTER_FORMS = "auto | NAME[:KEY=VALUE+...] | NAME:VALUE | package.module:Class[:KEY=VALUE+...]"
 #: width of the method list in ``--help``
 HELP_WIDTH = 100
 #: what ``--drafter auto`` means, for ``--help`` (:func:`resolve_auto_drafter` decides)
-AUTO_HELP = "the EAGLE head shipped for the target when it has one, else ngram (the default)"
+AUTO_HELP = ("the EAGLE head shipped for the target where it has one and it does not slow the "
+             "verifier (its own device, or cores to spare: cluster/auto.py), else ngram (the "
+             "default)")
 
 
 def shipped_head_for(model: str | None):  # noqa: ANN201
@@ -42,8 +47,34 @@ def shipped_head_for(model: str | None):  # noqa: ANN201
 
 def resolve_auto_drafter(model: str | None) -> str:
     """The ``--drafter`` form ``auto`` stands for with target ``model`` (:data:`AUTO_HELP`);
-    :func:`parse_drafter` is its one caller."""
-    return "eagle" if shipped_head_for(model) is not None else "ngram"
+    :func:`parse_drafter` is its one caller. The choice and its reason: cluster/auto.py."""
+    return auto_drafter(model)[0]
+
+
+def auto_drafter(model: str | None = None, device: str = "auto",
+                 plans: tuple[dict, dict] | None = None) -> tuple[str, str]:
+    """``--drafter auto`` for ``model`` on this machine: (the form it means, why), from the
+    shipped EAGLE head, the verifier's device and the thread ``plans`` (the threads per role
+    with a model drafter, and with n-gram; default: the default plans of this machine's
+    cores). See :func:`cluster.auto.resolve_auto_drafter`,
+    which decides."""
+    from specmesh.cluster.config import default_threads
+    from specmesh.engine.devices import resolve_device
+    from specmesh.engine.loader import model_name
+
+    head = shipped_head_for(model)
+    try:
+        target = model_name(model)
+    except (FileNotFoundError, ValueError):
+        target = str(model)
+    try:
+        on_gpu = resolve_device(device).type == "cuda"
+    except ValueError:
+        on_gpu = False
+    with_model, plain = plans or (default_threads(model_drafter=True), default_threads())
+    return choose_auto_drafter(None if head is None else str(head), target,
+                                os.cpu_count() or 1, on_gpu, with_model["verifier"],
+                                plain["verifier"], with_model.get("drafter", 1))
 
 
 def split_drafter(form: str) -> tuple[str, str | None]:

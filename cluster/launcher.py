@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import ray
 
 from specmesh.cluster.actors import ACTORS, CONTROLLER_NAME, NAMESPACE, ControllerActor, role_options
+from specmesh.cluster.auto_resolve import config_settings
 from specmesh.cluster.config import ROLES, ClusterConfig
 from specmesh.cluster.loopback import loopback_enabled
 from specmesh.protocol.enums import Role
@@ -120,6 +121,7 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
     model_files(cfg.model, cfg.dtype)
     init_local_ray()
     controller = get_controller(namespace=cfg.namespace)
+    controller.settle.remote(config_settings(cfg))  # decided once: the controller keeps them
     handle = ClusterHandle(cfg, controller)
     plan = ([(Role.PREFILL, f"prefill-{i}") for i in range(num_prefill)]
             + [(Role.DRAFTER, f"drafter-{i}") for i in range(num_drafters)]

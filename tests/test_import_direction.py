@@ -40,10 +40,10 @@ for _pkg in FORBIDDEN:
 MODULE_FORBIDDEN: dict[str, frozenset[str]] = {
     **{m: frozenset({"torch", "triton"}) for m in (
         "decode.scheduler", "decode.request", "decode.config", "decode.tail_buffer",
-        "engine.block_manager", "prefill.config", "drafter.config")},
+        "engine.block_manager", "prefill.config", "drafter.config", "cluster.auto")},
     **{m: frozenset({"ray", "cluster.cli", "cluster.launcher", "cluster.actors"}) for m in (
         "cluster.inprocess", "cluster.config", "cluster.options", "cluster.runs",
-        "cluster.loopback", "benchmarks.harness.options")},
+        "cluster.loopback", "benchmarks.harness.options", "cluster.auto_resolve")},
     **{m: frozenset({"cluster.cli"}) for m in ("cluster.demo", "benchmarks.harness.bench")},
 }
 #: module -> top-level modules it may import that its package's FORBIDDEN rule bans

@@ -1,6 +1,6 @@
 """The EAGLE head shipped for SmolLM2-135M-Instruct (drafter/heads/): float32 greedy output
 through the in-process workers equals plain decoding on held-out chat and code prompts, with
-drafts accepted; `--drafter auto` picks it for SmolLM2."""
+drafts accepted; `--drafter auto` picks it for SmolLM2 where the cores allow."""
 
 import pytest
 
@@ -17,13 +17,24 @@ from specmesh.protocol.messages import SamplingParams
 pytestmark = pytest.mark.slow
 
 
-def test_a_head_is_shipped_for_smollm2_and_auto_picks_it():
+def test_a_head_is_shipped_for_smollm2_and_auto_picks_it_where_it_pays(monkeypatch):
+    """``--drafter auto`` takes the shipped head where the thread plan leaves the verifier its
+    cores (16 here), n-gram on 2 (cluster/auto.py)."""
+    import os
+
+    from specmesh.cluster.drafter_option import auto_drafter
+    from specmesh.cluster.config import default_threads
+
     path = shipped_head(SMOLLM2_NAME)
     assert path is not None
     cfg = read_head_config(path)
     assert cfg.target["name"] == SMOLLM2_NAME and cfg.hidden_size == 576
     assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20
-    assert parse_drafter("auto", None) == ("eagle", {})
+    for cores, method in ((16, "eagle"), (2, "ngram")):
+        monkeypatch.setattr(os, "cpu_count", lambda n=cores: n)
+        plans = (default_threads(model_drafter=True), default_threads())
+        assert auto_drafter(None, "cpu", plans)[0] == method
+        assert parse_drafter("auto", None) == (method, {})
 
 
 def test_shipped_head_greedy_equals_plain_decode_with_drafts_accepted():

@@ -3,6 +3,11 @@ the head node offers the ``prefill``, ``verifier`` and ``gateway`` resources, a 
 ``drafter``. The output token ids through the gateway (``return_token_ids``) equal plain greedy
 decode's with drafts accepted, and the drafter runs on the second node.
 
+The roles are launched as deploy/README.md's flow had them fail: prefill, drafter and verifier
+with ``--dtype float32``, the gateway afterwards without ``--dtype``; it follows the dtype the
+controller settled at the first launch (on an AVX-512 BF16 host its own ``auto`` once gave
+bfloat16, and the verifier refused its Hello while requests waited).
+
 The nodes are ``ray start --block`` processes with their own temp dirs and ports, so they do
 not touch the embedded Ray that the other tests share (``ray_session``); teardown terminates
 exactly those processes (never ``ray stop``, which would stop every Ray on the machine). Every
@@ -199,15 +204,20 @@ def multinode(tiny_model_dir, cpu_kernels):  # the kernel cache warm before role
         cluster.start()
         nodes = cluster.probe("nodes", "60")["nodes"]
         args = [tiny_model_dir if a is None else a for a in ROLE_ARGS]
-        launched = cluster.run(["bash", str(REPO / "deploy" / "launch_roles.sh"), *args],
-                               timeout=240, RAY_ADDRESS=cluster.address, GATEWAY_PORT="0",
-                               SPECMESH=f"{sys.executable} -m specmesh.cluster.cli")
-        infos = [json.loads(line) for line in launched.stdout.splitlines()
+        launch = ["bash", str(REPO / "deploy" / "launch_roles.sh")]
+        env = {"RAY_ADDRESS": cluster.address, "GATEWAY_PORT": "0",
+               "SPECMESH": f"{sys.executable} -m specmesh.cluster.cli"}
+        roles = cluster.run([*launch, *args], timeout=240, ROLES="prefill drafter verifier",
+                            **env)
+        i = args.index("--dtype")
+        gateway = cluster.run([*launch, *args[:i], *args[i + 2:]], timeout=240,
+                              ROLES="gateway", **env)
+        infos = [json.loads(line) for out in (roles, gateway) for line in out.stdout.splitlines()
                  if line.startswith("{")]
         ready = cluster.probe("ready", "90")
         url = next(i["url"] for i in infos if i["role"] == "gateway")
         yield {"cluster": cluster, "nodes": nodes, "launched": infos, "ready": ready,
-               "url": url}
+               "url": url, "gateway_stderr": gateway.stderr}
     finally:
         cluster.stop()
 
@@ -267,6 +277,14 @@ def test_http_equals_plain_greedy_across_nodes(multinode, reference):
                          "return_token_ids": True})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == run(chat_prompt_ids(tok, messages))
+
+
+def test_a_gateway_launched_without_dtype_follows_the_settled_one(multinode):
+    """deploy/README.md's flow: the gateway, launched without ``--dtype`` after roles given
+    ``--dtype float32``, took the controller's float32 (its banner says so) and is ready."""
+    assert "[specmesh] dtype float32: settled by the cluster's controller" in \
+        multinode["gateway_stderr"], multinode["gateway_stderr"]
+    assert multinode["ready"]["health"]["gateway-0"]["ready"]  # its Hello was accepted
 
 
 def test_drafter_runs_on_the_second_node(multinode):

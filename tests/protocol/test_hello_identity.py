@@ -102,6 +102,28 @@ def test_the_initiator_refuses_an_ack_whose_identity_mismatches(changes, word):
     assert why and word in why, why
 
 
+def test_a_gateway_channel_does_not_compare_the_dtype():
+    """The gateway runs no model and holds no KV: a verifier accepts its Hello in another dtype
+    and the gateway its HelloAck; every other field still counts, and the dtype must still be
+    set (empty is not a wildcard), and between model roles it is compared."""
+    bf16 = msgspec.structs.replace(MODEL, dtype="bfloat16")
+    gateway_hello = _hello(role="gateway", instance_id="gateway-0", model=bf16)
+    assert hello_refusal(gateway_hello, "gateway-0", MODEL, role="verifier",
+                         draft_method="ngram") == ""
+    assert ack_refusal(_ack(role="verifier", instance_id="verifier-0"), "verifier-0",
+                       role="gateway", model=bf16, draft_method="ngram",
+                       peer_role="verifier") == ""
+    other = msgspec.structs.replace(bf16, block_size=32)
+    assert "block_size" in hello_refusal(_hello(role="gateway", instance_id="gateway-0",
+                                                model=other), "gateway-0", MODEL,
+                                         role="verifier", draft_method="ngram")
+    empty = msgspec.structs.replace(MODEL, dtype="")
+    assert "empty" in hello_refusal(_hello(role="gateway", instance_id="gateway-0",
+                                           model=empty), "gateway-0", MODEL, role="verifier",
+                                    draft_method="ngram")
+    assert "dtype" in _refusal(_hello(model=bf16))  # verifier -> drafter: compared
+
+
 def test_who_may_dial_whom():
     assert DIALS == {"gateway": {"verifier"}, "verifier": {"prefill", "drafter"}}
     assert _refusal(_hello(role="drafter"))  # a drafter never dials a drafter
