@@ -172,11 +172,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+    from specmesh.cluster.auto_resolve import auto_dtype
     from specmesh.engine.environment import environment_report, render_report
 
     try:
+        # what serve / demo / bench decide for --dtype auto: a cached measurement of this model
+        # on this CPU, else the rule; env itself never measures
+        choice = auto_dtype(args.model, args.device, measure=False)
         report = environment_report(device=args.device, dtype=args.dtype,
-                                    overrides=backend_overrides(args))
+                                    overrides=backend_overrides(args),
+                                    auto=(choice.dtype, choice.reason))
     except ValueError as err:  # an unknown device
         raise SystemExit(f"specmesh env: {err}") from None
     print(json.dumps(report, indent=2) if args.json else render_report(report))
@@ -243,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("env", help="what this machine computes with: CPU features, the dtype "
                                    "--dtype auto picks, each CPU backend on/off and why")
     e.add_argument("--json", action="store_true", help="the report as JSON")
+    e.add_argument("--model", default=None,
+                   help="the model whose --dtype auto decision to show (default: SmolLM2)")
     e.add_argument("--device", default="auto",
                    help="the device --dtype auto is resolved for (auto, cpu, cuda, cuda:N)")
     e.add_argument("--dtype", default="auto", choices=("auto",) + CLI_DTYPES,

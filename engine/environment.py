@@ -37,11 +37,14 @@ def auto_dtype(device: str = "auto", backend: CpuBackend | None = None) -> tuple
 
 
 def environment_report(device: str = "auto", dtype: str = "auto",
-                       overrides: BackendOverrides | None = None) -> dict:
+                       overrides: BackendOverrides | None = None,
+                       auto: tuple[str, str] | None = None) -> dict:
     """The report as a JSON-ready dict: ``cpu``, ``torch``, ``dtype_auto`` (``dtype``,
     ``why``, ``device``), and ``backends`` (``dtype`` the per-dtype column is for: ``dtype``,
     or what auto picks; ``overrides``; ``choices``: per choice ``on``, ``why``, ``dtypes``,
-    ``on_for_dtype``, ``why_for_dtype``).
+    ``on_for_dtype``, ``why_for_dtype``). ``auto``: (dtype, why) of ``--dtype auto`` as the
+    caller decided it (the cluster's decision, cluster/auto_resolve.py); None: this module's
+    rule (:func:`auto_dtype`).
 
     Raises:
         ValueError: an unknown device name.
@@ -50,7 +53,7 @@ def environment_report(device: str = "auto", dtype: str = "auto",
 
     backend = cpu_backend(overrides)
     f = backend.features
-    auto, why = auto_dtype(device, backend)
+    auto, why = auto if auto is not None else auto_dtype(device, backend)
     shown = auto if dtype == "auto" else dtype
     for_dtype = backend.for_dtype(shown)
     choices = {}
