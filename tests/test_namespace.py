@@ -47,3 +47,25 @@ def test_version_is_the_distribution_version() -> None:
     from importlib.metadata import version
 
     assert specmesh.__version__ == version("specmesh")
+
+
+def test_no_source_imports_a_folder_by_its_bare_name() -> None:
+    """Every import of a project module, in code and in code strings (subprocesses, ``-c``),
+    goes through ``specmesh.``: run from the checkout's root a bare ``from protocol.x import``
+    would still work (the folder is a namespace portion there) but load a second copy of the
+    module under another name. The import-direction checker's own cases name modules as
+    their folders on purpose."""
+    import re
+
+    folders = "|".join(FOLDERS)
+    bare = re.compile(rf"(?:^|[;\"'])\s*(?:from\s+(?:{folders})(?:\.\w+)*\s+import\s+\w"
+                      rf"|import\s+(?:{folders})\.\w|-m\s+(?:{folders})\.\w)")
+    skip = {REPO_ROOT / "tests" / "test_import_direction.py"}
+    found = []
+    for path in sorted(REPO_ROOT.rglob("*.py")):
+        if {".venv", ".git", "build"} & set(path.relative_to(REPO_ROOT).parts) or path in skip:
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if bare.search(line):
+                found.append(f"{path.relative_to(REPO_ROOT)}:{n}: {line.strip()}")
+    assert not found, "imports without the specmesh. prefix:\n" + "\n".join(found)

@@ -61,7 +61,7 @@ def test_closed_peer_is_reported_and_not_ready():
 
 
 def test_frozen_peer_is_dropped_by_the_heartbeat():
-    code = ("import sys; from protocol.zmq_transport import ZmqMailbox\n"
+    code = ("import sys; from specmesh.protocol.zmq_transport import ZmqMailbox\n"
             "mb = ZmqMailbox('verifier-0', 'verifier'); print(mb.endpoint, flush=True)\n"
             "while True: mb.recv(0.05)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
