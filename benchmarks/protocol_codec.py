@@ -8,7 +8,7 @@ One row per registered message type (its ``example()``), plus a 5-draft DraftTai
 figure is the best (minimum) of the repeats: on a shared machine the other loads only ever add
 time, so the minimum is the least noisy estimate of the codec's own cost. The A/B against the
 previous hand-written codec (run at the commit that still had both) is in
-benchmarks/protocol_codec_msgspec.md.
+docs/benchmarks.md, "Protocol codec: hand-written checker vs msgspec".
 """
 
 from __future__ import annotations

@@ -186,14 +186,20 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
 
 def drafter_help() -> str:
     """The drafting methods, their summaries and keys, for ``--help`` (raw text)."""
-    from specmesh.drafter.registry import ENTRY_POINT_GROUP, get_method, spellings
+    from specmesh.drafter.registry import ENTRY_POINT_GROUP, get_method, load_plugins, spellings
+
+    try:  # installed plugins are listed too
+        load_plugins()
+        broken = ""
+    except (KeyError, TypeError, ValueError, ImportError) as err:  # help still prints
+        broken = f"(a plugin could not be loaded: {err})"
 
     def block(text: str, indent: int) -> list[str]:
         return textwrap.wrap(text, width=HELP_WIDTH, initial_indent=" " * indent,
                              subsequent_indent=" " * (indent + 2))
 
     lines = ["drafting methods (--drafter METHOD[:KEY=VALUE+...]):",
-             *block(f"auto: {AUTO_HELP}", 2)]
+             *block(f"auto: {AUTO_HELP}", 2), *block(broken, 2)]
     for name in spellings():
         cls = get_method(name)
         schema = cls.options

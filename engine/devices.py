@@ -81,7 +81,7 @@ def default_dtype(device: str = "auto") -> str:
     exact dtype (its greedy output is the float32 reference's: Hugging Face float32 on the same
     weights; bfloat16 rounds weights and activations, so its output drifts from it), and on
     CPUs with native bf16 matmul measured faster too (the GGUF-block kernels and the compiled
-    float32 stack, README "Dtypes and exactness"); ``bfloat16`` on CUDA.
+    float32 stack, docs/verification.md, "Dtypes and exactness"); ``bfloat16`` on CUDA.
     ``cluster/auto_resolve.py`` measures the CPU candidates at first start and reports them;
     on CPU its choice is this one, since float32 is the only exact candidate.
 
