@@ -78,7 +78,9 @@ def write_dist(root: Path, dist: str, modules: dict[str, str],
             if not init.exists():
                 init.write_text("")
         (folder / f"{parts[-1]}.py").write_text(textwrap.dedent(source))
-    info = root / f"{dist}-0.1.dist-info"
+    # the folder's name as wheels write it (PEP 427: the name's '-' as '_'), so that a lookup
+    # of another distribution whose name is a prefix ("specmesh") never takes this one
+    info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
     lines = []

@@ -125,7 +125,7 @@ def test_built_library_is_reused(monkeypatch, tmp_path):
     path through kernels/cpu_build.py as the attention kernel, without compiling it again."""
     source = tmp_path / "tiny_kernel.cpp"
     source.write_text('extern "C" int specmesh_tiny(int x) { return x + 1; }\n')
-    kernel = CpuKernel(source, "a tiny kernel", "SPECMESH_TINY_KERNEL", "nothing",
+    kernel = CpuKernel(source, "a tiny kernel", "nothing",
                        {"specmesh_tiny": ([ctypes.c_int], ctypes.c_int)})
     monkeypatch.setenv("SPECMESH_KERNEL_CACHE", str(tmp_path / "cache"))
     first = kernel.build()
