@@ -19,7 +19,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         os.environ["SPECMESH_CACHE_DIR"] = cache
-        from specmesh.engine.loader import load_model
+        from specmesh.engine.loader import load_model  # torch, triton: --help without them
 
         t0 = time.perf_counter()
         load_model(args.model, dtype=args.dtype)

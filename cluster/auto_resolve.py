@@ -15,6 +15,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from specmesh.cluster.auto import (
     CPU_CANDIDATES,
     AutoCache,
@@ -27,7 +29,17 @@ from specmesh.cluster.auto import (
     proposal,
     settled_reason,
 )
-from specmesh.cluster.config import ClusterConfig
+from specmesh.cluster.config import ClusterConfig, default_threads
+from specmesh.cluster.drafter_option import auto_drafter, parse_drafter
+from specmesh.engine.devices import cpu_identity, default_dtype, resolve_device
+from specmesh.engine.forward_probe import (
+    PROBE_CONTEXT_LEN,
+    PROBE_STATISTIC,
+    PROBE_VERIFY_TOKENS,
+    measure_dtypes,
+)
+from specmesh.engine.kv_cache import num_blocks_for_memory
+from specmesh.engine.weights_cache import cache_root
 
 #: KV tokens per block the roles use (no command-line option: ClusterConfig's default)
 BLOCK_SIZE: int = ClusterConfig.__dataclass_fields__["block_size"].default
@@ -35,8 +47,6 @@ BLOCK_SIZE: int = ClusterConfig.__dataclass_fields__["block_size"].default
 
 def auto_cache() -> AutoCache:
     """The measurements' cache: ``auto/`` in the weights cache (``$SPECMESH_CACHE_DIR``)."""
-    from specmesh.engine.weights_cache import cache_root
-
     return AutoCache(cache_root() / "auto")
 
 
@@ -47,15 +57,7 @@ def dtype_key(model: str | None, num_threads: int) -> dict:
     Raises:
         FileNotFoundError: the model cannot be found.
     """
-    import torch
-
-    from specmesh.engine.devices import cpu_identity
-    from specmesh.engine.forward_probe import (
-        PROBE_CONTEXT_LEN,
-        PROBE_STATISTIC,
-        PROBE_VERIFY_TOKENS,
-    )
-    from specmesh.engine.loader import model_fingerprint
+    from specmesh.engine.loader import model_fingerprint  # the engine's model: triton kernels
 
     return {"what": "dtype", "model": model_fingerprint(model), "cpu": cpu_identity(),
             "torch": torch.__version__, "threads": int(num_threads),
@@ -76,9 +78,6 @@ def auto_dtype(model: str | None = None, device: str = "auto", num_threads: int 
         FileNotFoundError: the model cannot be found (measuring only).
         ValueError: an unknown device.
     """
-    from specmesh.cluster.config import default_threads
-    from specmesh.engine.devices import default_dtype, resolve_device
-
     if resolve_device(device).type == "cuda":
         return DtypeChoice(default_dtype(device), "a GPU: bfloat16 (a rule, not measured)",
                            "rule")
@@ -96,8 +95,6 @@ def auto_dtype(model: str | None = None, device: str = "auto", num_threads: int 
                                                              for d in dtypes}, cache, key)
 
     def run(dtypes: list[str]) -> dict[str, Any]:
-        from specmesh.engine.forward_probe import measure_dtypes
-
         print(f"[specmesh] --dtype auto: measuring {', '.join(dtypes)} forwards on {threads} "
               f"threads (first start on this model and CPU; cached)", flush=True)
         return measure_dtypes(model, dtypes, threads)
@@ -117,8 +114,7 @@ def auto_max_model_len(model: str | None, dtype: str, kv_cache_mb: int,
             that holds no request.
         FileNotFoundError: the model cannot be found.
     """
-    from specmesh.engine.kv_cache import num_blocks_for_memory
-    from specmesh.engine.loader import model_config
+    from specmesh.engine.loader import model_config  # the engine's model: triton kernels
 
     config = model_config(model, dtype)
     kv_tokens = num_blocks_for_memory(config, block_size, dtype, kv_cache_mb << 20) * block_size
@@ -150,9 +146,6 @@ def resolve_settings(args: argparse.Namespace, measure: bool = False,
         SystemExit: a model that cannot be found, an impossible ``--max-model-len``, or a
             malformed ``--drafter``.
     """
-    from specmesh.cluster.drafter_option import auto_drafter, parse_drafter
-    from specmesh.engine.devices import default_dtype
-
     model, device = args.model, args.device
     settled = settled or {}
     try:

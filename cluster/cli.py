@@ -16,8 +16,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the bench command's options live with its harness (benchmarks/harness/, a layer above
 # cluster/); no other cluster module imports the harness
 from specmesh.benchmarks.harness.options import add_bench_options, bench_options  # noqa: E402
-from specmesh.cluster.config import ROLES  # noqa: E402
-from specmesh.cluster.drafter_option import add_drafter_options, drafter_help  # noqa: E402
+from specmesh.cluster.auto import banner  # noqa: E402
+from specmesh.cluster.config import ROLES, ClusterConfig  # noqa: E402
+from specmesh.cluster.demo import demo  # noqa: E402  (ray-free until it starts the cluster)
+from specmesh.cluster.drafter_option import (  # noqa: E402
+    add_drafter_options,
+    drafter_from_args,
+    drafter_help,
+)
 from specmesh.cluster.loopback import use_loopback  # noqa: E402
 from specmesh.cluster.options import (  # noqa: E402
     CLI_DTYPES,
@@ -29,14 +35,19 @@ from specmesh.cluster.options import (  # noqa: E402
     default_instance_id,
     drafter_plans,
 )
+from specmesh.data.prompts import load_prompts_file  # noqa: E402
+from specmesh.decode.rules import outputs_exact  # noqa: E402
+from specmesh.engine.backend import cpu_backend  # noqa: E402
+from specmesh.engine.devices import resolve_device, resolve_dtype  # noqa: E402
+from specmesh.engine.environment import environment_report, render_report  # noqa: E402
+from specmesh.protocol.messages import SamplingParams  # noqa: E402
 
 
 def decided_config(args: argparse.Namespace, **overrides):
     """The ClusterConfig of a driver that starts a whole cluster (serve, demo, bench): ``auto``
     resolved once here, measured where it measures (cluster/auto_resolve.py), the decision
     printed with its reasons, then handed to every role in the config."""
-    from specmesh.cluster.auto import banner
-    from specmesh.cluster.auto_resolve import resolve_settings
+    from specmesh.cluster.auto_resolve import resolve_settings  # torch: auto's measurements
 
     settings = resolve_settings(args, measure=True, plans=drafter_plans(args))
     for line in banner(settings):
@@ -45,22 +56,17 @@ def decided_config(args: argparse.Namespace, **overrides):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    # torch, and the engine's model (triton kernels) with the in-process cluster and the host
     import torch
 
-    from specmesh.cluster.drafter_option import drafter_from_args
+    from specmesh.cluster.hosts.drafter import build_proposer
     from specmesh.cluster.inprocess import InProcessCluster
     from specmesh.engine.loader import load_model
-    from specmesh.protocol.messages import SamplingParams
 
     method, method_kwargs = drafter_from_args(args)  # fails before loading
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    from specmesh.cluster.config import ClusterConfig
-    from specmesh.cluster.hosts.drafter import build_proposer
-    from specmesh.engine.backend import cpu_backend
-    from specmesh.engine.devices import resolve_device, resolve_dtype
-
     args.dtype = resolve_dtype(args.dtype, args.device)
     overrides = backend_overrides(args)
     loaded = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device),
@@ -70,7 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.raw:
         prompt_ids = list(tok(args.prompt)["input_ids"])
     else:
-        from specmesh.gateway.tokens import chat_prompt_ids
+        from specmesh.gateway.tokens import chat_prompt_ids  # the gateway's fastapi, pydantic
 
         prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
     # the proposer the drafter role would build for this method
@@ -101,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
-    from specmesh.cluster.launcher import start_cluster
+    from specmesh.cluster.launcher import start_cluster  # ray, after use_loopback()
 
     cfg = decided_config(args)
     handle = start_cluster(cfg)
@@ -119,10 +125,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     decides are the controller's: the first launch settles them (measuring the dtype unless
     it launches the gateway, which runs no model), every later one follows them, and a launch
     given another value explicitly is refused before its role starts."""
+    # ray (joins the running cluster) and auto's measurements (torch)
     import ray
 
     from specmesh.cluster.actors import NAMESPACE
-    from specmesh.cluster.auto import banner
     from specmesh.cluster.auto_resolve import launch_settings
     from specmesh.cluster.launcher import get_controller, start_role
 
@@ -144,9 +150,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
-    from specmesh.cluster.demo import demo
-
+    use_loopback()  # before the first `import ray` (demo imports it to start the cluster)
     demo(decided_config(args, port=0), num_prompts=args.num_prompts, max_tokens=args.max_tokens)
     return 0
 
@@ -154,8 +158,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     opts = bench_options(args)  # a bad list or prompts file fails before anything starts
     if opts.prompts_file:
-        from specmesh.data.prompts import load_prompts_file
-
         load_prompts_file(opts.prompts_file)
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
     # lazy: the bench runner pulls in the gateway's HTTP stack (fastapi, uvicorn, httpx), which
@@ -164,16 +166,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = decided_config(args, port=0)
     summary = bench(cfg, opts)
-    from specmesh.decode.rules import outputs_exact
-
     if not outputs_exact(cfg.verifier.verify_rule):  # the ablation harness: outputs differ
         return 0
     return 1 if summary.get("mismatches") else 0  # a method whose output is not exact
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from specmesh.cluster.auto_resolve import auto_dtype
-    from specmesh.engine.environment import environment_report, render_report
+    from specmesh.cluster.auto_resolve import auto_dtype  # torch: auto's measurements
 
     try:
         # what serve / demo / bench decide for --dtype auto: a cached measurement of this model
@@ -189,7 +188,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from specmesh.drafter.training.eagle import train_drafter
+    from specmesh.drafter.training.eagle import train_drafter  # torch, the training stack
 
     train_drafter(args)
     return 0
@@ -258,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cpu_backend_option(e)
     e.set_defaults(func=cmd_env)
 
+    # torch, the training stack: out of the module's import (the parser imports it to build)
     from specmesh.drafter.training.eagle import add_train_drafter_options
 
     t = sub.add_parser("train-drafter", help="self-distil a drafter for a target on this "

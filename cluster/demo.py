@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from specmesh.cluster.config import ClusterConfig
-from specmesh.cluster.runs import load_prompts, openai_client, run_openai
+from specmesh.cluster.runs import load_prompts, openai_client, run_openai, same_outputs
 
 
 def warm_up(client, model: str, prompts: list[dict], handle, kappa: int,  # noqa: ANN001
@@ -25,7 +25,7 @@ def warm_up(client, model: str, prompts: list[dict], handle, kappa: int,  # noqa
 def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 96) -> dict:
     """Start the cluster, run the prompts with speculation on and off, print a table.
     Returns both runs, the speedup and how many completions were identical."""
-    from specmesh.cluster.runs import same_outputs
+    # ray (after the CLI's use_loopback) and the engine's model (triton kernels)
     from specmesh.cluster.launcher import start_cluster
     from specmesh.engine.loader import model_name
 

@@ -23,6 +23,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from specmesh.cluster.auto import resolve_auto_drafter as choose_auto_drafter
+from specmesh.drafter.options import OptionError
+from specmesh.drafter.registry import (
+    ENTRY_POINT_GROUP,
+    get_method,
+    load_plugins,
+    method_key,
+    registered_methods,
+    spelling,
+    spellings,
+)
+from specmesh.engine.devices import resolve_device
+from specmesh.plugins import is_import_path
 
 #: the forms of ``--drafter``, for help and error messages
 DRAFTER_FORMS = "auto | NAME[:KEY=VALUE+...] | NAME:VALUE | package.module:Class[:KEY=VALUE+...]"
@@ -36,6 +48,7 @@ AUTO_HELP = ("the EAGLE head shipped for the target where it has one and it does
 
 def shipped_head_for(model: str | None):  # noqa: ANN201
     """The head shipped for ``model`` (its config files are read, not its weights), or None."""
+    # torch and triton (the EAGLE drafter, the engine's loader): this module stays torch-free
     from specmesh.drafter.proposers.eagle import shipped_head
     from specmesh.engine.loader import model_name
 
@@ -58,8 +71,8 @@ def auto_drafter(model: str | None = None, device: str = "auto",
     with a model drafter, and with n-gram; default: the default plans of this machine's
     cores). See :func:`cluster.auto.resolve_auto_drafter`,
     which decides."""
+    # torch (cluster.config: engine.dtypes), triton (the loader): this module stays torch-free
     from specmesh.cluster.config import default_threads
-    from specmesh.engine.devices import resolve_device
     from specmesh.engine.loader import model_name
 
     head = shipped_head_for(model)
@@ -85,9 +98,6 @@ def split_drafter(form: str) -> tuple[str, str | None]:
         KeyError: no method has the name and the form is no import path.
         TypeError, ValueError, ImportError: a plugin the registry cannot register.
     """
-    from specmesh.drafter.registry import method_key
-    from specmesh.plugins import is_import_path
-
     head, sep, rest = form.partition(":")
     try:
         method_key(head)
@@ -114,9 +124,6 @@ def parse_drafter(spec: str, model: str | None = None,
             the method's schema refuses (naming the key and what it accepts), a flag value
             out of bounds, or a plugin that cannot be loaded or registered.
     """
-    from specmesh.drafter.options import OptionError
-    from specmesh.drafter.registry import get_method, method_key
-
     flags = dict(flags or {})
     spec = (spec or "auto").strip()
     try:
@@ -143,8 +150,6 @@ def drafter_from_args(args: argparse.Namespace) -> tuple[str, dict]:
 
 def _flag_options() -> list:
     """Every option of every method that has a command-line flag."""
-    from specmesh.drafter.registry import get_method, registered_methods
-
     return [o for key in registered_methods() for o in get_method(key).options.options
             if o.flag]
 
@@ -152,8 +157,6 @@ def _flag_options() -> list:
 def _check_flags(flags: Mapping[str, Any]) -> None:
     """SystemExit naming the flag for a flag value its option refuses (whichever method
     runs)."""
-    from specmesh.drafter.options import OptionError
-
     for o in _flag_options():
         value = flags.get(o.flag_dest)
         if value is None:
@@ -168,8 +171,6 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     """``--drafter`` and the flags the registered methods' options declare (e.g.
     ``--ngram-tree-width``), on an argparse parser; the methods and their keys are listed by
     :func:`drafter_help` (the parser's epilog)."""
-    from specmesh.drafter.registry import get_method, registered_methods, spelling
-
     p.add_argument("--drafter", default="auto", metavar="METHOD",
                    help=f"drafting method: {DRAFTER_FORMS} (methods and their keys: below)")
     seen: set[str] = set()
@@ -186,8 +187,6 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
 
 def drafter_help() -> str:
     """The drafting methods, their summaries and keys, for ``--help`` (raw text)."""
-    from specmesh.drafter.registry import ENTRY_POINT_GROUP, get_method, load_plugins, spellings
-
     try:  # installed plugins are listed too
         load_plugins()
         broken = ""

@@ -115,7 +115,7 @@ def start_cluster(cfg: ClusterConfig, num_prefill: int = 1, num_verifiers: int =
     Raises:
         TimeoutError: the roles did not connect within ``timeout_s``.
     """
-    from specmesh.engine.loader import model_files
+    from specmesh.engine.loader import model_files  # the engine's model: triton kernels
 
     # Dequantize a GGUF once here, not concurrently in every role process on first start.
     model_files(cfg.model, cfg.dtype)

@@ -12,6 +12,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from specmesh.decode.rules import outputs_exact
 from specmesh.protocol.step_profile import BUCKETS_S, StepProfile
 
 
@@ -76,8 +77,6 @@ class RoleCollector:
             per_pos.add_metric([*labels.values(), str(pos)], float(n))
         yield per_pos
         cfg = h.worker.config
-        from specmesh.decode.rules import outputs_exact
-
         synthetic = not outputs_exact(cfg.verify_rule)  # the ablation harness (decode/rules.py)
         yield _gauge("specmesh:spec_decode_synthetic_acceptance",
                      "1 when drafts are accepted by the synthetic-acceptance ablation harness "

@@ -58,7 +58,7 @@ class RunResult:
 
 def openai_client(url: str):
     """An ``openai.OpenAI`` client for the gateway at ``url`` (no retries)."""
-    from openai import OpenAI
+    from openai import OpenAI  # openai: slow to import, only the drivers' HTTP runs
 
     return OpenAI(base_url=f"{url}/v1", api_key="specmesh", timeout=CLIENT_TIMEOUT_S,
                   max_retries=0)

@@ -310,6 +310,8 @@ class RuleSet:
                 verifier refuses such requests at admission), no rule applies, or the rule
                 chosen for a tree does not judge trees.
         """
+        # engine.sampling imports torch and triton: the registry stays torch-free (the CLI, the
+        # pure-Python scheduler)
         from specmesh.engine.sampling import sampling_mode
 
         why = sampling.invalid_reason()
@@ -328,7 +330,7 @@ class RuleSet:
         """Whether a request with ``sampling`` may have its drafts verified as a tree: the rule
         chosen for a tree judges trees (under a rule that judges chains only, e.g. synthetic
         acceptance, the scheduler plans a tree's branch 0 as a chain)."""
-        from specmesh.engine.sampling import sampling_mode
+        from specmesh.engine.sampling import sampling_mode  # torch, triton: as in select
 
         query = RuleQuery(sampling, sampling_mode(sampling), self.verify_rule, True)
         rule = next((r for r in self.rules if r.applies(query)), None)

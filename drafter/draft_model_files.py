@@ -20,7 +20,7 @@ FORMAT = "specmesh-draft-model/1"
 
 def engine_model(draft: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The draft as engine's LlamaForCausalLM (same weights) for :func:`acceptance`."""
-    from specmesh.engine.loader import build_model
+    from specmesh.engine.loader import build_model  # the engine model: triton kernels
 
     config = ModelConfig.from_hf(draft.config)
     return build_model(config, {k: v.detach() for k, v in draft.state_dict().items()}, dtype)

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from specmesh.drafter.eagle.data import Sample, shuffled
 from specmesh.engine.block_manager import BlockManager
@@ -86,7 +87,7 @@ def init_draft_model(target: torch.nn.Module, target_hf_config: Any, num_layers:
     Returns:
         (the model in train mode, the target layers copied or None for ``"random"``).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: slow to import
 
     if init_layers not in INIT_LAYERS:
         raise ValueError(f"init_layers must be one of {INIT_LAYERS}, got {init_layers!r}")
@@ -168,8 +169,6 @@ def train(draft: Any, samples: list[Sample], target_lm_head: torch.Tensor, *, ep
           progress: bool = True) -> dict:
     """AdamW over ``epochs`` (may be fractional) of ``samples`` (batches of whole samples);
     returns a summary (steps, seconds, tokens/s, last loss)."""
-    from tqdm import tqdm
-
     samples = [s for s in samples if s.num_output_tokens > 0]
     if not samples:
         raise ValueError("no training sample has an output token")

@@ -44,6 +44,9 @@ import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from specmesh.engine.devices import cpu_flags
+from specmesh.kernels import cpu_build
+
 #: The compute choices, in the order they are decided (later ones depend on earlier ones).
 CHOICES: tuple[str, ...] = ("prepacked_linear", "gguf_matmul", "cpu_attention", "layer_ops",
                             "compiled_stack", "eagle_q8_0")
@@ -256,13 +259,11 @@ def num_cores() -> int:
 @functools.lru_cache(maxsize=1)
 def detect_features() -> CpuFeatures:
     """This machine's :class:`CpuFeatures` (detected once per process)."""
-    from specmesh.engine import onednn
-    from specmesh.engine.devices import cpu_flags
-    from specmesh.kernels.cpu_build import compiler
+    from specmesh.engine import onednn  # imports torch: the overrides and choices stay torch-free
 
     return CpuFeatures(model_name=cpu_model_name(), flags=frozenset(cpu_flags()),
-                       num_cores=num_cores(), compiler=compiler(), onednn=onednn.available(),
-                       machine=platform.machine())
+                       num_cores=num_cores(), compiler=cpu_build.compiler(),
+                       onednn=onednn.available(), machine=platform.machine())
 
 
 def read_overrides(environ: Mapping[str, str] | None = None) -> BackendOverrides:

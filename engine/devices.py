@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import platform
 from typing import Any
 
 #: ``auto``: CUDA when a GPU is visible to the process, else CPU.
@@ -26,7 +28,7 @@ def resolve_device(name: str = "auto") -> Any:
     Raises:
         ValueError: an unknown name, or CUDA asked for where no GPU is visible.
     """
-    import torch
+    import torch  # torch only here: check_device and the CPU facts stay torch-free
 
     check_device(name)
     if name == "auto":
@@ -59,9 +61,6 @@ def cpu_identity(path: str = "/proc/cpuinfo") -> dict[str, str]:
     and a digest of its feature flags (``/proc/cpuinfo``; empty strings where it says nothing).
     A cache keyed by it is measured again on another CPU kind or after a microcode / kernel
     change that alters the flags."""
-    import hashlib
-    import platform
-
     name = ""
     try:
         with open(path) as f:

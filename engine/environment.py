@@ -8,6 +8,7 @@ choice (engine/backend.py) on or off with its reason, for the machine and for th
 from __future__ import annotations
 
 from specmesh.engine.backend import BackendOverrides, CpuBackend, cpu_backend
+from specmesh.engine.devices import BF16_CPU_FLAGS, resolve_device, resolve_dtype
 
 #: CPU flags worth showing: what the compiled kernels are built for (AVX2, FMA, AVX-512) and
 #: what native bf16 / int8 matmul needs (engine/devices.py BF16_CPU_FLAGS).
@@ -23,8 +24,6 @@ def auto_dtype(device: str = "auto", backend: CpuBackend | None = None) -> tuple
     Raises:
         ValueError: an unknown device name.
     """
-    from specmesh.engine.devices import BF16_CPU_FLAGS, resolve_device, resolve_dtype
-
     dtype = resolve_dtype("auto", device)
     if resolve_device(device).type == "cuda":
         return dtype, f"{dtype} on a CUDA GPU"
@@ -49,7 +48,7 @@ def environment_report(device: str = "auto", dtype: str = "auto",
     Raises:
         ValueError: an unknown device name.
     """
-    import torch
+    import torch  # torch only for the report: importing this module stays torch-free
 
     backend = cpu_backend(overrides)
     f = backend.features

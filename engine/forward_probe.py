@@ -17,6 +17,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from specmesh.engine.devices import resolve_device
+
 #: prompt tokens cached before the timed forwards (a short chat turn)
 PROBE_CONTEXT_LEN = 128
 #: the tokens of the timed verify forward: a request's token and kappa = 4 drafts
@@ -61,6 +63,8 @@ def measure_dtypes(model: str | None, dtypes: list[str] | tuple[str, ...], num_t
         ValueError: ``rounds < 1``, ``num_threads < 1`` or ``num_verify_tokens < 2``.
         FileNotFoundError: the model cannot be found.
     """
+    # torch and the model (triton kernels) only when measuring: a cached ForwardTiming is read
+    # without them (cluster/auto_resolve.py)
     import torch
 
     from specmesh.engine.runner import SeqChunk
@@ -112,9 +116,9 @@ def _prefilled(model: str | None, dtype: str, device: str, context_len: int,
     """(runner, token ids, context length, block table) of ``model`` loaded in ``dtype``, a
     random context of up to ``context_len`` tokens prefilled, room for ``num_verify_tokens``
     more."""
+    # torch and the model (triton kernels) only when measuring, as in measure_dtypes
     import torch
 
-    from specmesh.engine.devices import resolve_device
     from specmesh.engine.kv_cache import KVCache
     from specmesh.engine.loader import load_model
     from specmesh.engine.runner import ModelRunner

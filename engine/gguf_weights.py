@@ -51,7 +51,7 @@ def hf_name(gguf_name: str) -> str | None:
 
 def read_block_weights(path: Path) -> dict[str, BlockWeight]:
     """The Q4_1 / Q8_0 linear tensors of the GGUF file ``path``, by transformers name."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # gguf only when a GGUF file is read (slow to import)
 
     out = {}
     for tensor in GGUFReader(str(path)).tensors:
@@ -78,7 +78,7 @@ def _matching(blocks: BlockWeight, weight: torch.Tensor) -> BlockWeight | None:
 
 
 def _load_cached(path: Path) -> dict[str, BlockWeight]:
-    from safetensors import safe_open
+    from safetensors import safe_open  # safetensors only for the blocks cache
 
     out = {}
     with safe_open(str(path), framework="pt") as f:
@@ -90,7 +90,7 @@ def _load_cached(path: Path) -> dict[str, BlockWeight]:
 
 
 def _save_cached(path: Path, blocks: dict[str, BlockWeight]) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors only for the blocks cache
 
     tensors = {}
     for name, b in blocks.items():
@@ -147,7 +147,7 @@ def attach_block_weights(model: nn.Module, path: Path, tied: bool,
     with torch.no_grad():
         blocks = None
         if cached is not None and cached.is_file():
-            from safetensors import SafetensorError
+            from safetensors import SafetensorError  # safetensors only for the blocks cache
 
             try:
                 blocks = _load_cached(cached)

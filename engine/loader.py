@@ -94,7 +94,7 @@ def _model_name(model: str | None, kind: str, path: Path) -> str:
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # safetensors only when weights are read
 
     single = path / "model.safetensors"
     if single.is_file():
@@ -155,7 +155,7 @@ def load_model(
         ValueError: unsupported dtype or architecture, weights that do not fit.
         FileNotFoundError: the model cannot be found.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer  # transformers: slow, only to load
 
     _check_dtype(dtype)
     backend = backend if backend is not None else default_backend()
@@ -221,7 +221,7 @@ def with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
 
 def load_tokenizer(model: str | None = None) -> Any:
     """Only the tokenizer of ``model`` (from the weights cache when one exists)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: slow, only to load
 
     kind, path = _resolve(model)
     if kind == "hf":
@@ -274,7 +274,7 @@ def model_config(model: str | None, dtype: str = "float32") -> ModelConfig:
         FileNotFoundError: the model cannot be found.
         ValueError: unsupported dtype or architecture.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: slow, only to load
 
     _check_dtype(dtype)
     kind, path = _resolve(model)

@@ -44,7 +44,7 @@ def is_complete(cached: Path) -> bool:
 
 def _write_cache(target: Path, hf_model: Any, tokenizer: Any, key: dict) -> None:
     """Write weights + config + tokenizer to a temp dir, then rename it to ``target`` atomically."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors only when a cache is written
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
@@ -79,6 +79,7 @@ def ensure_cached(gguf: Path, dtype: str) -> tuple[Path, Any, Any]:
 
     Returns (dir, hf_model, tokenizer); the last two are None when the cache already existed.
     """
+    # transformers (slow to import) only when a GGUF is dequantized into the cache
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = cache_dir(gguf, dtype)

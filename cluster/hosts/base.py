@@ -21,9 +21,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.health import HEARTBEAT_INTERVAL_S
 from specmesh.cluster.loopback import role_address
+from specmesh.cluster.metrics import serve_role_metrics
+from specmesh.engine.backend import cpu_backend
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.devices import resolve_device
+from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
 from specmesh.engine.openmp import run_in_released_thread
 from specmesh.protocol.enums import Role
 from specmesh.protocol.messages import ModelIdentity
@@ -68,13 +75,11 @@ class RoleHost(ABC):
 
     def set_threads(self) -> None:
         """Ray sets OMP_NUM_THREADS=1 in an actor without CPUs: apply the thread plan."""
-        import torch
-
         torch.set_num_threads(self.cfg.threads.get(self.role.value, 1))
 
     def model_identity(self) -> ModelIdentity:
         """What this role announces in Hello; from the model's config files by default."""
-        from specmesh.engine.loader import model_identity
+        from specmesh.engine.loader import model_identity  # the engine's model: triton kernels
 
         return ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
                                               self.cfg.block_size))
@@ -85,8 +90,6 @@ class RoleHost(ABC):
 
     def start(self) -> None:
         """Serve metrics and start the worker's loop thread."""
-        from specmesh.cluster.metrics import serve_role_metrics
-
         self.metrics_port = serve_role_metrics(self, self.bind_host)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{self.instance_id}-loop",
@@ -232,8 +235,6 @@ def watch_model(model: Any) -> None:
     """Count every forward of ``model``'s layers (the elements of its ModuleLists) as progress
     of this process's role (:meth:`RoleHost.progress`): a pre-hook per layer, no per-module
     cost elsewhere."""
-    import torch
-
     def bump(*_: object) -> None:
         _layers_run[0] += 1
 
@@ -252,8 +253,6 @@ def role_backend(cfg: ClusterConfig):  # noqa: ANN201 - an engine.backend.CpuBac
     """The CPU backend of this role: what this machine has, with the cluster's overrides
     (``cfg.backend``; the environment's ``SPECMESH_*`` switches are not read here, so every
     role of the cluster applies the same ones). Logged: the role's log says what it ran."""
-    from specmesh.engine.backend import cpu_backend
-
     backend = cpu_backend(cfg.backend)
     log.info("cpu backend: %s", backend.summary())
     return backend
@@ -267,9 +266,7 @@ def loaded_runner(cfg: ClusterConfig):
     Raises:
         ValueError: the KV memory holds no block.
     """
-    from specmesh.engine.block_manager import BlockManager
-    from specmesh.engine.devices import resolve_device
-    from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
+    # the engine's model and runner: triton kernels, only in a role that runs a model
     from specmesh.engine.loader import load_model
     from specmesh.engine.runner import ModelRunner
 

@@ -4,8 +4,12 @@ cluster's target."""
 
 from __future__ import annotations
 
+import torch
+
 from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.hosts.base import RoleHost, role_backend, watch_model
+from specmesh.drafter.proposer import DraftTarget
+from specmesh.drafter.registry import create_proposer, seed_state_for
 from specmesh.protocol.enums import Role
 
 
@@ -13,8 +17,6 @@ def draft_target(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, ANN
     """The :class:`drafter.proposer.DraftTarget` of ``cfg``: its model, dtype, device and block
     size, and ``target_identity`` (a ModelIdentity; None: read from the model's config files by
     a method that needs it)."""
-    from specmesh.drafter.proposer import DraftTarget
-
     return DraftTarget(model=cfg.model, dtype=cfg.dtype, device=cfg.device,
                        block_size=cfg.block_size, identity=target_identity,
                        backend=role_backend(cfg))
@@ -24,8 +26,6 @@ def cluster_seed_state(cfg: ClusterConfig) -> str:
     """The seed state the drafters of ``cfg`` need (``""``, ``"hidden"`` or, for a fused EAGLE-3
     head, ``"hidden:L1,L2,..."`` read from the head's config), which the prefill and verifier
     hosts configure their workers with before any drafter runs."""
-    from specmesh.drafter.registry import seed_state_for
-
     return seed_state_for(cfg.drafter.method, cfg.drafter.method_kwargs, draft_target(cfg))
 
 
@@ -38,8 +38,6 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
         ValueError, FileNotFoundError: what the method's factory refuses (e.g. a draft model
             whose vocabulary differs from the target's, a head trained for another target).
     """
-    from specmesh.drafter.registry import create_proposer
-
     return create_proposer(cfg.drafter.method, cfg.drafter.method_kwargs,
                            draft_target(cfg, target_identity))
 
@@ -50,7 +48,7 @@ class DrafterHost(RoleHost):
     role = Role.DRAFTER
 
     def build_worker(self):
-        from specmesh.drafter.worker import DrafterWorker
+        from specmesh.drafter.worker import DrafterWorker  # the drafting kernels: triton
 
         proposer = build_proposer(self.cfg, self.model_identity())
         worker = DrafterWorker(self.cfg.drafter, self.mailbox, proposer)
@@ -66,8 +64,6 @@ class DrafterHost(RoleHost):
 def _watch_models(proposer) -> None:  # noqa: ANN001
     """A model-based proposer's forwards count as the drafter's progress (health check): the
     torch modules among its attributes, and those of its attributes' ``model``."""
-    import torch
-
     for value in getattr(proposer, "__dict__", {}).values():
         try:
             inner = getattr(value, "model", None)

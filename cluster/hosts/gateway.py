@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 
 from specmesh.cluster.hosts.base import RoleHost, peers_of
+from specmesh.decode.rules import outputs_exact
+from specmesh.gateway.backend import MailboxBackend
 from specmesh.protocol.enums import Role
 from specmesh.protocol.messages import ModelIdentity
 
@@ -27,6 +29,7 @@ class GatewayHost(RoleHost):
         # empty field is not a wildcard): read from the model's config files, so the vocabulary
         # size is the embedding rows of config.json, which a padded vocabulary makes larger
         # than the tokenizer (Qwen2: 151,936 rows for 151,665 tokens).
+        # the engine's loader (triton kernels; transformers when it loads the tokenizer)
         from specmesh.engine.loader import load_tokenizer, model_identity, model_name
 
         self.tokenizer = load_tokenizer(self.cfg.model)
@@ -37,8 +40,6 @@ class GatewayHost(RoleHost):
         return identity
 
     def build_worker(self):
-        from specmesh.gateway.backend import MailboxBackend
-
         self.backend = MailboxBackend(self.mailbox, self._pick_verifier,
                                       stream_timeout_s=self.cfg.stream_idle_timeout_s)
         # a verifier whose connection drops fails its requests unless it is soon back
@@ -46,6 +47,7 @@ class GatewayHost(RoleHost):
         return None
 
     def start(self) -> None:
+        # the HTTP stack (fastapi, starlette, pydantic, httpx, uvicorn) only in the gateway role
         from specmesh.gateway.app import create_app
         from specmesh.gateway.server import serve_gateway
 
@@ -105,7 +107,7 @@ class GatewayHost(RoleHost):
         self.prefills = [r["instance_id"] for r in peers_of(roster, Role.PREFILL)]
         app = getattr(self, "app", None)
         if app is not None:  # one scrape of our /metrics carries every role's series
-            from specmesh.gateway.roster_metrics import targets_from_roster
+            from specmesh.gateway.roster_metrics import targets_from_roster  # httpx
 
             app.state.metrics.roster.set_targets(targets_from_roster(roster, self.instance_id))
 
@@ -135,8 +137,6 @@ def synthetic_outputs(cfg) -> bool:  # noqa: ANN001
     """Whether the verifiers of ``cfg`` (a ClusterConfig) commit tokens by a verification rule
     that is not exact (the synthetic-acceptance ablation, decode/rules.py): the gateway then
     flags every response, from this configuration, not from any message."""
-    from specmesh.decode.rules import outputs_exact
-
     return not outputs_exact(cfg.verifier.verify_rule)
 
 

@@ -70,7 +70,7 @@ def save_head(head: EagleHead, path: str | Path, training: dict | None = None,
               dtype: torch.dtype = torch.float32) -> Path:
     """Write ``head`` (weights in ``dtype``, float32 or bfloat16: :func:`load_head` upcasts)
     and its config to directory ``path``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors only when a head is written
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +107,7 @@ def target_embeddings(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor
     Raises:
         FileNotFoundError: no safetensors weights there. KeyError: no embedding in them.
     """
-    from safetensors import safe_open
+    from safetensors import safe_open  # safetensors only when embeddings are read
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -135,7 +135,7 @@ def load_head(path: str | Path, embed: torch.Tensor, lm_head: torch.Tensor, targ
         HeadMismatch: the head was trained for another target.
         FileNotFoundError / ValueError: no (valid) checkpoint at ``path``.
     """
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # safetensors only when a head is read
 
     cfg = read_head_config(path)
     check_target(cfg.target, target, str(path))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from specmesh.drafter.eagle.data import Sample, shuffled
 from specmesh.drafter.eagle.head import EagleHead
@@ -184,8 +185,6 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
     products run in that dtype under ``torch.autocast`` while the weights, the optimizer state
     and the loss stay in the head's dtype (faster than float32 on a CPU with bf16 products;
     docs/benchmarks.md, 'Training')."""
-    from tqdm import tqdm
-
     if head.config.feature_layers and (reg_weight or soft_weight):
         raise ValueError("a fused-feature head (feature_layers) has no d-wide true feature to "
                          "regress onto or to take target probabilities from: reg_weight and "

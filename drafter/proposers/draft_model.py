@@ -31,12 +31,16 @@ from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import DraftTarget, Proposer
 from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.tokenizer_match import check_same_vocabulary
+from specmesh.drafter.training.draft_model import train_draft_model
 from specmesh.engine.backend import CpuBackend
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.devices import resolve_device
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
+from specmesh.engine.loader import load_model, load_tokenizer, model_identity, model_name
 from specmesh.engine.model import LlamaForCausalLM
 from specmesh.engine.runner import ModelRunner
 from specmesh.engine.sampling import GREEDY
+from specmesh.protocol.messages import ModelIdentity
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +69,6 @@ class DraftModelStats:
 
 def _train(prep: dict, args) -> dict:  # noqa: ANN001
     """``specmesh train-drafter --method draft-model``: drafter/training/draft_model.py."""
-    from specmesh.drafter.training.draft_model import train_draft_model
-
     return train_draft_model(prep, args)
 
 
@@ -130,10 +132,6 @@ class DraftModelProposer(Proposer):
             ValueError: no ``model`` in ``kwargs``, or the vocabularies differ.
             FileNotFoundError: a model cannot be found.
         """
-        from specmesh.engine.devices import resolve_device
-        from specmesh.engine.loader import load_tokenizer, model_identity, model_name
-        from specmesh.protocol.messages import ModelIdentity
-
         kwargs = dict(kwargs)
         path = kwargs.pop("model", None)
         if not path:
@@ -157,8 +155,6 @@ class DraftModelProposer(Proposer):
                  draft_tokenizer: Any = None, loaded: Any = None,
                  backend: CpuBackend | None = None) -> None:
         if loaded is None:
-            from specmesh.engine.loader import load_model
-
             loaded = load_model(model, dtype=dtype, device=device, backend=backend)
         if isinstance(loaded, LlamaForCausalLM):
             net, draft_name = loaded, "draft"
@@ -356,8 +352,6 @@ def build_draft_model_proposer(path: str | None, target_model_config: Any,
             differing token), an unsupported dtype or architecture.
         FileNotFoundError: ``path`` cannot be found.
     """
-    from specmesh.engine.loader import load_model
-
     loaded = load_model(path, dtype=dtype, device=device, backend=backend)
     return DraftModelProposer(dtype=dtype, device=device, loaded=loaded,
                               target_vocab_size=int(target_model_config.vocab_size),

@@ -23,12 +23,22 @@ from pathlib import Path
 import torch
 
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
+from specmesh.drafter.eagle.checkpoint import (
+    load_head,
+    read_head_config,
+    target_embeddings,
+    target_identity,
+)
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
+from specmesh.drafter.eagle.quantize import quantize_head
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import BranchCall, DraftTarget, ProposeCall, Proposer
 from specmesh.drafter.registry import register_proposer
+from specmesh.drafter.training.eagle import train_eagle_head
 from specmesh.engine.backend import CpuBackend
-from specmesh.engine.dtypes import MODEL_DTYPES
+from specmesh.engine.config import ModelConfig
+from specmesh.engine.dtypes import MODEL_DTYPES, model_dtype
+from specmesh.engine.loader import model_files, model_identity
 from specmesh.engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
@@ -73,8 +83,6 @@ class _Cursor:
 
 def _train(prep: dict, args) -> dict:  # noqa: ANN001
     """``specmesh train-drafter --method eagle``: drafter/training/eagle.py."""
-    from specmesh.drafter.training.eagle import train_eagle_head
-
     return train_eagle_head(prep, args)
 
 
@@ -135,8 +143,6 @@ class EagleProposer(Proposer):
         if kwargs.get("head_module") is not None:
             return kwargs["head_module"].config.seed_state
         try:
-            from specmesh.drafter.eagle.checkpoint import read_head_config
-
             model = kwargs.get("model", target.model if target is not None else None)
             path = kwargs.get("head") or _shipped_head_for(model)
             return read_head_config(path).seed_state if path else cls.seed_state
@@ -347,8 +353,6 @@ class EagleProposer(Proposer):
 
 
 def _shipped_head_for(model: str | None) -> Path | None:
-    from specmesh.engine.loader import model_identity
-
     return shipped_head(model_identity(model, "float32", 16)["name"])
 
 
@@ -363,12 +367,7 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32",
         FileNotFoundError: no head given and none shipped for the target; missing weights.
         drafter.eagle.checkpoint.HeadMismatch: the head was trained for another target.
     """
-    from transformers import AutoConfig
-
-    from specmesh.drafter.eagle.checkpoint import load_head, target_embeddings, target_identity
-    from specmesh.engine.config import ModelConfig
-    from specmesh.engine.dtypes import model_dtype
-    from specmesh.engine.loader import model_files, model_identity
+    from transformers import AutoConfig  # transformers: slow to import, only to load a head
 
     files = model_files(model)
     name = model_identity(model, "float32", 16)["name"]
@@ -383,8 +382,6 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32",
     embed, lm_head = target_embeddings(files)
     loaded = load_head(head, embed, lm_head, target_identity(name, config, embed),
                        dtype=model_dtype(dtype), backend=backend)
-    from specmesh.drafter.eagle.quantize import quantize_head
-
     on_blocks = quantize_head(loaded)
     log.info("EAGLE head %s for %s: %.2f M parameters%s", head, name,
              loaded.num_trainable_parameters() / 1e6,

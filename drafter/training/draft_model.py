@@ -13,6 +13,9 @@ import argparse
 
 import torch
 
+from specmesh.drafter.draft_model_files import engine_model, save_draft_model
+from specmesh.drafter.eagle.checkpoint import target_identity
+from specmesh.drafter.eagle.train import acceptance_report
 from specmesh.drafter.training.record import training_record
 
 DEFAULT_NUM_LAYERS = 2
@@ -20,10 +23,8 @@ DEFAULT_NUM_LAYERS = 2
 
 def train_draft_model(prep: dict, args: argparse.Namespace) -> dict:
     """Train, evaluate and save; returns the evaluation (also in specmesh_draft.json)."""
-    from specmesh.drafter.draft_model_files import engine_model, save_draft_model
+    # the engine's runner (triton kernels) only when training
     from specmesh.drafter.draft_model_training import acceptance, init_draft_model, train
-    from specmesh.drafter.eagle.checkpoint import target_identity
-    from specmesh.drafter.eagle.train import acceptance_report
 
     lm, samples = prep["lm"], prep["samples"]
     num_layers = args.num_layers or DEFAULT_NUM_LAYERS

@@ -25,9 +25,23 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from specmesh.data.prompts import load_prompts_file
+from specmesh.drafter.eagle.checkpoint import round_weights, save_head, target_identity
+from specmesh.drafter.eagle.data import chat_token_ids, generate_samples, split_by_prompt
+from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
+from specmesh.drafter.eagle.train import (
+    acceptance,
+    acceptance_report,
+    draft_vocabulary,
+    train,
+    windows,
+)
+from specmesh.drafter.registry import get_method, trainable_methods
 from specmesh.drafter.training.draft_model import train_draft_model
 from specmesh.drafter.training.record import training_record
+from specmesh.engine.hidden_layers import check_hidden_layers, is_hidden_seed
 
 #: the bundled prompt sets (data/)
 PROMPTS_DIR = Path(next(iter(importlib.util.find_spec("specmesh.data").submodule_search_locations)))
@@ -37,8 +51,6 @@ DEFAULT_TRAIN_PROMPTS = (PROMPTS_DIR / "drafter_train.jsonl", PROMPTS_DIR / "dra
 
 
 def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
-    from specmesh.drafter.registry import get_method, trainable_methods
-
     methods = trainable_methods()  # the methods that declare a trainer (drafter/registry.py)
     p.add_argument("--method", choices=methods, default="eagle",
                    help="the drafting method to train: " + "; ".join(
@@ -103,8 +115,6 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
 
 
 def _load_prompts(paths: str | list[str], limit: int | None = None) -> list[dict]:
-    from specmesh.data.prompts import load_prompts_file
-
     prompts = [p for path in ([paths] if isinstance(paths, str) else paths)
                for p in load_prompts_file(path)]
     return prompts[:limit] if limit else prompts
@@ -117,8 +127,6 @@ def feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
     Raises:
         SystemExit: layers that are not distinct indices of the target.
     """
-    from specmesh.engine.hidden_layers import check_hidden_layers
-
     if not spec:
         return ()
     if spec == "auto":
@@ -144,10 +152,6 @@ def _data_key(args, model_name: str, names: list[str]) -> str:  # noqa: ANN001
 
 
 def _generate(lm, prompts: list[dict], args, label: str):  # noqa: ANN001, ANN202
-    from tqdm import tqdm
-
-    from specmesh.drafter.eagle.data import chat_token_ids, generate_samples
-
     ids = chat_token_ids(lm.tokenizer, prompts)
     names = [p["name"] for p in prompts]
     temps = [0.0] * len(ids)
@@ -189,10 +193,7 @@ def _samples(lm, sets: dict[str, list[dict]], args) -> dict:  # noqa: ANN001
 def prepare(args: argparse.Namespace) -> dict:
     """Load the target, split the prompts and generate (or read) the samples: what both
     methods train and evaluate on."""
-    from specmesh.drafter.eagle.data import split_by_prompt
-    from specmesh.drafter.registry import get_method
-    from specmesh.engine.hidden_layers import is_hidden_seed
-    from specmesh.engine.loader import load_model
+    from specmesh.engine.loader import load_model  # the engine's model: triton kernels
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -230,8 +231,6 @@ def train_drafter(args: argparse.Namespace) -> dict:
     Raises:
         SystemExit: a method that has no trainer.
     """
-    from specmesh.drafter.registry import get_method
-
     trainer = get_method(args.method).trainer
     if trainer is None:
         raise SystemExit(f"--method {args.method}: the method has no trainer")
@@ -241,10 +240,6 @@ def train_drafter(args: argparse.Namespace) -> dict:
 def train_eagle_head(prep: dict, args: argparse.Namespace) -> dict:
     """``--method eagle``: train, evaluate and save an EAGLE head on the prepared samples;
     returns the evaluation."""
-    from specmesh.drafter.eagle.checkpoint import round_weights, save_head, target_identity
-    from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
-    from specmesh.drafter.eagle.train import acceptance, acceptance_report, draft_vocabulary, train, windows
-
     lm, samples = prep["lm"], prep["samples"]
     embed = lm.model.model.embed_tokens.weight.detach()
     lm_head = lm.model.lm_head.weight.detach()

@@ -129,7 +129,7 @@ def test_auto_dtype_measures_once_per_model_file_and_cpu(tmp_path, tiny_model_di
     CPU identity measures again; the same ones read the cache. The measurement is faked."""
     import shutil
 
-    import specmesh.engine.devices as devices
+    import specmesh.cluster.auto_resolve as resolve
     import specmesh.engine.forward_probe as probe
     from specmesh.cluster.auto_resolve import auto_dtype
 
@@ -141,7 +141,7 @@ def test_auto_dtype_measures_once_per_model_file_and_cpu(tmp_path, tiny_model_di
         calls.append((m, tuple(dtypes), threads))
         return {"float32": probe.ForwardTiming(8.0, 9.0), "bfloat16": "cannot load"}
 
-    monkeypatch.setattr(probe, "measure_dtypes", fake)
+    monkeypatch.setattr(resolve, "measure_dtypes", fake)
     cache = AutoCache(tmp_path / "cache")
     got = auto_dtype(str(model), "cpu", 2, cache=cache)
     assert (got.dtype, got.source) == ("float32", "measured") and len(calls) == 1
@@ -153,8 +153,8 @@ def test_auto_dtype_measures_once_per_model_file_and_cpu(tmp_path, tiny_model_di
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     assert auto_dtype(str(model), "cpu", 2, cache=cache).source == "measured"
     assert len(calls) == 2
-    real = devices.cpu_identity()
-    monkeypatch.setattr(devices, "cpu_identity", lambda *a: {**real, "flags": "another"})
+    real = resolve.cpu_identity()
+    monkeypatch.setattr(resolve, "cpu_identity", lambda *a: {**real, "flags": "another"})
     assert auto_dtype(str(model), "cpu", 2, measure=False, cache=cache).source == "rule"
     assert auto_dtype(str(model), "cpu", 2, cache=cache).source == "measured"
     assert len(calls) == 3
