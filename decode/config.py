@@ -65,7 +65,11 @@ class VerifierConfig:
     (rejection sampling) or ``"block"`` (block verification); temperature 0 stays greedy and a
     seeded request coupled (decode/verification.py). ``max_tree_nodes``: most draft-tree nodes
     verified per request per step (tree verification; 0: twice the request's kappa); the
-    tree's depth is capped by kappa like a chain.
+    tree's depth is capped by kappa like a chain. ``max_prefill_pause_s``: where a prefill
+    worker shares this verifier's CPU cores, the verifier pauses its verify steps while a
+    prefill it waits on is in flight, for windows of at most this long with one verify step
+    between them, so the prompt runs on every core (decode/prefill_pause.py); 0: never pauses
+    (a prompt is then run on every core only when the verifier has nothing else to do).
 
     ``verify_rule="synthetic"`` (the ablation harness, decode/synthetic.py) accepts every
     request's drafts along ``synthetic_acceptance``, a per-position acceptance curve (required
@@ -95,6 +99,7 @@ class VerifierConfig:
     verify_rule: str = "auto"
     synthetic_acceptance: tuple[float, ...] = ()
     max_tree_nodes: int = 0
+    max_prefill_pause_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
@@ -126,3 +131,6 @@ class VerifierConfig:
             raise ValueError("tail_wait_fraction must be >= 0")
         if self.max_tree_nodes < 0:
             raise ValueError("max_tree_nodes must be >= 0")
+        if not self.max_prefill_pause_s >= 0:
+            raise ValueError(f"max_prefill_pause_s must be >= 0 (0: never pause), got "
+                             f"{self.max_prefill_pause_s}")

@@ -65,6 +65,7 @@ class Request:
     accept_len_ema: float = INITIAL_ACCEPT_LEN_EMA
     acceptance: Acceptance = field(default_factory=Acceptance)  # decode/goodput.py
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # its first PrefillRequest left
     first_token_time: float | None = None
 
     @property
