@@ -99,7 +99,7 @@ class VerifierConfig:
     verify_rule: str = "auto"
     synthetic_acceptance: tuple[float, ...] = ()
     max_tree_nodes: int = 0
-    max_prefill_pause_s: float = 0.5
+    max_prefill_pause_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:

@@ -17,8 +17,11 @@ waiting prompts' times to first token, the quantity shortest-job-first schedulin
 for single jobs.
 
 ``T(N)`` is fit by least squares over exponentially decayed sums of the forwards measured;
-until two different sizes have been seen the fit is unknown and prompts are batched up to the
-token budget (which also measures a second size).
+until two different sizes have been seen the fit is unknown and a batch takes at most two
+prompts (:data:`EXPLORE_PROMPTS`): a second size to fit, at the cost of one prompt waiting for
+one other once. Prompts of one size each then run one per forward unless batching pays;
+without the fit they would run in batches up to the token budget, which on a CPU makes a wave
+of simultaneous prompts wait for the whole wave (measured: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 COST_DECAY = 0.9
 #: Relative spread of the sizes measured below which the fit is unknown (one size only).
 MIN_RELATIVE_SPREAD = 1e-6
+#: Most prompts in a batch while the cost fit is unknown (one more forward size to measure).
+EXPLORE_PROMPTS = 2
 
 
 class PrefillCost:
@@ -66,8 +71,9 @@ def batch_length(sizes: list[int], max_tokens: int,
     """How many of the waiting prompts (``sizes``: their token counts, in queue order) the next
     forward runs: the first always; each next one while the batch stays within ``max_tokens``
     and, with a known ``cost`` ``(overhead_s, token_s)``, while the rule of the module docstring
-    says that taking it lowers the waiting prompts' total time to first token. The batch is
-    a prefix of the queue (prompts keep their order).
+    says that taking it lowers the waiting prompts' total time to first token (with ``cost``
+    None: up to :data:`EXPLORE_PROMPTS`). The batch is a prefix of the queue (prompts keep
+    their order).
 
     Raises:
         ValueError: ``max_tokens`` < 1.
@@ -82,7 +88,10 @@ def batch_length(sizes: list[int], max_tokens: int,
         n = sizes[m]
         if total + n > max_tokens:
             break
-        if cost is not None:
+        if cost is None:
+            if m >= EXPLORE_PROMPTS:
+                break
+        else:
             overhead_s, token_s = cost
             if not m * n * token_s < (k - m) * overhead_s:
                 break

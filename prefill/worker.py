@@ -89,8 +89,9 @@ class PrefillWorker(MailboxWorker):
         self.stats = PrefillStats()
         self.profile = StepProfile()
         self._generators: dict[torch.device, torch.Generator] = {}
-        #: the forward's cost per torch thread count (0: not set by the worker), for batching
-        self._cost: dict[int, PrefillCost] = {}
+        #: the forward's cost per torch thread count (0: threads not set by the worker), fit
+        #: from this worker's forwards; decides the batches (prefill/batching.py)
+        self.cost_models: dict[int, PrefillCost] = {}
         #: (threads, idle threads, setter): a prompt whose verifier waits idle on the same
         #: cores (PrefillRequest.verifier_idle) runs on ``idle threads``, then back to
         #: ``threads`` (set by cluster/hosts/prefill.py on a CPU node; None: never)
@@ -198,7 +199,7 @@ class PrefillWorker(MailboxWorker):
             sizes.append(n)
         take = 1
         if len(sizes) > 1:
-            cost = self._cost.get(self._threads_for(self.queue[0].req))
+            cost = self.cost_models.get(self._threads_for(self.queue[0].req))
             take = batch_length(sizes, self.config.max_batch_tokens,
                                 cost.fit() if cost is not None else None)
         blocks = 0
@@ -241,7 +242,7 @@ class PrefillWorker(MailboxWorker):
             with self.profile.phase("forward"):
                 firsts, seeds = self._forward(reqs, tables)
             if len(reqs) > 1 or sizes[0] <= self.config.chunk_size:  # one forward: a cost point
-                self._cost.setdefault(threads, PrefillCost()).observe(
+                self.cost_models.setdefault(threads, PrefillCost()).observe(
                     sum(sizes), time.monotonic() - t0)
             self.profile.count("num_batches")
             self.profile.count("num_batch_prompts", len(reqs))

@@ -48,9 +48,19 @@ def _requests(sampling: SamplingParams, method: str) -> list[PrefillRequest]:
             for i, p in enumerate(PROMPTS)]
 
 
+def _flat_cost() -> PrefillCost:
+    """A forward's cost that hardly grows with its tokens (a GPU's): batching always pays."""
+    cost = PrefillCost()
+    cost.observe(10, 0.100)
+    cost.observe(1000, 0.101)
+    return cost
+
+
 def _transfers(tiny, reqs: list[PrefillRequest], **cfg) -> tuple[dict, PrefillWorker]:
-    """request id -> (first token, seed state tensor or None, the KV reassembled)."""
+    """request id -> (first token, seed state tensor or None, the KV reassembled), prefilled
+    with a flat forward cost (so batched up to ``max_batch_tokens``)."""
     verifier, worker = _worker(tiny, **cfg)
+    worker.cost_models[0] = _flat_cost()
     for r in reqs:
         verifier.send("prefill-0", r)
     for _ in range(len(reqs) + 1):
@@ -107,6 +117,25 @@ def test_a_prompt_longer_than_a_chunk_runs_alone_in_chunks(tiny):
         assert batched[rid][0] == first and torch.equal(batched[rid][2], kv)
 
 
+def test_without_a_cost_fit_a_batch_takes_two_prompts_then_the_fit_decides(tiny):
+    """No fit yet: two prompts (a second forward size to fit); then the fit of this CPU's
+    forwards decides, and the first tokens are those of one at a time."""
+    reqs = _requests(SamplingParams(max_tokens=8), "ngram")
+    alone, _ = _transfers(tiny, reqs, max_batch_tokens=1)
+    verifier, worker = _worker(tiny)
+    for r in reqs:
+        verifier.send("prefill-0", r)
+    worker.step()
+    assert worker.profile.counters["num_batch_prompts"] == 2
+    assert worker.cost_models[0].fit() is None  # one size measured
+    for _ in range(3):
+        worker.step()
+    assert worker.stats.num_requests == len(reqs)
+    dones = {m.request_id: m.first_token_id for m in (e.msg for e in verifier.drain())
+             if isinstance(m, PrefillDone)}
+    assert dones == {rid: v[0] for rid, v in alone.items()}
+
+
 def test_prefill_batch_checks_its_arguments(tiny):
     model, config = tiny
     runner = ModelRunner(model, config, KVCache(config, NUM_BLOCKS, BLOCK, torch.float32))
@@ -137,7 +166,8 @@ def test_the_cost_fit_recovers_a_linear_cost_and_waits_for_two_sizes():
 @pytest.mark.parametrize("sizes, max_tokens, cost, want", [
     ([], 512, None, 0),
     ([128], 512, None, 1),
-    ([128, 128, 128, 128, 128], 512, None, 4),  # unknown cost: up to the token budget
+    ([128, 128, 128, 128, 128], 512, None, 2),  # unknown cost: two, to measure a 2nd size
+    ([300, 300], 512, None, 1),  # ... within the token budget
     ([600, 10], 512, None, 1),  # the first always runs, even past the budget
     # CPU-like: 10 ms a forward, 2 ms a token: long prompts one at a time...
     ([128, 128, 128, 128], 512, (0.010, 0.002), 1),
