@@ -3,7 +3,8 @@
 C client threads (the official ``openai`` client, streaming ``/v1/completions``) each send the
 next request as soon as their previous one finished, until N requests are done; every prompt is
 ``--prompt-tokens`` random token ids from its own seed (no two prompts share a prefix, so a
-server's prompt cache cannot help), greedy, ``--max-tokens`` output tokens with ``ignore_eos``.
+server's prompt cache cannot help; the seeds come from the clock unless ``--seed`` is given, so
+a second run sends new prompts too), greedy, ``--max-tokens`` output tokens with ``ignore_eos``.
 This is the shape of ``guidellm``'s synthetic concurrent benchmark (docs/benchmarks.md, 'Time to
 first token'); the script exists so the same load runs without installing guidellm.
 
@@ -181,14 +182,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="first prompt seed (default: from the clock, new prompts every run)")
     ap.add_argument("--metrics", default="", help="specmesh gateway /metrics URL (optional)")
     ap.add_argument("--json", default="", help="also write the result here")
     args = ap.parse_args()
     before = scrape(args.metrics) if args.metrics else {}
     load_before = os.getloadavg()[0]
+    seed = args.seed if args.seed is not None else time.time_ns() % (1 << 40)
     res = run_load(args.url, args.concurrency, args.requests, args.prompt_tokens,
-                   args.max_tokens, args.seed)
+                   args.max_tokens, seed)
     res["loadavg_1m"] = [load_before, os.getloadavg()[0]]
     if args.metrics:
         res["phases"] = phase_means(before, scrape(args.metrics))
