@@ -192,3 +192,17 @@ def test_a_reissued_transfer_does_not_replace_the_streamed_first_token(tiny):
     c.verifier.ingest()
     assert req.status is RequestStatus.RUNNING and req.output_token_ids == refs[0][:1]
     assert c.client.drain() == []  # the start streams no second first token
+
+
+def test_the_option_reaches_the_verifier_and_a_negative_pause_is_refused(tiny_model_dir):
+    from specmesh.cluster.cli import build_parser
+    from specmesh.cluster.options import cluster_config
+    from specmesh.decode.config import VerifierConfig
+
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dir])
+    assert cluster_config(args).verifier.max_prefill_pause_s == 1.0
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dir,
+                                      "--max-prefill-pause-s", "0"])
+    assert cluster_config(args).verifier.max_prefill_pause_s == 0.0
+    with pytest.raises(ValueError, match="max_prefill_pause_s"):
+        VerifierConfig(max_prefill_pause_s=-0.1)
