@@ -44,14 +44,18 @@ class RequestLifecycle:
     hidden states (decode/seed_state.py; the prefill's ``[1, hidden_size]`` row of ``dtype``,
     then the verify steps') and ships them with DraftSync and VerifyCommit; "" ships none.
     ``profile``: where the parts of each request's time to first token go (``ttft``,
-    ``ttft_prefill``, ``kv_transfer``, ``kv_ingest``; see :meth:`first_token`).
+    ``ttft_prefill``, ``kv_transfer``, ``kv_ingest``; see :meth:`first_token`);
+    ``on_prefill_time(request, seconds)`` is told each first token's time from its
+    PrefillRequest.
     """
 
     def __init__(self, scheduler: Scheduler, kv: KVReceiver, stats: VerifierStats,
                  vocab_size: int, eos_token_ids: frozenset[int], send: Send,
                  seed_state: str = "", hidden_size: int = 0, dtype: object = None,
-                 profile: StepProfile | None = None) -> None:
+                 profile: StepProfile | None = None,
+                 on_prefill_time: Callable[[Request, float], None] | None = None) -> None:
         self.profile = profile
+        self.on_prefill_time = on_prefill_time
         self.seed_state = seed_state
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -275,6 +279,8 @@ class RequestLifecycle:
             self.profile.observe("ttft", now - req.arrival_time)
             if t is not None:
                 self.profile.observe("ttft_prefill", now - t.started_at)
+        if t is not None and self.on_prefill_time is not None:
+            self.on_prefill_time(req, now - t.started_at)
         req.commit([first_token_id], self.eos_token_ids)
         req.tail.reset(req.committed_len)
         return True

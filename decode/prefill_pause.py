@@ -14,6 +14,17 @@ Bounded, so decode never starves behind a long prompt or a stream of them: a pau
 lasts at most ``max_pause_s``; when it runs out the verifier runs one verify step (the forward
 then shares the cores with the prefill still in flight) before a new window may open.
 
+Measured, not assumed: a prompt on all cores is faster only while the roles get their cores.
+On a host crowded with other work an OpenMP team of two threads waits at every barrier for the
+thread the scheduler parked, and the prompt is no faster than on one thread, so pausing would
+only stall decode (docs/benchmarks.md, 'Time to first token'). So the verifier compares the
+two ways on its own prompts: the seconds per prompt token from PrefillRequest to the first
+token, an EMA for prompts it paused for and one for prompts run side by side (a prompt sent
+while nothing runs counts as paused: the verifier idles then too). It pauses while the paused
+time is at most :data:`PAUSE_GAIN` times the side-by-side one (pausing costs decode that
+time, so it must win clearly), tries each way :data:`MIN_SAMPLES` times first, and every
+:data:`EXPLORE_EVERY`-th prompt goes the other way to keep both figures current.
+
 Plain logic with an injected clock; the worker does the waiting (on its mailbox, so KV frames,
 PrefillDone and new requests are handled during the pause).
 """
@@ -22,6 +33,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+#: Pause while prefill paused for takes at most this share of its side-by-side time per token.
+PAUSE_GAIN = 0.75
+#: Prompts measured each way before the figures decide.
+MIN_SAMPLES = 2
+#: Every this-many-th prompt goes the way not chosen (keeps its figure current).
+EXPLORE_EVERY = 16
+#: Weight of the newest prompt in each way's EMA of seconds per prompt token.
+EMA_WEIGHT = 0.3
 
 
 class PrefillPause:
@@ -43,10 +63,38 @@ class PrefillPause:
         self._window_start: float | None = None
         self.num_windows = 0  # pause windows opened
         self.num_expired = 0  # windows that ran out with a prefill still in flight
+        #: seconds per prompt token from PrefillRequest to first token: EMA and samples, for
+        #: prompts paused for (True) and run side by side (False)
+        self.per_token_s: dict[bool, float | None] = {True: None, False: None}
+        self.num_samples: dict[bool, int] = {True: 0, False: 0}
+        self._num_choices = 0
 
     @property
     def enabled(self) -> bool:
         return self.max_pause_s > 0
+
+    def choose(self) -> bool:
+        """Whether to pause for the prompt about to be sent while requests are running (see
+        the module docstring; False when disabled)."""
+        if not self.enabled:
+            return False
+        for way in (True, False):
+            if self.num_samples[way] < MIN_SAMPLES:
+                return way
+        self._num_choices += 1
+        paused, side = self.per_token_s[True], self.per_token_s[False]
+        best = paused <= PAUSE_GAIN * side
+        return (not best) if self._num_choices % EXPLORE_EVERY == 0 else best
+
+    def observe(self, paused: bool, num_tokens: int, seconds: float) -> None:
+        """A prompt of ``num_tokens`` tokens, paused for or not, reached its first token
+        ``seconds`` after its PrefillRequest."""
+        if num_tokens < 1:
+            return
+        value = seconds / num_tokens
+        old = self.per_token_s[paused]
+        self.per_token_s[paused] = value if old is None else old + EMA_WEIGHT * (value - old)
+        self.num_samples[paused] += 1
 
     def should_pause(self, num_prefilling: int) -> bool:
         """Whether the verify step about to run should wait instead, with ``num_prefilling``

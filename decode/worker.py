@@ -75,7 +75,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
                                           seed_state=config.seed_state,
                                           hidden_size=seed_state_width(
                                               config.seed_state, runner.config.hidden_size),
-                                          dtype=runner.model.dtype, profile=self.profile)
+                                          dtype=runner.model.dtype, profile=self.profile,
+                                          on_prefill_time=self._observe_prefill)
         self.prefill_peers: list[str] = list(prefill_peers or [])
         self.lifecycle.drafter_peers = list(drafter_peers or [])
         # Transfers are keyed by (this verifier, its incarnation, a counter): the ids of one
@@ -321,30 +322,39 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             self.profile.observe("ttft_admission_wait", req.admitted_time - req.arrival_time)
         self.kv.start(req.request_id, req.transfer_id, req.prefill_peer, req.block_table,
                       req.prompt_len)
+        req.prefill_paused = self._idle_without(req)
         self.send(req.prefill_peer, PrefillRequest(
             request_id=req.request_id, transfer_id=req.transfer_id,
             prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
             block_table=req.block_table, draft_method=self.config.draft_method,
-            verifier_idle=self._idle_without(req)))
+            verifier_idle=req.prefill_paused))
 
     def _idle_without(self, req: Request) -> bool:
         """Whether this verifier shares its cores with prefill (decode/core_sharing.py) and
-        computes nothing while ``req``'s prompt is prefilled: it pauses its verify steps for
-        prefills in flight (``max_prefill_pause_s``, decode/prefill_pause.py), or it has
-        nothing to compute before ``req``'s KV lands (no running request, no other prefill in
-        flight). Its prefill may then take every core (docs/benchmarks.md, 'Threads and
-        OpenMP')."""
+        computes nothing while ``req``'s prompt is prefilled: nothing runs (and, without the
+        pause for prefill, no other prefill is in flight), or it pauses its verify steps for
+        this prompt (``max_prefill_pause_s``, decode/prefill_pause.py, where the measured
+        figures say pausing pays). Its prefill may then take every core (docs/benchmarks.md,
+        'Time to first token')."""
         if self.core_sharing is None or not self.core_sharing.shared:
             return False
+        if any(r.status is RequestStatus.RUNNING for r in self.requests.values()):
+            return self.prefill_pause.choose()
         if self.prefill_pause.enabled:
             return True
-        if any(t.request_id != req.request_id for t in self.kv.transfers.values()):
-            return False  # a prompt sent before (admitted with it or earlier) comes first
-        return not any(r.status is RequestStatus.RUNNING for r in self.requests.values())
+        # a prompt sent before (admitted with it or earlier) comes first
+        return not any(t.request_id != req.request_id for t in self.kv.transfers.values())
 
     def _num_prefilling(self) -> int:
-        """Requests whose prompt is being prefilled for this verifier (transfers in flight)."""
-        return sum(not t.cancelled for t in self.kv.transfers.values())
+        """Prompts in flight that this verifier pauses for (their PrefillRequest said so)."""
+        return sum(r.status is RequestStatus.PREFILLING and r.prefill_paused
+                   for r in self.requests.values())
+
+    def _observe_prefill(self, req: Request, seconds: float) -> None:
+        """``req``'s first token came ``seconds`` after its PrefillRequest: a figure of the way
+        its prompt ran (paused for or side by side) when prefill shares the cores."""
+        if self.core_sharing is not None and self.core_sharing.shared:
+            self.prefill_pause.observe(req.prefill_paused, req.prompt_len, seconds)
 
     def _pause_for_prefill(self, timeout_s: float) -> bool:
         """On cores shared with prefill, wait (up to ``timeout_s`` and the pause window) for the

@@ -10,7 +10,7 @@ import torch
 from helpers.models import hf_greedy, tiny_llama
 from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from specmesh.decode.core_sharing import CoreSharing
-from specmesh.decode.prefill_pause import PrefillPause
+from specmesh.decode.prefill_pause import EXPLORE_EVERY, PrefillPause
 from specmesh.decode.request import RequestStatus
 from specmesh.protocol.messages import (
     GenerateRequest,
@@ -46,9 +46,30 @@ def test_pause_windows_are_bounded_with_one_step_between():
     assert p.should_pause(1) and p.num_windows == 3  # a fresh window, not an expired one
 
 
+def test_the_measured_figures_choose_the_way():
+    """Each way is tried twice, then the verifier pauses while paused prompts take at most
+    PAUSE_GAIN of the side-by-side time per token, and every EXPLORE_EVERY-th prompt goes the
+    other way."""
+    p = PrefillPause(1.0, clock=Clock())
+    ways = []
+    for _ in range(4):
+        way = p.choose()
+        ways.append(way)
+        p.observe(way, 100, 0.2 if way else 0.5)  # paused: 2 ms a token; side by side: 5 ms
+    assert ways == [True, True, False, False]
+    assert p.per_token_s[True] == pytest.approx(0.002) and p.num_samples[False] == 2
+    chosen = [p.choose() for _ in range(EXPLORE_EVERY)]
+    assert chosen == [True] * (EXPLORE_EVERY - 1) + [False]  # the last one explores
+    for _ in range(10):  # a crowded host: paused prompts are no faster
+        p.observe(True, 100, 0.5)
+    assert not p.choose()
+    p.observe(False, 0, 1.0)  # an empty prompt says nothing
+    assert p.num_samples[False] == 2
+
+
 def test_zero_never_pauses_and_negative_is_refused():
     p = PrefillPause(0.0, clock=Clock())
-    assert not p.enabled and not p.should_pause(5)
+    assert not p.enabled and not p.should_pause(5) and not p.choose()
     with pytest.raises(ValueError, match="max_pause_s"):
         PrefillPause(-1.0)
 
@@ -108,6 +129,26 @@ def test_the_verifier_pauses_for_a_prefill_on_its_cores_then_steps(tiny):
         if not c.verifier.requests:
             break
     assert [got["a"], got["b"]] == refs
+
+
+def test_where_pausing_does_not_pay_prompts_run_side_by_side(tiny):
+    """Figures of a crowded host (paused prompts no faster per token): the next prompt is sent
+    without verifier_idle and the running request keeps stepping."""
+    model, cfg, prompts, _ = tiny
+    c = InProcessCluster(model, cfg, num_speculative_tokens=2, num_kv_blocks=64, block_size=4)
+    c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
+    pause = c.verifier.prefill_pause = PrefillPause(0.5, clock=Clock())
+    for way in (True, True, False, False):  # paused 1 s a token, side by side 1 ms
+        pause.observe(way, 10, 10.0 if way else 0.01)
+    _submit(c, "a", prompts[0])
+    c.verifier.step()
+    c.prefill.step()
+    c.verifier.step()
+    _submit(c, "b", prompts[1])
+    c.verifier.step()
+    assert not c.verifier.requests["b"].prefill_paused
+    assert c.verifier.stats.num_steps == 2  # a stepped beside b's prefill
+    assert "prefill_pause" not in c.verifier.profile.as_dict()["phases"]
 
 
 def test_not_shared_never_pauses(tiny):
