@@ -323,6 +323,9 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self.kv.start(req.request_id, req.transfer_id, req.prefill_peer, req.block_table,
                       req.prompt_len)
         req.prefill_paused = self._idle_without(req)
+        if self.core_sharing is not None and self.core_sharing.shared:
+            self.profile.count("num_prefills_paused_for" if req.prefill_paused
+                               else "num_prefills_side_by_side")
         self.send(req.prefill_peer, PrefillRequest(
             request_id=req.request_id, transfer_id=req.transfer_id,
             prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
