@@ -50,6 +50,7 @@ class Request:
     prefill_peer: str | None = None
     prefill_retries: int = 0  # transfers re-issued on another prefill worker
     prefill_paused: bool = False  # its PrefillRequest said the verifier computes nothing meanwhile
+    prefill_alone: bool = False  # no other prompt of this verifier was on its prefill worker
     output_token_ids: list[int] = field(default_factory=list)  # committed output
     num_streamed: int = 0  # output tokens already sent to the gateway
     tail: TailBuffer = field(default_factory=TailBuffer)

@@ -322,6 +322,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             self.profile.observe("ttft_admission_wait", req.admitted_time - req.arrival_time)
         self.kv.start(req.request_id, req.transfer_id, req.prefill_peer, req.block_table,
                       req.prompt_len)
+        req.prefill_alone = self._prefill_alone(req)
         req.prefill_paused = self._idle_without(req)
         if self.core_sharing is not None and self.core_sharing.shared:
             self.profile.count("num_prefills_paused_for" if req.prefill_paused
@@ -334,19 +335,23 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
 
     def _idle_without(self, req: Request) -> bool:
         """Whether this verifier shares its cores with prefill (decode/core_sharing.py) and
-        computes nothing while ``req``'s prompt is prefilled: nothing runs (and, without the
-        pause for prefill, no other prefill is in flight), or it pauses its verify steps for
-        this prompt (``max_prefill_pause_s``, decode/prefill_pause.py, where the measured
-        figures say pausing pays). Its prefill may then take every core (docs/benchmarks.md,
-        'Time to first token')."""
+        computes nothing while ``req``'s prompt is prefilled: nothing runs and no other
+        prefill is in flight, or it will pause its verify steps for this prompt
+        (``max_prefill_pause_s``, decode/prefill_pause.py, while its figures say pausing
+        pays). Its prefill may then take every core (docs/benchmarks.md, 'Time to first
+        token')."""
         if self.core_sharing is None or not self.core_sharing.shared:
             return False
-        if any(r.status is RequestStatus.RUNNING for r in self.requests.values()):
-            return self.prefill_pause.choose()
-        if self.prefill_pause.enabled:
+        running = any(r.status is RequestStatus.RUNNING for r in self.requests.values())
+        if not running and self._prefill_alone(req):
             return True
-        # a prompt sent before (admitted with it or earlier) comes first
-        return not any(t.request_id != req.request_id for t in self.kv.transfers.values())
+        return self.prefill_pause.choose()
+
+    def _prefill_alone(self, req: Request) -> bool:
+        """No other transfer of this verifier is in flight on ``req``'s prefill worker (so its
+        time to first token is its prefill's, without waiting behind another prompt)."""
+        return not any(t.request_id != req.request_id and t.prefill_peer == req.prefill_peer
+                       for t in self.kv.transfers.values())
 
     def _num_prefilling(self) -> int:
         """Prompts in flight that this verifier pauses for (their PrefillRequest said so)."""
@@ -355,8 +360,9 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
 
     def _observe_prefill(self, req: Request, seconds: float) -> None:
         """``req``'s first token came ``seconds`` after its PrefillRequest: a figure of the way
-        its prompt ran (paused for or side by side) when prefill shares the cores."""
-        if self.core_sharing is not None and self.core_sharing.shared:
+        its prompt ran (paused for or side by side) when prefill shares the cores, if it did
+        not wait behind another prompt (queueing is not the way's doing)."""
+        if self.core_sharing is not None and self.core_sharing.shared and req.prefill_alone:
             self.prefill_pause.observe(req.prefill_paused, req.prompt_len, seconds)
 
     def _pause_for_prefill(self, timeout_s: float) -> bool:

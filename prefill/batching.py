@@ -17,7 +17,7 @@ waiting prompts' times to first token, the quantity shortest-job-first schedulin
 for single jobs.
 
 ``T(N)`` is fit by least squares over exponentially decayed sums of the forwards measured;
-until two different sizes have been seen the fit is unknown and a batch takes at most two
+until :data:`MIN_OBSERVATIONS` forwards of at least two sizes have been seen the fit is unknown and a batch takes at most two
 prompts (:data:`EXPLORE_PROMPTS`): a second size to fit, at the cost of one prompt waiting for
 one other once. Prompts of one size each then run one per forward unless batching pays;
 without the fit they would run in batches up to the token budget, which on a CPU makes a wave
@@ -30,6 +30,8 @@ from __future__ import annotations
 COST_DECAY = 0.9
 #: Relative spread of the sizes measured below which the fit is unknown (one size only).
 MIN_RELATIVE_SPREAD = 1e-6
+#: Forwards measured before the fit is used (two points of a noisy host decide little).
+MIN_OBSERVATIONS = 4
 #: Most prompts in a batch while the cost fit is unknown (one more forward size to measure).
 EXPLORE_PROMPTS = 2
 
@@ -42,11 +44,13 @@ class PrefillCost:
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
+        self.num_observations = 0
         self._w = self._n = self._t = self._nn = self._nt = 0.0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One forward over ``num_tokens`` prompt tokens took ``seconds``."""
         d = self.decay
+        self.num_observations += 1
         n, t = float(num_tokens), float(seconds)
         self._w = d * self._w + 1.0
         self._n = d * self._n + n
@@ -55,8 +59,9 @@ class PrefillCost:
         self._nt = d * self._nt + n * t
 
     def fit(self) -> tuple[float, float] | None:
-        """``(overhead_s, token_s)``, both >= 0, or None while the sizes measured are all one."""
-        if self._w == 0:
+        """``(overhead_s, token_s)``, both >= 0, or None while fewer than
+        :data:`MIN_OBSERVATIONS` forwards were measured or their sizes are all one."""
+        if self.num_observations < MIN_OBSERVATIONS:
             return None
         mean_n, mean_t = self._n / self._w, self._t / self._w
         var = self._nn / self._w - mean_n * mean_n

@@ -51,8 +51,9 @@ def _requests(sampling: SamplingParams, method: str) -> list[PrefillRequest]:
 def _flat_cost() -> PrefillCost:
     """A forward's cost that hardly grows with its tokens (a GPU's): batching always pays."""
     cost = PrefillCost()
-    cost.observe(10, 0.100)
-    cost.observe(1000, 0.101)
+    for _ in range(2):
+        cost.observe(10, 0.100)
+        cost.observe(1000, 0.101)
     return cost
 
 
@@ -148,14 +149,21 @@ def test_prefill_batch_checks_its_arguments(tiny):
 def test_the_cost_fit_recovers_a_linear_cost_and_waits_for_two_sizes():
     cost = PrefillCost()
     assert cost.fit() is None
+    cost.observe(128, 0.010 + 128 * 0.002)
+    cost.observe(512, 0.010 + 512 * 0.002)
+    assert cost.fit() is None  # two forwards: too few to decide on
     for _ in range(3):
         cost.observe(128, 0.010 + 128 * 0.002)
-    assert cost.fit() is None  # one size only: overhead and per-token cost are not separable
+    assert cost.fit() is not None
+    single = PrefillCost()
+    for _ in range(5):
+        single.observe(128, 0.266)
+    assert single.fit() is None  # one size only: overhead and per-token cost are not separable
     cost.observe(512, 0.010 + 512 * 0.002)
     overhead, per_token = cost.fit()
     assert overhead == pytest.approx(0.010) and per_token == pytest.approx(0.002)
     noisy = PrefillCost()
-    for n, t in [(10, 0.5), (20, 0.1)]:  # falling with size: clamped at >= 0
+    for n, t in [(10, 0.5), (20, 0.1)] * 2:  # falling with size: clamped at >= 0
         noisy.observe(n, t)
     overhead, per_token = noisy.fit()
     assert per_token == 0.0 and overhead > 0
