@@ -14,9 +14,15 @@ request). With ``--metrics URL`` (specmesh's gateway ``/metrics``), the TTFT par
 verifier and prefill record (``ttft_*`` and prefill phases of the step profile) are read
 before and after the run and their means over the run are printed too.
 
+With ``--servers NAME=URL,...`` it compares servers on a noisy host instead: ``--blocks``
+interleaved blocks, each running the load against every server in turn, and reports per server
+the median over blocks (with the TTFT parts of a server that has specmesh's ``/metrics``).
+
 Usage:
     python benchmarks/ttft_load.py --url http://127.0.0.1:8000 --concurrency 4 --requests 16 \
         [--metrics http://127.0.0.1:8000/metrics] [--json out.json]
+    python benchmarks/ttft_load.py --servers specmesh=http://127.0.0.1:8000,\
+llama=http://127.0.0.1:8080 --concurrency 4 --requests 8 --blocks 6
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 import urllib.request
@@ -175,11 +182,51 @@ def _label(labels: str, name: str) -> str:
     return ""
 
 
+def compare(servers: dict[str, str], blocks: int, concurrency: int, num_requests: int,
+            prompt_tokens: int, max_tokens: int, seed: int) -> dict:
+    """Interleaved blocks on a noisy host: each block runs the load against every server in
+    turn (new prompts each time), so every server sees the same minutes; per server the
+    block means, their median, the median output tokens/s and, where the server has specmesh's
+    ``/metrics``, the TTFT parts over all its blocks."""
+    metrics = {}
+    for name, url in servers.items():
+        try:
+            metrics[name] = scrape(f"{url}/metrics")
+        except OSError:  # not specmesh (or no metrics): TTFT from the client only
+            pass
+    out: dict = {name: {"block_ttft_mean_ms": [], "block_ttft_p50_ms": [],
+                        "block_tokens_per_s": []} for name in servers}
+    loads = []
+    for block in range(blocks):
+        for name, url in servers.items():
+            loads.append(os.getloadavg()[0])
+            r = run_load(url, concurrency, num_requests, prompt_tokens, max_tokens, seed)
+            seed += 10 * num_requests + 10
+            o = out[name]
+            o["block_ttft_mean_ms"].append(round(r["ttft_mean_ms"], 1))
+            o["block_ttft_p50_ms"].append(round(r["ttft_p50_ms"], 1))
+            o["block_tokens_per_s"].append(round(r["output_tokens_per_s"], 2))
+            print(f"block {block} {name}: TTFT mean {r['ttft_mean_ms']:.0f} ms, p50 "
+                  f"{r['ttft_p50_ms']:.0f} ms, {r['output_tokens_per_s']:.1f} tok/s, "
+                  f"load {loads[-1]:.1f}", file=sys.stderr, flush=True)
+    for name, o in out.items():
+        o["median_ttft_mean_ms"] = statistics.median(o["block_ttft_mean_ms"])
+        o["median_ttft_p50_ms"] = statistics.median(o["block_ttft_p50_ms"])
+        o["median_tokens_per_s"] = statistics.median(o["block_tokens_per_s"])
+        if name in metrics:
+            o["phases"] = phase_means(metrics[name], scrape(f"{servers[name]}/metrics"))
+    return {"concurrency": concurrency, "requests_per_block": num_requests, "blocks": blocks,
+            "loadavg_1m": [min(loads), max(loads)], "servers": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--url", default="", help="server root, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--servers", default="", metavar="NAME=URL,...",
+                    help="compare these servers in interleaved blocks instead")
+    ap.add_argument("--blocks", type=int, default=4, help="with --servers: blocks per server")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=16, help="requests per run (per block)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=None,
@@ -187,14 +234,21 @@ def main() -> None:
     ap.add_argument("--metrics", default="", help="specmesh gateway /metrics URL (optional)")
     ap.add_argument("--json", default="", help="also write the result here")
     args = ap.parse_args()
-    before = scrape(args.metrics) if args.metrics else {}
-    load_before = os.getloadavg()[0]
+    if bool(args.url) == bool(args.servers):
+        ap.error("give --url or --servers")
     seed = args.seed if args.seed is not None else time.time_ns() % (1 << 40)
-    res = run_load(args.url, args.concurrency, args.requests, args.prompt_tokens,
-                   args.max_tokens, seed)
-    res["loadavg_1m"] = [load_before, os.getloadavg()[0]]
-    if args.metrics:
-        res["phases"] = phase_means(before, scrape(args.metrics))
+    if args.servers:
+        servers = dict(item.split("=", 1) for item in args.servers.split(","))
+        res = compare(servers, args.blocks, args.concurrency, args.requests,
+                      args.prompt_tokens, args.max_tokens, seed)
+    else:
+        before = scrape(args.metrics) if args.metrics else {}
+        load_before = os.getloadavg()[0]
+        res = run_load(args.url, args.concurrency, args.requests, args.prompt_tokens,
+                       args.max_tokens, seed)
+        res["loadavg_1m"] = [load_before, os.getloadavg()[0]]
+        if args.metrics:
+            res["phases"] = phase_means(before, scrape(args.metrics))
     print(json.dumps(res, indent=2))
     if args.json:
         with open(args.json, "w") as f:
