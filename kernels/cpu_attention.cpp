@@ -1,8 +1,8 @@
 // Paged attention for the CPU (kernels/cpu_attention.py builds and loads this file).
 //
 // One work item is one query row and one KV head: it reads the row's visible positions of that
-// head from the paged cache through the block table (no gather, no copy, no dtype conversion
-// of the cache) and computes the attention of the head's G query heads over them, in float
+// head from the paged cache through the block table (no gather, no copy, no conversion pass
+// over the cache) and computes the attention of the head's G query heads over them, in float
 // (double for double inputs). The arithmetic of an item depends only on its row, on how many
 // positions it sees and on their K/V: every reduction runs in a fixed order written out here
 // (16 explicit lanes, then a fixed tree), products use explicit fma, and exp is a polynomial
@@ -11,13 +11,18 @@
 // kernels/paged_attention.py), and a verify row equals the one-token decode step at its
 // position bit for bit. Build flags keep it so: -ffp-contract=off, no -ffast-math.
 //
+// KV storage: the cache's dtype, which is the model's or, for a float32 model, bfloat16 or
+// float16 (``--kv-cache-dtype``): 16-bit K/V are converted to float exactly as they are read
+// (bfloat16: a shift; float16: F16C / AVX-512 vcvtph2ps where the target has it, else the
+// scalar conversion, the same values) and every product and sum stays in float.
+//
 // Shapes (row-major, contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size,
 // Hkv, D]; block_tables int64 [B, table_width]; token_batch int64 [T] (the request of a row);
 // token_visible int32 [T] (positions the row sees); token_path int32 [T, path_width] and
 // token_chunk_start int32 [T] or null (token trees: visible position p >= chunk_start reads
 // chunk row token_path[t, p - chunk_start], i.e. position chunk_start + that row).
 #include <cmath>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <algorithm>
@@ -39,6 +44,32 @@ inline float load(const uint16_t* p, int64_t i) {  // bfloat16 -> float, exact
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+
+// IEEE binary16 storage (a float16 KV cache); uint16_t above is bfloat16
+struct Half {
+  uint16_t bits;
+};
+
+// float16 -> float, exact (every binary16 value is a float): normals and infinities / NaNs by
+// moving the fields, subnormals as mantissa * 2^-24 (an exact product)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1fu) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else {
+    float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // 2^-24
+    std::memcpy(&u, &f, sizeof u);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float load(const Half* p, int64_t i) { return half_to_float(p[i].bits); }
 
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
 inline void store(double* p, int64_t i, double x) { p[i] = x; }
@@ -141,6 +172,24 @@ inline f32x16 load16(const uint16_t* p) {  // 16 bfloat16 -> float, exact
   f32x16 v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+}
+
+inline f32x16 load16(const Half* p) {  // 16 float16 -> float, exact
+#if defined(__AVX512F__)
+  const __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<f32x16>(r);
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  f32x16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
+  f32x16 r;
+  for (int l = 0; l < kLanes; ++l) r[l] = half_to_float(p[l].bits);
+  return r;
+#endif
 }
 
 inline float hsum(f32x16 v) {  // the lane tree of lane_sum
@@ -478,8 +527,9 @@ void attend_item(const A* qf, const S* const* krow, const S* const* vrow, int64_
 }
 
 
-template <typename S, typename A>
-void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_t* block_tables,
+// T: the storage of q and out (the model's dtype), S: the cache's, A: the accumulation type.
+template <typename T, typename S, typename A>
+void attend(const T* q, const S* k_cache, const S* v_cache, T* out, const int64_t* block_tables,
             int64_t table_width, const int64_t* token_batch, const int32_t* token_visible,
             const int32_t* token_path, int64_t path_width, const int32_t* token_chunk_start,
             int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -600,7 +650,7 @@ void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_
           const A* pa = &part_acc[at * d];
           for (int64_t i = 0; i < d; ++i) a[i] = fmaa(f, pa[i], a[i]);
         }
-        S* o = out + (t * num_heads + kh * g + h) * d;
+        T* o = out + (t * num_heads + kh * g + h) * d;
         for (int64_t i = 0; i < d; ++i) store(o, i, a[i] / total);
       }
     }
@@ -609,7 +659,7 @@ void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_
 
 }  // namespace
 
-#define SPECMESH_ENTRY(name, S, A)                                                            \
+#define SPECMESH_ENTRY(name, T, S, A)                                                         \
   extern "C" void name(const void* q, const void* k_cache, const void* v_cache, void* out,     \
                        const int64_t* block_tables, int64_t table_width,                       \
                        const int64_t* token_batch, const int32_t* token_visible,               \
@@ -617,13 +667,16 @@ void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_
                        const int32_t* token_chunk_start, int64_t num_tokens, int64_t num_heads, \
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,             \
                        double scale, int num_threads) {                                        \
-    attend<S, A>(static_cast<const S*>(q), static_cast<const S*>(k_cache),                     \
-                 static_cast<const S*>(v_cache), static_cast<S*>(out), block_tables,           \
-                 table_width, token_batch, token_visible, token_path, path_width,              \
-                 token_chunk_start, num_tokens, num_heads, num_kv_heads, head_dim, block_size, \
-                 scale, num_threads);                                                          \
+    attend<T, S, A>(static_cast<const T*>(q), static_cast<const S*>(k_cache),                  \
+                    static_cast<const S*>(v_cache), static_cast<T*>(out), block_tables,        \
+                    table_width, token_batch, token_visible, token_path, path_width,           \
+                    token_chunk_start, num_tokens, num_heads, num_kv_heads, head_dim,          \
+                    block_size, scale, num_threads);                                           \
   }
 
-SPECMESH_ENTRY(specmesh_paged_attention_f32, float, float)
-SPECMESH_ENTRY(specmesh_paged_attention_bf16, uint16_t, float)
-SPECMESH_ENTRY(specmesh_paged_attention_f64, double, double)
+SPECMESH_ENTRY(specmesh_paged_attention_f32, float, float, float)
+SPECMESH_ENTRY(specmesh_paged_attention_bf16, uint16_t, uint16_t, float)
+SPECMESH_ENTRY(specmesh_paged_attention_f64, double, double, double)
+// a float32 model over a 16-bit KV cache
+SPECMESH_ENTRY(specmesh_paged_attention_f32_kv_bf16, float, uint16_t, float)
+SPECMESH_ENTRY(specmesh_paged_attention_f32_kv_f16, float, Half, float)

@@ -139,13 +139,17 @@ def paged_attention_triton(
 
     Raises:
         ValueError: as :func:`paged_attention_ref`; a dtype other than float16/bfloat16/
-            float32/float64; tensors (or the plan's) on different devices; block ids out of
+            float32/float64, or a cache of another dtype than q's (a 16-bit KV cache of a
+            float32 model runs on the CPU only); tensors (or the plan's) on different devices; block ids out of
             range (checked for CPU tensors only); CPU tensors while the kernel is compiled.
         RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
             imported (the kernel was already decorated for compilation).
     """
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel supports float16/bfloat16/float32/float64, got {q.dtype}")
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"the Triton kernel reads a cache of q's dtype only, got q {q.dtype} "
+                         f"over {k_cache.dtype}")
     devices = {q.device, k_cache.device, v_cache.device}
     if len(devices) != 1:
         raise ValueError(f"q, k_cache, v_cache are on different devices: "
