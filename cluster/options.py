@@ -8,7 +8,7 @@ import os
 
 from specmesh.cluster.drafter_option import add_ngram_tree_option
 from specmesh.decode.config import VERIFY_RULES
-from specmesh.engine.dtypes import MODEL_DTYPES
+from specmesh.engine.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
 
 #: dtypes a user may pick on the command line (float16 is not supported on CPU here).
 CLI_DTYPES = tuple(d for d in MODEL_DTYPES if d != "float16")
@@ -22,6 +22,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto",) + CLI_DTYPES,
                    help="model dtype; auto: bfloat16 on a GPU or a CPU with native bf16 "
                         "matmul (avx512_bf16/amx), else float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="dtype of the KV cache (vLLM's option); auto: the model dtype; "
+                        "bfloat16 / float16: a 16-bit cache for a float32 model on the CPU "
+                        "(half the bytes a decode step reads per position of context; output "
+                        "then differs from float32 HF, speculation still equals plain decode)")
     p.add_argument("--device", default="auto",
                    help="auto (a visible GPU, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
@@ -143,6 +148,7 @@ def cluster_config(args: argparse.Namespace, **overrides):
                                           getattr(args, "ngram_tree_width", None))
 
     kw = dict(model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
               kv_cache_mb=args.kv_cache_mb,
               num_speculative_tokens=args.num_speculative_tokens,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

@@ -163,7 +163,21 @@ inline f32x16 load16(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline f32x16 load16(const uint16_t* p) {  // 16 bfloat16 -> float, exact
+inline f32x16 load16(const uint16_t* p) {  // 16 bfloat16 -> float, exact (bits << 16)
+#if defined(__AVX512F__)  // one widening load and a shift (GCC's generic form takes ~3x that)
+  const __m512i u =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<f32x16>(_mm512_slli_epi32(u, 16));
+#elif defined(__AVX2__)
+  const __m256i lo = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  const __m256i hi = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
+  f32x16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
   typedef uint32_t u32x16 __attribute__((vector_size(64)));
   typedef uint16_t u16x16 __attribute__((vector_size(32)));
   u16x16 h;
@@ -172,6 +186,7 @@ inline f32x16 load16(const uint16_t* p) {  // 16 bfloat16 -> float, exact
   f32x16 v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+#endif
 }
 
 inline f32x16 load16(const Half* p) {  // 16 float16 -> float, exact

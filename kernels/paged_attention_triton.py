@@ -140,8 +140,9 @@ def paged_attention_triton(
     Raises:
         ValueError: as :func:`paged_attention_ref`; a dtype other than float16/bfloat16/
             float32/float64, or a cache of another dtype than q's (a 16-bit KV cache of a
-            float32 model runs on the CPU only); tensors (or the plan's) on different devices; block ids out of
-            range (checked for CPU tensors only); CPU tensors while the kernel is compiled.
+            float32 model runs on the CPU only); tensors (or the plan's) on different
+            devices; block ids out of range (checked for CPU tensors only); CPU tensors while
+            the kernel is compiled.
         RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
             imported (the kernel was already decorated for compilation).
     """

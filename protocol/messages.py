@@ -24,8 +24,8 @@ from typing import Annotated, ClassVar
 # 2: num_speculative_tokens, block_table, role "verifier"; 3: Abort.num_output_tokens, field ranges;
 # 4: SamplingParams.min_p (sampled and seeded requests); 5: TokenStream.offset;
 # 6: HelloAck carries the acceptor's identity (protocol version, model, draft method);
-# 7: DraftBranches (drafter -> verifier)
-PROTOCOL_VERSION = 7
+# 7: DraftBranches (drafter -> verifier); 8: ModelIdentity.kv_cache_dtype
+PROTOCOL_VERSION = 8
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -136,7 +136,13 @@ class Buffer:
 @register(1)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelIdentity:
-    """What two peers must agree on before exchanging KV or tokens."""
+    """What two peers must agree on before exchanging KV or tokens.
+
+    ``kv_cache_dtype``: the dtype of the KV cache and so of every KVFrame (``--kv-cache-dtype``
+    resolved: never ``auto``); empty when constructed means ``dtype`` (a cache in the model's
+    dtype). Prefill and verifier must hold the same one, since the verifier writes the frames'
+    K/V as they are and re-derives nothing from them; so every role announces it.
+    """
 
     name: str
     vocab_size: int
@@ -145,7 +151,12 @@ class ModelIdentity:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    kv_cache_dtype: str = ""
     TAG: ClassVar[int]
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_dtype:  # frozen: set through object
+            object.__setattr__(self, "kv_cache_dtype", self.dtype)
 
     @classmethod
     def example(cls) -> ModelIdentity:
@@ -365,7 +376,8 @@ class KVFrame:
     layers ``[layer_start, layer_end)``.
 
     ``kv`` has shape ``[layer_end - layer_start, 2, num_tokens, num_kv_heads, head_dim]``
-    (index 0 = keys, 1 = values) in the model dtype.
+    (index 0 = keys, 1 = values) in the KV cache dtype (``ModelIdentity.kv_cache_dtype``: the
+    model dtype, or bfloat16 / float16 for a float32 model with a 16-bit cache).
     """
 
     request_id: str

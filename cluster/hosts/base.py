@@ -77,7 +77,7 @@ class RoleHost(ABC):
         from specmesh.engine.loader import model_identity
 
         return ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
-                                              self.cfg.block_size))
+                                              self.cfg.block_size, self.cfg.kv_cache_dtype))
 
     @abstractmethod
     def build_worker(self) -> Any:
@@ -250,21 +250,24 @@ def peers_of(roster: list[dict], role: Role) -> list[dict]:
 
 def loaded_runner(cfg: ClusterConfig):
     """Load the target and build (LoadedModel, ModelRunner, BlockManager) with
-    ``cfg.kv_cache_mb`` of KV in blocks of ``cfg.block_size``.
+    ``cfg.kv_cache_mb`` of KV in blocks of ``cfg.block_size``, in ``cfg.kv_cache_dtype``.
 
     Raises:
-        ValueError: the KV memory holds no block.
+        ValueError: the KV memory holds no block, or a KV cache dtype the model (or its
+            device) cannot have.
     """
     from specmesh.engine.block_manager import BlockManager
     from specmesh.engine.devices import resolve_device
+    from specmesh.engine.dtypes import resolve_kv_cache_dtype
     from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
     from specmesh.engine.loader import load_model
     from specmesh.engine.runner import ModelRunner
 
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device))
-    n = num_blocks_for_memory(loaded.config, cfg.block_size, cfg.dtype, cfg.kv_cache_mb << 20)
+    kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, loaded.model.dtype)
+    n = num_blocks_for_memory(loaded.config, cfg.block_size, kv_dtype, cfg.kv_cache_mb << 20)
     if n < 1:
         raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds no block of {cfg.block_size} tokens")
-    cache = KVCache(loaded.config, n, cfg.block_size, loaded.model.dtype, loaded.model.device)
+    cache = KVCache(loaded.config, n, cfg.block_size, kv_dtype, loaded.model.device)
     watch_model(loaded.model)  # a long forward is progress for the health check
     return loaded, ModelRunner(loaded.model, loaded.config, cache), BlockManager(n, cfg.block_size)

@@ -62,7 +62,8 @@ def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, A
         raise ValueError("draft method 'draft_model' needs the draft model's path: "
                          "method_kwargs={'model': PATH}")
     if target_identity is None:
-        target_identity = ModelIdentity(**model_identity(cfg.model, cfg.dtype, cfg.block_size))
+        target_identity = ModelIdentity(**model_identity(cfg.model, cfg.dtype, cfg.block_size,
+                                                         cfg.kv_cache_dtype))
     dtype = kwargs.pop("dtype", cfg.dtype)
     device = resolve_device(kwargs.pop("device", cfg.device))
     return build_draft_model_proposer(path, target_identity, load_tokenizer(cfg.model), dtype,
