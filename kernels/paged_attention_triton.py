@@ -148,15 +148,15 @@ def paged_attention_triton(
     """
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel supports float16/bfloat16/float32/float64, got {q.dtype}")
-    if k_cache.dtype != q.dtype:
-        raise ValueError(f"the Triton kernel reads a cache of q's dtype only, got q {q.dtype} "
-                         f"over {k_cache.dtype}")
     devices = {q.device, k_cache.device, v_cache.device}
     if len(devices) != 1:
         raise ValueError(f"q, k_cache, v_cache are on different devices: "
                          f"{sorted(map(str, devices))}")
     plan = resolve_plan(q, k_cache, v_cache, block_tables, query_lens, kv_lens, plan,
                         tree_masks)
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"the Triton kernel reads a cache of q's dtype only, got q {q.dtype} "
+                         f"over {k_cache.dtype}")
     num_blocks, block_size, hkv, d = k_cache.shape
     t, h, _ = q.shape
     token_visible = plan.token_visible

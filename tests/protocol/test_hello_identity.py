@@ -23,7 +23,7 @@ MODEL = ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=2, nu
                       head_dim=4, block_size=16)
 #: a value for each ModelIdentity field that differs from MODEL's
 OTHER_VALUES = {"name": "other", "vocab_size": 11, "dtype": "bfloat16", "num_layers": 3,
-                "num_kv_heads": 2, "head_dim": 8, "block_size": 32}
+                "num_kv_heads": 2, "head_dim": 8, "block_size": 32, "kv_cache_dtype": "float16"}
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelIdentity)]
 
 
@@ -72,11 +72,18 @@ def test_hello_with_a_different_field_is_refused_naming_it(field, value):
     assert why and field.split("_")[0] in why.replace(" ", "_"), why
 
 
-@pytest.mark.parametrize("field", MODEL_FIELDS)
+@pytest.mark.parametrize("field", [f for f in MODEL_FIELDS if f != "kv_cache_dtype"])
 def test_an_empty_model_field_is_not_a_wildcard(field):
     empty = "" if isinstance(getattr(MODEL, field), str) else 0
     why = _refusal(_hello(model=dataclasses.replace(MODEL, **{field: empty})))
     assert why and field in why and "empty" in why, why
+
+
+def test_an_unset_kv_cache_dtype_is_the_model_dtype_not_a_wildcard():
+    unset = dataclasses.replace(MODEL, kv_cache_dtype="")
+    assert unset.kv_cache_dtype == MODEL.dtype and _refusal(_hello(model=unset)) == ""
+    other = dataclasses.replace(MODEL, kv_cache_dtype="bfloat16")
+    assert "kv_cache_dtype" in _refusal(_hello(model=other))
 
 
 @pytest.mark.parametrize("changes, word", [
