@@ -378,24 +378,43 @@ void values16(const float* w, int64_t w_stride, const S* const* vrow, int64_t a,
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define SPECMESH_AVX2_FLOAT 1
-// float K/V on AVX2 (16 ymm registers): one head at a time in 8-lane registers, so a head's
-// query (scores) or running sums (values) stay in registers; the K/V rows of a tile come again
-// from L1 for the next head. Lane l < 8 of a 16-lane vector is lane l of the low register,
-// lane 8 + l that of the high one: each lane sees the same fma sequence as in scores16 /
-// values16, so the results are the same bits.
-template <int NC>
-void scores_avx2(const float* q, const float* const* krow, int64_t a, int64_t b, int64_t n,
+#define SPECMESH_AVX2_ROWS 1
+// 8 K/V values as floats, exact: float as is, bfloat16 shifted, float16 by F16C
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#if defined(__F16C__)
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+// K/V storage the 8-lane path takes (float16 only with F16C)
+template <typename S>
+constexpr bool kAvx2Rows = std::is_same<S, float>::value || std::is_same<S, uint16_t>::value
+#if defined(__F16C__)
+                           || std::is_same<S, Half>::value
+#endif
+    ;
+
+// K/V on AVX2 (16 ymm registers): one head at a time in 8-lane registers, so a head's query
+// (scores) or running sums (values) stay in registers; the K/V rows of a tile come again from
+// L1 for the next head. Lane l < 8 of a 16-lane vector is lane l of the low register, lane
+// 8 + l that of the high one: each lane sees the same fma sequence as in scores16 / values16
+// (16-bit K/V widened exactly as load16 widens them), so the results are the same bits.
+template <typename S, int NC>
+void scores_avx2(const float* q, const S* const* krow, int64_t a, int64_t b, int64_t n,
                  float* w, bool fetch) {
   __m256 qv[2 * NC];
   for (int j = 0; j < 2 * NC; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
   auto product = [&](int64_t p, f32x16* part) {
     if (fetch && p + kAhead < n) prefetch_row(krow[p + kAhead], NC);
-    const float* k = krow[p];
+    const S* k = krow[p];
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (int c = 0; c < NC; ++c) {
-      lo = _mm256_fmadd_ps(qv[2 * c], _mm256_loadu_ps(k + 16 * c), lo);
-      hi = _mm256_fmadd_ps(qv[2 * c + 1], _mm256_loadu_ps(k + 16 * c + 8), hi);
+      lo = _mm256_fmadd_ps(qv[2 * c], load8(k + 16 * c), lo);
+      hi = _mm256_fmadd_ps(qv[2 * c + 1], load8(k + 16 * c + 8), hi);
     }
     std::memcpy(part, &lo, 32);
     std::memcpy(reinterpret_cast<char*>(part) + 32, &hi, 32);
@@ -414,16 +433,16 @@ void scores_avx2(const float* q, const float* const* krow, int64_t a, int64_t b,
   }
 }
 
-template <int NC>
-void values_avx2(const float* w, const float* const* vrow, int64_t a, int64_t b, int64_t n,
+template <typename S, int NC>
+void values_avx2(const float* w, const S* const* vrow, int64_t a, int64_t b, int64_t n,
                  float* acc_mem, bool fetch) {
   __m256 acc[2 * NC];
   for (int j = 0; j < 2 * NC; ++j) acc[j] = _mm256_loadu_ps(acc_mem + 8 * j);
   for (int64_t p = a; p < b; ++p) {
     if (fetch && p + kAhead < n) prefetch_row(vrow[p + kAhead], NC);
-    const float* v = vrow[p];
+    const S* v = vrow[p];
     const __m256 wp = _mm256_set1_ps(w[p]);
-    for (int j = 0; j < 2 * NC; ++j) acc[j] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    for (int j = 0; j < 2 * NC; ++j) acc[j] = _mm256_fmadd_ps(wp, load8(v + 8 * j), acc[j]);
   }
   for (int j = 0; j < 2 * NC; ++j) _mm256_storeu_ps(acc_mem + 8 * j, acc[j]);
 }
@@ -433,10 +452,10 @@ void values_avx2(const float* w, const float* const* vrow, int64_t a, int64_t b,
 template <typename S, int NC>
 void scores_row16(const float* qf, int64_t g, const S* const* krow, int64_t a, int64_t b,
                   int64_t n, float* w, int64_t w_stride) {
-#ifdef SPECMESH_AVX2_FLOAT
-  if constexpr (std::is_same<S, float>::value) {
+#ifdef SPECMESH_AVX2_ROWS
+  if constexpr (kAvx2Rows<S>) {
     for (int64_t h = 0; h < g; ++h)
-      scores_avx2<NC>(qf + h * 16 * NC, krow, a, b, n, w + h * w_stride, h == 0);
+      scores_avx2<S, NC>(qf + h * 16 * NC, krow, a, b, n, w + h * w_stride, h == 0);
     return;
   }
 #endif
@@ -455,10 +474,10 @@ void scores_row16(const float* qf, int64_t g, const S* const* krow, int64_t a, i
 template <typename S, int NC>
 void values_row16(const float* w, int64_t w_stride, int64_t g, const S* const* vrow, int64_t a,
                   int64_t b, int64_t n, float* acc) {
-#ifdef SPECMESH_AVX2_FLOAT
-  if constexpr (std::is_same<S, float>::value) {
+#ifdef SPECMESH_AVX2_ROWS
+  if constexpr (kAvx2Rows<S>) {
     for (int64_t h = 0; h < g; ++h)
-      values_avx2<NC>(w + h * w_stride, vrow, a, b, n, acc + h * 16 * NC, h == 0);
+      values_avx2<S, NC>(w + h * w_stride, vrow, a, b, n, acc + h * 16 * NC, h == 0);
     return;
   }
 #endif
