@@ -106,7 +106,7 @@ class CompiledStack:
         if h.dtype is not torch.float32 or not h.is_cpu or h.dim() != 2 or plan is None \
                 or not isinstance(kv_cache, KVCache) or not self.enabled() \
                 or kv_cache.dtype not in layer_ops.KV_KINDS \
-                or not attention_runs_compiled(h, kv_cache.dtype):
+                or not attention_runs_compiled(h, kv_dtype=kv_cache.dtype):
             return None
         # unchanged since the pointers were built, the per-layer checks of _blocks (a large
         # share of the call's overhead) need not run again (the grad check is per call)

@@ -74,7 +74,7 @@ def available() -> bool:
     return library() is not None
 
 
-def supports(q: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
+def supports(q: torch.Tensor, *, kv_dtype: torch.dtype | None = None) -> bool:
     """Whether the kernel takes this query tensor (CPU, a supported dtype) over a cache of
     ``kv_dtype`` (None: q's dtype) and is available."""
     key = (q.dtype, q.dtype if kv_dtype is None else kv_dtype)

@@ -190,14 +190,14 @@ def paged_attention(
     if kernel is not None and (q.is_cuda or _interpret_mode()) and k_cache.dtype == q.dtype:
         return kernel(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale, plan,
                       tree_masks)
-    if cpu_attention.supports(q, k_cache.dtype):
+    if cpu_attention.supports(q, kv_dtype=k_cache.dtype):
         return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, block_tables, query_lens,
                                                  kv_lens, scale, plan, tree_masks)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale,
                                plan, tree_masks)
 
 
-def attention_runs_compiled(q: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
+def attention_runs_compiled(q: torch.Tensor, *, kv_dtype: torch.dtype | None = None) -> bool:
     """Whether :func:`paged_attention` would run ``q`` (or a tensor of its dtype and device)
     over a cache of ``kv_dtype`` (None: q's dtype) on the compiled CPU kernel
     (:mod:`kernels.cpu_attention`), as code that calls that kernel itself must check to keep
@@ -206,7 +206,7 @@ def attention_runs_compiled(q: torch.Tensor, kv_dtype: torch.dtype | None = None
     kernel = _triton_entry()
     if kernel is not None and (q.is_cuda or _interpret_mode()) and kv_dtype == q.dtype:
         return False
-    return cpu_attention.supports(q, kv_dtype)
+    return cpu_attention.supports(q, kv_dtype=kv_dtype)
 
 
 def _triton_entry():  # noqa: ANN202

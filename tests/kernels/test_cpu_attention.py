@@ -201,8 +201,9 @@ def test_16bit_cache_goes_to_the_kernel_and_the_switch_turns_it_off(monkeypatch)
     h, hkv, d, bs, q_lens, kv_lens = SHAPES[0]
     q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, torch.float32)
     args = (q, k.to(torch.bfloat16), v.to(torch.bfloat16), tables, q_lens, kv_lens, 0.125)
-    assert cpu_attention.supports(q, torch.bfloat16) and cpu_attention.supports(q, torch.float16)
-    assert not cpu_attention.supports(q.to(torch.bfloat16), torch.float16)
+    assert cpu_attention.supports(q, kv_dtype=torch.bfloat16)
+    assert cpu_attention.supports(q, kv_dtype=torch.float16)
+    assert not cpu_attention.supports(q.to(torch.bfloat16), kv_dtype=torch.float16)
     kernel, ref = attend(*args), paged_attention_ref(*args)
     assert not torch.equal(kernel, ref)  # they round differently, so the choice shows
     assert torch.equal(paged_attention(*args), kernel)
