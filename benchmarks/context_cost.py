@@ -5,13 +5,13 @@ paged attention (kernels/cpu_attention.py, what the engine runs) against the tor
 process; each request's blocks are scattered through the cache as a long-running server leaves
 them.
 
-Prints per case the median of the runs (ms per forward and per token) of every system, and per
-system the ratio of the per-token time at the longest context to that at the shortest (the
-"flat in context" figure: a float32 model reads twice the KV bytes of a 16-bit cache per
-position, docs/benchmarks.md, 'Attention').
+Prints per case the median (``--stat min``: the fastest) of the runs (ms per forward and per
+token) of every system, and per system the ratio of the per-token time at the longest context
+to that at the shortest (the "flat in context" figure: a float32 model reads twice the KV bytes
+of a 16-bit cache per position, docs/benchmarks.md, 'Attention').
 
     python benchmarks/context_cost.py [bfloat16|float32] [--kv-cache-dtype bfloat16|float16]
-        [--impls kernel,reference] [--repeats N] [--threads N]
+        [--impls kernel,reference] [--repeats N] [--threads N] [--stat median|min]
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--impls", default="kernel,reference",
                     help="comma list of attention implementations: kernel, reference")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--stat", default="median", choices=("median", "min"),
+                    help="per case: the median of the repeats, or the fastest (on cores other "
+                         "work shares, the least disturbed)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     impls = {"kernel": em.paged_attention, "reference": paged_attention_ref}
@@ -92,10 +95,11 @@ def main() -> None:
     em.paged_attention = kernel
     os.environ.pop(SWITCH, None)
     labels = [label for label, _, _ in systems]
-    print(f"SmolLM2 {args.dtype}, {args.threads} threads, median of {args.repeats} "
+    print(f"SmolLM2 {args.dtype}, {args.threads} threads, {args.stat} of {args.repeats} "
           f"(ms per forward / ms per token)")
     print(f"{'context':>8} {'q':>2} {'batch':>5} | " + " | ".join(f"{s:>19}" for s in labels))
-    med = {c: {k: statistics.median(v) * 1e3 for k, v in times[c].items()} for c in CASES}
+    stat = statistics.median if args.stat == "median" else min
+    med = {c: {k: stat(v) * 1e3 for k, v in times[c].items()} for c in CASES}
     for (ctx, q, b) in CASES:
         cells = " | ".join(f"{med[(ctx, q, b)][k]:8.2f} / {med[(ctx, q, b)][k] / b:8.2f}"
                            for k in labels)

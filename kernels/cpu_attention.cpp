@@ -144,6 +144,24 @@ inline A dot(const A* q, const S* k, int64_t d) {
   return lane_sum(part);
 }
 
+// the largest of s[0 .. n), n >= 1: 16 running maxima, then the lanes in order (a maximum is
+// one of the values whatever the order, so this is the value a serial scan finds; it only
+// runs without a chain of dependent compares)
+template <typename A>
+inline A max_of(const A* s, int64_t n) {
+  A m = s[0];
+  int64_t i = 1;
+  if (n > kLanes) {
+    A lane[kLanes];
+    for (int l = 0; l < kLanes; ++l) lane[l] = s[1 + l];
+    for (i = 1 + kLanes; i + kLanes <= n; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) lane[l] = s[i + l] > lane[l] ? s[i + l] : lane[l];
+    for (int l = 0; l < kLanes; ++l) m = lane[l] > m ? lane[l] : m;
+  }
+  for (; i < n; ++i) m = s[i] > m ? s[i] : m;
+  return m;
+}
+
 // sum of n softmax weights: 16 lanes by position, then the lane tree
 template <typename A>
 inline A weight_sum(const A* s, int64_t n) {
@@ -262,12 +280,15 @@ inline f32x16 splat16(float x) {
 }
 
 // Rows are read through the block table, so the hardware sees short strided runs: fetch the
-// row kAhead positions ahead (each row is 16 * nc elements).
-constexpr int64_t kAhead = 32;
+// row kAhead positions ahead (each row is 16 * nc elements) into L2 (prefetcht1): into L1
+// (prefetcht0) the requests in flight are capped by L1's few miss buffers, which left a long
+// context's attention waiting on memory at a third of the bandwidth the products get
+// (docs/benchmarks.md, 'Attention').
+constexpr int64_t kAhead = 64;
 template <typename S>
 inline void prefetch_row(const S* row, int nc) {
   const char* b = reinterpret_cast<const char*>(row);
-  for (size_t at = 0; at < 16 * nc * sizeof(S); at += 64) __builtin_prefetch(b + at);
+  for (size_t at = 0; at < 16 * nc * sizeof(S); at += 64) __builtin_prefetch(b + at, 0, 2);
 }
 
 // Lane trees of 16 vectors at once: r[j] = hsum(v[j]) for j < 16, with the same additions as
@@ -524,8 +545,7 @@ void attend_rows16(const float* qf, int64_t rows, int64_t g, const S* const* con
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < g; ++h) {
       float* s = w + (r * g + h) * w_stride;
-      float m = s[0];
-      for (int64_t i = 1; i < n[r]; ++i) m = s[i] > m ? s[i] : m;
+      const float m = max_of(s, n[r]);
       for (int64_t i = 0; i < n[r]; ++i) s[i] = exp_neg(s[i] - m);
       max_out[r * g + h] = m;
       den_out[r * g + h] = weight_sum(s, n[r]);
@@ -546,8 +566,7 @@ void attend_item(const A* qf, const S* const* krow, const S* const* vrow, int64_
     for (int64_t h = 0; h < g; ++h) w[h * w_stride + p] = dot(qf + h * d, krow[p], d);
   for (int64_t h = 0; h < g; ++h) {
     A* s = w + h * w_stride;
-    A m = s[0];
-    for (int64_t p = 1; p < n; ++p) m = s[p] > m ? s[p] : m;
+    const A m = max_of(s, n);
     for (int64_t p = 0; p < n; ++p) s[p] = exp_neg(s[p] - m);
     max_out[h] = m;
     den_out[h] = weight_sum(s, n);
@@ -621,11 +640,19 @@ void attend(const T* q, const S* k_cache, const S* v_cache, T* out, const int64_
         const int64_t t = rows_t[l];
         const int64_t start = tree ? token_chunk_start[t] : INT64_MAX;
         const int64_t count = tree ? n[l] : *std::max_element(n.begin(), n.end());
+        // positions before the chunk start run in order: their block and offset advance
+        // without a division per position
+        int64_t blk = p0 / block_size, at = p0 % block_size;
         for (int64_t i = 0; i < count; ++i) {
           const int64_t p = p0 + i;
-          const int64_t pos = p < start ? p : start + token_path[t * path_width + (p - start)];
-          const int64_t off =
-              ((table[pos / block_size] * block_size + pos % block_size) * hkv + kh) * d;
+          int64_t off;
+          if (p < start) {
+            off = ((table[blk] * block_size + at) * hkv + kh) * d;
+          } else {
+            const int64_t pos = start + token_path[t * path_width + (p - start)];
+            off = ((table[pos / block_size] * block_size + pos % block_size) * hkv + kh) * d;
+          }
+          if (++at == block_size) at = 0, ++blk;
           krow[l * kSplit + i] = k_cache + off;
           vrow[l * kSplit + i] = v_cache + off;
         }
