@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                     res = servers.run(name, model, level_requests(prompts, level),
                                       args.max_tokens, level)
                     runs.setdefault((level, name), []).append(res)
-                    print(f"repeat {r + 1} C={level} {name}: {res.tokens_per_s:.2f} tok/s",
-                          file=sys.stderr, flush=True)
+                    print(f"repeat {r + 1} C={level} {name}: {res.tokens_per_s:.2f} tok/s, "
+                          f"drafted {res.spec.num_draft_tokens}, accepted "
+                          f"{res.spec.num_accepted_tokens}", file=sys.stderr, flush=True)
     for level in levels:
         plain = runs[(level, LLAMA_PLAIN)][0]
         print(f"\n## concurrency {level}\n\n| system | tokens/s | drafted | accepted | "

@@ -194,6 +194,8 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
 
     Raises:
         openai.OpenAIError: a request failed (the other threads finish first).
+        KeyboardInterrupt: at once, the requests not yet sent cancelled and those in flight
+            left to their threads (the caller stops the server).
     """
     res = RunResult(system, concurrency=concurrency)
     texts: list[str] = [""] * len(prompts)
@@ -220,10 +222,17 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
             ids[i] = _token_ids(resp)
 
     t0 = clock()
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
+    interrupted = False
+    try:
         futures = [pool.submit(one, i) for i in range(len(prompts))]
         for f in futures:
             f.result()
+    except KeyboardInterrupt:  # Ctrl-C: no new requests, no wait for those in flight
+        interrupted = True
+        raise
+    finally:
+        pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
     res.seconds = clock() - t0
     res.texts = texts
     res.token_ids = None if None in ids else ids

@@ -203,9 +203,10 @@ HF_BASELINE = "hf generate"
 @dataclass(frozen=True)
 class System:
     """One benchmarked system: ``kind`` is ``served`` (through the gateway), ``inprocess``
-    (the workers in the bench process) or ``hf``; ``kappa`` its drafts per step (0 = none);
-    ``plain`` the name of its kappa = 0 counterpart (None if it has none); ``method`` the
-    label of its draft method (``--drafters``; None for kappa = 0 and HF)."""
+    (the workers in the bench process), ``hf`` or ``llama`` (llama.cpp's ``llama-server``);
+    ``kappa`` its drafts per step (0 = none); ``plain`` the name of its kappa = 0 counterpart
+    (None if it has none); ``method`` the label of its draft method (``--drafters``; for
+    llama-server its speculation type; None for kappa = 0 and HF)."""
 
     name: str
     kind: str

@@ -143,13 +143,39 @@ def test_started_health_waited_driven_and_stopped(fake_binary, tmp_path, monkeyp
     server.stop()  # twice is fine
 
 
-def test_stopped_when_the_bench_fails_while_it_runs(fake_binary):
+@pytest.mark.parametrize("error", [KeyError, KeyboardInterrupt])
+def test_stopped_when_the_bench_fails_or_is_interrupted(fake_binary, error):
     server = LlamaServer(_config(fake_binary))
-    with pytest.raises(KeyError):
+    with pytest.raises(error):
         with server:
             proc = server.proc
-            raise KeyError("a failing run")
+            raise error("a failing run, or Ctrl-C")
     assert proc.poll() is not None
+
+
+def test_ctrl_c_does_not_wait_for_the_requests_in_flight():
+    """Ctrl-C during a pass: run_openai_concurrent raises at once (so the bench goes on to
+    stop its servers), leaving the request in flight to its thread."""
+    in_flight, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    class Completions:
+        def create(self, messages, **kw):
+            if messages == "interrupt":
+                in_flight.wait(10)
+                raise KeyboardInterrupt
+            in_flight.set()
+            release.wait(10)
+            finished.set()
+            raise RuntimeError("the server is gone")
+
+    class Client:
+        chat = type("Chat", (), {"completions": Completions()})()
+
+    prompts = [{"messages": "interrupt"}, {"messages": "slow"}, {"messages": "never sent"}]
+    with pytest.raises(KeyboardInterrupt):
+        run_openai_concurrent(Client(), "m", prompts, 4, "s", 2)
+    assert not finished.is_set()  # did not wait for the slow request
+    release.set()
 
 
 def test_killed_when_it_ignores_sigterm(fake_binary, monkeypatch):
