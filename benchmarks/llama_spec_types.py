@@ -6,7 +6,8 @@ tokens/s (median), drafted / accepted tokens and outputs identical to the plain 
 This picked ``--llama-spec-type``'s default (docs/benchmarks.md, 'llama.cpp as the peer').
 
     python benchmarks/llama_spec_types.py [--kappa 4] [--concurrency 1,4] [--repeats 2]
-        [--max-tokens 64] [--types ngram-mod,ngram-simple] [--llama-server PATH]
+        [--max-tokens 64] [--num-prompts N] [--types ngram-mod,ngram-simple]
+        [--llama-server PATH]
         [--args "--spec-ngram-simple-size-n 4"]
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import statistics
 import sys
 
@@ -31,12 +33,18 @@ from specmesh.engine.loader import load_tokenizer, model_gguf, model_name
 from specmesh.gateway.tokens import chat_prompt_ids
 
 
+def _interrupt(signum: int, frame) -> None:  # noqa: ANN001
+    raise KeyboardInterrupt(f"signal {signum}")  # unwind: the servers started are stopped
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kappa", type=int, default=4)
     ap.add_argument("--concurrency", default="1")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=None, help="the first N bundled prompts")
     ap.add_argument("--types", default=",".join(NGRAM_SPEC_TYPES))
     ap.add_argument("--threads", type=int, default=default_threads()["verifier"])
     ap.add_argument("--llama-server", default=None)
@@ -47,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama-server not found: {how}", file=sys.stderr)
         return 1
     levels = parse_concurrency(args.concurrency)
-    prompts = load_prompts()
+    prompts = load_prompts(args.num_prompts)
     tokenizer = load_tokenizer(None)
     longest = max(len(chat_prompt_ids(tokenizer, p["messages"])) for p in prompts)
     types = [t.strip() for t in args.types.split(",") if t.strip()]

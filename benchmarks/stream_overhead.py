@@ -4,17 +4,23 @@ and 0, the bundled prompts, C concurrent clients) streamed and not streamed on o
 interleaved, and prints tokens/s of both and their ratio, with the streamed TTFT / ITL.
 
     python benchmarks/stream_overhead.py [--concurrency 1,4] [--repeats 3] [--max-tokens 64]
-        [--dtype float32 --drafter ngram ...: any cluster option]
+        [--num-prompts N] [--dtype float32 --drafter ngram ...: any cluster option]
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 
 
+def _interrupt(signum: int, frame) -> None:  # noqa: ANN001
+    raise KeyboardInterrupt(f"signal {signum}")  # unwind: the servers started are stopped
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     from specmesh.cluster.loopback import use_loopback
     from specmesh.cluster.options import add_cluster_options, cluster_config
     from specmesh.data.prompts import level_requests, parse_concurrency
@@ -24,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=None, help="the first N bundled prompts")
     args = ap.parse_args(argv)
     levels = parse_concurrency(args.concurrency)
     use_loopback()  # before the first `import ray`
@@ -35,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = cluster_config(args, port=0)
     kappa = cfg.verifier.num_speculative_tokens
-    prompts = load_prompts()
+    prompts = load_prompts(args.num_prompts)
     model = model_name(cfg.model)
     handle = start_cluster(cfg)
     runs: dict[tuple[int, int, bool], list] = {}
