@@ -122,10 +122,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupt(signum: int, frame) -> None:  # noqa: ANN001
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     opts = bench_options(args)  # a bad list or prompts file fails before anything starts
     if opts.prompts_file:
@@ -138,12 +134,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specmesh.benchmarks.harness.bench import bench
 
     cfg = cluster_config(args, port=0)
-    # SIGTERM unwinds like Ctrl-C, so the clusters and llama-servers it started are stopped
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        summary = bench(cfg, opts)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    summary = bench(cfg, opts)
     if cfg.verifier.synthetic_acceptance:  # the ablation harness: outputs differ by design
         return 0
     return 1 if summary.get("mismatches") else 0  # a method whose output is not exact

@@ -22,9 +22,12 @@ specmesh.data.prompts.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from specmesh.benchmarks.harness.llama_server import LlamaServers, find_llama_server, llama_configs
 from specmesh.benchmarks.harness.options import (
@@ -104,6 +107,26 @@ def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
     return handles, started
 
 
+def _interrupt(signum: int, frame) -> None:  # noqa: ANN001
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within: SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so the ``finally`` blocks stop
+    the clusters and llama-servers the bench started (Ray's own handler, installed when the
+    first cluster starts, would end the process at once). Main thread only; elsewhere a
+    no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def bench_process_threads(cfg: ClusterConfig) -> int:
     """Torch threads of the bench process, where the in-process systems and Hugging Face run:
     every core (the plain verifier's share, as a user's own ``generate`` would have), or the
@@ -127,6 +150,22 @@ def llama_peer(opts: BenchOptions, model: str | None) -> tuple[str, str, str] | 
     if gguf is None:
         return f"the model {model!r} is not a GGUF (llama-server runs GGUF files)"
     return binary, how, str(gguf)
+
+
+def start_llama(llama: LlamaServers, model: str, prompt: dict, num_prompt_tokens: int) -> bool:
+    """Start the llama-servers and warm each up with ``prompt``; returns whether they count
+    the ``num_prompt_tokens`` specmesh's tokenizer does (the same chat template), printing a
+    warning when not."""
+    print(f"[bench] starting llama-server ({', '.join(llama.configs)})", file=sys.stderr,
+          flush=True)
+    llama.start_all()
+    counted = {n: llama.warm_up(n, model, prompt["messages"]) for n in llama.configs}
+    same = all(n == num_prompt_tokens for n in counted.values())
+    if not same:
+        print(f"[bench] llama-server counts {counted} prompt tokens for the first prompt, "
+              f"specmesh {num_prompt_tokens}: the chat templates differ", file=sys.stderr,
+              flush=True)
+    return same
 
 
 def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
@@ -205,57 +244,49 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                    f"the runs and running side by side in one Ray session, each in its own "
                    f"Ray namespace; served k=0 runs on the {labels[0]} cluster")
     runs: dict[int, dict[str, list[RunResult]]] = {c: {} for c in opts.concurrency}
-    try:
-        clients = {label: openai_client(h.url) for label, h in handles.items()}
-        for label in labels:
-            handles[label].set_num_speculative_tokens(kappa)
-            run_openai(clients[label], model, prompts[:1], 4, "warmup")
-        if hf_model is not None:
-            run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
-        if llama is not None:
-            print(f"[bench] starting llama-server ({', '.join(llama.configs)})",
-                  file=sys.stderr, flush=True)
-            llama.start_all()
-            counted = {n: llama.warm_up(n, model, prompts[0]["messages"])
-                       for n in llama.configs}
-            llama_info["prompt_tokens_match"] = all(n == len(prompt_ids[0])
-                                                    for n in counted.values())
-            if not llama_info["prompt_tokens_match"]:
-                print(f"[bench] llama-server counts {counted} prompt tokens for the first "
-                      f"prompt, specmesh {len(prompt_ids[0])}: the chat templates differ",
-                      file=sys.stderr, flush=True)
-        schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels, served_only,
-                             baselines, opts.llama_spec_type)
-        bar = tqdm(schedule, desc="bench", unit="run", disable=not opts.progress,
-                   file=sys.stderr)
-        for r, level, system in bar:
-            bar.set_postfix_str(f"C={level} {system.name}")
-            reqs = level_requests(prompts, level)
-            if system.kind == "served":
-                label = system.method or labels[0]  # kappa = 0: the first method's cluster
-                res = run_served(handles[label], clients[label], model, reqs, opts.max_tokens,
-                                 system.kappa, level, system.name)
-            elif system.kind == "inprocess":
-                ids = level_requests(prompt_ids, level)
-                res = inproc.run(ids, system.kappa, level, system.name, system.method)
-            elif system.kind == "llama":
-                res = llama.run(system.name, model, reqs, opts.max_tokens, level)
-            else:
-                res = run_hf(hf_model, tokenizer, reqs, opts.max_tokens, system.name, eos,
-                             batch_size=1 if system.kappa else level,
-                             prompt_lookup=system.kappa or None)
-            runs[level].setdefault(system.name, []).append(res)
-            tqdm.write(f"[bench] repeat {r + 1}/{opts.repeats} C={level} {system.name}: "
-                       f"{res.num_tokens} tokens in {res.seconds:.2f} s, "
-                       f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
-        bar.close()
-    finally:
-        if llama is not None:
-            llama.stop_all()
-        for h in handles.values():
-            h.set_num_speculative_tokens(kappa)
-        for h in started:
-            h.stop()
+    with sigterm_unwinds():  # after the clusters started: Ray's handler replaced
+        try:
+            clients = {label: openai_client(h.url) for label, h in handles.items()}
+            for label in labels:
+                handles[label].set_num_speculative_tokens(kappa)
+                run_openai(clients[label], model, prompts[:1], 4, "warmup")
+            if hf_model is not None:
+                run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
+            if llama is not None:
+                llama_info["prompt_tokens_match"] = start_llama(llama, model, prompts[0],
+                                                                len(prompt_ids[0]))
+            schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels, served_only,
+                                 baselines, opts.llama_spec_type)
+            bar = tqdm(schedule, desc="bench", unit="run", disable=not opts.progress,
+                       file=sys.stderr)
+            for r, level, system in bar:
+                bar.set_postfix_str(f"C={level} {system.name}")
+                reqs = level_requests(prompts, level)
+                if system.kind == "served":
+                    label = system.method or labels[0]  # kappa = 0: the first method's cluster
+                    res = run_served(handles[label], clients[label], model, reqs, opts.max_tokens,
+                                     system.kappa, level, system.name)
+                elif system.kind == "inprocess":
+                    ids = level_requests(prompt_ids, level)
+                    res = inproc.run(ids, system.kappa, level, system.name, system.method)
+                elif system.kind == "llama":
+                    res = llama.run(system.name, model, reqs, opts.max_tokens, level)
+                else:
+                    res = run_hf(hf_model, tokenizer, reqs, opts.max_tokens, system.name, eos,
+                                 batch_size=1 if system.kappa else level,
+                                 prompt_lookup=system.kappa or None)
+                runs[level].setdefault(system.name, []).append(res)
+                tqdm.write(f"[bench] repeat {r + 1}/{opts.repeats} C={level} {system.name}: "
+                           f"{res.num_tokens} tokens in {res.seconds:.2f} s, "
+                           f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
+            bar.close()
+        finally:
+            if llama is not None:
+                llama.stop_all()
+            for h in handles.values():
+                h.set_num_speculative_tokens(kappa)
+            for h in started:
+                h.stop()
     config = {"model": model, "dtype": cfg.dtype, "kappa": kappa, "max_tokens": opts.max_tokens,
               "num_prompts": len(prompts), "prompt_names": [p["name"] for p in prompts],
               "repeats": opts.repeats, "concurrency": opts.concurrency, "threads": plans[labels[0]],

@@ -8,6 +8,7 @@ stats from its ``timings``, TTFT and inter-token latency on an injected clock)."
 from __future__ import annotations
 
 import itertools
+import signal
 import stat
 import sys
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from specmesh.benchmarks.harness.bench import sigterm_unwinds
 from specmesh.benchmarks.harness.llama_server import (
     LlamaServer,
     LlamaServerConfig,
@@ -151,6 +153,16 @@ def test_stopped_when_the_bench_fails_or_is_interrupted(fake_binary, error):
             proc = server.proc
             raise error("a failing run, or Ctrl-C")
     assert proc.poll() is not None
+
+
+def test_sigterm_unwinds_the_bench_like_ctrl_c():
+    """A SIGTERM during the runs raises KeyboardInterrupt, so the bench's ``finally`` stops
+    its servers (Ray's handler would end the process at once); the handler is restored."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        with sigterm_unwinds():
+            signal.raise_signal(signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_ctrl_c_does_not_wait_for_the_requests_in_flight():
