@@ -108,15 +108,17 @@ def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
 
 
 def _interrupt(signum: int, frame) -> None:  # noqa: ANN001
+    signal.signal(signum, signal.SIG_IGN)  # once: a second one must not cut the cleanup short
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """Within: SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so the ``finally`` blocks stop
-    the clusters and llama-servers the bench started (Ray's own handler, installed when the
-    first cluster starts, would end the process at once). Main thread only; elsewhere a
-    no-op."""
+    """Within: the first SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so the ``finally``
+    blocks stop the clusters and llama-servers the bench started (Ray's own handler,
+    installed when the first cluster starts, would end the process at once); later ones are
+    ignored until the block ends, so they cannot interrupt that cleanup (SIGKILL still ends
+    it). Main thread only; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
