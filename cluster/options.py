@@ -6,7 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from specmesh.cluster.config import ROLES, ClusterConfig, default_threads
 from specmesh.cluster.drafter_option import add_drafter_options
+from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
+from specmesh.drafter.registry import runs_a_model
+from specmesh.engine.backend import CHOICES, BackendOverrides, read_overrides
 from specmesh.engine.dtypes import MODEL_DTYPES
 
 #: dtypes a user may pick on the command line (float16 is not supported on CPU here).
@@ -36,8 +40,6 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def add_cpu_backend_option(p: argparse.ArgumentParser) -> None:
     """``--cpu-backend``: overrides of the CPU compute choices (engine/backend.py)."""
-    from specmesh.engine.backend import CHOICES
-
     p.add_argument("--cpu-backend", default=None, metavar="NAME=on|off,...",
                    help="switch CPU fast paths off (or back on over a SPECMESH_* environment "
                         f"switch): NAME one of {', '.join(CHOICES)}; every role applies the "
@@ -87,8 +89,6 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
 def add_verify_rule_option(p: argparse.ArgumentParser) -> None:
     """``--verify-rule``: the choices and their help come from the verification-rule registry
     (decode/rules.py): ``auto`` and every rule a deployment may pick."""
-    from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
-
     rules = selectable_rules()
     p.add_argument("--verify-rule", default=AUTO, choices=(AUTO, *rules),
                    help=f"verification rule of the deployment: {AUTO}: {AUTO_HELP}; "
@@ -103,8 +103,6 @@ def backend_overrides(args: argparse.Namespace):  # noqa: ANN201 - engine Backen
     Raises:
         SystemExit: a malformed ``--cpu-backend`` or environment switch.
     """
-    from specmesh.engine.backend import BackendOverrides, read_overrides
-
     try:
         return read_overrides().merged(
             BackendOverrides.parse(getattr(args, "cpu_backend", None)))
@@ -122,9 +120,8 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
         ValueError: an invalid combination (from the configs' own checks).
         SystemExit: an option the model or the KV memory cannot serve.
     """
+    # the forward probe behind auto (engine/forward_probe.py) loads models: transformers
     from specmesh.cluster.auto_resolve import resolve_settings
-    from specmesh.cluster.config import ClusterConfig
-
     if settings is None:
         settings = resolve_settings(args, measure=False, plans=drafter_plans(args))
     method, method_kwargs = settings["drafter"].value
@@ -160,8 +157,6 @@ def thread_plan(args: argparse.Namespace, model_drafter: bool) -> dict[str, int]
     Raises:
         SystemExit: a malformed ``--thread-plan``.
     """
-    from specmesh.cluster.config import default_threads
-
     plan = None
     if getattr(args, "threads", None):
         plan = default_threads(args.threads)
@@ -174,8 +169,6 @@ def thread_plan(args: argparse.Namespace, model_drafter: bool) -> dict[str, int]
 
 def drafter_plans(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]:
     """The thread plans ``--drafter auto`` weighs: with a model drafter, and with n-gram."""
-    from specmesh.cluster.config import default_threads
-
     return (thread_plan(args, True) or default_threads(model_drafter=True),
             thread_plan(args, False) or default_threads())
 
@@ -183,8 +176,6 @@ def drafter_plans(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, i
 def is_model_drafter(method: str) -> bool:
     """Whether the registered ``method`` runs a model (its drafts cost forwards that compete
     with the verifier's for the cores): see :attr:`drafter.proposer.Proposer.runs_a_model`."""
-    from specmesh.drafter.registry import runs_a_model
-
     return runs_a_model(method)
 
 
@@ -194,8 +185,6 @@ def parse_thread_plan(text: str) -> dict[str, int]:
     Raises:
         SystemExit: an unknown role, a count below 1, or a malformed item.
     """
-    from specmesh.cluster.config import ROLES
-
     plan: dict[str, int] = {}
     for item in text.split(","):
         role, _, count = item.strip().partition("=")
@@ -215,6 +204,7 @@ def synthetic_settings(args: argparse.Namespace) -> dict:
         SystemExit: what the rule refuses (a rule without its curve, a curve with another
             rule, both forms, a malformed curve), with its reason.
     """
+    # decode.synthetic imports the verification rules and their triton kernels
     from specmesh.decode.synthetic import synthetic_settings as settings
 
     try:

@@ -72,7 +72,7 @@ def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
     """One running cluster per method, all started now, side by side in one Ray session
     (each in its own namespace): (label -> handle, the handles started here). A given
     ``handle`` serves the method it runs, if listed."""
-    from specmesh.cluster.launcher import start_cluster
+    from specmesh.cluster.launcher import start_cluster  # ray: only when clusters start
 
     given = cluster_drafter(handle.cfg) if handle is not None else None
     reuse = [given is not None and (given.method, given.method_kwargs) == (
@@ -115,6 +115,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     running with its kappa restored). Returns the summary
     (:func:`benchmarks.harness.report.summarize`); ``summary["mismatches"]`` lists every system
     whose output differed from kappa = 0."""
+    # torch, transformers and the engine load when a bench runs, not for --help
     import torch
     from tqdm import tqdm
 
@@ -148,6 +149,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                                                 "goodput_drafts": cfg.verifier.goodput_drafts})
     forward_cost: dict[str, dict] = {}  # per concurrency: its batch's forward cost ratio
     if opts.profile and kappa > 0:
+        # torch and the model runner, only with --profile
         from specmesh.benchmarks.harness.forward_cost import forward_cost_ratio
 
         ctx = min(200, loaded.config.max_position_embeddings - kappa - 1)

@@ -47,6 +47,7 @@ def forward_cost_ratio(model, config, num_speculative_tokens: int, context_len: 
         ValueError: ``num_speculative_tokens < 1``, ``batch < 1``, or a context longer than
             the model allows.
     """
+    # torch and the engine's runner: this module is imported by the bench before a model loads
     import torch
 
     from specmesh.engine.kv_cache import KVCache

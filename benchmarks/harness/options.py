@@ -50,6 +50,7 @@ class BenchDrafter:
 def _label(method: str, kwargs: dict) -> str:
     """The method as users type it (drafter/registry.py), with the last part of the value of
     its positional option (a head's or a draft model's path) when it has one."""
+    # the registry imports the built-in methods (torch) on first use: not at --help
     from specmesh.drafter.registry import get_method, spelling
 
     kind = spelling(method)

@@ -148,9 +148,11 @@ def profile_markdown(level: dict) -> list[str]:
 def write_plot(summary: dict, path: str) -> None:
     """A PNG at ``path``: tokens/s vs concurrency per system (left) and acceptance rate per
     draft position of every kappa > 0 specmesh system per level (right). Agg backend."""
+    # matplotlib: only with --plot
     import matplotlib
 
     matplotlib.use("Agg")
+    # pyplot after the backend is chosen, and only with --plot
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 

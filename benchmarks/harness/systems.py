@@ -30,6 +30,7 @@ from specmesh.benchmarks.harness.report import (
 )
 from specmesh.cluster.runs import RunResult, run_openai_concurrent
 from specmesh.gateway.tokens import chat_prompt_ids
+from specmesh.protocol.messages import SamplingParams
 
 
 # -- Hugging Face -----------------------------------------------------------------------------
@@ -38,6 +39,7 @@ from specmesh.gateway.tokens import chat_prompt_ids
 def load_hf_model(model: str | None = None, dtype: str = "float32") -> Any:
     """The transformers model (eval) with the weights specmesh serves for ``model``: the
     Hugging Face baseline of the bench (and the reference of the exactness tests)."""
+    # transformers and the engine: only when the HF baseline runs
     from transformers import AutoModelForCausalLM
 
     from specmesh.engine.dtypes import model_dtype
@@ -83,7 +85,7 @@ def run_hf(hf_model, tokenizer, prompts: list[dict], max_tokens: int, system: st
     Raises:
         ValueError: ``prompt_lookup`` with ``batch_size`` > 1.
     """
-    import torch
+    import torch  # torch: only when a system runs
 
     if prompt_lookup and batch_size > 1:
         raise ValueError("transformers' prompt lookup decoding runs one prompt at a time")
@@ -155,7 +157,7 @@ class InProcessSystems:
         if method not in self.methods:
             raise KeyError(f"in-process systems have no draft method {method!r} "
                            f"(have {sorted(self.methods)})")
-        from specmesh.cluster.hosts.drafter import build_proposer
+        from specmesh.cluster.hosts.drafter import build_proposer  # torch: a model drafter
 
         cfg = self.methods[method]
         return cfg.drafter.method, build_proposer(cfg)
@@ -165,6 +167,7 @@ class InProcessSystems:
         the draft method labelled ``method`` (ignored at kappa 0: plain decode)."""
         key = (method if kappa > 0 else None, kappa, concurrency)
         if key not in self._clusters:
+            # the in-process workers: torch and the triton kernels
             from specmesh.cluster.inprocess import InProcessCluster
 
             draft_method, proposer = self._method(key[0])
@@ -191,7 +194,6 @@ class InProcessSystems:
         Raises:
             RuntimeError: a request did not finish successfully.
         """
-        from specmesh.protocol.messages import SamplingParams
 
         c = self.cluster(kappa, concurrency, method)
         before = self._snapshot(c)
@@ -226,7 +228,7 @@ class InProcessSystems:
 def served_snapshot(handle) -> dict:
     """The summed counters and step profiles of the cluster's verifiers, with the drafters'
     step profiles under ``drafter <phase>`` (one Ray call each)."""
-    import ray
+    import ray  # ray: only for the served systems, after use_loopback()
 
     stats = ray.get([a.stats.remote() for a in handle.verifiers()])
     drafted = ray.get([a.stats.remote() for a in handle.drafters()])

@@ -15,6 +15,7 @@ class PrefillHost(RoleHost):
     role = Role.PREFILL
 
     def build_worker(self):
+        # built in the role process only: the prefill worker brings torch and the triton kernels
         from specmesh.cluster.hosts.drafter import cluster_seed_state
         from specmesh.drafter.registry import seed_state_kinds
         from specmesh.prefill.worker import PrefillWorker
@@ -26,7 +27,7 @@ class PrefillHost(RoleHost):
         config = replace(self.cfg.prefill, instance_id=self.instance_id, seed_states=seeds)
         worker = PrefillWorker(config, self.mailbox, runner, bm)
         if runner.device.type == "cpu":  # the verifier's cores, while it waits idle on a prompt
-            import torch
+            import torch  # torch: only a role that has loaded its model gets here
 
             threads = self.cfg.threads
             worker.idle_threads = (threads.get(self.role.value, 1),

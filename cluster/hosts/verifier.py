@@ -16,6 +16,7 @@ class VerifierHost(RoleHost):
     _on_cpu = False  # the model's device is the CPU (set when the worker is built)
 
     def build_worker(self):
+        # built in the role process only: torch and the verifier's triton kernels
         import torch
 
         from specmesh.decode.core_sharing import CoreSharing
