@@ -32,9 +32,10 @@ def default_threads(num_cores: int | None = None,
     and gets every core; prefill gets one thread: on shared cores it runs while the verifier steps,
     and two OpenMP teams of n threads on n cores stall each other at every barrier (libgomp's
     default wait policy, spin then sleep; ``OMP_WAIT_POLICY=PASSIVE`` halves the forward's speed,
-    engine/openmp.py). A prompt the verifier waits on with nothing else to do
-    (``PrefillRequest.verifier_idle``: no running request, no other prompt in flight) runs on the
-    verifier's thread count instead. The n-gram drafter and the gateway are pure Python and get one.
+    engine/openmp.py). A prompt the verifier waits on while it computes nothing
+    (``PrefillRequest.verifier_idle``: the verifier pauses its verify steps for prefills in
+    flight, decode/prefill_pause.py, or has nothing to do) runs on the verifier's thread count
+    instead. The n-gram drafter and the gateway are pure Python and get one.
 
     A model drafter (EAGLE head, draft model) computes while the verifier does, so with
     ``model_drafter`` the verifier leaves it a core: n - 1 threads. The measurements behind

@@ -59,6 +59,7 @@ class InProcessCluster:
     else the registered ``draft_method``'s; ``num_speculative_tokens=0`` is plain decode
     through the same verifier;
     ``drafter_options`` are further ``DrafterConfig`` fields (e.g. ``seed``, ``draft_probs``);
+    ``prefill_options`` further ``PrefillConfig`` fields (e.g. ``max_batch_tokens``);
     ``verifier_options`` are further ``VerifierConfig`` fields (e.g. ``max_queue_len``).
     """
 
@@ -68,7 +69,7 @@ class InProcessCluster:
                  draft_method: str = "ngram", proposer: Proposer | None = None,
                  window: int | None = None, prefill_chunk_size: int = 512,
                  max_num_seqs: int = 64, drafter_options: dict | None = None,
-                 **verifier_options) -> None:
+                 prefill_options: dict | None = None, **verifier_options) -> None:
         self.hub = InProcHub()
         dtype = model.dtype
 
@@ -82,7 +83,8 @@ class InProcessCluster:
             draft_method, (drafter_options or {}).get("method_kwargs"))
         self.prefill = PrefillWorker(
             PrefillConfig(chunk_size=prefill_chunk_size,
-                          seed_states={**seed_state_kinds(), draft_method: seed}),
+                          seed_states={**seed_state_kinds(), draft_method: seed},
+                          **(prefill_options or {})),
             self.hub.mailbox("prefill-0"), p_runner, p_bm)
         max_len = max_model_len or min(config.max_position_embeddings, num_kv_blocks * block_size)
         self.verifier = VerifierWorker(

@@ -18,6 +18,9 @@ from specmesh.protocol.enums import Role
 
 log = logging.getLogger(__name__)
 
+#: Ray's setting of its workers' niceness (Ray's default: 15), read when Ray starts its node.
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+
 
 def init_local_ray(num_cpus: int | None = None) -> None:
     """Start (or join the already started) embedded Ray on 127.0.0.1, without the dashboard.
@@ -33,6 +36,10 @@ def init_local_ray(num_cpus: int | None = None) -> None:
                            "first `import ray` of the process; it was not called")
     # Only what specmesh needs: no dashboard (below), no usage-stats reporting.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers at nice 15, below everything else on the host: the roles are the
+    # server here, and a benchmark client or any other process beside them would take their
+    # cores first (docs/benchmarks.md, 'Time to first token'). An operator's value wins.
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2,
              resources={r: 1000 for r in ROLES}, include_dashboard=False,
              _node_ip_address="127.0.0.1", namespace=NAMESPACE, log_to_driver=True,

@@ -81,6 +81,11 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kv-send-mb-s", type=float, default=0.0, metavar="MIB_PER_S",
                    help="cap on the KV bandwidth each prefill worker sends at, MiB/s (frames "
                         "paced; 0: no cap)")
+    p.add_argument("--max-prefill-pause-s", type=float, default=1.0, metavar="SECONDS",
+                   help="where prefill shares the verifier's CPU cores, the verifier pauses its "
+                        "verify steps while a prompt it waits on prefills, for windows of at "
+                        "most this long with one step between them, so the prompt runs on "
+                        "every core (0: never pause)")
     p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="the gateway fails a request that gets no output from its verifier for "
                         "this long (a verifier alive but silent; 0: never)")
@@ -134,6 +139,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
               **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0),
+              max_prefill_pause_s=getattr(args, "max_prefill_pause_s", 1.0),
               num_branches=getattr(args, "draft_branches", 4),
               backend=backend_overrides(args))
     if getattr(args, "port", None) is not None:

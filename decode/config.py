@@ -66,6 +66,11 @@ class VerifierConfig:
     registry. ``max_tree_nodes``: most draft-tree nodes verified per request per step (tree
     verification; 0: twice the request's kappa); the tree's depth is capped by kappa like a
     chain.
+    ``max_prefill_pause_s``: where a prefill worker shares this verifier's CPU cores, the
+    verifier pauses its verify steps while a prefill it waits on is in flight, for windows of
+    at most this long with one verify step between them, so the prompt runs on every core
+    (decode/prefill_pause.py); 0: never pauses (a prompt is then run on every core only when
+    the verifier has nothing else to do).
 
     Raises:
         ValueError: a setting out of range.
@@ -91,6 +96,7 @@ class VerifierConfig:
     verify_rule: str = AUTO_VERIFY_RULE
     synthetic_acceptance: tuple[float, ...] = ()
     max_tree_nodes: int = 0
+    max_prefill_pause_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
@@ -111,3 +117,6 @@ class VerifierConfig:
             raise ValueError("tail_wait_fraction must be >= 0")
         if self.max_tree_nodes < 0:
             raise ValueError("max_tree_nodes must be >= 0")
+        if not self.max_prefill_pause_s >= 0:
+            raise ValueError(f"max_prefill_pause_s must be >= 0 (0: never pause), got "
+                             f"{self.max_prefill_pause_s}")

@@ -1,10 +1,11 @@
 """Receiving side of the KV transfer (docs/architecture.md, 'KV transfer').
 
 A transfer is complete when its PrefillDone and all the KVFrames it announces have arrived, in
-either order. Frames land directly in the destination blocks. A cancelled transfer keeps its
-blocks until the prefill side acknowledges the cancel; frames of unknown (finished, cancelled
-and acknowledged) transfer ids are dropped, so a late frame never touches blocks that another
-request owns: transfer ids are never reused.
+either order (the prefill worker sends PrefillDone first, so the first token it carries can be
+streamed while the frames arrive). Frames land directly in the destination blocks. A cancelled
+transfer keeps its blocks until the prefill side acknowledges the cancel; frames of unknown
+(finished, cancelled and acknowledged) transfer ids are dropped, so a late frame never touches
+blocks that another request owns: transfer ids are never reused.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Transfer:
     done: PrefillDone | None = None
     cancelled: bool = False
     cancelled_at: float | None = None  # monotonic time of the cancel
+    ingest_s: float = 0.0  # seconds this side spent checking and writing its frames
 
     @property
     def complete(self) -> bool:
@@ -95,6 +97,7 @@ class KVReceiver:
         if tuple(frame.kv.shape) != want:
             raise ProtocolError(f"KV frame shape {tuple(frame.kv.shape)} != {want}",
                                 request_id=rid)
+        t0 = time.perf_counter()
         try:
             kv = buffer_to_tensor(frame.kv)
             if kv.dtype != self.kv_cache.dtype:
@@ -103,6 +106,7 @@ class KVReceiver:
                                       frame.token_start, kv)
         except ValueError as err:
             raise ProtocolError(f"KV frame rejected: {err}", request_id=rid) from err
+        t.ingest_s += time.perf_counter() - t0
         t.num_frames += 1
         t.num_bytes += frame.kv.nbytes
         self.stats.num_frames += 1

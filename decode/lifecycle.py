@@ -22,6 +22,7 @@ from specmesh.decode.stats import VerifierStats
 from specmesh.decode.verify_step import VerifyOutput
 from specmesh.protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
 from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.step_profile import StepProfile
 from specmesh.protocol.messages import (
     Buffer,
     DraftBranches,
@@ -42,11 +43,19 @@ class RequestLifecycle:
     ``seed_state`` (VerifierConfig.seed_state): "hidden" keeps each request's latest target
     hidden states (decode/seed_state.py; the prefill's ``[1, hidden_size]`` row of ``dtype``,
     then the verify steps') and ships them with DraftSync and VerifyCommit; "" ships none.
+    ``profile``: where the parts of each request's time to first token go (``ttft``,
+    ``ttft_prefill``, ``kv_transfer``, ``kv_ingest``; see :meth:`first_token`);
+    ``on_prefill_time(request, seconds)`` is told each first token's time from its
+    PrefillRequest.
     """
 
     def __init__(self, scheduler: Scheduler, kv: KVReceiver, stats: VerifierStats,
                  vocab_size: int, eos_token_ids: frozenset[int], send: Send,
-                 seed_state: str = "", hidden_size: int = 0, dtype: object = None) -> None:
+                 seed_state: str = "", hidden_size: int = 0, dtype: object = None,
+                 profile: StepProfile | None = None,
+                 on_prefill_time: Callable[[Request, float], None] | None = None) -> None:
+        self.profile = profile
+        self.on_prefill_time = on_prefill_time
         self.seed_state = seed_state
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -237,7 +246,44 @@ class RequestLifecycle:
         elif not 0 <= done.first_token_id < self.vocab_size:
             self.finish(req, FinishReason.ERROR, "prefill returned an invalid first token")
         else:
-            self.start(req, done.first_token_id, done.num_bytes, done.seed_state)
+            if self.profile is not None:
+                self.profile.observe("kv_transfer", time.monotonic() - t.started_at)
+                self.profile.observe("kv_ingest", t.ingest_s)
+            self.start(req, done.first_token_id, done.num_bytes, done.seed_state, t)
+
+    def on_prefill_done(self, t: Transfer) -> None:
+        """``t``'s PrefillDone arrived before all its frames: its first token is committed and
+        streamed now (:meth:`first_token`), while the KV is still arriving; the request runs
+        once the transfer is complete. A failed or invalid PrefillDone waits for
+        :meth:`on_transfer`."""
+        req = self.get(t.request_id)
+        done = t.done
+        if req is None or req.status is not RequestStatus.PREFILLING or done is None \
+                or done.error or not 0 <= done.first_token_id < self.vocab_size:
+            return
+        if self.first_token(req, done.first_token_id, t):
+            self._after_commit(req, req.output_token_ids[:1], notify_drafter=False)
+
+    def first_token(self, req: Request, first_token_id: int, t: Transfer | None = None) -> bool:
+        """Commit the prefill's first token (output position 0) of ``req`` unless it has one
+        (a re-issued transfer's first token is not used: the client has the first); returns
+        whether it did. Records the time to first token (the verifier's share: from the
+        GenerateRequest's arrival) in the stats and the profile, with ``ttft_prefill``, from
+        the transfer's PrefillRequest to this token."""
+        if req.committed_len:
+            return False
+        now = time.monotonic()
+        req.first_token_time = now
+        self.stats.observe_ttft(now - req.arrival_time)
+        if self.profile is not None:
+            self.profile.observe("ttft", now - req.arrival_time)
+            if t is not None:
+                self.profile.observe("ttft_prefill", now - t.started_at)
+        if t is not None and self.on_prefill_time is not None:
+            self.on_prefill_time(req, now - t.started_at)
+        req.commit([first_token_id], self.eos_token_ids)
+        req.tail.reset(req.committed_len)
+        return True
 
     # -- running ---------------------------------------------------------------------------
 
@@ -247,21 +293,21 @@ class RequestLifecycle:
         return bool(self.seed_state) and req.spec_enabled and req.num_speculative_tokens > 0
 
     def start(self, req: Request, first_token_id: int, num_kv_bytes: int,
-              seed_state: Buffer | None = None) -> None:
-        """The KV transfer of ``req`` completed: commit the prefill's first token, open the
-        request on a drafter (with the prefill's ``seed_state``) and stream the token."""
+              seed_state: Buffer | None = None, transfer: Transfer | None = None) -> None:
+        """The KV transfer of ``req`` completed: commit the prefill's first token (unless
+        :meth:`on_prefill_done` did), open the request on a drafter (with the prefill's
+        ``seed_state``) and stream the token."""
         self.stats.kv_transfer_bytes += num_kv_bytes
         if self.wants_hidden(req):
             req.seed_window = window_from_prefill(seed_state, req.prompt_len,
                                                   self.hidden_size, self.dtype)
         req.status = RequestStatus.RUNNING
-        req.first_token_time = time.monotonic()
-        self.stats.observe_ttft(req.first_token_time - req.arrival_time)
-        req.commit([first_token_id], self.eos_token_ids)
+        new = self.first_token(req, first_token_id, transfer)
         req.tail.reset(req.committed_len)
         if req.finish_reason is None:
             self.open_draft(req)  # DraftSync carries the first token: no VerifyCommit for it
-        self._after_commit(req, [first_token_id], notify_drafter=False)
+        if new:
+            self._after_commit(req, [first_token_id], notify_drafter=False)
 
     def apply(self, req: Request, out: VerifyOutput) -> None:
         """Commit one verify step's output for ``req`` (cut at EOS / stop / max_tokens); its

@@ -49,6 +49,8 @@ class Request:
     transfer_id: int | None = None
     prefill_peer: str | None = None
     prefill_retries: int = 0  # transfers re-issued on another prefill worker
+    prefill_paused: bool = False  # its PrefillRequest said the verifier computes nothing meanwhile
+    prefill_alone: bool = False  # no other prompt of this verifier was on its prefill worker
     output_token_ids: list[int] = field(default_factory=list)  # committed output
     num_streamed: int = 0  # output tokens already sent to the gateway
     tail: TailBuffer = field(default_factory=TailBuffer)
@@ -65,6 +67,7 @@ class Request:
     accept_len_ema: float = INITIAL_ACCEPT_LEN_EMA
     acceptance: Acceptance = field(default_factory=Acceptance)  # decode/goodput.py
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # its first PrefillRequest left
     first_token_time: float | None = None
 
     @property

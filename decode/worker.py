@@ -20,6 +20,7 @@ from specmesh.decode.drafter_loss import DrafterLoss
 from specmesh.decode.kv_receiver import KVReceiver
 from specmesh.decode.lifecycle import RequestLifecycle
 from specmesh.decode.prefill_loss import PrefillLoss
+from specmesh.decode.prefill_pause import PrefillPause
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.decode.scheduler import BlockAllocator, Scheduler
 from specmesh.decode.stats import VerifierStats
@@ -75,7 +76,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
                                           seed_state=config.seed_state,
                                           hidden_size=seed_state_width(
                                               config.seed_state, runner.config.hidden_size),
-                                          dtype=runner.model.dtype)
+                                          dtype=runner.model.dtype, profile=self.profile,
+                                          on_prefill_time=self._observe_prefill)
         self.prefill_peers: list[str] = list(prefill_peers or [])
         self.lifecycle.drafter_peers = list(drafter_peers or [])
         # Transfers are keyed by (this verifier, its incarnation, a counter): the ids of one
@@ -96,6 +98,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         #: the forward's threads while a prefill on the same cores runs (decode/core_sharing.py;
         #: set by the role host; None: left as they are)
         self.core_sharing: CoreSharing | None = None
+        #: pauses verify steps for a prefill in flight on shared cores (decode/prefill_pause.py)
+        self.prefill_pause = PrefillPause(config.max_prefill_pause_s)
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -192,8 +196,9 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
           TokenStream (``invalid`` / ``queue_full``) when it cannot run or the queue is full.
         - Abort (gateway): the request ends with ``abort`` (its transfer is cancelled); with
           ``num_output_tokens`` (a stop string ended the output) its spec stats are cut there.
-        - KVFrame / PrefillDone (prefill): written into the request's blocks; a complete
-          transfer makes the request RUNNING with its first token committed.
+        - KVFrame / PrefillDone (prefill): written into the request's blocks; PrefillDone's
+          first token is committed and streamed when it arrives (before the frames, as the
+          prefill worker sends it), and a complete transfer makes the request RUNNING.
         - PrefillCancelAck (prefill): a CANCELLING request's blocks are freed.
         - DraftTailStream (drafter): merged into the request's tail buffer.
         - DraftBranches (drafter): kept with the request's tail buffer.
@@ -222,8 +227,10 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
                 t = self.kv.transfers.get(msg.transfer_id)
                 if t is None or t.cancelled:  # an unknown, finished or cancelled transfer
                     self.stats.num_ignored_messages += 1
-                else:
-                    self.lifecycle.on_transfer(self.kv.on_done(peer, msg))
+                elif (ended := self.kv.on_done(peer, msg)) is not None:
+                    self.lifecycle.on_transfer(ended)
+                else:  # the KV is still on its way: the first token goes out now
+                    self.lifecycle.on_prefill_done(t)
             elif isinstance(msg, GenerateRequest):
                 self._on_generate(peer, msg)
             elif isinstance(msg, Abort):
@@ -311,24 +318,66 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         """A new transfer (a fresh id) of ``req``'s prompt KV from ``req.prefill_peer``."""
         req.transfer_id = self._next_transfer_id
         self._next_transfer_id += 1
+        if req.admitted_time is None:  # (a re-issued transfer was admitted before)
+            req.admitted_time = time.monotonic()
+            self.profile.observe("ttft_admission_wait", req.admitted_time - req.arrival_time)
         self.kv.start(req.request_id, req.transfer_id, req.prefill_peer, req.block_table,
                       req.prompt_len)
+        req.prefill_alone = self._prefill_alone(req)
+        req.prefill_paused = self._idle_without(req)
+        if self.core_sharing is not None and self.core_sharing.shared:
+            self.profile.count("num_prefills_paused_for" if req.prefill_paused
+                               else "num_prefills_side_by_side")
         self.send(req.prefill_peer, PrefillRequest(
             request_id=req.request_id, transfer_id=req.transfer_id,
             prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
             block_table=req.block_table, draft_method=self.config.draft_method,
-            verifier_idle=self._idle_without(req)))
+            verifier_idle=req.prefill_paused))
 
     def _idle_without(self, req: Request) -> bool:
         """Whether this verifier shares its cores with prefill (decode/core_sharing.py) and
-        has nothing to compute before ``req``'s KV lands: no running request and no other
-        prefill in flight. Its prefill may then take every core (one request at a time;
-        docs/benchmarks.md, 'Threads and OpenMP')."""
+        computes nothing while ``req``'s prompt is prefilled: nothing runs and no other
+        prefill is in flight, or it will pause its verify steps for this prompt
+        (``max_prefill_pause_s``, decode/prefill_pause.py, while its figures say pausing
+        pays). Its prefill may then take every core (docs/benchmarks.md, 'Time to first
+        token')."""
         if self.core_sharing is None or not self.core_sharing.shared:
             return False
-        if any(t.request_id != req.request_id for t in self.kv.transfers.values()):
-            return False  # a prompt sent before (admitted with it or earlier) comes first
-        return not any(r.status is RequestStatus.RUNNING for r in self.requests.values())
+        running = any(r.status is RequestStatus.RUNNING for r in self.requests.values())
+        if not running and self._prefill_alone(req):
+            return True
+        return self.prefill_pause.choose()
+
+    def _prefill_alone(self, req: Request) -> bool:
+        """No other transfer of this verifier is in flight on ``req``'s prefill worker (so its
+        time to first token is its prefill's, without waiting behind another prompt)."""
+        return not any(t.request_id != req.request_id and t.prefill_peer == req.prefill_peer
+                       for t in self.kv.transfers.values())
+
+    def _num_prefilling(self) -> int:
+        """Prompts in flight that this verifier pauses for (their PrefillRequest said so)."""
+        return sum(r.status is RequestStatus.PREFILLING and r.prefill_paused
+                   for r in self.requests.values())
+
+    def _observe_prefill(self, req: Request, seconds: float) -> None:
+        """``req``'s first token came ``seconds`` after its PrefillRequest: a figure of the way
+        its prompt ran (paused for or side by side) when prefill shares the cores, if it did
+        not wait behind another prompt (queueing is not the way's doing)."""
+        if self.core_sharing is not None and self.core_sharing.shared and req.prefill_alone:
+            self.prefill_pause.observe(req.prefill_paused, req.prompt_len, seconds)
+
+    def _pause_for_prefill(self, timeout_s: float) -> bool:
+        """On cores shared with prefill, wait (up to ``timeout_s`` and the pause window) for the
+        prefills in flight instead of running a verify step (decode/prefill_pause.py); KV
+        frames, PrefillDone and new requests are handled meanwhile. Returns whether it
+        paused (the step then ends without a forward)."""
+        if self.core_sharing is None or not self.core_sharing.shared:
+            return False
+        if not self.prefill_pause.should_pause(self._num_prefilling()):
+            return False
+        with self.profile.phase("prefill_pause"):
+            self.ingest(min(timeout_s, self.prefill_pause.remaining_s()))
+        return True
 
     def ingest(self, timeout_s: float = 0.0) -> int:
         """Handle the envelopes :meth:`_ingest_drafts_before_commit` deferred, in their order,
@@ -389,7 +438,12 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
     def step(self, timeout_s: float = 0.0) -> int:
         """One iteration; waits up to ``timeout_s`` for input only when idle.
         Returns the number of requests in the verify forward. Phases go to ``self.profile``:
-        ingest, admit, tail_wait, plan, forward, verify, commit (commit includes its sends)."""
+        ingest, admit, prefill_pause (a step that waited for a prefill on shared cores instead
+        of running a forward), tail_wait, plan, forward, verify, commit (commit includes its
+        sends); and per request the parts of its time to first token: ttft_admission_wait
+        (arrival to PrefillRequest), ttft_prefill (PrefillRequest to the first token), ttft
+        (arrival to the first token streamed), kv_transfer (PrefillRequest to the last KV
+        frame) and kv_ingest (time writing its frames)."""
         prof = self.profile
         busy = bool(self.lifecycle.running() or self.scheduler.waiting or self._orphans)
         self.ingest(0.0 if busy else timeout_s)
@@ -400,6 +454,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         with prof.phase("admit"):
             self._admit()
         running = self.lifecycle.running()
+        if running and self._pause_for_prefill(timeout_s):
+            return 0
         if running:
             with prof.phase("tail_wait"):
                 self._wait_for_tails(running)

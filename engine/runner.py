@@ -1,4 +1,5 @@
-"""ModelRunner: validated batched ragged forward (prefill, decode, verify) and chunked prefill."""
+"""ModelRunner: validated batched ragged forward (prefill, decode, verify), chunked prefill and
+batched prefill of whole prompts."""
 
 from __future__ import annotations
 
@@ -190,3 +191,32 @@ class ModelRunner:
         if return_hidden:
             return logits[0], torch.cat(hiddens)
         return logits[0]
+
+    def prefill_batch(
+        self,
+        prompts: list[list[int]],
+        block_tables: list[list[int]],
+        return_hidden: bool = False,
+        hidden_layers: tuple[int, ...] | None = None,
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Run several whole prompts (each from position 0, into its own ``block_tables``
+        entry) in ONE forward and return, per prompt, the logits of its last token [1, vocab].
+
+        Each prompt computes exactly as :meth:`prefill` computes it alone in one chunk: a forward
+        of whole prompts attends within each prompt (causal, one attention call per prompt) and
+        every other op is row-invariant (docs/architecture.md, 'Batch invariance'), so its K/V
+        and logits do not depend on the other prompts. The caller keeps the forward's size in
+        check (a prompt longer than a chunk runs alone through :meth:`prefill`).
+
+        With ``return_hidden`` also returns per prompt its hidden states [len, hidden_size]
+        (``hidden_layers``: as :meth:`forward`).
+
+        Raises:
+            ValueError: as :meth:`forward`, or ``prompts`` and ``block_tables`` of different
+                lengths.
+        """
+        if len(prompts) != len(block_tables):
+            raise ValueError(f"{len(prompts)} prompts but {len(block_tables)} block tables")
+        chunks = [SeqChunk(list(p), 0, t) for p, t in zip(prompts, block_tables)]
+        return self.forward(chunks, logits="last", return_hidden=return_hidden,
+                            hidden_layers=hidden_layers)

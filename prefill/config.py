@@ -18,7 +18,10 @@ class PrefillConfig:
     MiB/s (0: no cap): frames are paced so that a transfer never runs ahead of the cap (its
     first frame leaves at once), e.g. to leave a link shared with other traffic room, or to
     make a transfer last long enough to watch; the loop sends one request's frames at a time,
-    so a cap also delays the next request's prefill."""
+    so a cap also delays the next request's prefill. ``max_batch_tokens``: prompt tokens of one
+    batched forward: waiting prompts of at most ``chunk_size`` tokens each run together up to
+    it, as far as batching shortens their times to first token (prefill/batching.py); 1 runs
+    one prompt per forward."""
 
     instance_id: str = "prefill-0"
     chunk_size: int = 512
@@ -27,6 +30,7 @@ class PrefillConfig:
     max_queue_len: int = 1024
     seed_states: dict[str, str] = field(default_factory=dict)
     max_kv_send_mb_s: float = 0.0
+    max_batch_tokens: int = 512
 
     def __post_init__(self) -> None:
         for method, kind in self.seed_states.items():
@@ -34,6 +38,9 @@ class PrefillConfig:
                 check_seed_state(kind)
             except ValueError as err:
                 raise ValueError(f"draft method {method!r}: {err}") from None
+        if self.chunk_size < 1 or self.max_batch_tokens < 1:
+            raise ValueError(f"chunk_size and max_batch_tokens must be >= 1, got "
+                             f"{self.chunk_size} and {self.max_batch_tokens}")
         if not self.max_kv_send_mb_s >= 0:
             raise ValueError(f"max_kv_send_mb_s must be >= 0 (0: no cap), got "
                              f"{self.max_kv_send_mb_s}")

@@ -1,15 +1,21 @@
-"""Prefill worker: runs the target over prompts, ships the KV and the first token
+"""Prefill worker: runs the target over prompts, ships the first token and the KV
 (docs/architecture.md, 'Life of a request').
 
-For each PrefillRequest it allocates blocks in its own KV cache, runs the prompt (in chunks of
-``chunk_size`` tokens when long), samples output position 0 with the request's sampling mode
-(engine/sampling.py: greedy, seeded = the coupled rule at position 0, or random), streams the
-prompt's KV to the verifier as KVFrames stamped (request id, transfer id, layer range, chunk
-index) and finishes with PrefillDone carrying the frame count and byte total, and the seed
-state of the request's draft method (``PrefillConfig.seed_states``; "hidden": the target's
-final hidden state at the last prompt position; "hidden:L1,L2,...": those decoder layers' outputs
-there, side by side). KV frames and PrefillDone go on the same
-ordered channel. A PrefillCancel is acknowledged once no frame of that transfer can follow.
+Each step takes the next batch off its queue (prefill/batching.py: several whole prompts in
+one forward when that shortens their times to first token, or one prompt, in chunks of
+``chunk_size`` tokens when long), allocates their blocks in its own KV cache, runs them, and
+samples each request's output position 0 with its sampling mode (engine/sampling.py: greedy,
+seeded = the coupled rule at position 0, or random). Then, per request, PrefillDone first (the
+first token, the frame count and byte total of the transfer, and the seed state of the
+request's draft method: ``PrefillConfig.seed_states``; "hidden": the target's final hidden
+state at the last prompt position; "hidden:L1,L2,...": those decoder layers' outputs there,
+side by side), so the verifier can stream the first token while the KV is still on its way;
+then each request's KV as KVFrames stamped (request id, transfer id, layer range, chunk index).
+KV frames and PrefillDone go on the same ordered channel. A PrefillCancel is acknowledged once
+no frame of that transfer can follow.
+
+A batch whose verifier shares this worker's cores and computes nothing meanwhile
+(``PrefillRequest.verifier_idle``) runs on the verifier's thread count too (``idle_threads``).
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from specmesh.engine.frames import tensor_to_buffer
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
 from specmesh.engine.runner import ModelRunner
 from specmesh.engine.sampling import sample_tokens
+from specmesh.prefill.batching import PrefillCost, batch_length
 from specmesh.prefill.config import PrefillConfig
 from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.messages import (
     Abort,
+    Buffer,
     KVFrame,
     PrefillCancel,
     PrefillCancelAck,
@@ -41,6 +49,15 @@ from specmesh.protocol.step_profile import StepProfile
 from specmesh.protocol.transport import Envelope, Mailbox, MailboxWorker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Queued:
+    """A PrefillRequest waiting in the queue: who sent it and when it arrived (monotonic)."""
+
+    peer: str
+    req: PrefillRequest
+    received: float
 
 
 @dataclass
@@ -68,10 +85,13 @@ class PrefillWorker(MailboxWorker):
         self.runner = runner
         self.block_manager = block_manager
         self.model_config = runner.config
-        self.queue: deque[tuple[str, PrefillRequest]] = deque()
+        self.queue: deque[Queued] = deque()
         self.stats = PrefillStats()
         self.profile = StepProfile()
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: the forward's cost per torch thread count (0: threads not set by the worker), fit
+        #: from this worker's forwards; decides the batches (prefill/batching.py)
+        self.cost_models: dict[int, PrefillCost] = {}
         #: (threads, idle threads, setter): a prompt whose verifier waits idle on the same
         #: cores (PrefillRequest.verifier_idle) runs on ``idle threads``, then back to
         #: ``threads`` (set by cluster/hosts/prefill.py on a CPU node; None: never)
@@ -105,7 +125,7 @@ class PrefillWorker(MailboxWorker):
             if len(self.queue) >= self.config.max_queue_len:
                 self._fail(env.peer, msg, "prefill queue full")
             else:
-                self.queue.append((env.peer, msg))
+                self.queue.append(Queued(env.peer, msg, time.monotonic()))
         elif isinstance(msg, PrefillCancel):
             self._drop_queued(env.peer, lambda r: r.transfer_id == msg.transfer_id)
             self.stats.num_cancelled += 1
@@ -121,7 +141,7 @@ class PrefillWorker(MailboxWorker):
     def _drop_queued(self, peer: str, match) -> int:
         """Drop the queued requests of ``peer`` that ``match``; returns how many."""
         before = len(self.queue)
-        self.queue = deque((p, r) for p, r in self.queue if p != peer or not match(r))
+        self.queue = deque(q for q in self.queue if q.peer != peer or not match(q.req))
         return before - len(self.queue)
 
     def drop_peer(self, peer: str) -> int:
@@ -159,87 +179,170 @@ class PrefillWorker(MailboxWorker):
         self.send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
                                      first_token_id=-1, num_frames=0, num_bytes=0, error=error))
 
-    def _run_one(self, peer: str, req: PrefillRequest) -> None:
-        n = len(req.prompt_token_ids)
-        kind = self.config.seed_states.get(req.draft_method, "")
-        want_hidden = is_hidden_seed(kind)
-        seed_state = None
-        block_table = self.block_manager.allocate(self.block_manager.blocks_for(n))
-        boost = self.idle_threads is not None and req.verifier_idle \
-            and self.idle_threads[1] > self.idle_threads[0]
+    def _next_batch(self) -> list[Queued]:
+        """Pop the next batch off the queue (failing invalid requests at its head on the way):
+        one prompt longer than ``chunk_size`` (run alone, chunked), or the prompts of the
+        queue's head that :func:`prefill.batching.batch_length` takes into one forward (each
+        at most ``chunk_size`` tokens, within ``max_batch_tokens``) and whose blocks this
+        worker can allocate. Empty when nothing can run now."""
+        while self.queue and (error := self._validate(self.queue[0].req)):
+            item = self.queue.popleft()
+            self._fail(item.peer, item.req, error)
+        if not self.queue:
+            return []
+        bm, chunk = self.block_manager, self.config.chunk_size
+        sizes: list[int] = []
+        for item in self.queue:  # the head's run of valid prompts that fit in one chunk
+            n = len(item.req.prompt_token_ids)
+            if n > chunk or self._validate(item.req):
+                break
+            sizes.append(n)
+        take = 1
+        if len(sizes) > 1:
+            cost = self.cost_models.get(self._threads_for(self.queue[0].req))
+            take = batch_length(sizes, self.config.max_batch_tokens,
+                                cost.fit() if cost is not None else None)
+        blocks = 0
+        batch: list[Queued] = []
+        for item in list(self.queue)[:take]:
+            blocks += bm.blocks_for(len(item.req.prompt_token_ids))
+            if not bm.can_allocate(blocks):
+                break  # (single-threaded, the worker's blocks are free between batches)
+            batch.append(item)
+        for _ in batch:
+            self.queue.popleft()
+        return batch
+
+    def _threads_for(self, req: PrefillRequest) -> int:
+        """Torch threads a batch led by ``req`` runs on (0: the worker does not set them)."""
+        if self.idle_threads is None:
+            return 0
+        threads, idle, _ = self.idle_threads
+        return idle if req.verifier_idle and idle > threads else threads
+
+    def _run_batch(self, batch: list[Queued]) -> None:
+        """Prefill ``batch`` (one prompt, chunked, or several whole prompts in one forward),
+        then per request PrefillDone with its first token, all of them first, then each
+        request's KV frames (docs/architecture.md, 'KV transfer')."""
+        reqs = [item.req for item in batch]
+        sizes = [len(r.prompt_token_ids) for r in reqs]
+        now = time.monotonic()
+        for item in batch:
+            self.profile.observe("queue_wait", max(now - item.received, 0.0))
+        tables = [self.block_manager.allocate(self.block_manager.blocks_for(n)) for n in sizes]
+        # a verifier on the same cores pauses its verify steps for this prompt (or has nothing
+        # to do): the batch runs on its threads too
+        threads = max(self._threads_for(r) for r in reqs)
+        boost = self.idle_threads is not None and threads > self.idle_threads[0]
         if boost:
-            self.idle_threads[2](self.idle_threads[1])
-            self.profile.count("num_prefills_on_idle_verifier_cores")
+            self.idle_threads[2](threads)
+            self.profile.count("num_prefills_on_idle_verifier_cores", len(reqs))
         try:
+            t0 = time.monotonic()
             with self.profile.phase("forward"):
-                out = self.runner.prefill(req.prompt_token_ids, block_table,
-                                          chunk_size=self.config.chunk_size,
-                                          return_hidden=want_hidden,
-                                          hidden_layers=seed_state_layers(kind)
-                                          if want_hidden else None)
-                logits = out[0] if want_hidden else out
-                if want_hidden:  # EAGLE family: f_{p-1}, the state that predicted position 0
-                    seed_state = tensor_to_buffer(out[1][-1:].clone())
-                last = logits.reshape(-1, logits.shape[-1])[-1:]
-                # output position 0, by the request's mode (engine/sampling.py): greedy argmax,
-                # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
-                (first,) = sample_tokens(last, [req.sampling], [0], self._generator(last.device))
+                firsts, seeds = self._forward(reqs, tables)
+            if len(reqs) > 1 or sizes[0] <= self.config.chunk_size:  # one forward: a cost point
+                self.cost_models.setdefault(threads, PrefillCost()).observe(
+                    sum(sizes), time.monotonic() - t0)
+            self.profile.count("num_batches")
+            self.profile.count("num_batch_prompts", len(reqs))
             with self.profile.phase("send_kv"):
-                num_frames, num_bytes = self._send_kv(peer, req, block_table, n)
+                frames = [self._kv_frames(r, t, n) for r, t, n in zip(reqs, tables, sizes)]
+                for item, first, seed, fs in zip(batch, firsts, seeds, frames):
+                    req = item.req
+                    self.send(item.peer, PrefillDone(
+                        request_id=req.request_id, transfer_id=req.transfer_id,
+                        first_token_id=first, num_frames=len(fs),
+                        num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed))
+                for item, fs in zip(batch, frames):
+                    self._send_frames(item.peer, fs)
         finally:
             if boost:
                 self.idle_threads[2](self.idle_threads[0])
-            self.block_manager.free(block_table)
-        self.stats.num_requests += 1
-        self.stats.num_prompt_tokens += n
-        self.send(peer, PrefillDone(request_id=req.request_id, transfer_id=req.transfer_id,
-                                     first_token_id=first, num_frames=num_frames,
-                                     num_bytes=num_bytes, seed_state=seed_state))
+            for table in tables:
+                self.block_manager.free(table)
+        self.stats.num_requests += len(reqs)
+        self.stats.num_prompt_tokens += sum(sizes)
 
-    def _send_kv(self, peer: str, req: PrefillRequest, block_table: list[int],
-                 n: int) -> tuple[int, int]:
+    def _forward(self, reqs: list[PrefillRequest],
+                 tables: list[list[int]]) -> tuple[list[int], list[Buffer | None]]:
+        """Run the prompts; returns per request its first token (output position 0, by its
+        sampling mode) and the seed state PrefillDone carries (None: its method has none)."""
+        kinds = [self.config.seed_states.get(r.draft_method, "") for r in reqs]
+        # hidden states once per batch: the widest layer set any request's method asks for
+        hidden_kinds = sorted({k for k in kinds if is_hidden_seed(k)})
+        layers = None
+        if hidden_kinds:
+            wanted = {seed_state_layers(k) for k in hidden_kinds}
+            layers = wanted.pop() if len(wanted) == 1 else ()
+        if layers == ():  # methods of one batch that want different layers: one at a time
+            out = [self._forward(reqs[i:i + 1], tables[i:i + 1]) for i in range(len(reqs))]
+            return [f for o in out for f in o[0]], [s for o in out for s in o[1]]
+        want_hidden = bool(hidden_kinds)
+        prompts = [r.prompt_token_ids for r in reqs]
+        if len(reqs) == 1:
+            out = self.runner.prefill(prompts[0], tables[0], chunk_size=self.config.chunk_size,
+                                      return_hidden=want_hidden, hidden_layers=layers)
+            logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
+        else:
+            out = self.runner.prefill_batch(prompts, tables, return_hidden=want_hidden,
+                                            hidden_layers=layers)
+            logits, hidden = out if want_hidden else (out, None)
+        last = torch.cat([x.reshape(-1, x.shape[-1])[-1:] for x in logits])
+        # output position 0, by each request's mode (engine/sampling.py): greedy argmax,
+        # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
+        firsts = sample_tokens(last, [r.sampling for r in reqs], [0] * len(reqs),
+                               self._generator(last.device))
+        seeds: list[Buffer | None] = []
+        for i, kind in enumerate(kinds):  # EAGLE family: f_{p-1}, the state that predicted 0
+            seeds.append(tensor_to_buffer(hidden[i][-1:].clone()) if is_hidden_seed(kind)
+                         else None)
+        return list(firsts), seeds
+
+    def _kv_frames(self, req: PrefillRequest, block_table: list[int], n: int) -> list[KVFrame]:
+        """The KVFrames of ``req``'s prompt KV: at most ``frame_tokens`` tokens x
+        ``frame_layers`` layers each, in chunk order."""
         cache = self.runner.kv_cache
         num_layers = self.model_config.num_layers
-        num_frames = num_bytes = 0
-        rate = self.config.max_kv_send_mb_s * (1 << 20)  # bytes/s; 0: no cap
-        t0 = time.monotonic()
+        frames: list[KVFrame] = []
         for token_start in range(0, n, self.config.frame_tokens):
             num_tokens = min(self.config.frame_tokens, n - token_start)
             for layer_start in range(0, num_layers, self.config.frame_layers):
-                if rate:  # the bytes sent so far may not have left faster than the cap
-                    time.sleep(max(0.0, t0 + num_bytes / rate - time.monotonic()))
                 layer_end = min(layer_start + self.config.frame_layers, num_layers)
                 kv = cache.read_chunk(layer_start, layer_end, block_table, token_start, num_tokens)
-                buf = tensor_to_buffer(kv)
-                self.send(peer, KVFrame(
+                frames.append(KVFrame(
                     request_id=req.request_id, transfer_id=req.transfer_id,
-                    layer_start=layer_start, layer_end=layer_end, chunk_index=num_frames,
-                    token_start=token_start, num_tokens=num_tokens, kv=buf))
-                num_frames += 1
-                num_bytes += buf.nbytes
-        self.stats.num_frames_sent += num_frames
+                    layer_start=layer_start, layer_end=layer_end, chunk_index=len(frames),
+                    token_start=token_start, num_tokens=num_tokens, kv=tensor_to_buffer(kv)))
+        return frames
+
+    def _send_frames(self, peer: str, frames: list[KVFrame]) -> None:
+        """Send one request's frames, paced by ``max_kv_send_mb_s`` (its first frame at once)."""
+        rate = self.config.max_kv_send_mb_s * (1 << 20)  # bytes/s; 0: no cap
+        t0 = time.monotonic()
+        num_bytes = 0
+        for frame in frames:
+            if rate:  # the bytes sent so far may not have left faster than the cap
+                time.sleep(max(0.0, t0 + num_bytes / rate - time.monotonic()))
+            self.send(peer, frame)
+            num_bytes += frame.kv.nbytes
+        self.stats.num_frames_sent += len(frames)
         self.stats.num_bytes_sent += num_bytes
-        return num_frames, num_bytes
 
     def step(self, timeout_s: float = 0.0) -> int:
-        """Ingest messages, then prefill at most one queued request; returns requests done."""
+        """Ingest messages, then prefill the next batch of queued requests (one forward, or
+        one long prompt in chunks); returns the requests done."""
         self.ingest(0.0 if self.queue else timeout_s)
-        if not self.queue:
+        batch = self._next_batch()
+        if not batch:
             return 0
-        peer, req = self.queue[0]
-        error = self._validate(req)
-        if error:
-            self.queue.popleft()
-            self._fail(peer, req, error)
-            return 0
-        if not self.block_manager.can_allocate(self.block_manager.blocks_for(len(req.prompt_token_ids))):
-            return 0  # wait for blocks of an earlier request (cannot happen single-threaded)
-        self.queue.popleft()
         try:
-            self._run_one(peer, req)
+            self._run_batch(batch)
         except KVCacheExhausted as err:
-            self._fail(peer, req, str(err))
+            for item in batch:
+                self._fail(item.peer, item.req, str(err))
         except Exception as err:  # a bad prompt must not kill the role
-            log.exception("prefill of %s failed", req.request_id)
-            self._fail(peer, req, f"prefill failed: {err}")
-        return 1
+            log.exception("prefill of %s failed", [item.req.request_id for item in batch])
+            for item in batch:
+                self._fail(item.peer, item.req, f"prefill failed: {err}")
+        return len(batch)

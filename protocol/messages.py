@@ -382,9 +382,9 @@ class PrefillRequest(Message, tag=30, kw_only=True):
     sampling: SamplingParams
     block_table: list[int]  # destination KV blocks on the verifier, in position order
     draft_method: str = ""  # decides which seed state PrefillDone carries (drafter issue)
-    #: the verifier has nothing to compute until this prompt's KV lands (no running request,
-    #: no other prefill in flight) and shares its CPU cores with this prefill worker, which may
-    #: then run the prompt on them all (cluster/hosts/prefill.py)
+    #: the verifier shares its CPU cores with this prefill worker and computes nothing while
+    #: this prompt runs (it pauses its verify steps for prefills in flight, or has nothing to
+    #: do): the prefill worker may then run the prompt on them all (cluster/hosts/prefill.py)
     verifier_idle: bool = False
 
     @classmethod

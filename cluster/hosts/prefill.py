@@ -26,7 +26,7 @@ class PrefillHost(RoleHost):
                  **self.cfg.prefill.seed_states}
         config = replace(self.cfg.prefill, instance_id=self.instance_id, seed_states=seeds)
         worker = PrefillWorker(config, self.mailbox, runner, bm)
-        if runner.device.type == "cpu":  # the verifier's cores, while it waits idle on a prompt
+        if runner.device.type == "cpu":  # the verifier's cores, while it pauses for a prompt
             import torch  # torch: only a role that has loaded its model gets here
 
             threads = self.cfg.threads

