@@ -82,12 +82,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # the proposer the drafter role would build for this method
     proposer = build_proposer(ClusterConfig.create(
         model=args.model, dtype=args.dtype, device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_speculative_tokens=args.num_speculative_tokens, draft_method=method,
         drafter_method_kwargs=method_kwargs, backend=overrides))
     cluster = InProcessCluster(loaded.model, loaded.config,
                                num_speculative_tokens=args.num_speculative_tokens,
                                eos_token_ids=loaded.config.eos_token_ids,
                                draft_method=method, proposer=proposer,
+                               kv_cache_dtype=args.kv_cache_dtype,
                                goodput_drafts=getattr(args, "goodput_drafts", "on") == "on")
     t1 = time.perf_counter()
     (out,) = cluster.generate([prompt_ids], SamplingParams(max_tokens=args.max_tokens))

@@ -17,7 +17,7 @@ from specmesh.decode.config import VerifierConfig
 from specmesh.drafter.config import DrafterConfig
 from specmesh.engine.backend import BackendOverrides
 from specmesh.engine.devices import check_device
-from specmesh.engine.dtypes import MODEL_DTYPES
+from specmesh.engine.dtypes import MODEL_DTYPES, model_dtype, resolve_kv_cache_dtype
 from specmesh.prefill.config import PrefillConfig
 from specmesh.protocol.enums import Role
 
@@ -59,7 +59,11 @@ class ClusterConfig:
     and advertises the node IP; another address is used as given. ``port``: the gateway's HTTP
     port (0 = any free one). ``threads``: torch threads per
     role. ``device``: where prefill and verifier put model and KV (``auto``: the role's GPU
-    when Ray gave it one, else CPU; ``cpu``; ``cuda[:N]``). A drafter ``window`` of 0 means "two verify steps of drafts" (2 x kappa).
+    when Ray gave it one, else CPU; ``cpu``; ``cuda[:N]``). ``kv_cache_dtype``: the KV cache's
+    dtype in prefill and verifier alike (vLLM's ``--kv-cache-dtype``; ``auto``: the model
+    dtype; ``bfloat16`` / ``float16``: a 16-bit cache for a float32 model on the CPU,
+    engine/kv_cache.py); every role announces it in its Hello (ModelIdentity). A drafter
+    ``window`` of 0 means "two verify steps of drafts" (2 x kappa).
     ``namespace``: the Ray namespace of the cluster's named actors (controller
     ``specmesh-controller``, roles ``specmesh-<instance id>``); clusters sharing one Ray
     session need distinct ones (``specmesh bench --drafters`` runs one per method).
@@ -69,13 +73,15 @@ class ClusterConfig:
     make the same asks wherever they run (no role reads the ``SPECMESH_*`` switches itself).
 
     Raises:
-        ValueError: an unsupported dtype, an empty KV layout, a drafter whose method is not
+        ValueError: an unsupported dtype, a KV cache dtype the model dtype cannot have (or a
+            16-bit one on a CUDA device), an empty KV layout, a drafter whose method is not
             the one the verifier announces, or malformed backend overrides.
     """
 
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_mb: int = 512
     host: str = "auto"
@@ -101,6 +107,11 @@ class ClusterConfig:
         if not isinstance(self.backend, BackendOverrides):
             raise ValueError(f"backend must be BackendOverrides or NAME=on|off text, got "
                              f"{type(self.backend).__name__}")
+        kv = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # ValueError if it can't
+        if kv != model_dtype(self.dtype) and self.device.startswith("cuda"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} runs on the CPU only (the "
+                             f"Triton attention reads the model's dtype), got device "
+                             f"{self.device}")
         if self.block_size < 1 or self.kv_cache_mb < 1:
             raise ValueError("block_size and kv_cache_mb must be >= 1")
         if self.stream_idle_timeout_s is not None and not self.stream_idle_timeout_s > 0:

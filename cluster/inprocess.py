@@ -17,6 +17,7 @@ from specmesh.drafter.registry import seed_state_for, seed_state_kinds
 from specmesh.drafter.worker import DrafterWorker
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.config import ModelConfig
+from specmesh.engine.dtypes import resolve_kv_cache_dtype
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.runner import ModelRunner
 from specmesh.prefill.config import PrefillConfig
@@ -61,6 +62,11 @@ class InProcessCluster:
     ``drafter_options`` are further ``DrafterConfig`` fields (e.g. ``seed``, ``draft_probs``);
     ``prefill_options`` further ``PrefillConfig`` fields (e.g. ``max_batch_tokens``);
     ``verifier_options`` are further ``VerifierConfig`` fields (e.g. ``max_queue_len``).
+    ``kv_cache_dtype``: both KV caches' dtype (``--kv-cache-dtype``; ``auto``: the model's).
+
+    Raises:
+        ValueError: a KV cache dtype the model cannot have (engine/dtypes.py), or a setting
+            the workers' configs refuse.
     """
 
     def __init__(self, model, config: ModelConfig, *, num_speculative_tokens: int = 4,
@@ -69,9 +75,10 @@ class InProcessCluster:
                  draft_method: str = "ngram", proposer: Proposer | None = None,
                  window: int | None = None, prefill_chunk_size: int = 512,
                  max_num_seqs: int = 64, drafter_options: dict | None = None,
-                 prefill_options: dict | None = None, **verifier_options) -> None:
+                 prefill_options: dict | None = None, kv_cache_dtype: str = "auto",
+                 **verifier_options) -> None:
         self.hub = InProcHub()
-        dtype = model.dtype
+        dtype = resolve_kv_cache_dtype(kv_cache_dtype, model.dtype)
 
         def runner() -> tuple[ModelRunner, BlockManager]:
             cache = KVCache(config, num_kv_blocks, block_size, dtype, model.device)

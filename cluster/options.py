@@ -11,7 +11,7 @@ from specmesh.cluster.drafter_option import add_drafter_options
 from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
 from specmesh.drafter.registry import runs_a_model
 from specmesh.engine.backend import CHOICES, BackendOverrides, read_overrides
-from specmesh.engine.dtypes import MODEL_DTYPES
+from specmesh.engine.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
 
 #: dtypes a user may pick on the command line (float16 is not supported on CPU here).
 CLI_DTYPES = tuple(d for d in MODEL_DTYPES if d != "float16")
@@ -26,6 +26,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="model dtype; auto: on CPU the fastest exact one (float32: its output "
                         "is the float32 reference's; bfloat16's drifts from it), measured at "
                         "first start and cached; bfloat16 on a GPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="dtype of the KV cache (vLLM's option); auto: the model dtype; "
+                        "bfloat16 / float16: a 16-bit cache for a float32 model on the CPU "
+                        "(half the bytes a decode step reads per position of context; output "
+                        "then differs from float32 HF, speculation still equals plain decode)")
     p.add_argument("--device", default="auto",
                    help="auto (a visible GPU, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
@@ -131,6 +136,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
         settings = resolve_settings(args, measure=False, plans=drafter_plans(args))
     method, method_kwargs = settings["drafter"].value
     kw = dict(model=args.model, dtype=settings["dtype"].value, device=args.device,
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
               kv_cache_mb=args.kv_cache_mb,
               num_speculative_tokens=args.num_speculative_tokens,
               max_model_len=settings["max_model_len"].value, max_num_seqs=args.max_num_seqs,

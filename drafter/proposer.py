@@ -25,7 +25,8 @@ class DraftTarget:
     (tokens per KV block), ``identity`` (its ``protocol.messages.ModelIdentity`` when the
     caller has it; None: a method that needs it reads it from the model's config files),
     ``backend`` (the ``engine.backend.CpuBackend`` a method that computes uses: the role's,
-    this machine with the cluster's overrides; None: the process's default)."""
+    this machine with the cluster's overrides; None: the process's default),
+    ``kv_cache_dtype`` (the target's ``--kv-cache-dtype``, part of its identity)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -33,6 +34,7 @@ class DraftTarget:
     block_size: int = 16
     identity: Any = None
     backend: Any = None
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass

@@ -10,9 +10,10 @@ path's batch invariance.
 
 It runs when every part of a layer has a compiled kernel: float32 CPU inference (no autograd),
 every linear layer on GGUF blocks (engine/gguf_weights.py) without biases, a paged KV cache
-attended through a plan (decode, verify, chunked prefill: whole prompts keep SDPA), the CPU
-attention kernel in use, and the model's CPU backend (engine/backend.py) with
-``compiled_stack`` on. Otherwise the model runs layer by layer.
+(float32, or bfloat16 / float16: K/V rounded into it as ``KVCache.write`` rounds them) attended
+through a plan (decode, verify, chunked prefill: whole prompts keep SDPA), the CPU attention
+kernel in use, and the model's CPU backend (engine/backend.py) with ``compiled_stack`` on.
+Otherwise the model runs layer by layer.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ class CompiledStack:
         plan = getattr(meta, "_plan", None)
         if h.dtype is not torch.float32 or not h.is_cpu or h.dim() != 2 or plan is None \
                 or not isinstance(kv_cache, KVCache) or not self.enabled() \
-                or not attention_runs_compiled(h, self.model.backend.cpu_attention.on):
+                or kv_cache.dtype not in layer_ops.KV_KINDS \
+                or not attention_runs_compiled(h, self.model.backend.cpu_attention.on,
+                                               kv_dtype=kv_cache.dtype):
             return None
         # unchanged since the pointers were built, the per-layer checks of _blocks (a large
         # share of the call's overhead) need not run again (the grad check is per call)
@@ -140,17 +143,19 @@ class CompiledStack:
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), config.num_heads,
             config.num_kv_heads, config.head_dim, config.intermediate_size,
             self.model.model.norm.variance_epsilon, config.head_dim ** -0.5,
-            ctypes.addressof(c_plan), *self._entries(), torch.get_num_threads())
+            ctypes.addressof(c_plan), *self._entries(kv_cache.dtype),
+            layer_ops.KV_KINDS[kv_cache.dtype], torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"the compiled decoder layers failed (code {rc})")
         return captured
 
     @staticmethod
-    def _entries() -> tuple[int, int, int]:
+    def _entries(kv_dtype: torch.dtype) -> tuple[int, int, int]:
         glib, alib = gguf_matmul.KERNEL.lib, cpu_attention.library()
+        attention = getattr(alib, cpu_attention.entry_name(torch.float32, kv_dtype))
         return (ctypes.cast(glib.specmesh_q4_1_matmul, ctypes.c_void_p).value,
                 ctypes.cast(glib.specmesh_q8_0_matmul, ctypes.c_void_p).value,
-                ctypes.cast(alib.specmesh_paged_attention_f32, ctypes.c_void_p).value)
+                ctypes.cast(attention, ctypes.c_void_p).value)
 
     def _watch(self, kv_cache: KVCache) -> tuple:
         """What the pointers are built from, held so :meth:`_unchanged` can compare it without

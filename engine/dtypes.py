@@ -23,6 +23,12 @@ _NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float64", "float16")
 
 
+#: ``--kv-cache-dtype`` choices (vLLM's option): ``auto`` keeps K/V in the model dtype; a float32
+#: model may keep them in bfloat16 or float16, half the bytes a decode step reads per position
+#: (engine/kv_cache.py; docs/operations.md, 'KV cache dtype').
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``.
 
@@ -59,3 +65,26 @@ def model_dtype(name: str | torch.dtype) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or _NAMES.get(dtype) not in MODEL_DTYPES:
         raise ValueError(f"unsupported model dtype {name!r}; use one of {MODEL_DTYPES}")
     return dtype
+
+
+def resolve_kv_cache_dtype(name: str | torch.dtype, model: str | torch.dtype) -> torch.dtype:
+    """The KV cache dtype that ``--kv-cache-dtype name`` gives a model of dtype ``model``:
+    ``"auto"`` (or the model's own dtype) is the model dtype; ``"bfloat16"`` / ``"float16"``
+    are a 16-bit cache, which only a float32 model may have (the attention widens its K/V to
+    float32 exactly, kernels/paged_attention.py).
+
+    Raises:
+        ValueError: an unknown name or model dtype, or a 16-bit cache for a model that is not
+            float32 (a bfloat16 model's cache is already bfloat16).
+    """
+    model = model_dtype(model)
+    if isinstance(name, str):
+        if name == "auto":
+            return model
+        if name not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {name!r}; use one of {KV_CACHE_DTYPES}")
+    kv = model_dtype(name)
+    if kv != model and (model != torch.float32 or kv not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"kv_cache_dtype {dtype_name(kv)} needs a float32 model (or the "
+                         f"model's own dtype); the model is {dtype_name(model)}")
+    return kv

@@ -35,6 +35,11 @@ class KVCache:
     H = ``num_kv_heads``, D = ``head_dim``. Keys are stored after RoPE. Block ids come from a
     :class:`~engine.block_manager.BlockManager` of the same ``num_blocks``/``block_size``.
 
+    ``dtype`` is the model's, or for a float32 model bfloat16 or float16 (``--kv-cache-dtype``,
+    :func:`engine.dtypes.resolve_kv_cache_dtype`): :meth:`write` rounds the model's K/V to it
+    (round to nearest even), and every attention path reads the stored values (widened
+    exactly), so a verify step reads the same K/V a one-token step would.
+
     Raises:
         ValueError: ``num_blocks < 1``, ``block_size < 1`` or an unsupported dtype.
     """
@@ -87,10 +92,11 @@ class KVCache:
 
         Args:
             slots: LongTensor [T] of cache slots.
-            k, v: [T, H, D] in the cache dtype.
+            k, v: [T, H, D], converted to the cache dtype (round to nearest even) when
+                theirs differs.
         """
-        self.data[layer, 0].index_copy_(0, slots, k)
-        self.data[layer, 1].index_copy_(0, slots, v)
+        self.data[layer, 0].index_copy_(0, slots, k.to(self.dtype))
+        self.data[layer, 1].index_copy_(0, slots, v.to(self.dtype))
 
     def copy_positions(self, block_table: list[int], src_positions: list[int],
                        dst_positions: list[int]) -> None:

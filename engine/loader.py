@@ -16,7 +16,7 @@ import torch
 
 from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.engine.config import ModelConfig
-from specmesh.engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype
+from specmesh.engine.dtypes import MODEL_DTYPES, dtype_name, model_dtype, resolve_kv_cache_dtype
 from specmesh.engine.gguf_weights import attach_block_weights
 from specmesh.engine.linear import prepack
 from specmesh.engine.model import LlamaForCausalLM
@@ -242,28 +242,40 @@ def model_files(model: str | None = None, dtype: str = "float32") -> Path:
     return path
 
 
-def model_identity_fields(loaded: LoadedModel, block_size: int) -> dict:
-    """Fields of ``protocol.messages.ModelIdentity`` for ``loaded``, KV blocks of ``block_size``."""
-    return _identity(loaded.name, loaded.config, dtype_name(loaded.model.dtype), block_size)
+def model_identity_fields(loaded: LoadedModel, block_size: int,
+                          kv_cache_dtype: str = "auto") -> dict:
+    """Fields of ``protocol.messages.ModelIdentity`` for ``loaded``, KV blocks of ``block_size``
+    in ``kv_cache_dtype`` (``--kv-cache-dtype``; ``auto``: the model dtype).
+
+    Raises:
+        ValueError: a KV cache dtype the model cannot have (engine.dtypes.resolve_kv_cache_dtype).
+    """
+    return _identity(loaded.name, loaded.config, dtype_name(loaded.model.dtype), block_size,
+                     kv_cache_dtype)
 
 
-def _identity(name: str, config: ModelConfig, dtype: str, block_size: int) -> dict:
+def _identity(name: str, config: ModelConfig, dtype: str, block_size: int,
+              kv_cache_dtype: str) -> dict:
     return {"name": name, "vocab_size": config.vocab_size, "dtype": dtype,
             "num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads,
-            "head_dim": config.head_dim, "block_size": int(block_size)}
+            "head_dim": config.head_dim, "block_size": int(block_size),
+            "kv_cache_dtype": dtype_name(resolve_kv_cache_dtype(kv_cache_dtype, dtype))}
 
 
-def model_identity(model: str | None, dtype: str, block_size: int) -> dict:
-    """Fields of ``protocol.messages.ModelIdentity`` for ``model`` served in ``dtype``, read
-    from its config files only (no weights loaded): what a role that does not run the target
-    (an n-gram drafter, the gateway) announces in its Hello.
+def model_identity(model: str | None, dtype: str, block_size: int,
+                   kv_cache_dtype: str = "auto") -> dict:
+    """Fields of ``protocol.messages.ModelIdentity`` for ``model`` served in ``dtype`` with a
+    KV cache of ``kv_cache_dtype`` (``auto``: the model dtype), read from its config files
+    only (no weights loaded): what a role that does not run the target (an n-gram drafter, the
+    gateway) announces in its Hello.
 
     Raises:
         FileNotFoundError: the model cannot be found.
-        ValueError: unsupported dtype or architecture.
+        ValueError: unsupported dtype or architecture, or a KV cache dtype the model cannot
+            have.
     """
     config = model_config(model, dtype)  # checks the dtype first
-    return _identity(model_name(model), config, dtype, block_size)
+    return _identity(model_name(model), config, dtype, block_size, kv_cache_dtype)
 
 
 def model_config(model: str | None, dtype: str = "float32") -> ModelConfig:

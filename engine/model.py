@@ -118,6 +118,8 @@ class Attention(nn.Module):
             return self.o_proj(kv_cache.attend(layer, q, k, v, meta, self.scaling).flatten(1))
         kv_cache.write(layer, meta.slot_mapping, k, v)
         if meta._plan is None:  # whole prompts: causal attention within each chunk
+            if kv_cache.dtype != k.dtype:  # a 16-bit cache: K/V as stored, as the paged path
+                k, v = k.to(kv_cache.dtype).to(k.dtype), v.to(kv_cache.dtype).to(v.dtype)
             out = torch.empty_like(q)
             offset = 0
             for q_len in meta.query_lens:

@@ -12,6 +12,7 @@ from specmesh.engine.hidden_layers import check_hidden_layers
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.model import AttentionMetadata, LlamaForCausalLM
 from specmesh.engine.token_tree import ancestry_mask, check_parents, chunk_positions, is_chain
+from specmesh.kernels.paged_attention_plan import NARROW_KV_DTYPES
 
 
 @dataclass
@@ -45,11 +46,23 @@ class ModelRunner:
 
     Logits come back in float32, or in float64 for a float64 model (bf16/fp16 logits are
     upcast exactly after ``lm_head``).
+
+    The cache is in the model dtype, or in bfloat16 / float16 for a float32 model on the CPU
+    (``--kv-cache-dtype``; the Triton kernel reads q's dtype only).
+
+    Raises:
+        ValueError: any other pair of cache and model dtypes, or a 16-bit cache of a float32
+            model off the CPU.
     """
 
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, kv_cache: KVCache) -> None:
         if kv_cache.dtype != model.dtype:
-            raise ValueError(f"KV cache dtype {kv_cache.dtype} != model dtype {model.dtype}")
+            if kv_cache.dtype not in NARROW_KV_DTYPES.get(model.dtype, ()):
+                raise ValueError(f"KV cache dtype {kv_cache.dtype} != model dtype {model.dtype}"
+                                 " (a float32 model may have a bfloat16 or float16 cache)")
+            if model.device.type != "cpu" or kv_cache.device.type != "cpu":
+                raise ValueError(f"a {kv_cache.dtype} KV cache of a {model.dtype} model runs on "
+                                 f"the CPU only, got {model.device}")
         self.model = model
         self.config = config
         self.kv_cache = kv_cache

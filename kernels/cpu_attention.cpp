@@ -1,8 +1,8 @@
 // Paged attention for the CPU (kernels/cpu_attention.py builds and loads this file).
 //
 // One work item is one query row and one KV head: it reads the row's visible positions of that
-// head from the paged cache through the block table (no gather, no copy, no dtype conversion
-// of the cache) and computes the attention of the head's G query heads over them, in float
+// head from the paged cache through the block table (no gather, no copy, no conversion pass
+// over the cache) and computes the attention of the head's G query heads over them, in float
 // (double for double inputs). The arithmetic of an item depends only on its row, on how many
 // positions it sees and on their K/V: every reduction runs in a fixed order written out here
 // (16 explicit lanes, then a fixed tree), products use explicit fma, and exp is a polynomial
@@ -11,13 +11,18 @@
 // kernels/paged_attention.py), and a verify row equals the one-token decode step at its
 // position bit for bit. Build flags keep it so: -ffp-contract=off, no -ffast-math.
 //
+// KV storage: the cache's dtype, which is the model's or, for a float32 model, bfloat16 or
+// float16 (``--kv-cache-dtype``): 16-bit K/V are converted to float exactly as they are read
+// (bfloat16: a shift; float16: F16C / AVX-512 vcvtph2ps where the target has it, else the
+// scalar conversion, the same values) and every product and sum stays in float.
+//
 // Shapes (row-major, contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size,
 // Hkv, D]; block_tables int64 [B, table_width]; token_batch int64 [T] (the request of a row);
 // token_visible int32 [T] (positions the row sees); token_path int32 [T, path_width] and
 // token_chunk_start int32 [T] or null (token trees: visible position p >= chunk_start reads
 // chunk row token_path[t, p - chunk_start], i.e. position chunk_start + that row).
 #include <cmath>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <algorithm>
@@ -39,6 +44,32 @@ inline float load(const uint16_t* p, int64_t i) {  // bfloat16 -> float, exact
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+
+// IEEE binary16 storage (a float16 KV cache); uint16_t above is bfloat16
+struct Half {
+  uint16_t bits;
+};
+
+// float16 -> float, exact (every binary16 value is a float): normals and infinities / NaNs by
+// moving the fields, subnormals as mantissa * 2^-24 (an exact product)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1fu) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else {
+    float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // 2^-24
+    std::memcpy(&u, &f, sizeof u);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float load(const Half* p, int64_t i) { return half_to_float(p[i].bits); }
 
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
 inline void store(double* p, int64_t i, double x) { p[i] = x; }
@@ -113,6 +144,24 @@ inline A dot(const A* q, const S* k, int64_t d) {
   return lane_sum(part);
 }
 
+// the largest of s[0 .. n), n >= 1: 16 running maxima, then the lanes in order (a maximum is
+// one of the values whatever the order, so this is the value a serial scan finds; it only
+// runs without a chain of dependent compares)
+template <typename A>
+inline A max_of(const A* s, int64_t n) {
+  A m = s[0];
+  int64_t i = 1;
+  if (n > kLanes) {
+    A lane[kLanes];
+    for (int l = 0; l < kLanes; ++l) lane[l] = s[1 + l];
+    for (i = 1 + kLanes; i + kLanes <= n; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) lane[l] = s[i + l] > lane[l] ? s[i + l] : lane[l];
+    for (int l = 0; l < kLanes; ++l) m = lane[l] > m ? lane[l] : m;
+  }
+  for (; i < n; ++i) m = s[i] > m ? s[i] : m;
+  return m;
+}
+
 // sum of n softmax weights: 16 lanes by position, then the lane tree
 template <typename A>
 inline A weight_sum(const A* s, int64_t n) {
@@ -132,7 +181,21 @@ inline f32x16 load16(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline f32x16 load16(const uint16_t* p) {  // 16 bfloat16 -> float, exact
+inline f32x16 load16(const uint16_t* p) {  // 16 bfloat16 -> float, exact (bits << 16)
+#if defined(__AVX512F__)  // one widening load and a shift (GCC's generic form takes ~3x that)
+  const __m512i u =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<f32x16>(_mm512_slli_epi32(u, 16));
+#elif defined(__AVX2__)
+  const __m256i lo = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  const __m256i hi = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
+  f32x16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
   typedef uint32_t u32x16 __attribute__((vector_size(64)));
   typedef uint16_t u16x16 __attribute__((vector_size(32)));
   u16x16 h;
@@ -141,6 +204,25 @@ inline f32x16 load16(const uint16_t* p) {  // 16 bfloat16 -> float, exact
   f32x16 v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+#endif
+}
+
+inline f32x16 load16(const Half* p) {  // 16 float16 -> float, exact
+#if defined(__AVX512F__)
+  const __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<f32x16>(r);
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  f32x16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
+  f32x16 r;
+  for (int l = 0; l < kLanes; ++l) r[l] = half_to_float(p[l].bits);
+  return r;
+#endif
 }
 
 inline float hsum(f32x16 v) {  // the lane tree of lane_sum
@@ -198,17 +280,30 @@ inline f32x16 splat16(float x) {
 }
 
 // Rows are read through the block table, so the hardware sees short strided runs: fetch the
-// row kAhead positions ahead (each row is 16 * nc elements).
-constexpr int64_t kAhead = 32;
+// row kAhead positions ahead (each row is 16 * nc elements) into L2 (prefetcht1): into L1
+// (prefetcht0) the requests in flight are capped by L1's few miss buffers, which left a long
+// context's attention waiting on memory at a third of the bandwidth the products get
+// (docs/benchmarks.md, 'Attention').
+constexpr int64_t kAhead = 64;
 template <typename S>
 inline void prefetch_row(const S* row, int nc) {
   const char* b = reinterpret_cast<const char*>(row);
-  for (size_t at = 0; at < 16 * nc * sizeof(S); at += 64) __builtin_prefetch(b + at);
+  for (size_t at = 0; at < 16 * nc * sizeof(S); at += 64) __builtin_prefetch(b + at, 0, 2);
 }
 
 // Lane trees of 16 vectors at once: r[j] = hsum(v[j]) for j < 16, with the same additions as
 // lane_sum (so a position's score does not depend on whether it was reduced in a block of 16
 // or alone).
+// the first level of hsum16's tree for v[2j] = a, v[2j + 1] = b: lanes 0-7 the a[i] = s[i] +
+// s[i + 8] of a, lanes 8-15 those of b
+inline f32x16 hsum_pair(f32x16 a, f32x16 b) {
+  return __builtin_shuffle(a, b,
+                           i32x16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+         __builtin_shuffle(a, b,
+                           i32x16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+}
+inline f32x16 hsum16_rest(const f32x16* x);
+
 inline f32x16 hsum16(const f32x16* v) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
   // the same tree in 8-lane registers (GCC splits the 16-lane shuffles below lane by lane):
@@ -235,12 +330,15 @@ inline f32x16 hsum16(const f32x16* v) {
   }
   return r;
 #else
-  f32x16 x[8], y[4], z[2];
-  for (int j = 0; j < 8; ++j)  // lanes 0-7: a of v[2j], lanes 8-15: a of v[2j+1]
-    x[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1],
-                             i32x16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-           __builtin_shuffle(v[2 * j], v[2 * j + 1],
-                             i32x16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  f32x16 x[8];
+  for (int j = 0; j < 8; ++j) x[j] = hsum_pair(v[2 * j], v[2 * j + 1]);
+  return hsum16_rest(x);
+#endif
+}
+
+// hsum16's tree from its first level x[j] = hsum_pair(v[2j], v[2j + 1]) (16-lane form)
+inline f32x16 hsum16_rest(const f32x16* x) {
+  f32x16 y[4], z[2];
   for (int j = 0; j < 4; ++j)  // four lanes b0..b3 per vector of v[4j..4j+3]
     y[j] = __builtin_shuffle(x[2 * j], x[2 * j + 1],
                              i32x16{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
@@ -255,21 +353,24 @@ inline f32x16 hsum16(const f32x16* v) {
                            i32x16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
          __builtin_shuffle(z[0], z[1],
                            i32x16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
-#endif
 }
 
 // Scores of GB query heads of one row (of one KV head) at positions [a, b) of a split, a a
 // multiple of 16, b <= n (the positions the row sees in the split): a 16-lane product over the
 // head dimension, chunk by chunk, then the lane tree, 16 positions at a time (hsum16) and the
-// rest one by one (hsum, the same additions).
+// rest one by one (hsum, the same additions). ``vfetch`` (or null): the value rows to prefetch
+// alongside, so the value phase finds them in cache.
 template <typename S, int NC, int GB>
-void scores16(const float* qf, const S* const* krow, int64_t a, int64_t b, int64_t n, float* w,
-              int64_t w_stride) {
+void scores16(const float* qf, const S* const* krow, const S* const* vfetch, int64_t a,
+              int64_t b, int64_t n, float* w, int64_t w_stride) {
   f32x16 qv[GB][NC];
   for (int h = 0; h < GB; ++h)
     for (int c = 0; c < NC; ++c) qv[h][c] = load16(qf + (h * NC + c) * 16);
   auto product = [&](int64_t p, f32x16* part, int64_t part_stride) {
-    if (p + kAhead < n) prefetch_row(krow[p + kAhead], NC);
+    if (p + kAhead < n) {
+      prefetch_row(krow[p + kAhead], NC);
+      if (vfetch != nullptr) prefetch_row(vfetch[p + kAhead], NC);
+    }
     f32x16 k[NC];
     for (int c = 0; c < NC; ++c) k[c] = load16(krow[p] + 16 * c);
     for (int h = 0; h < GB; ++h) {
@@ -280,12 +381,26 @@ void scores16(const float* qf, const S* const* krow, int64_t a, int64_t b, int64
   };
   int64_t p = a;
   for (; p + kLanes <= b; p += kLanes) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
     f32x16 part[GB][kLanes];
     for (int j = 0; j < kLanes; ++j) product(p + j, &part[0][j], kLanes);
     for (int h = 0; h < GB; ++h) {
       f32x16 r = hsum16(part[h]);
       std::memcpy(w + h * w_stride + p, &r, sizeof r);
     }
+#else  // hsum16's first level as each pair of positions is done: half the vectors to keep
+    f32x16 x[GB][kLanes / 2];
+    for (int j = 0; j < kLanes / 2; ++j) {
+      f32x16 even[GB], odd[GB];
+      product(p + 2 * j, even, 1);
+      product(p + 2 * j + 1, odd, 1);
+      for (int h = 0; h < GB; ++h) x[h][j] = hsum_pair(even[h], odd[h]);
+    }
+    for (int h = 0; h < GB; ++h) {
+      f32x16 r = hsum16_rest(x[h]);
+      std::memcpy(w + h * w_stride + p, &r, sizeof r);
+    }
+#endif
   }
   for (; p < b; ++p) {
     f32x16 part[GB];
@@ -314,24 +429,46 @@ void values16(const float* w, int64_t w_stride, const S* const* vrow, int64_t a,
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define SPECMESH_AVX2_FLOAT 1
-// float K/V on AVX2 (16 ymm registers): one head at a time in 8-lane registers, so a head's
-// query (scores) or running sums (values) stay in registers; the K/V rows of a tile come again
-// from L1 for the next head. Lane l < 8 of a 16-lane vector is lane l of the low register,
-// lane 8 + l that of the high one: each lane sees the same fma sequence as in scores16 /
-// values16, so the results are the same bits.
-template <int NC>
-void scores_avx2(const float* q, const float* const* krow, int64_t a, int64_t b, int64_t n,
-                 float* w, bool fetch) {
+#define SPECMESH_AVX2_ROWS 1
+// 8 K/V values as floats, exact: float as is, bfloat16 shifted, float16 by F16C
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#if defined(__F16C__)
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+// K/V storage the 8-lane path takes (float16 only with F16C)
+template <typename S>
+constexpr bool kAvx2Rows = std::is_same<S, float>::value || std::is_same<S, uint16_t>::value
+#if defined(__F16C__)
+                           || std::is_same<S, Half>::value
+#endif
+    ;
+
+// K/V on AVX2 (16 ymm registers): one head at a time in 8-lane registers, so a head's query
+// (scores) or running sums (values) stay in registers; the K/V rows of a tile come again from
+// L1 for the next head. Lane l < 8 of a 16-lane vector is lane l of the low register, lane
+// 8 + l that of the high one: each lane sees the same fma sequence as in scores16 / values16
+// (16-bit K/V widened exactly as load16 widens them), so the results are the same bits.
+template <typename S, int NC>
+void scores_avx2(const float* q, const S* const* krow, const S* const* vfetch, int64_t a,
+                 int64_t b, int64_t n, float* w, bool fetch) {
   __m256 qv[2 * NC];
   for (int j = 0; j < 2 * NC; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
   auto product = [&](int64_t p, f32x16* part) {
-    if (fetch && p + kAhead < n) prefetch_row(krow[p + kAhead], NC);
-    const float* k = krow[p];
+    if (fetch && p + kAhead < n) {
+      prefetch_row(krow[p + kAhead], NC);
+      if (vfetch != nullptr) prefetch_row(vfetch[p + kAhead], NC);
+    }
+    const S* k = krow[p];
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (int c = 0; c < NC; ++c) {
-      lo = _mm256_fmadd_ps(qv[2 * c], _mm256_loadu_ps(k + 16 * c), lo);
-      hi = _mm256_fmadd_ps(qv[2 * c + 1], _mm256_loadu_ps(k + 16 * c + 8), hi);
+      lo = _mm256_fmadd_ps(qv[2 * c], load8(k + 16 * c), lo);
+      hi = _mm256_fmadd_ps(qv[2 * c + 1], load8(k + 16 * c + 8), hi);
     }
     std::memcpy(part, &lo, 32);
     std::memcpy(reinterpret_cast<char*>(part) + 32, &hi, 32);
@@ -350,16 +487,16 @@ void scores_avx2(const float* q, const float* const* krow, int64_t a, int64_t b,
   }
 }
 
-template <int NC>
-void values_avx2(const float* w, const float* const* vrow, int64_t a, int64_t b, int64_t n,
+template <typename S, int NC>
+void values_avx2(const float* w, const S* const* vrow, int64_t a, int64_t b, int64_t n,
                  float* acc_mem, bool fetch) {
   __m256 acc[2 * NC];
   for (int j = 0; j < 2 * NC; ++j) acc[j] = _mm256_loadu_ps(acc_mem + 8 * j);
   for (int64_t p = a; p < b; ++p) {
     if (fetch && p + kAhead < n) prefetch_row(vrow[p + kAhead], NC);
-    const float* v = vrow[p];
+    const S* v = vrow[p];
     const __m256 wp = _mm256_set1_ps(w[p]);
-    for (int j = 0; j < 2 * NC; ++j) acc[j] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    for (int j = 0; j < 2 * NC; ++j) acc[j] = _mm256_fmadd_ps(wp, load8(v + 8 * j), acc[j]);
   }
   for (int j = 0; j < 2 * NC; ++j) _mm256_storeu_ps(acc_mem + 8 * j, acc[j]);
 }
@@ -367,23 +504,24 @@ void values_avx2(const float* w, const float* const* vrow, int64_t a, int64_t b,
 
 // Both phases over a row's G heads in groups of at most 4 (what fits in registers).
 template <typename S, int NC>
-void scores_row16(const float* qf, int64_t g, const S* const* krow, int64_t a, int64_t b,
-                  int64_t n, float* w, int64_t w_stride) {
-#ifdef SPECMESH_AVX2_FLOAT
-  if constexpr (std::is_same<S, float>::value) {
+void scores_row16(const float* qf, int64_t g, const S* const* krow, const S* const* vfetch,
+                  int64_t a, int64_t b, int64_t n, float* w, int64_t w_stride) {
+#ifdef SPECMESH_AVX2_ROWS
+  if constexpr (kAvx2Rows<S>) {
     for (int64_t h = 0; h < g; ++h)
-      scores_avx2<NC>(qf + h * 16 * NC, krow, a, b, n, w + h * w_stride, h == 0);
+      scores_avx2<S, NC>(qf + h * 16 * NC, krow, vfetch, a, b, n, w + h * w_stride, h == 0);
     return;
   }
 #endif
   for (int64_t h = 0; h < g; h += 4) {
     const float* q = qf + h * 16 * NC;
     float* wh = w + h * w_stride;
+    const S* const* vf = h == 0 ? vfetch : nullptr;  // once per row
     switch (g - h < 4 ? g - h : 4) {
-      case 1: scores16<S, NC, 1>(q, krow, a, b, n, wh, w_stride); break;
-      case 2: scores16<S, NC, 2>(q, krow, a, b, n, wh, w_stride); break;
-      case 3: scores16<S, NC, 3>(q, krow, a, b, n, wh, w_stride); break;
-      default: scores16<S, NC, 4>(q, krow, a, b, n, wh, w_stride); break;
+      case 1: scores16<S, NC, 1>(q, krow, vf, a, b, n, wh, w_stride); break;
+      case 2: scores16<S, NC, 2>(q, krow, vf, a, b, n, wh, w_stride); break;
+      case 3: scores16<S, NC, 3>(q, krow, vf, a, b, n, wh, w_stride); break;
+      default: scores16<S, NC, 4>(q, krow, vf, a, b, n, wh, w_stride); break;
     }
   }
 }
@@ -391,10 +529,10 @@ void scores_row16(const float* qf, int64_t g, const S* const* krow, int64_t a, i
 template <typename S, int NC>
 void values_row16(const float* w, int64_t w_stride, int64_t g, const S* const* vrow, int64_t a,
                   int64_t b, int64_t n, float* acc) {
-#ifdef SPECMESH_AVX2_FLOAT
-  if constexpr (std::is_same<S, float>::value) {
+#ifdef SPECMESH_AVX2_ROWS
+  if constexpr (kAvx2Rows<S>) {
     for (int64_t h = 0; h < g; ++h)
-      values_avx2<NC>(w + h * w_stride, vrow, a, b, n, acc + h * 16 * NC, h == 0);
+      values_avx2<S, NC>(w + h * w_stride, vrow, a, b, n, acc + h * 16 * NC, h == 0);
     return;
   }
 #endif
@@ -433,16 +571,20 @@ void attend_rows16(const float* qf, int64_t rows, int64_t g, const S* const* con
   const int64_t d = 16 * NC, w_stride = kSplit;
   int64_t n_max = 0;
   for (int64_t r = 0; r < rows; ++r) n_max = std::max(n_max, n[r]);
+  // the first rows of each phase, all at once (the rows ahead are fetched as it runs, values
+  // with keys): keys now, values before the softmax, so they arrive while it runs
+  const int64_t lead = std::min(kAhead, n_max);
+  for (int64_t i = 0; i < lead; ++i) prefetch_row(krow[0][i], NC);
   for (int64_t a = 0; a < n_max; a += kTile)
     for (int64_t r = 0; r < rows; ++r)
-      if (a < n[r])
-        scores_row16<S, NC>(qf + r * g * d, g, krow[r], a, std::min(a + kTile, n[r]), n[r],
-                            w + r * g * w_stride, w_stride);
+      if (a < n[r])  // the values' rows fetched with the first row's keys
+        scores_row16<S, NC>(qf + r * g * d, g, krow[r], r == 0 ? vrow[r] : nullptr, a,
+                            std::min(a + kTile, n[r]), n[r], w + r * g * w_stride, w_stride);
+  for (int64_t i = 0; i < lead; ++i) prefetch_row(vrow[0][i], NC);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < g; ++h) {
       float* s = w + (r * g + h) * w_stride;
-      float m = s[0];
-      for (int64_t i = 1; i < n[r]; ++i) m = s[i] > m ? s[i] : m;
+      const float m = max_of(s, n[r]);
       for (int64_t i = 0; i < n[r]; ++i) s[i] = exp_neg(s[i] - m);
       max_out[r * g + h] = m;
       den_out[r * g + h] = weight_sum(s, n[r]);
@@ -463,8 +605,7 @@ void attend_item(const A* qf, const S* const* krow, const S* const* vrow, int64_
     for (int64_t h = 0; h < g; ++h) w[h * w_stride + p] = dot(qf + h * d, krow[p], d);
   for (int64_t h = 0; h < g; ++h) {
     A* s = w + h * w_stride;
-    A m = s[0];
-    for (int64_t p = 1; p < n; ++p) m = s[p] > m ? s[p] : m;
+    const A m = max_of(s, n);
     for (int64_t p = 0; p < n; ++p) s[p] = exp_neg(s[p] - m);
     max_out[h] = m;
     den_out[h] = weight_sum(s, n);
@@ -478,8 +619,9 @@ void attend_item(const A* qf, const S* const* krow, const S* const* vrow, int64_
 }
 
 
-template <typename S, typename A>
-void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_t* block_tables,
+// T: the storage of q and out (the model's dtype), S: the cache's, A: the accumulation type.
+template <typename T, typename S, typename A>
+void attend(const T* q, const S* k_cache, const S* v_cache, T* out, const int64_t* block_tables,
             int64_t table_width, const int64_t* token_batch, const int32_t* token_visible,
             const int32_t* token_path, int64_t path_width, const int32_t* token_chunk_start,
             int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -537,11 +679,19 @@ void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_
         const int64_t t = rows_t[l];
         const int64_t start = tree ? token_chunk_start[t] : INT64_MAX;
         const int64_t count = tree ? n[l] : *std::max_element(n.begin(), n.end());
+        // positions before the chunk start run in order: their block and offset advance
+        // without a division per position
+        int64_t blk = p0 / block_size, at = p0 % block_size;
         for (int64_t i = 0; i < count; ++i) {
           const int64_t p = p0 + i;
-          const int64_t pos = p < start ? p : start + token_path[t * path_width + (p - start)];
-          const int64_t off =
-              ((table[pos / block_size] * block_size + pos % block_size) * hkv + kh) * d;
+          int64_t off;
+          if (p < start) {
+            off = ((table[blk] * block_size + at) * hkv + kh) * d;
+          } else {
+            const int64_t pos = start + token_path[t * path_width + (p - start)];
+            off = ((table[pos / block_size] * block_size + pos % block_size) * hkv + kh) * d;
+          }
+          if (++at == block_size) at = 0, ++blk;
           krow[l * kSplit + i] = k_cache + off;
           vrow[l * kSplit + i] = v_cache + off;
         }
@@ -600,7 +750,7 @@ void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_
           const A* pa = &part_acc[at * d];
           for (int64_t i = 0; i < d; ++i) a[i] = fmaa(f, pa[i], a[i]);
         }
-        S* o = out + (t * num_heads + kh * g + h) * d;
+        T* o = out + (t * num_heads + kh * g + h) * d;
         for (int64_t i = 0; i < d; ++i) store(o, i, a[i] / total);
       }
     }
@@ -609,7 +759,7 @@ void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_
 
 }  // namespace
 
-#define SPECMESH_ENTRY(name, S, A)                                                            \
+#define SPECMESH_ENTRY(name, T, S, A)                                                         \
   extern "C" void name(const void* q, const void* k_cache, const void* v_cache, void* out,     \
                        const int64_t* block_tables, int64_t table_width,                       \
                        const int64_t* token_batch, const int32_t* token_visible,               \
@@ -617,13 +767,16 @@ void attend(const S* q, const S* k_cache, const S* v_cache, S* out, const int64_
                        const int32_t* token_chunk_start, int64_t num_tokens, int64_t num_heads, \
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,             \
                        double scale, int num_threads) {                                        \
-    attend<S, A>(static_cast<const S*>(q), static_cast<const S*>(k_cache),                     \
-                 static_cast<const S*>(v_cache), static_cast<S*>(out), block_tables,           \
-                 table_width, token_batch, token_visible, token_path, path_width,              \
-                 token_chunk_start, num_tokens, num_heads, num_kv_heads, head_dim, block_size, \
-                 scale, num_threads);                                                          \
+    attend<T, S, A>(static_cast<const T*>(q), static_cast<const S*>(k_cache),                  \
+                    static_cast<const S*>(v_cache), static_cast<T*>(out), block_tables,        \
+                    table_width, token_batch, token_visible, token_path, path_width,           \
+                    token_chunk_start, num_tokens, num_heads, num_kv_heads, head_dim,          \
+                    block_size, scale, num_threads);                                           \
   }
 
-SPECMESH_ENTRY(specmesh_paged_attention_f32, float, float)
-SPECMESH_ENTRY(specmesh_paged_attention_bf16, uint16_t, float)
-SPECMESH_ENTRY(specmesh_paged_attention_f64, double, double)
+SPECMESH_ENTRY(specmesh_paged_attention_f32, float, float, float)
+SPECMESH_ENTRY(specmesh_paged_attention_bf16, uint16_t, uint16_t, float)
+SPECMESH_ENTRY(specmesh_paged_attention_f64, double, double, double)
+// a float32 model over a 16-bit KV cache
+SPECMESH_ENTRY(specmesh_paged_attention_f32_kv_bf16, float, uint16_t, float)
+SPECMESH_ENTRY(specmesh_paged_attention_f32_kv_f16, float, Half, float)

@@ -15,7 +15,9 @@ Build: see :mod:`kernels.cpu_build` (without a compiler :func:`available` is Fal
 engine uses the torch reference). Whether the engine uses it is the ``cpu_attention`` choice of
 its CPU backend (engine/backend.py), passed to :func:`kernels.paged_attention.paged_attention`.
 
-Dtypes: float32, bfloat16, float64 (others: the reference).
+Dtypes (q and out; the cache): float32, bfloat16, float64 over a cache of the same dtype, and
+float32 over a bfloat16 or float16 cache (``--kv-cache-dtype``: 16-bit K/V widened to float32 as
+they are read, every product and sum in float32); others: the reference.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from specmesh.kernels.cpu_build import CpuKernel, cache_dir, compiler
 from specmesh.kernels.paged_attention_plan import PagedAttentionPlan, check_block_ids, resolve_plan
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-_ENTRIES = {torch.float32: "specmesh_paged_attention_f32",
-            torch.bfloat16: "specmesh_paged_attention_bf16",
-            torch.float64: "specmesh_paged_attention_f64"}
+#: (q dtype, cache dtype) -> the kernel's entry point
+_ENTRIES = {(torch.float32, torch.float32): "specmesh_paged_attention_f32",
+            (torch.bfloat16, torch.bfloat16): "specmesh_paged_attention_bf16",
+            (torch.float64, torch.float64): "specmesh_paged_attention_f64",
+            (torch.float32, torch.bfloat16): "specmesh_paged_attention_f32_kv_bf16",
+            (torch.float32, torch.float16): "specmesh_paged_attention_f32_kv_f16"}
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
     + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_double, ctypes.c_int]
 KERNEL = CpuKernel(SOURCE, "the CPU attention kernel", "using the torch reference",
@@ -64,9 +69,25 @@ def available() -> bool:
     return library() is not None
 
 
-def supports(q: torch.Tensor) -> bool:
-    """Whether the kernel takes this query tensor (CPU, a supported dtype) and is available."""
-    return q.device.type == "cpu" and q.dtype in _ENTRIES and available()
+def supports(q: torch.Tensor, *, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel takes this query tensor (CPU, a supported dtype) over a cache of
+    ``kv_dtype`` (None: q's dtype) and is available."""
+    key = (q.dtype, q.dtype if kv_dtype is None else kv_dtype)
+    return q.device.type == "cpu" and key in _ENTRIES and available()
+
+
+def entry_name(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """The library's entry point for queries of ``q_dtype`` over a cache of ``kv_dtype`` (what
+    engine/compiled_stack.py calls through a pointer).
+
+    Raises:
+        ValueError: a pair the kernel lacks.
+    """
+    try:
+        return _ENTRIES[(q_dtype, kv_dtype)]
+    except KeyError:
+        raise ValueError(f"the CPU attention kernel has no entry for {q_dtype} queries over a "
+                         f"{kv_dtype} cache") from None
 
 
 def _ptr(x: torch.Tensor | None) -> int | None:
@@ -89,8 +110,9 @@ def paged_attention_cpu(
     :func:`kernels.paged_attention.paged_attention_ref` (``plan`` saves rebuilding the index
     tensors in every layer; ``tree_masks`` is used only to build one when none is given).
 
-    Shapes: ``q`` [T, H, D]; ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D], all CPU
-    tensors of one dtype (float32, bfloat16 or float64). Returns [T, H, D] in q's dtype.
+    Shapes: ``q`` [T, H, D]; ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D], CPU
+    tensors of one dtype (float32, bfloat16 or float64), or float32 queries over a bfloat16 or
+    float16 cache. Returns [T, H, D] in q's dtype.
 
     Raises:
         ValueError: see :func:`plan_paged_attention`; shapes or dtypes that do not match, a
@@ -98,9 +120,10 @@ def paged_attention_cpu(
             outside the cache (the compiled code reads through the ids unchecked).
         RuntimeError: the kernel is not available (:func:`available`).
     """
-    if q.dtype not in _ENTRIES or q.device.type != "cpu":
-        raise ValueError(f"the CPU attention kernel takes CPU {sorted(map(str, _ENTRIES))}, "
-                         f"got {q.dtype} on {q.device}")
+    if (q.dtype, k_cache.dtype) not in _ENTRIES or q.device.type != "cpu":
+        pairs = sorted(f"{a}/{b}" for a, b in _ENTRIES)
+        raise ValueError(f"the CPU attention kernel takes CPU (q / cache dtype) {pairs}, "
+                         f"got {q.dtype} / {k_cache.dtype} on {q.device}")
     lib = library()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is not available: "
@@ -116,7 +139,7 @@ def paged_attention_cpu(
     path = plan.token_path.contiguous() if plan.token_path is not None else None
     start = plan.token_chunk_start.contiguous() if plan.token_chunk_start is not None else None
     out = torch.empty_like(q)
-    getattr(lib, _ENTRIES[q.dtype])(
+    getattr(lib, _ENTRIES[(q.dtype, k_cache.dtype)])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         tables.data_ptr(), tables.shape[1], plan.token_batch.data_ptr(),
         plan.token_visible.data_ptr(), _ptr(path), path.shape[1] if path is not None else 0,
@@ -124,5 +147,5 @@ def paged_attention_cpu(
     return out
 
 
-__all__ = ["available", "build", "cache_dir", "has_compiler", "library",
+__all__ = ["available", "build", "cache_dir", "entry_name", "has_compiler", "library",
            "paged_attention_cpu", "supports"]

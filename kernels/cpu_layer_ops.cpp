@@ -19,6 +19,9 @@
 //  - RoPE (transformers' rotate_half form): for j < D/2, out[j] = x[j]*cos[j] - x[j+D/2]*sin[j]
 //    and out[j+D/2] = x[j+D/2]*cos[j+D/2] + x[j]*sin[j+D/2], each product rounded before the
 //    add (no FMA contraction), which is what torch computes: the same bits.
+//  - float -> bfloat16 / float16 (a 16-bit KV cache, --kv-cache-dtype): IEEE round to nearest,
+//    ties to even, float16 with its subnormals and overflow to infinity, as torch's
+//    ``Tensor.to`` rounds: the same bits for every non-NaN value (a NaN stays a NaN).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -125,9 +128,54 @@ void rope_token(const float* x, const float* c, const float* s, float* out, int6
   }
 }
 
+// float -> bfloat16 bits: the 16 dropped bits rounded to nearest, ties to even
+inline uint16_t float_to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// float -> IEEE binary16 bits, rounded to nearest, ties to even
+inline uint16_t float_to_half(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00u;  // NaN: a quiet NaN
+  if (a >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 (65504 + half an ulp): infinity
+  if (a >= 0x38800000u)                          // a normal half (>= 2^-14): drop 13 bits,
+    return sign | static_cast<uint16_t>(         // rebias the exponent from 127 to 15
+                      (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13);
+  if (a <= 0x33000000u) return sign;  // <= 2^-25 (half the smallest subnormal): zero
+  // a subnormal half: round(|x| * 2^24), i.e. the 24-bit mantissa shifted right by 126 - e
+  const int shift = 126 - static_cast<int>(a >> 23);  // 14 .. 24
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
+  uint32_t n = m >> shift;
+  const uint32_t rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (n & 1u))) ++n;  // n = 1024 is the smallest normal
+  return sign | static_cast<uint16_t>(n);
+}
+
+// KV storage kinds of the 16-bit caches: 1 bfloat16, 2 float16 (0, float32, is stored as is)
+inline void store_kv16(int kind, void* base, int64_t at, const float* x, int64_t n) {
+  uint16_t* out = static_cast<uint16_t*>(base) + at;
+  if (kind == 1)
+    for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(x[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) out[i] = float_to_half(x[i]);
+}
+
 }  // namespace
 
 extern "C" {
+
+// x [n] float -> out [n] in KV storage kind 1 (bfloat16) or 2 (float16); 1 for another kind
+int specmesh_f32_to_kv16(const float* x, void* out, int64_t n, int kind) {
+    if (n < 0 || (kind != 1 && kind != 2)) return 1;
+    store_kv16(kind, out, 0, x, n);
+    return 0;
+}
 
 // x [M, H] (row stride x_stride), residual [M, H] (row stride res_stride) or null.
 // With a residual, h = x + residual is stored to h_out [M, H] (row stride h_stride);
@@ -193,8 +241,8 @@ struct SmLayer {
   const float* ln1;  // input_layernorm weight [H]
   const float* ln2;  // post_attention_layernorm weight [H]
   SmProduct qkv, o, gate_up, down;
-  float* k_cache;  // this layer's keys [num_slots, Hkv, D]
-  float* v_cache;  // and values
+  void* k_cache;  // this layer's keys [num_slots, Hkv, D] (float, or 16-bit: kv_kind)
+  void* v_cache;  // and values
 };
 
 struct SmPlan {  // kernels/paged_attention_plan.py, as kernels/cpu_attention.py passes it
@@ -217,18 +265,19 @@ typedef void (*SmAttention)(const void*, const void*, const void*, void*, const 
                             int);
 
 // h [T, H]: the embeddings in, the last layer's output out. cos / sin [T, D]; slots [T] (cache
-// slot of each token's K/V); capture [L] null or [T, H] buffers for layer outputs. Returns 0,
-// or the failing product's code.
+// slot of each token's K/V); capture [L] null or [T, H] buffers for layer outputs; kv_kind the
+// cache's storage (0 float, 1 bfloat16, 2 float16: K/V rounded as torch's Tensor.to, and
+// ``attention`` the entry for that cache). Returns 0, or the failing product's code.
 int specmesh_decoder_layers_f32(float* h, int64_t T, int64_t H, const SmLayer* layers,
                                 int64_t L, float** capture, const float* cos, const float* sin,
                                 const int64_t* slots, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t D, int64_t inter, float eps, double scale,
                                 const SmPlan* plan, void* q4_1, void* q8_0, void* attention,
-                                int num_threads) {
-    if (T <= 0 || H <= 0 || L < 0 || D % 2 != 0) return 1;
+                                int kv_kind, int num_threads) {
+    if (T <= 0 || H <= 0 || L < 0 || D % 2 != 0 || kv_kind < 0 || kv_kind > 2) return 1;
     const int64_t nq = num_heads * D, nk = num_kv_heads * D, nqkv = nq + 2 * nk;
     std::vector<float> x(T * H), qkv(T * nqkv), q(T * nq), att(T * nq), o(T * H),
-        gu(T * 2 * inter), act(T * inter);
+        gu(T * 2 * inter), act(T * inter), k16(kv_kind != 0 ? nk : 0);
     const SmQ41 q41 = reinterpret_cast<SmQ41>(q4_1);
     const SmQ80 q80 = reinterpret_cast<SmQ80>(q8_0);
     auto product = [&](const SmProduct& p, const float* in, int64_t k, float* out) {
@@ -244,9 +293,16 @@ int specmesh_decoder_layers_f32(float* h, int64_t T, int64_t H, const SmLayer* l
         for (int64_t t = 0; t < T; ++t) {
             const float* row = qkv.data() + t * nqkv;
             rope_token(row, cos + t * D, sin + t * D, q.data() + t * nq, num_heads, D);
-            rope_token(row + nq, cos + t * D, sin + t * D, ly.k_cache + slots[t] * nk,
-                       num_kv_heads, D);
-            std::memcpy(ly.v_cache + slots[t] * nk, row + nq + nk, nk * sizeof(float));
+            if (kv_kind == 0) {
+                rope_token(row + nq, cos + t * D, sin + t * D,
+                           static_cast<float*>(ly.k_cache) + slots[t] * nk, num_kv_heads, D);
+                std::memcpy(static_cast<float*>(ly.v_cache) + slots[t] * nk, row + nq + nk,
+                            nk * sizeof(float));
+            } else {  // the model's K/V rounded into the 16-bit cache
+                rope_token(row + nq, cos + t * D, sin + t * D, k16.data(), num_kv_heads, D);
+                store_kv16(kv_kind, ly.k_cache, slots[t] * nk, k16.data(), nk);
+                store_kv16(kv_kind, ly.v_cache, slots[t] * nk, row + nq + nk, nk);
+            }
         }
         reinterpret_cast<SmAttention>(attention)(
             q.data(), ly.k_cache, ly.v_cache, att.data(), plan->block_tables, plan->table_width,

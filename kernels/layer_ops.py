@@ -34,7 +34,12 @@ KERNEL = CpuKernel(
      "specmesh_silu_mul_f32": ([_P, _L, _P, _L, _L, _I], _I),
      # engine/compiled_stack.py
      "specmesh_decoder_layers_f32": ([_P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _L, _L, _L,
-                                      ctypes.c_float, ctypes.c_double, _P, _P, _P, _P, _I], _I)})
+                                      ctypes.c_float, ctypes.c_double, _P, _P, _P, _P, _I, _I],
+                                     _I),
+     "specmesh_f32_to_kv16": ([_P, _P, _L, _I], _I)})
+
+#: KV storage kinds of the compiled code (``kv_kind`` of ``specmesh_decoder_layers_f32``)
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def available() -> bool:
@@ -158,4 +163,30 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return y
 
 
-__all__ = ["KERNEL", "add_rms_norm", "applies", "available", "rope", "silu_mul"]
+def to_kv16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32, CPU) rounded to ``dtype`` (bfloat16 or float16) by the compiled
+    conversion the compiled decoder layers write a 16-bit KV cache with
+    (engine/compiled_stack.py): equal bit for bit to ``x.to(dtype)`` for every non-NaN value
+    (round to nearest, ties to even; float16 subnormals and overflow to infinity). Returns a
+    new contiguous tensor of x's shape.
+
+    Raises:
+        ValueError: not a float32 CPU tensor, or another dtype.
+        RuntimeError: the kernel is not available or failed.
+    """
+    lib = KERNEL.lib or KERNEL.library()
+    if lib is None:
+        raise RuntimeError(f"the CPU layer-ops kernel is not available: {KERNEL.failed or 'off'}")
+    if x.dtype is not torch.float32 or not x.is_cpu:
+        raise ValueError("to_kv16 takes a float32 CPU tensor")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"to_kv16 rounds to bfloat16 or float16, got {dtype}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    if lib.specmesh_f32_to_kv16(x.data_ptr(), out.data_ptr(), x.numel(), KV_KINDS[dtype]) != 0:
+        raise RuntimeError("the CPU layer-ops kernel failed")
+    return out
+
+
+__all__ = ["KERNEL", "KV_KINDS", "add_rms_norm", "applies", "available", "rope", "silu_mul",
+           "to_kv16"]

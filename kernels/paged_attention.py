@@ -33,7 +33,10 @@ block_size, Hkv, D]; ``block_tables`` int [B, max_blocks] (entries past a reques
 are ignored, pad with any valid id); ``query_lens``, ``kv_lens`` int [B]; ``scale`` the softmax
 scale (usually D ** -0.5). Returns [T, H, D] in q's dtype. The reference computes scores,
 softmax and the value product in float32 (float64 for a float64 model) from the exact upcast
-inputs and rounds once at the end.
+inputs and rounds once at the end. The cache is in q's dtype or, for float32 queries, in
+bfloat16 or float16 (a 16-bit KV cache, ``--kv-cache-dtype``; see
+:data:`~kernels.paged_attention_plan.NARROW_KV_DTYPES`): its K/V are widened exactly, so
+batch invariance and everything above hold as they do for a float32 cache.
 """
 
 from __future__ import annotations
@@ -182,27 +185,32 @@ def paged_attention(
     """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``); on the
     CPU the compiled kernel of :mod:`kernels.cpu_attention` where ``cpu_kernel`` (the
     caller's backend choice, engine/backend.py ``cpu_attention``) and the kernel is available
-    for q's dtype; else :func:`paged_attention_ref`. Arguments, result and errors as the
-    reference (plus the kernels', see :func:`paged_attention_triton`)."""
+    for q's dtype and the cache's; else :func:`paged_attention_ref`. Arguments, result and
+    errors as the reference (plus the kernels', see :func:`paged_attention_triton`). A cache
+    narrower than q (a 16-bit KV cache of a float32 model) never goes to the Triton kernel,
+    which reads q's dtype only."""
     kernel = _triton_entry()
-    if kernel is not None and (q.is_cuda or _interpret_mode()):
+    if kernel is not None and (q.is_cuda or _interpret_mode()) and k_cache.dtype == q.dtype:
         return kernel(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale, plan,
                       tree_masks)
-    if cpu_kernel and cpu_attention.supports(q):
+    if cpu_kernel and cpu_attention.supports(q, kv_dtype=k_cache.dtype):
         return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, block_tables, query_lens,
                                                  kv_lens, scale, plan, tree_masks)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_lens, kv_lens, scale,
                                plan, tree_masks)
 
 
-def attention_runs_compiled(q: torch.Tensor, cpu_kernel: bool = True) -> bool:
+def attention_runs_compiled(q: torch.Tensor, cpu_kernel: bool = True, *,
+                            kv_dtype: torch.dtype | None = None) -> bool:
     """Whether :func:`paged_attention` with ``cpu_kernel`` would run ``q`` (or a tensor of
-    its dtype and device) on the compiled CPU kernel (:mod:`kernels.cpu_attention`), as code
-    that calls that kernel itself must check to keep the same path."""
+    its dtype and device) over a cache of ``kv_dtype`` (None: q's dtype) on the compiled CPU
+    kernel (:mod:`kernels.cpu_attention`), as code that calls that kernel itself must check to
+    keep the same path."""
+    kv_dtype = q.dtype if kv_dtype is None else kv_dtype
     kernel = _triton_entry()
-    if kernel is not None and (q.is_cuda or _interpret_mode()):
+    if kernel is not None and (q.is_cuda or _interpret_mode()) and kv_dtype == q.dtype:
         return False
-    return cpu_kernel and cpu_attention.supports(q)
+    return cpu_kernel and cpu_attention.supports(q, kv_dtype=kv_dtype)
 
 
 def _triton_entry():  # noqa: ANN202

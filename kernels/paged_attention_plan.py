@@ -112,9 +112,17 @@ class PagedAttentionPlan:
         return mask
 
 
+#: Cache dtypes a query dtype may read besides its own: a float32 model over a 16-bit KV cache
+#: (``--kv-cache-dtype``, engine/kv_cache.py), whose K/V every implementation widens exactly
+#: to float32 before its products.
+NARROW_KV_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {
+    torch.float32: (torch.bfloat16, torch.float16)}
+
+
 def check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Raises ValueError unless q [T, H, D] and k_cache == v_cache [blocks, block_size, Hkv,
-    D] agree in head_dim and dtype and H is a multiple of Hkv."""
+    D] agree in head_dim, H is a multiple of Hkv, k_cache and v_cache share a dtype and that
+    dtype is q's or one of :data:`NARROW_KV_DTYPES` of q's."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"need q [T, H, D] and k_cache == v_cache [blocks, block_size, Hkv, D]"
                          f", got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
@@ -122,7 +130,8 @@ def check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"head_dim {q.shape[2]} vs {k_cache.shape[3]}, or {q.shape[1]} query "
                          f"heads not a multiple of {k_cache.shape[2]} KV heads")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+    if k_cache.dtype != v_cache.dtype or (
+            k_cache.dtype != q.dtype and k_cache.dtype not in NARROW_KV_DTYPES.get(q.dtype, ())):
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
 
 

@@ -139,8 +139,10 @@ def paged_attention_triton(
 
     Raises:
         ValueError: as :func:`paged_attention_ref`; a dtype other than float16/bfloat16/
-            float32/float64; tensors (or the plan's) on different devices; block ids out of
-            range (checked for CPU tensors only); CPU tensors while the kernel is compiled.
+            float32/float64, or a cache of another dtype than q's (a 16-bit KV cache of a
+            float32 model runs on the CPU only); tensors (or the plan's) on different
+            devices; block ids out of range (checked for CPU tensors only); CPU tensors while
+            the kernel is compiled.
         RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
             imported (the kernel was already decorated for compilation).
     """
@@ -152,6 +154,9 @@ def paged_attention_triton(
                          f"{sorted(map(str, devices))}")
     plan = resolve_plan(q, k_cache, v_cache, block_tables, query_lens, kv_lens, plan,
                         tree_masks)
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"the Triton kernel reads a cache of q's dtype only, got q {q.dtype} "
+                         f"over {k_cache.dtype}")
     num_blocks, block_size, hkv, d = k_cache.shape
     t, h, _ = q.shape
     token_visible = plan.token_visible

@@ -32,9 +32,10 @@ DIALS: dict[str, set[str]] = {
 _ROLES = frozenset(r.value for r in Role)
 
 #: role -> ModelIdentity fields not compared on a channel it is one end of: the gateway runs no
-#: model and holds no KV (it exchanges token ids), so its dtype never has to match (it must still
-#: be set: an empty field is not a wildcard)
-UNCOMPARED: dict[str, frozenset[str]] = {Role.GATEWAY.value: frozenset({"dtype"})}
+#: model and holds no KV (it exchanges token ids), so its dtype and KV cache dtype never have to
+#: match (they must still be set: an empty field is not a wildcard)
+UNCOMPARED: dict[str, frozenset[str]] = {Role.GATEWAY.value: frozenset({"dtype",
+                                                                      "kv_cache_dtype"})}
 
 
 @dataclass

@@ -38,7 +38,8 @@ from msgspec import Meta
 # messages inline, absent fields with a default take it)
 # 9: TokenStream loses synthetic_acceptance (the gateway flags synthetic acceptance from the
 # cluster's configuration)
-PROTOCOL_VERSION = 9
+# 10: ModelIdentity.kv_cache_dtype
+PROTOCOL_VERSION = 10
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -193,7 +194,13 @@ class Buffer:
 
 @register
 class ModelIdentity(Message, tag=1, kw_only=True):
-    """What two peers must agree on before exchanging KV or tokens."""
+    """What two peers must agree on before exchanging KV or tokens.
+
+    ``kv_cache_dtype``: the dtype of the KV cache and so of every KVFrame (``--kv-cache-dtype``
+    resolved: never ``auto``; the model's ``dtype`` unless a float32 model keeps a 16-bit
+    cache). Prefill and verifier must hold the same one, since the verifier writes the frames'
+    K/V as they are and re-derives nothing from them; so every role announces it.
+    """
 
     name: str
     vocab_size: int
@@ -202,11 +209,13 @@ class ModelIdentity(Message, tag=1, kw_only=True):
     num_kv_heads: int
     head_dim: int
     block_size: int
+    kv_cache_dtype: str
 
     @classmethod
     def example(cls) -> ModelIdentity:
         return cls(name="SmolLM2-135M-Instruct", vocab_size=49152, dtype="float32",
-                   num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
+                   num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
+                   kv_cache_dtype="float32")
 
 
 @register
@@ -400,7 +409,8 @@ class KVFrame(Message, tag=31, kw_only=True):
     layers ``[layer_start, layer_end)``.
 
     ``kv`` has shape ``[layer_end - layer_start, 2, num_tokens, num_kv_heads, head_dim]``
-    (index 0 = keys, 1 = values) in the model dtype.
+    (index 0 = keys, 1 = values) in the KV cache dtype (``ModelIdentity.kv_cache_dtype``: the
+    model dtype, or bfloat16 / float16 for a float32 model with a 16-bit cache).
     """
 
     request_id: str

@@ -146,7 +146,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                                        if not d.served_only},
                               verifier_options={"verify_rule": cfg.verifier.verify_rule,
                                                 "synthetic_acceptance": synthetic,
-                                                "goodput_drafts": cfg.verifier.goodput_drafts})
+                                                "goodput_drafts": cfg.verifier.goodput_drafts},
+                              kv_cache_dtype=cfg.kv_cache_dtype)
     forward_cost: dict[str, dict] = {}  # per concurrency: its batch's forward cost ratio
     if opts.profile and kappa > 0:
         # torch and the model runner, only with --profile
@@ -156,7 +157,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
         for level in opts.concurrency:
             forward_cost[str(level)] = forward_cost_ratio(
                 loaded.model, loaded.config, kappa, context_len=ctx, batch=level,
-                repeats=15 if level <= 4 else 7).as_dict()
+                repeats=15 if level <= 4 else 7, kv_cache_dtype=cfg.kv_cache_dtype).as_dict()
     # in-process warm-up first: each method's proposer is built here, so a missing head or
     # draft model fails before any cluster starts
     for label in inproc_labels:
@@ -200,7 +201,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
             h.set_num_speculative_tokens(kappa)
         for h in started:
             h.stop()
-    config = {"model": model, "dtype": cfg.dtype, "kappa": kappa, "max_tokens": opts.max_tokens,
+    config = {"model": model, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
+              "kappa": kappa, "max_tokens": opts.max_tokens,
               "num_prompts": len(prompts), "prompt_names": [p["name"] for p in prompts],
               "repeats": opts.repeats, "concurrency": opts.concurrency, "threads": plans[labels[0]],
               "cluster_threads": plans,

@@ -38,18 +38,21 @@ class ForwardCost:
 
 
 def forward_cost_ratio(model, config, num_speculative_tokens: int, context_len: int = 200,
-                       repeats: int = 15, block_size: int = 16, batch: int = 1) -> ForwardCost:
+                       repeats: int = 15, block_size: int = 16, batch: int = 1,
+                       kv_cache_dtype: str = "auto") -> ForwardCost:
     """Time forwards of 1 vs ``num_speculative_tokens + 1`` tokens per request of ``model``
     (an ``engine.model.LlamaForCausalLM``) for ``batch`` requests, each after its own
-    ``context_len``-token prefix, interleaved, ``repeats`` times each after one warm-up.
+    ``context_len``-token prefix, interleaved, ``repeats`` times each after one warm-up, over
+    a KV cache of ``kv_cache_dtype`` (``--kv-cache-dtype``; ``auto``: the model's).
 
     Raises:
-        ValueError: ``num_speculative_tokens < 1``, ``batch < 1``, or a context longer than
-            the model allows.
+        ValueError: ``num_speculative_tokens < 1``, ``batch < 1``, a context longer than
+            the model allows, or a KV cache dtype the model cannot have.
     """
     # torch and the engine's runner: this module is imported by the bench before a model loads
     import torch
 
+    from specmesh.engine.dtypes import resolve_kv_cache_dtype
     from specmesh.engine.kv_cache import KVCache
     from specmesh.engine.runner import ModelRunner, SeqChunk
 
@@ -61,8 +64,9 @@ def forward_cost_ratio(model, config, num_speculative_tokens: int, context_len: 
     if context_len + k1 > config.max_position_embeddings:
         raise ValueError(f"context {context_len} + {k1} exceeds the model's positions")
     num_blocks = -(-(context_len + k1) // block_size)
-    runner = ModelRunner(model, config, KVCache(config, num_blocks * batch, block_size,
-                                                model.dtype, model.device))
+    runner = ModelRunner(model, config, KVCache(
+        config, num_blocks * batch, block_size,
+        resolve_kv_cache_dtype(kv_cache_dtype, model.dtype), model.device))
     tables = [list(range(b * num_blocks, (b + 1) * num_blocks)) for b in range(batch)]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (context_len + k1,), generator=gen).tolist()

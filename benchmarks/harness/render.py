@@ -61,6 +61,9 @@ def markdown(summary: dict) -> str:
              f"{cfg['repeats']} repeat(s)", "", f"- thread plan: {thread_plan_text(cfg)}"]
     if cfg.get("served_clusters"):
         lines.append(f"- served clusters: {cfg['served_clusters']}")
+    if cfg.get("kv_cache_dtype", "auto") != "auto":
+        lines.append(f"- KV cache: {cfg['kv_cache_dtype']} (--kv-cache-dtype): outputs may "
+                     f"differ from HF {cfg['dtype']}; k=K still equals k=0")
     if cfg.get("synthetic_acceptance"):
         curve = ", ".join(f"{a:.3f}" for a in cfg["synthetic_acceptance"])
         lines.append(f"- **SYNTHETIC ACCEPTANCE** (ablation, --verify-rule synthetic): drafts "

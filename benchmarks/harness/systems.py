@@ -135,13 +135,14 @@ class InProcessSystems:
     methods: n-gram only. ``verifier_options``:
     further VerifierConfig fields of every kappa > 0 cluster (the deployment's
     ``verify_rule`` and ``synthetic_acceptance``, so in-process and served systems verify
-    alike)."""
+    alike). ``kv_cache_dtype``: every cluster's KV cache dtype (``--kv-cache-dtype``)."""
 
     def __init__(self, loaded, max_prompt_len: int, max_tokens: int,
                  block_size: int = 16, methods: dict | None = None,
-                 verifier_options: dict | None = None) -> None:
+                 verifier_options: dict | None = None, kv_cache_dtype: str = "auto") -> None:
         self.loaded, self.max_prompt_len, self.max_tokens = loaded, max_prompt_len, max_tokens
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
         self.methods = dict(methods or {})
         self.verifier_options = dict(verifier_options or {})
         self._clusters: dict[tuple[str | None, int, int], object] = {}
@@ -181,6 +182,7 @@ class InProcessSystems:
                 max_model_len=min(cfg.max_position_embeddings,
                                   self.max_prompt_len + self.max_tokens + kappa + 1),
                 draft_method=draft_method, proposer=proposer,
+                kv_cache_dtype=self.kv_cache_dtype,
                 **(self.verifier_options if kappa > 0 else {}))
         return self._clusters[key]
 

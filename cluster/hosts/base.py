@@ -30,6 +30,7 @@ from specmesh.cluster.metrics import serve_role_metrics
 from specmesh.engine.backend import cpu_backend
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.devices import resolve_device
+from specmesh.engine.dtypes import resolve_kv_cache_dtype
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
 from specmesh.engine.openmp import run_in_released_thread
 from specmesh.protocol.enums import Role
@@ -82,7 +83,7 @@ class RoleHost(ABC):
         from specmesh.engine.loader import model_identity  # the engine's model: triton kernels
 
         return ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
-                                              self.cfg.block_size))
+                                              self.cfg.block_size, self.cfg.kv_cache_dtype))
 
     @abstractmethod
     def build_worker(self) -> Any:
@@ -261,10 +262,11 @@ def role_backend(cfg: ClusterConfig):  # noqa: ANN201 - an engine.backend.CpuBac
 def loaded_runner(cfg: ClusterConfig):
     """Load the target with the role's CPU backend (:func:`role_backend`) and build
     (LoadedModel, ModelRunner, BlockManager) with ``cfg.kv_cache_mb`` of KV in blocks of
-    ``cfg.block_size``.
+    ``cfg.block_size``, in ``cfg.kv_cache_dtype``.
 
     Raises:
-        ValueError: the KV memory holds no block.
+        ValueError: the KV memory holds no block, or a KV cache dtype the model (or its
+            device) cannot have.
     """
     # the engine's model and runner: triton kernels, only in a role that runs a model
     from specmesh.engine.loader import load_model
@@ -272,9 +274,10 @@ def loaded_runner(cfg: ClusterConfig):
 
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device),
                         backend=role_backend(cfg))
-    n = num_blocks_for_memory(loaded.config, cfg.block_size, cfg.dtype, cfg.kv_cache_mb << 20)
+    kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, loaded.model.dtype)
+    n = num_blocks_for_memory(loaded.config, cfg.block_size, kv_dtype, cfg.kv_cache_mb << 20)
     if n < 1:
         raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds no block of {cfg.block_size} tokens")
-    cache = KVCache(loaded.config, n, cfg.block_size, loaded.model.dtype, loaded.model.device)
+    cache = KVCache(loaded.config, n, cfg.block_size, kv_dtype, loaded.model.device)
     watch_model(loaded.model)  # a long forward is progress for the health check
     return loaded, ModelRunner(loaded.model, loaded.config, cache), BlockManager(n, cfg.block_size)

@@ -19,7 +19,7 @@ def draft_target(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, ANN
     a method that needs it)."""
     return DraftTarget(model=cfg.model, dtype=cfg.dtype, device=cfg.device,
                        block_size=cfg.block_size, identity=target_identity,
-                       backend=role_backend(cfg))
+                       backend=role_backend(cfg), kv_cache_dtype=cfg.kv_cache_dtype)
 
 
 def cluster_seed_state(cfg: ClusterConfig) -> str:

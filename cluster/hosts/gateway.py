@@ -35,7 +35,7 @@ class GatewayHost(RoleHost):
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.model_name = model_name(self.cfg.model)
         identity = ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
-                                                  self.cfg.block_size))
+                                                  self.cfg.block_size, self.cfg.kv_cache_dtype))
         self.vocab_size = identity.vocab_size
         return identity
 

@@ -140,7 +140,7 @@ class DraftModelProposer(Proposer):
         identity = target.identity
         if identity is None:
             identity = ModelIdentity(**model_identity(target.model, target.dtype,
-                                                      target.block_size))
+                                                      target.block_size, target.kv_cache_dtype))
         dtype = kwargs.pop("dtype", target.dtype)
         device = resolve_device(kwargs.pop("device", target.device))
         return build_draft_model_proposer(path, identity, load_tokenizer(target.model), dtype,

@@ -59,7 +59,7 @@ class TinyRoleHost(RoleHost):
 
     def model_identity(self) -> ModelIdentity:
         return ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=1,
-                             num_kv_heads=1, head_dim=4, block_size=16)
+                             num_kv_heads=1, head_dim=4, block_size=16, kv_cache_dtype="float32")
 
     def build_worker(self):
         return _IdleWorker(self.mailbox)

@@ -36,13 +36,20 @@ def _blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> BlockWeight:
     return BlockWeight.from_gguf(fmt, torch.from_numpy(raw.reshape(n, -1)))
 
 
-def _model(fmt: str = "Q4_1", cpu_backend=ON) -> LlamaForCausalLM:  # noqa: ANN001
+#: head_dim 64: the attention kernel's vector path (CONFIG's 16 takes its generic loops)
+CONFIG_D64 = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=3,
+                         num_heads=2, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def _model(fmt: str = "Q4_1", cpu_backend=ON,  # noqa: ANN001
+           config: ModelConfig = CONFIG) -> LlamaForCausalLM:
     """A tiny float32 Llama whose linear layers (all but the LM head) compute on GGUF blocks,
     their dense weights the blocks' values, as engine/gguf_weights.py attaches them; the same
     weights for every ``cpu_backend`` (seeded)."""
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    model = LlamaForCausalLM(CONFIG, cpu_backend).eval()
+    model = LlamaForCausalLM(config, cpu_backend).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.5)
     with torch.no_grad():
@@ -62,11 +69,11 @@ def _kernels():
     assert ON.compiled_stack.on, ON.compiled_stack.why
 
 
-def _steps(model: LlamaForCausalLM) -> tuple[list, torch.Tensor]:
+def _steps(model: LlamaForCausalLM, kv_dtype: str = "float32") -> tuple[list, torch.Tensor]:
     """Prefill two requests, then a decode batch, a verify chain, a token-tree verify and a
     chunked-prefill chunk with hidden layers; returns every output and the cache."""
-    cache = KVCache(CONFIG, 16, 4, dtype="float32")
-    runner = ModelRunner(model, CONFIG, cache)
+    cache = KVCache(model.config, 16, 4, dtype=kv_dtype)
+    runner = ModelRunner(model, model.config, cache)
     a, b = [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]
     outs = [runner.forward([SeqChunk(list(range(3, 12)), 0, a),
                             SeqChunk(list(range(20, 26)), 0, b)], logits="last")]
@@ -86,8 +93,14 @@ def _flat(x) -> list[torch.Tensor]:  # noqa: ANN001
     return [t for item in x for t in _flat(item)]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_the_compiled_layers_equal_the_layer_by_layer_path_bit_for_bit(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt, kv_dtype, config", [
+    ("Q4_1", "float32", CONFIG), ("Q8_0", "float32", CONFIG),
+    # a 16-bit KV cache (--kv-cache-dtype): K/V rounded as KVCache.write rounds them, read by
+    # the kernel's generic loops (head_dim 16) and its vector path (64)
+    ("Q4_1", "bfloat16", CONFIG), ("Q4_1", "float16", CONFIG),
+    ("Q8_0", "bfloat16", CONFIG_D64), ("Q8_0", "float16", CONFIG_D64)])
+def test_the_compiled_layers_equal_the_layer_by_layer_path_bit_for_bit(fmt, kv_dtype, config,
+                                                                       monkeypatch):
     runs = []
     real = compiled_stack.CompiledStack.run
     ran = []
@@ -100,7 +113,7 @@ def test_the_compiled_layers_equal_the_layer_by_layer_path_bit_for_bit(fmt, monk
     monkeypatch.setattr(compiled_stack.CompiledStack, "run", counted)
     for compiled in (True, False):
         ran.clear()
-        runs.append(_steps(_model(fmt, ON if compiled else OFF)))
+        runs.append(_steps(_model(fmt, ON if compiled else OFF, config), kv_dtype))
         # the whole-prompt prefill keeps SDPA; every later forward ran compiled (or not at all)
         assert ran == ([False, True, True, True, True] if compiled else [False] * 5)
     (outs, cache), (outs_ref, cache_ref) = runs
@@ -109,6 +122,7 @@ def test_the_compiled_layers_equal_the_layer_by_layer_path_bit_for_bit(fmt, monk
     for x, y in zip(got, want):
         assert x.shape == y.shape and torch.equal(x, y)
     assert torch.equal(cache, cache_ref)  # the same K/V in the same slots
+    assert cache.dtype == getattr(torch, kv_dtype)
     assert torch.isfinite(got[-1]).all() and got[-1].abs().max() > 0
 
 

@@ -24,7 +24,7 @@ def test_load_hf_dir_matches_hf(tmp_path, tied):
     assert (loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight) == tied
     assert model_identity_fields(loaded, 4) == {
         "name": "tiny", "vocab_size": 128, "dtype": "float64", "num_layers": 2,
-        "num_kv_heads": 2, "head_dim": 16, "block_size": 4}
+        "num_kv_heads": 2, "head_dim": 16, "block_size": 4, "kv_cache_dtype": "float64"}
     prompt = list(range(3, 20))
     runner = ModelRunner(loaded.model, loaded.config, KVCache(loaded.config, 8, 4, torch.float64))
     got = runner.forward([SeqChunk(prompt, 0, [0, 1, 2, 3, 4])])[0]

@@ -45,7 +45,8 @@ class _RecordingHost(RoleHost):
 
     def model_identity(self) -> ModelIdentity:
         return ModelIdentity(name="t", vocab_size=8, dtype="float32", num_layers=1,
-                             num_kv_heads=1, head_dim=4, block_size=16)
+                             num_kv_heads=1, head_dim=4, block_size=16,
+                             kv_cache_dtype="float32")
 
     def build_worker(self):
         self.built_in = threading.current_thread()

@@ -44,7 +44,8 @@ def padded_dir(tmp_path_factory, smollm2_tokenizer):
 
 def test_gateway_hello_announces_the_embedding_rows_and_the_verifier_accepts_it(padded_dir):
     padded_dir, _, _ = padded_dir
-    host = SimpleNamespace(cfg=SimpleNamespace(model=padded_dir, dtype="float32", block_size=4))
+    host = SimpleNamespace(cfg=SimpleNamespace(model=padded_dir, dtype="float32", block_size=4,
+                                               kv_cache_dtype="auto"))
     ours = GatewayHost.model_identity(host)
     verifier = ModelIdentity(**model_identity(padded_dir, "float32", 4))
     assert verifier.vocab_size == len(host.tokenizer) + PAD

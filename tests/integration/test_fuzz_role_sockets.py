@@ -261,7 +261,8 @@ class FuzzCluster:
         self.identity = ModelIdentity(name="tiny", vocab_size=config.vocab_size,
                                       dtype="float64", num_layers=config.num_layers,
                                       num_kv_heads=config.num_kv_heads,
-                                      head_dim=config.head_dim, block_size=BLOCK_SIZE)
+                                      head_dim=config.head_dim, block_size=BLOCK_SIZE,
+                                      kv_cache_dtype="float32")
         self.handled: Counter = Counter()  # (role, peer) -> envelopes handled
         self.raised: list = []  # (role, exception) out of a handle or a step
         self.workers = {"prefill": self.c.prefill, "verifier": self.c.verifier,

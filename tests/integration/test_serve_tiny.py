@@ -299,7 +299,7 @@ def test_garbage_wrong_hello_and_early_messages_are_counted(cluster, reference):
     roster = ray.get(cluster.controller.get_roster.remote())
     before = cluster.stats()
     bad_model = ModelIdentity(name="other", vocab_size=7, dtype="float32", num_layers=1,
-                              num_kv_heads=1, head_dim=2, block_size=16)
+                              num_kv_heads=1, head_dim=2, block_size=16, kv_cache_dtype="float32")
     socks = []
     for entry in roster:
         s1 = _raw_dealer(entry["endpoint"], "rogue-garbage")

@@ -142,3 +142,103 @@ def test_block_ids_outside_the_cache_are_a_clear_error():
     for bad in (k.shape[0], -1):
         with pytest.raises(ValueError, match="block_tables hold ids outside"):
             attend(q, k, v, [[tables[0][0], bad]], [1], [5], 0.25)
+
+
+# -- a 16-bit KV cache of a float32 model (--kv-cache-dtype, engine/kv_cache.py) -------------
+
+KV16 = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV16)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+def test_16bit_cache_equals_the_oracle_and_the_reference(shape, kv_dtype):
+    """float32 queries over a bfloat16 / float16 cache: float32 results as accurate as over a
+    float32 cache holding the same (widened) values, on every code path."""
+    h, hkv, d, bs, q_lens, kv_lens = shape
+    q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, torch.float32, seed=11)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    out = attend(q, k, v, tables, q_lens, kv_lens, d ** -0.5)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    ref = _oracle(q, k, v, tables, q_lens, kv_lens, d ** -0.5)  # the widened cache, float64
+    assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
+    wide = attend(q, k.float(), v.float(), tables, q_lens, kv_lens, d ** -0.5)
+    assert torch.equal(out, wide)  # widening as read == widening first, bit for bit
+    torch.testing.assert_close(out, paged_attention_ref(q, k, v, tables, q_lens, kv_lens,
+                                                        d ** -0.5), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", KV16)
+@pytest.mark.parametrize("shape", [(9, 3, 64, 16, [5, 1], [700, 300]),
+                                   (14, 1, 128, 16, [5, 1, 2], [97, 16, 33]),
+                                   (3, 3, 48, 5, [3, 1], [31, 1]),
+                                   (9, 3, 64, 16, [5, 3], [514, 1025])])
+def test_16bit_cache_rows_are_batch_invariant(shape, kv_dtype):
+    """What speculation's exactness rests on with a 16-bit cache: a verify row reads the same
+    stored K/V a one-token step at its position reads, and computes the same bits."""
+    h, hkv, d, bs, q_lens, kv_lens = shape
+    q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, torch.float32, seed=4)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    out = attend(q, k, v, tables, q_lens, kv_lens, d ** -0.5)
+    off = 0
+    for ql, n, t in zip(q_lens, kv_lens, tables):
+        for j in range(ql):
+            alone = attend(q[off + j:off + j + 1], k, v, [t], [1], [n - ql + j + 1], d ** -0.5)
+            assert torch.equal(alone[0], out[off + j]), (ql, n, j)
+        off += ql
+
+
+@pytest.mark.parametrize("kv_dtype", KV16)
+@pytest.mark.parametrize("d", [64, 128, 48])
+def test_16bit_values_are_widened_exactly(kv_dtype, d):
+    """Over one position the softmax weight is exactly 1, so the output is that position's
+    value widened to float32, bit for bit: the kernel's 16-bit loads (the vector path at head
+    dim 64 / 128, the scalar loops at 48) are exact for every finite value of the dtype,
+    subnormals and the extremes included."""
+    g = torch.Generator().manual_seed(d)
+    bits = torch.randint(-2 ** 15, 2 ** 15, (64, 1, 2, d), generator=g, dtype=torch.int32)
+    v = bits.to(torch.int16).view(kv_dtype)
+    v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+    v[0, 0, 0, :4] = torch.tensor([1, 2 ** 10 - 1, 2 ** 15 + 1, 0x7bff],  # tiny and huge
+                                  dtype=torch.int32).to(torch.int16).view(kv_dtype)
+    k = torch.zeros_like(v)  # every score 0: no overflow from random huge keys
+    q = torch.randn(64, 4, d, generator=g)
+    tables = [[b] for b in range(64)]
+    out = attend(q, k, v, tables, [1] * 64, [1] * 64, d ** -0.5)
+    want = v[:, 0].float().repeat_interleave(2, dim=1)  # query heads 2j, 2j+1 read KV head j
+    assert torch.equal(out, want)
+
+
+def test_16bit_cache_goes_to_the_kernel_unless_the_caller_turns_it_off():
+    h, hkv, d, bs, q_lens, kv_lens = SHAPES[0]
+    q, k, v, tables = _case(h, hkv, d, bs, q_lens, kv_lens, torch.float32)
+    args = (q, k.to(torch.bfloat16), v.to(torch.bfloat16), tables, q_lens, kv_lens, 0.125)
+    assert cpu_attention.supports(q, kv_dtype=torch.bfloat16)
+    assert cpu_attention.supports(q, kv_dtype=torch.float16)
+    assert not cpu_attention.supports(q.to(torch.bfloat16), kv_dtype=torch.float16)
+    kernel, ref = attend(*args), paged_attention_ref(*args)
+    assert not torch.equal(kernel, ref)  # they round differently, so the choice shows
+    assert torch.equal(paged_attention(*args), kernel)
+    assert torch.equal(paged_attention(*args, cpu_kernel=False), ref)  # backend choice off
+
+
+@pytest.mark.parametrize("q_dtype, k_dtype, v_dtype", [
+    (torch.bfloat16, torch.float16, torch.float16),  # only a float32 model has a 16-bit cache
+    (torch.float64, torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16, torch.float16),  # keys and values of one dtype
+    (torch.bfloat16, torch.float32, torch.float32),  # never wider than q
+])
+def test_other_dtype_pairs_are_refused(q_dtype, k_dtype, v_dtype):
+    q, k, v, tables = _case(4, 2, 16, 4, [1], [5], torch.float32)
+    q, k, v = q.to(q_dtype), k.to(k_dtype), v.to(v_dtype)
+    for fn in (attend, paged_attention_ref, paged_attention):
+        with pytest.raises(ValueError, match="dtypes differ|CPU attention kernel takes"):
+            fn(q, k, v, tables, [1], [5], 0.25)
+
+
+def test_the_triton_kernel_refuses_a_16bit_cache():
+    from specmesh.kernels.paged_attention import paged_attention_triton
+
+    q, k, v, tables = _case(4, 2, 16, 4, [1], [5], torch.float32)
+    with pytest.raises(ValueError, match="cache of q's dtype only"):
+        paged_attention_triton(q, k.to(torch.bfloat16), v.to(torch.bfloat16), tables, [1], [5],
+                               0.25)

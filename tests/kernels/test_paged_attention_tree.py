@@ -114,6 +114,25 @@ def _tree_rows() -> list[tuple[int, int]]:
     return [(b, j) for b, m in enumerate(MASKS) if m is not None for j in range(m.shape[0])]
 
 
+#: float32 queries over a 16-bit KV cache (--kv-cache-dtype): the CPU implementations only
+KV16_BATCHES = {f"f32-{str(dt)[6:]}-kv": dict(BATCHES["f32-bs4"],
+                                              k_cache=BATCHES["f32-bs4"]["k_cache"].to(dt),
+                                              v_cache=BATCHES["f32-bs4"]["v_cache"].to(dt))
+                for dt in (torch.bfloat16, torch.float16)}
+
+
+@pytest.mark.parametrize("attend", IMPLS)
+def test_16bit_cache_trees_match_the_oracle_and_their_paths(attend):
+    for name, batch in KV16_BATCHES.items():
+        out = attend(*_args(batch), tree_masks=MASKS)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), oracle(batch, MASKS), **TOL[torch.float32])
+        for b, j in _tree_rows():
+            t = sum(batch["query_lens"][:b]) + j
+            alone = attend(*path_layout(batch, MASKS, b, j))
+            assert torch.equal(out[t], alone[0]), f"{name}: request {b} row {j}"
+
+
 @pytest.mark.parametrize("attend", IMPLS)
 def test_tree_rows_equal_their_path_laid_out_as_a_chain(attend):
     """Row j of a tree reads its ancestors where they lie in the chunk (not consecutive: a

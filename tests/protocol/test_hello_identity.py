@@ -20,10 +20,10 @@ from specmesh.protocol.transport import PeerUnavailable
 from specmesh.protocol.zmq_transport import ZmqMailbox
 
 MODEL = ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=2, num_kv_heads=1,
-                      head_dim=4, block_size=16)
+                      head_dim=4, block_size=16, kv_cache_dtype="float32")
 #: a value for each ModelIdentity field that differs from MODEL's
 OTHER_VALUES = {"name": "other", "vocab_size": 11, "dtype": "bfloat16", "num_layers": 3,
-                "num_kv_heads": 2, "head_dim": 8, "block_size": 32}
+                "num_kv_heads": 2, "head_dim": 8, "block_size": 32, "kv_cache_dtype": "float16"}
 MODEL_FIELDS = [f.name for f in msgspec.structs.fields(ModelIdentity)]
 
 
@@ -72,11 +72,18 @@ def test_hello_with_a_different_field_is_refused_naming_it(field, value):
     assert why and field.split("_")[0] in why.replace(" ", "_"), why
 
 
-@pytest.mark.parametrize("field", MODEL_FIELDS)
+@pytest.mark.parametrize("field", [f for f in MODEL_FIELDS if f != "kv_cache_dtype"])
 def test_an_empty_model_field_is_not_a_wildcard(field):
     empty = "" if isinstance(getattr(MODEL, field), str) else 0
     why = _refusal(_hello(model=msgspec.structs.replace(MODEL, **{field: empty})))
     assert why and field in why and "empty" in why, why
+
+
+def test_the_kv_cache_dtype_is_compared_and_empty_is_not_a_wildcard():
+    unset = msgspec.structs.replace(MODEL, kv_cache_dtype="")
+    assert "kv_cache_dtype" in _refusal(_hello(model=unset))
+    other = msgspec.structs.replace(MODEL, kv_cache_dtype="bfloat16")
+    assert "kv_cache_dtype" in _refusal(_hello(model=other))
 
 
 @pytest.mark.parametrize("changes, word", [

@@ -12,7 +12,7 @@ from specmesh.protocol.transport import PeerUnavailable
 from specmesh.protocol.zmq_transport import ZmqMailbox
 
 MODEL = ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=2, num_kv_heads=1,
-                      head_dim=4, block_size=16)
+                      head_dim=4, block_size=16, kv_cache_dtype="float32")
 
 
 def _recv_msg(mb, timeout=5.0):
@@ -71,7 +71,7 @@ def test_message_before_hello_and_garbage_are_protocol_errors():
 def test_wrong_hello_is_refused():
     server = ZmqMailbox("verifier-0", "verifier", model=MODEL)
     other = ModelIdentity(name="m", vocab_size=99, dtype="float32", num_layers=2, num_kv_heads=1,
-                          head_dim=4, block_size=16)
+                          head_dim=4, block_size=16, kv_cache_dtype="float32")
     client = ZmqMailbox("drafter-x", "drafter", model=other)
     client.connect("verifier-0", server.endpoint)
     try:
