@@ -1,12 +1,19 @@
 """Running prompts through a served cluster with the official ``openai`` client, shared by
 ``specmesh demo`` and ``specmesh bench``: the bundled prompts, one pass's totals, and a pass
-by several concurrent clients."""
+by several concurrent clients, streamed (SSE) or not.
+
+A streamed request records its latency (:class:`RequestLatency`): the time to its first
+content chunk (TTFT) and its mean inter-token latency, (last content chunk - first) / (tokens
+- 1). Per-chunk gaps are not per-token gaps: a specmesh chunk carries every token one verify
+step committed (the accepted drafts and the bonus token), so the per-request mean is the one
+measure that means the same for every server (vLLM's benchmark calls it TPOT)."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
@@ -24,6 +31,29 @@ def load_prompts(limit: int | None = None) -> list[dict]:
     return prompts[:limit] if limit else prompts
 
 
+@dataclass(frozen=True)
+class RequestLatency:
+    """One streamed request's timings, seconds from sending it: ``ttft_s`` to its first chunk
+    with content (text or token ids), ``last_token_s`` to its last such chunk;
+    ``num_tokens`` its completion tokens."""
+
+    ttft_s: float
+    last_token_s: float
+    num_tokens: int
+
+    @property
+    def itl_s(self) -> float | None:
+        """Mean inter-token latency, seconds: (last_token_s - ttft_s) / (num_tokens - 1);
+        None with fewer than two tokens."""
+        if self.num_tokens < 2:
+            return None
+        return (self.last_token_s - self.ttft_s) / (self.num_tokens - 1)
+
+    def as_dict(self) -> dict:
+        return {"ttft_s": self.ttft_s, "last_token_s": self.last_token_s,
+                "num_tokens": self.num_tokens, "itl_s": self.itl_s}
+
+
 @dataclass
 class RunResult:
     """One pass over the prompts by one system: completion tokens, seconds (wall time of the
@@ -32,7 +62,8 @@ class RunResult:
     system that does not); ``accepted_per_pos[i]`` counts accepted drafts at
     draft position i; ``profile`` is the verifier's step profile over the pass
     (:meth:`protocol.step_profile.StepProfile.as_dict`); ``concurrency`` is the number of
-    concurrent clients (or the batch size)."""
+    concurrent clients (or the batch size); ``latencies`` one :class:`RequestLatency` per
+    request, in prompt order, when the requests were streamed (empty otherwise)."""
 
     system: str
     seconds: float = 0.0
@@ -43,6 +74,7 @@ class RunResult:
     accepted_per_pos: list[int] = field(default_factory=list)
     profile: dict | None = None
     concurrency: int = 1
+    latencies: list[RequestLatency] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,7 +85,8 @@ class RunResult:
                 "tokens_per_s": self.tokens_per_s, "spec_stats": self.spec.as_dict(),
                 "texts": self.texts, "token_ids": self.token_ids,
                 "accepted_per_pos": self.accepted_per_pos, "profile": self.profile,
-                "concurrency": self.concurrency}
+                "concurrency": self.concurrency,
+                "latencies": [lat.as_dict() for lat in self.latencies]}
 
 
 def openai_client(url: str):
@@ -74,45 +107,136 @@ def _token_ids(resp) -> list[int] | None:
     return None if ids is None else [int(t) for t in ids]
 
 
-def _spec_stats(resp) -> SpecStats:
-    stats = (resp.model_extra or {}).get("spec_stats") or {}
+def spec_stats_of(extra: dict) -> SpecStats:
+    """The spec stats a specmesh response carries (``spec_stats``, beside the OpenAI fields;
+    zeros when absent). ``extra``: the response's fields that are not OpenAI's."""
+    stats = extra.get("spec_stats") or {}
     return SpecStats(stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0),
                      stats.get("num_verify_steps", 0))
 
 
+def _spec_stats(resp) -> SpecStats:
+    return spec_stats_of(resp.model_extra or {})
+
+
+@dataclass
+class StreamedChat:
+    """What one streamed chat completion returned: the text, the output token ids (None when
+    the server sent none), completion tokens (the usage chunk's, else the ids', else one per
+    content chunk), the non-OpenAI fields of its chunks (later chunks overriding earlier
+    ones: ``spec_stats``, llama.cpp's ``timings``) and its :class:`RequestLatency`."""
+
+    text: str
+    token_ids: list[int] | None
+    num_tokens: int
+    extra: dict
+    latency: RequestLatency
+
+
+def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
+                extra_body: dict | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> StreamedChat:
+    """One greedy chat completion streamed over SSE (``stream_options.include_usage``). The
+    clock is read once before sending and once per chunk that carries content (text or token
+    ids); the first such reading gives the TTFT, the last the time of the last token (a
+    stream without content, an EOS the server did not send as text, takes its end for both).
+
+    Raises:
+        openai.OpenAIError: the request failed.
+    """
+    parts: list[str] = []
+    ids: list[int] | None = None
+    extra: dict = {}
+    usage_tokens = None
+    first = last = None
+    num_chunks = 0
+    t0 = clock()
+    with client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra_body) as stream:
+        for chunk in stream:
+            extra.update(chunk.model_extra or {})
+            if chunk.usage is not None:
+                usage_tokens = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            piece = (choice.delta.content or "") if choice.delta is not None else ""
+            chunk_ids = (choice.model_extra or {}).get("token_ids")
+            if chunk_ids is not None:
+                ids = (ids or []) + [int(t) for t in chunk_ids]
+            if piece or chunk_ids:
+                last = clock()
+                first = last if first is None else first
+                num_chunks += 1
+                parts.append(piece)
+    if first is None or last is None:  # nothing but an end (an EOS the server did not send)
+        first = last = clock()
+    n = usage_tokens if usage_tokens is not None else (len(ids) if ids is not None
+                                                        else num_chunks)
+    return StreamedChat("".join(parts), ids, n, extra,
+                        RequestLatency(first - t0, last - t0, n))
+
+
 def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: int,
-                          system: str, concurrency: int) -> RunResult:
-    """Send ``prompts`` through the gateway from ``concurrency`` client threads sharing one
-    ``openai`` client (each thread takes the next prompt when its previous one finished);
-    greedy. ``seconds`` is the wall time from the first request to the last completion;
-    ``texts`` are in prompt order.
+                          system: str, concurrency: int, stream: bool = False,
+                          extra_body: dict | None = RETURN_TOKEN_IDS,
+                          spec_stats: Callable[[dict], SpecStats] = spec_stats_of,
+                          clock: Callable[[], float] = time.perf_counter) -> RunResult:
+    """Send ``prompts`` to an OpenAI-compatible server (the gateway, llama.cpp's
+    ``llama-server``) from ``concurrency`` client threads sharing one ``openai`` client
+    (each thread takes the next prompt when its previous one finished); greedy.
+    ``seconds`` is the wall time from the first request to the last completion; ``texts``
+    are in prompt order. ``stream``: each request over SSE (:func:`stream_chat`), its
+    :class:`RequestLatency` in ``latencies``. ``extra_body``: the non-OpenAI request fields
+    (vLLM's ``return_token_ids`` by default); ``spec_stats``: a response's spec stats from
+    its non-OpenAI fields.
 
     Raises:
         openai.OpenAIError: a request failed (the other threads finish first).
+        KeyboardInterrupt: at once, the requests not yet sent cancelled and those in flight
+            left to their threads (the caller stops the server).
     """
     res = RunResult(system, concurrency=concurrency)
     texts: list[str] = [""] * len(prompts)
     ids: list[list[int] | None] = [None] * len(prompts)
+    latencies: list[RequestLatency | None] = [None] * len(prompts)
     lock = threading.Lock()
 
     def one(i: int) -> None:
+        if stream:
+            out = stream_chat(client, model, prompts[i]["messages"], max_tokens, extra_body,
+                              clock)
+            with lock:
+                res.num_tokens += out.num_tokens
+                res.spec.add(spec_stats(out.extra))
+                texts[i], ids[i], latencies[i] = out.text, out.token_ids, out.latency
+            return
         resp = client.chat.completions.create(model=model, messages=prompts[i]["messages"],
                                               max_tokens=max_tokens, temperature=0,
-                                              extra_body=RETURN_TOKEN_IDS)
+                                              extra_body=extra_body)
         with lock:
             res.num_tokens += resp.usage.completion_tokens
-            res.spec.add(_spec_stats(resp))
+            res.spec.add(spec_stats(resp.model_extra or {}))
             texts[i] = resp.choices[0].message.content or ""
             ids[i] = _token_ids(resp)
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+    t0 = clock()
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
+    interrupted = False
+    try:
         futures = [pool.submit(one, i) for i in range(len(prompts))]
         for f in futures:
             f.result()
-    res.seconds = time.perf_counter() - t0
+    except KeyboardInterrupt:  # Ctrl-C: no new requests, no wait for those in flight
+        interrupted = True
+        raise
+    finally:
+        pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
+    res.seconds = clock() - t0
     res.texts = texts
     res.token_ids = None if None in ids else ids
+    res.latencies = [lat for lat in latencies if lat is not None]
     return res
 
 

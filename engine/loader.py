@@ -58,6 +58,17 @@ def model_name(model: str | None = None) -> str:
     return _model_name(model, kind, path)
 
 
+def model_gguf(model: str | None = None) -> Path | None:
+    """The GGUF file ``model`` loads from (None / "smollm2": the bundled SmolLM2 GGUF), or None
+    for a Hugging Face dir: what another runtime (llama.cpp) needs to run the same weights.
+
+    Raises:
+        FileNotFoundError: ``model`` is neither a .gguf file nor a Hugging Face directory.
+    """
+    kind, path = _resolve(model)
+    return path if kind == "gguf" else None
+
+
 def _check_dtype(dtype: str) -> str:
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {MODEL_DTYPES}")

@@ -2,26 +2,34 @@
 concurrent clients through the gateway; kappa = K per draft method, each method on its own
 cluster, and kappa = 0 once), through the in-process specmesh workers (no Ray, no HTTP;
 kappa = K per method and 0, C requests in flight), through Hugging Face batched ``generate``
-(batch size C) and, at C = 1, HF with prompt lookup. Repeats, levels and systems are
-interleaved in one run (machines are noisy; ratios must come from one run). Prints a table per
-level and optionally writes JSON, markdown and a plot.
+(batch size C) and, at C = 1, HF with prompt lookup, and with ``--baselines llama-server``
+through llama.cpp's ``llama-server`` plain and with its n-gram speculation (the same GGUF,
+threads and clients; benchmarks/harness/llama_server.py). Served and llama-server requests
+are streamed, so each records its TTFT and inter-token latency. Repeats, levels and systems
+are interleaved in one run (machines are noisy; ratios must come from one run). Prints a
+table per level and optionally writes JSON, markdown and a plot.
 
 The draft methods are ``--drafters`` (``ngram,eagle``; default: the cluster's ``--drafter``).
 Their served clusters are all started before the runs and run side by side in one Ray
 session, each in its own Ray namespace (:func:`benchmarks.harness.options.namespace_for`).
 
 Modules: options (the command's options and the compared methods), systems (served,
-in-process, Hugging Face), report (counter and profile deltas, the summary), render
-(markdown, plot), forward_cost (the measured forward-cost ratio of ``--profile``); the prompts
-come from specmesh.data.prompts.
+in-process, Hugging Face), llama_server (the llama.cpp peer), report (counter and profile
+deltas, the summary), latency (TTFT and inter-token latency percentiles), render (markdown,
+plot), forward_cost (the measured forward-cost ratio of ``--profile``); the prompts come from
+specmesh.data.prompts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
+from specmesh.benchmarks.harness.llama_server import LlamaServers, find_llama_server, llama_configs
 from specmesh.benchmarks.harness.options import (
     BenchDrafter,
     BenchOptions,
@@ -53,15 +61,17 @@ def bench_prompts(opts: BenchOptions) -> list[dict]:
 
 def _schedule(levels: list[int], kappa: int, repeats: int,
               methods: Sequence[str] = ("ngram",),
-              served_only: Sequence[str] = ()) -> list[tuple[int, int, System]]:
+              served_only: Sequence[str] = (), baselines: Sequence[str] = ("hf",),
+              llama_spec_type: str | None = None) -> list[tuple[int, int, System]]:
     """(repeat, level, system) in run order: each repeat runs every level and system (each
-    method's kappa > 0 systems among them), the order of levels and of systems rotated per
-    repeat."""
+    method's kappa > 0 systems and the baselines' among them), the order of levels and of
+    systems rotated per repeat."""
     out = []
     for r in range(repeats):
         lv = levels[r % len(levels):] + levels[:r % len(levels)]
         for level in lv:
-            systems = systems_for(kappa, level, methods, served_only)
+            systems = systems_for(kappa, level, methods, served_only, baselines,
+                                  llama_spec_type)
             k = r % len(systems)
             out += [(r, level, s) for s in systems[k:] + systems[:k]]
     return out
@@ -97,6 +107,28 @@ def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
     return handles, started
 
 
+def _interrupt(signum: int, frame) -> None:  # noqa: ANN001
+    signal.signal(signum, signal.SIG_IGN)  # once: a second one must not cut the cleanup short
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within: the first SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so the ``finally``
+    blocks stop the clusters and llama-servers the bench started (Ray's own handler,
+    installed when the first cluster starts, would end the process at once); later ones are
+    ignored until the block ends, so they cannot interrupt that cleanup (SIGKILL still ends
+    it). Main thread only; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def bench_process_threads(cfg: ClusterConfig) -> int:
     """Torch threads of the bench process, where the in-process systems and Hugging Face run:
     every core (the plain verifier's share, as a user's own ``generate`` would have), or the
@@ -108,13 +140,45 @@ def bench_process_threads(cfg: ClusterConfig) -> int:
     return max(cfg.threads.values())
 
 
+def llama_peer(opts: BenchOptions, model: str | None) -> tuple[str, str, str] | str:
+    """(binary, how it was found, GGUF path) of the llama-server baseline, or why it is
+    skipped (no binary, or a model that is not a GGUF)."""
+    from specmesh.engine.loader import model_gguf  # the engine: torch and triton kernels
+
+    binary, how = find_llama_server(opts.llama_server)
+    if binary is None:
+        return how
+    gguf = model_gguf(model)
+    if gguf is None:
+        return f"the model {model!r} is not a GGUF (llama-server runs GGUF files)"
+    return binary, how, str(gguf)
+
+
+def start_llama(llama: LlamaServers, model: str, prompt: dict, num_prompt_tokens: int) -> bool:
+    """Start the llama-servers and warm each up with ``prompt``; returns whether they count
+    the ``num_prompt_tokens`` specmesh's tokenizer does (the same chat template), printing a
+    warning when not."""
+    print(f"[bench] starting llama-server ({', '.join(llama.configs)})", file=sys.stderr,
+          flush=True)
+    llama.start_all()
+    counted = {n: llama.warm_up(n, model, prompt["messages"]) for n in llama.configs}
+    same = all(n == num_prompt_tokens for n in counted.values())
+    if not same:
+        print(f"[bench] llama-server counts {counted} prompt tokens for the first prompt, "
+              f"specmesh {num_prompt_tokens}: the chat templates differ", file=sys.stderr,
+              flush=True)
+    return same
+
+
 def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     """Run the bench on ``cfg`` for the methods of ``opts.drafters`` (default: ``cfg``'s),
     starting a served cluster per method (``handle``, a running
     :class:`cluster.launcher.ClusterHandle`, serves its own method when listed, and is left
-    running with its kappa restored). Returns the summary
-    (:func:`benchmarks.harness.report.summarize`); ``summary["mismatches"]`` lists every system
-    whose output differed from kappa = 0."""
+    running with its kappa restored) and, with the ``llama-server`` baseline, a llama-server
+    plain and one with speculation (stopped at the end, on error too; skipped with a note
+    when there is no binary). Returns the summary
+    (:func:`benchmarks.harness.report.summarize`); ``summary["mismatches"]`` lists every
+    specmesh system whose output differed from kappa = 0."""
     # torch, transformers and the engine load when a bench runs, not for --help
     import torch
     from tqdm import tqdm
@@ -129,17 +193,38 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     labels = [d.label for d in drafters]
     served_only = [d.label for d in drafters if d.served_only]
     inproc_labels = [label for label in labels if label not in served_only]
+    baselines = tuple(opts.baselines)
+    llama_info: dict = {}
+    if "llama-server" in baselines:
+        peer = llama_peer(opts, cfg.model)
+        if isinstance(peer, str):
+            print(f"[bench] llama-server skipped: {peer}", file=sys.stderr, flush=True)
+            baselines = tuple(b for b in baselines if b != "llama-server")
+            llama_info = {"skipped": peer}
     model = model_name(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     # each served cluster's plan (a method's default plan unless the user set one)
     plans = {d.label: with_drafter(cfg, d).threads for d in drafters}
     bench_threads = bench_process_threads(cfg)
     torch.set_num_threads(bench_threads)  # HF and in-process run here
-    hf_model = load_hf_model(cfg.model, cfg.dtype)
-    eos = generation_eos_ids(hf_model)
+    hf_model = load_hf_model(cfg.model, cfg.dtype) if "hf" in baselines else None
+    eos = generation_eos_ids(hf_model) if hf_model is not None else []
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device),
                         backend=cpu_backend(cfg.backend))  # the served roles' choices
     prompt_ids = [chat_prompt_ids(tokenizer, p["messages"]) for p in prompts]
+    level_systems = {c: systems_for(kappa, c, labels, served_only, baselines,
+                                    opts.llama_spec_type) for c in opts.concurrency}
+    llama = None
+    if "llama-server" in baselines:
+        binary, how, gguf = peer
+        llama = LlamaServers(llama_configs(
+            binary, gguf, plans[labels[0]]["verifier"], opts.concurrency,
+            max(len(p) for p in prompt_ids), opts.max_tokens, kappa,
+            level_systems[max(opts.concurrency)], opts.llama_server_args))
+        llama_info = {"binary": binary, "found": how,
+                      "servers": {n: c.as_dict() for n, c in llama.configs.items()},
+                      "spec_state": "kept across passes" if opts.llama_keep_spec_state
+                      else "a fresh speculative server per pass"}
     synthetic = cfg.verifier.synthetic_acceptance  # the ablation harness (decode/synthetic.py)
     inproc = InProcessSystems(loaded, max(len(p) for p in prompt_ids), opts.max_tokens,
                               methods={d.label: with_drafter(cfg, d) for d in drafters
@@ -168,39 +253,51 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                    f"the runs and running side by side in one Ray session, each in its own "
                    f"Ray namespace; served k=0 runs on the {labels[0]} cluster")
     runs: dict[int, dict[str, list[RunResult]]] = {c: {} for c in opts.concurrency}
-    try:
-        clients = {label: openai_client(h.url) for label, h in handles.items()}
-        for label in labels:
-            handles[label].set_num_speculative_tokens(kappa)
-            run_openai(clients[label], model, prompts[:1], 4, "warmup")
-        run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
-        schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels, served_only)
-        bar = tqdm(schedule, desc="bench", unit="run", disable=not opts.progress,
-                   file=sys.stderr)
-        for r, level, system in bar:
-            bar.set_postfix_str(f"C={level} {system.name}")
-            reqs = level_requests(prompts, level)
-            if system.kind == "served":
-                label = system.method or labels[0]  # kappa = 0: the first method's cluster
-                res = run_served(handles[label], clients[label], model, reqs, opts.max_tokens,
-                                 system.kappa, level, system.name)
-            elif system.kind == "inprocess":
-                ids = level_requests(prompt_ids, level)
-                res = inproc.run(ids, system.kappa, level, system.name, system.method)
-            else:
-                res = run_hf(hf_model, tokenizer, reqs, opts.max_tokens, system.name, eos,
-                             batch_size=1 if system.kappa else level,
-                             prompt_lookup=system.kappa or None)
-            runs[level].setdefault(system.name, []).append(res)
-            tqdm.write(f"[bench] repeat {r + 1}/{opts.repeats} C={level} {system.name}: "
-                       f"{res.num_tokens} tokens in {res.seconds:.2f} s, "
-                       f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
-        bar.close()
-    finally:
-        for h in handles.values():
-            h.set_num_speculative_tokens(kappa)
-        for h in started:
-            h.stop()
+    with sigterm_unwinds():  # after the clusters started: Ray's handler replaced
+        try:
+            clients = {label: openai_client(h.url) for label, h in handles.items()}
+            for label in labels:
+                handles[label].set_num_speculative_tokens(kappa)
+                run_openai(clients[label], model, prompts[:1], 4, "warmup")
+            if hf_model is not None:
+                run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
+            if llama is not None:
+                llama_info["prompt_tokens_match"] = start_llama(llama, model, prompts[0],
+                                                                len(prompt_ids[0]))
+            schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels, served_only,
+                                 baselines, opts.llama_spec_type)
+            bar = tqdm(schedule, desc="bench", unit="run", disable=not opts.progress,
+                       file=sys.stderr)
+            for r, level, system in bar:
+                bar.set_postfix_str(f"C={level} {system.name}")
+                reqs = level_requests(prompts, level)
+                if system.kind == "served":
+                    label = system.method or labels[0]  # kappa = 0: the first method's cluster
+                    res = run_served(handles[label], clients[label], model, reqs, opts.max_tokens,
+                                     system.kappa, level, system.name)
+                elif system.kind == "inprocess":
+                    ids = level_requests(prompt_ids, level)
+                    res = inproc.run(ids, system.kappa, level, system.name, system.method)
+                elif system.kind == "llama":
+                    if system.kappa > 0 and not opts.llama_keep_spec_state:
+                        llama.restart(system.name, model)  # no n-gram memory of earlier passes
+                    res = llama.run(system.name, model, reqs, opts.max_tokens, level)
+                else:
+                    res = run_hf(hf_model, tokenizer, reqs, opts.max_tokens, system.name, eos,
+                                 batch_size=1 if system.kappa else level,
+                                 prompt_lookup=system.kappa or None)
+                runs[level].setdefault(system.name, []).append(res)
+                tqdm.write(f"[bench] repeat {r + 1}/{opts.repeats} C={level} {system.name}: "
+                           f"{res.num_tokens} tokens in {res.seconds:.2f} s, "
+                           f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
+            bar.close()
+        finally:
+            if llama is not None:
+                llama.stop_all()
+            for h in handles.values():
+                h.set_num_speculative_tokens(kappa)
+            for h in started:
+                h.stop()
     config = {"model": model, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
               "kappa": kappa, "max_tokens": opts.max_tokens,
               "num_prompts": len(prompts), "prompt_names": [p["name"] for p in prompts],
@@ -209,11 +306,9 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
               "bench_threads": bench_threads, "drafters": [d.as_dict() for d in drafters],
               "draft_method": drafters[0].method, "served_clusters": served_note,
               "profile": opts.profile, "verify_rule": cfg.verifier.verify_rule,
-              "synthetic_acceptance": list(synthetic)}
-    summary = summarize(config, runs,
-                        {c: systems_for(kappa, c, labels, served_only)
-                         for c in opts.concurrency},
-                        forward_cost or None)
+              "synthetic_acceptance": list(synthetic), "baselines": list(baselines),
+              "llama_server": llama_info or None}
+    summary = summarize(config, runs, level_systems, forward_cost or None)
     write_outputs(summary, opts)
     return summary
 

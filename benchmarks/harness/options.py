@@ -7,17 +7,21 @@ and the draft methods the run compares.
 cluster after ``@`` (``eagle@verifier=1+drafter=1``: the same method again under another plan,
 served only, so that plans are compared in one run). Each method gets the cluster
 configuration it runs under (the bench's config with that method, in its own Ray namespace, so
-the methods' served clusters run side by side in one Ray session). Imports no torch and no Ray
-at load.
+the methods' served clusters run side by side in one Ray session). ``--baselines`` picks the
+systems specmesh is compared with: Hugging Face ``generate`` (``hf``) and llama.cpp's
+``llama-server`` (benchmarks/harness/llama_server.py). Imports no torch and no Ray at load.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 
+from specmesh.benchmarks.harness.llama_server import DEFAULT_SPEC_TYPE, NGRAM_SPEC_TYPES
+from specmesh.benchmarks.harness.report import BASELINES
 from specmesh.cluster.config import DEFAULT_NAMESPACE, ClusterConfig, default_threads
 from specmesh.cluster.drafter_option import parse_drafter
 from specmesh.cluster.options import is_model_drafter, parse_thread_plan
@@ -142,6 +146,41 @@ class BenchOptions:
     plot_path: str | None = None
     progress: bool = True
     drafters: list[BenchDrafter] | None = None
+    #: the baselines compared (of report.BASELINES; empty: specmesh only)
+    baselines: tuple[str, ...] = ("hf",)
+    #: the llama-server binary (None: $PATH, then the build script's location)
+    llama_server: str | None = None
+    llama_spec_type: str = DEFAULT_SPEC_TYPE
+    #: further llama-server options, appended to both servers' command lines
+    llama_server_args: tuple[str, ...] = ()
+    #: one speculative llama-server for every pass (its n-gram state kept across passes)
+    #: instead of a fresh one per pass
+    llama_keep_spec_state: bool = False
+
+
+def parse_baselines(text: str) -> tuple[str, ...]:
+    """``"hf,llama-server"`` -> ``("hf", "llama-server")`` (order kept, duplicates dropped);
+    ``"none"`` -> ``()``.
+
+    Raises:
+        SystemExit: an empty list, an unknown name (naming the accepted ones), or ``none``
+            with others.
+    """
+    names = [p.strip() for p in (text or "").split(",") if p.strip()]
+    if names == ["none"]:
+        return ()
+    out: list[str] = []
+    for n in names:
+        if n == "none":
+            raise SystemExit("--baselines: 'none' cannot be combined with other baselines")
+        if n not in BASELINES:
+            raise SystemExit(f"--baselines: unknown baseline {n!r} (use a comma list of "
+                             f"{', '.join(BASELINES)}, or none)")
+        if n not in out:
+            out.append(n)
+    if not out:
+        raise SystemExit("--baselines: no baseline given (e.g. hf,llama-server, or none)")
+    return tuple(out)
 
 
 def add_bench_options(p: argparse.ArgumentParser) -> None:
@@ -169,20 +208,49 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
                    help="comma list of draft methods to compare, each a --drafter form (e.g. "
                         "ngram,eagle): served and in-process kappa=K systems per method, each "
                         "method on its own cluster (default: just --drafter)")
+    p.add_argument("--baselines", default="hf", metavar="LIST",
+                   help="comma list of the systems specmesh is compared with: hf (Hugging "
+                        "Face generate, and prompt lookup at C=1), llama-server (llama.cpp's "
+                        "server on the same GGUF and threads, plain and with its n-gram "
+                        "speculation; skipped with a note when not found), or none")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="the llama-server binary (default: llama-server on $PATH, else where "
+                        "benchmarks/build_llama_server.sh puts it)")
+    p.add_argument("--llama-spec-type", default=DEFAULT_SPEC_TYPE,
+                   choices=list(NGRAM_SPEC_TYPES),
+                   help=f"llama-server's speculation type, drafts capped at kappa (default "
+                        f"{DEFAULT_SPEC_TYPE}: the fastest on the bundled prompts, "
+                        f"docs/benchmarks.md)")
+    p.add_argument("--llama-keep-spec-state", action="store_true",
+                   help="run every pass of llama-server's speculation on one server: its "
+                        "n-gram state (ngram-mod, ngram-cache) then remembers the outputs of "
+                        "earlier passes of the same prompts (default: a fresh server per "
+                        "pass)")
+    p.add_argument("--llama-server-args", default="", metavar="ARGS",
+                   help="further llama-server options for both servers, one shell-quoted "
+                        "string (e.g. \"--spec-ngram-mod-n-match 8\")")
 
 
 def bench_options(args: argparse.Namespace) -> BenchOptions:
     """The :class:`BenchOptions` the bench options in ``args`` describe.
 
     Raises:
-        SystemExit: a malformed ``--concurrency`` or ``--drafters``, or a ``--repeats``
-            below 1.
+        SystemExit: a malformed ``--concurrency``, ``--drafters``, ``--baselines`` or
+            ``--llama-server-args``, or a ``--repeats`` below 1.
     """
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     drafters = parse_drafters(args.drafters, args.model) if args.drafters else None
+    try:
+        llama_args = tuple(shlex.split(args.llama_server_args or ""))
+    except ValueError as e:
+        raise SystemExit(f"--llama-server-args: {e}") from None
     return BenchOptions(concurrency=parse_concurrency(args.concurrency), repeats=args.repeats,
                         max_tokens=args.max_tokens, num_prompts=args.num_prompts,
                         prompts_file=args.prompts, profile=args.profile, json_path=args.json,
                         markdown_path=args.markdown, plot_path=args.plot,
-                        progress=not args.no_progress, drafters=drafters)
+                        progress=not args.no_progress, drafters=drafters,
+                        baselines=parse_baselines(args.baselines),
+                        llama_server=args.llama_server, llama_spec_type=args.llama_spec_type,
+                        llama_server_args=llama_args,
+                        llama_keep_spec_state=args.llama_keep_spec_state)

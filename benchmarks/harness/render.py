@@ -44,14 +44,49 @@ def _identical_k0(s: dict) -> str:
     return f"**{text} MISMATCH**" if s.get("exact") is False else text
 
 
+def _p50_p95(latency: dict | None, key: str) -> str:
+    """``p50 / p95`` of a system's ``latency[key]`` in ms (empty when not streamed)."""
+    q = (latency or {}).get(key) or {}
+    if q.get("p50") is None:
+        return ""
+    return f"{q['p50']:.1f} / {q['p95']:.1f}"
+
+
+def llama_server_text(info: dict | None) -> str | None:
+    """The header line of the llama-server baseline: its binary, threads, slots, context and
+    speculation (or why it was skipped); None when it was not asked for."""
+    if not info:
+        return None
+    if "skipped" in info:
+        return f"llama-server: skipped ({info['skipped']})"
+    servers = list(info.get("servers", {}).values())
+    if not servers:
+        return None
+    c = servers[0]
+    specs = [s["spec_type"] for s in servers if s.get("spec_type")]
+    text = (f"llama-server: {info['binary']}, -t {c['threads']}, --parallel {c['parallel']}, "
+            f"-c {c['ctx_size']}, the same GGUF, no prompt cache")
+    if specs:
+        text += f"; speculation {', '.join(specs)} with at most kappa drafts"
+        if info.get("spec_state"):
+            text += f" ({info['spec_state']})"
+    if c.get("extra_args"):
+        text += f"; extra options {' '.join(c['extra_args'])}"
+    text += ("; llama.cpp computes on the Q4_1 blocks its own way, so its identity columns "
+             "are for information")
+    if info.get("prompt_tokens_match") is False:
+        text += "; **its chat template renders the prompts differently**"
+    return text
+
+
 def markdown(summary: dict) -> str:
     """A header (model, dtype, kappa, draft methods, thread plan, how the served clusters ran,
     and a loud line per output mismatch), then a table per concurrency level: system, tokens/s
     (median), ratio to HF, acceptance rate, mean accept length, acceptance per draft
     position, share of verify steps with drafts, accepted drafts per verify step (all
-    steps), identical outputs (vs HF; kappa=K vs
-    kappa=0), then the level's ratios; the step profiles and the step-cost check when the
-    summary has them."""
+    steps), identical outputs (vs HF; kappa=K vs kappa=0), TTFT and inter-token latency
+    p50 / p95 of the streamed systems, then the level's ratios (served vs llama-server among
+    them); the step profiles and the step-cost check when the summary has them."""
     cfg = summary["config"]
     drafters = ", ".join(d["label"] for d in cfg.get("drafters", [])) or cfg.get(
         "draft_method", "")
@@ -64,6 +99,14 @@ def markdown(summary: dict) -> str:
     if cfg.get("kv_cache_dtype", "auto") != "auto":
         lines.append(f"- KV cache: {cfg['kv_cache_dtype']} (--kv-cache-dtype): outputs may "
                      f"differ from HF {cfg['dtype']}; k=K still equals k=0")
+    peer = llama_server_text(cfg.get("llama_server"))
+    if peer:
+        lines.append(f"- {peer}")
+    if any(s.get("latency") for lv in summary["levels"].values()
+           for s in lv["systems"].values()):
+        lines.append("- TTFT: request sent to first content chunk; ITL: per request, (last "
+                     "token - first token) / (tokens - 1); p50 / p95 over the level's "
+                     "streamed requests, all repeats, ms")
     if cfg.get("synthetic_acceptance"):
         curve = ", ".join(f"{a:.3f}" for a in cfg["synthetic_acceptance"])
         lines.append(f"- **SYNTHETIC ACCEPTANCE** (ablation, --verify-rule synthetic): drafts "
@@ -77,17 +120,21 @@ def markdown(summary: dict) -> str:
         lines += [f"## concurrency {level['concurrency']} ({level['num_requests']} requests)",
                   "", "| system | tokens/s | x HF | acceptance | mean accept len | "
                   "acceptance per position | steps with drafts | accepted per step | "
-                  "identical to HF | identical k=K vs k=0 |", "|---" * 10 + "|"]
+                  "identical to HF | identical k=K vs k=0 | TTFT p50 / p95 ms | "
+                  "ITL p50 / p95 ms |", "|---" * 12 + "|"]
         for name, s in level["systems"].items():
             spec = s["kappa"] > 0 and s["kind"] != "hf"  # HF reports no spec stats
+            steps = spec and s["kind"] != "llama"  # llama.cpp reports no verify steps
             lines.append(
                 f"| {name} | {s['median_tokens_per_s']:.2f} | {_num(s['ratio_to_hf'])} | "
                 f"{_num(s['acceptance_rate']) if spec else ''} | "
-                f"{_num(s['mean_accept_len']) if spec else ''} | "
+                f"{_num(s['mean_accept_len']) if steps else ''} | "
                 f"{_per_pos(s.get('acceptance_per_position') or []) if spec else ''} | "
                 f"{_num(s.get('verify_steps_with_drafts_share'), '.0%') if spec else ''} | "
                 f"{_num(s.get('accepted_per_step')) if spec else ''} | "
-                f"{_frac(s['identical_to_hf'])} | {_identical_k0(s)} |")
+                f"{_frac(s['identical_to_hf'])} | {_identical_k0(s)} | "
+                f"{_p50_p95(s.get('latency'), 'ttft_ms')} | "
+                f"{_p50_p95(s.get('latency'), 'itl_ms')} |")
         lines.append("")
         lines += [f"- {k}: {v:.2f}x" for k, v in level["ratios"].items()]
         lines.append("")

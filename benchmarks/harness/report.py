@@ -19,6 +19,53 @@ from specmesh.cluster.runs import RunResult, same_outputs
 from specmesh.protocol.spec_stats import SpecStats
 from specmesh.protocol.step_profile import BUCKETS_S, PhaseStats
 
+# -- latency of streamed requests ------------------------------------------------------------
+#
+# Time to first token (TTFT) and mean inter-token latency (ITL) percentiles per system and
+# concurrency level, over the cluster.runs.RequestLatency each streamed request records (the
+# served specmesh systems and llama.cpp's llama-server). ITL is per request, (last token - first
+# token) / (tokens - 1): a specmesh SSE chunk carries every token one verify step committed, so
+# gaps between chunks are not gaps between tokens.
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``xs``, interpolated linearly between the two
+    nearest ranks (numpy's default ``linear`` method: rank ``q/100 * (n - 1)``).
+
+    Raises:
+        ValueError: an empty ``xs`` or ``q`` outside [0, 100].
+    """
+    if not xs:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must lie in [0, 100], got {q}")
+    v = sorted(xs)
+    rank = q / 100 * (len(v) - 1)
+    lo = int(rank)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (rank - lo)
+
+
+def latency_summary(runs: Sequence[RunResult]) -> dict | None:
+    """TTFT and mean inter-token latency (:class:`cluster.runs.RequestLatency`) over every
+    streamed request of ``runs`` (all repeats pooled), milliseconds: ``ttft_ms`` and
+    ``itl_ms`` each ``{"p50", "p95"}`` (None without a request of two tokens or more),
+    ``num_requests``, and the per-request values. None when no request was streamed."""
+    lat = [x for r in runs for x in r.latencies]
+    if not lat:
+        return None
+    ttft = [x.ttft_s * 1e3 for x in lat]
+    itl = [x.itl_s * 1e3 for x in lat if x.itl_s is not None]
+
+    def p(xs: list[float]) -> dict:
+        return {"p50": percentile(xs, 50), "p95": percentile(xs, 95)} if xs else {
+            "p50": None, "p95": None}
+
+    return {"ttft_ms": p(ttft), "itl_ms": p(itl), "num_requests": len(lat),
+            "itl": "per request: (last token - first token) / (tokens - 1)",
+            "ttft_ms_all": ttft, "itl_ms_all": itl}
+
+
 # -- counters and step profiles of a pass -----------------------------------------------------
 
 #: Verifier phases in the order the bench prints them (others follow, sorted).
@@ -202,9 +249,10 @@ HF_BASELINE = "hf generate"
 @dataclass(frozen=True)
 class System:
     """One benchmarked system: ``kind`` is ``served`` (through the gateway), ``inprocess``
-    (the workers in the bench process) or ``hf``; ``kappa`` its drafts per step (0 = none);
-    ``plain`` the name of its kappa = 0 counterpart (None if it has none); ``method`` the
-    label of its draft method (``--drafters``; None for kappa = 0 and HF)."""
+    (the workers in the bench process), ``hf`` or ``llama`` (llama.cpp's ``llama-server``);
+    ``kappa`` its drafts per step (0 = none); ``plain`` the name of its kappa = 0 counterpart
+    (None if it has none); ``method`` the label of its draft method (``--drafters``; for
+    llama-server its speculation type; None for kappa = 0 and HF)."""
 
     name: str
     kind: str
@@ -215,23 +263,37 @@ class System:
 
 SERVED_PLAIN = "served k=0"
 INPROCESS_PLAIN = "in-process k=0"
+#: The plain llama.cpp ``llama-server`` system; its speculative one is ``llama-server TYPE``.
+LLAMA_PLAIN = "llama-server"
+#: The baselines ``--baselines`` may list.
+BASELINES = ("hf", "llama-server")
 
 
 def systems_for(kappa: int, concurrency: int, methods: Sequence[str] = ("ngram",),
-                served_only: Sequence[str] = ()) -> list[System]:
+                served_only: Sequence[str] = (), baselines: Sequence[str] = ("hf",),
+                llama_spec_type: str | None = None) -> list[System]:
     """The systems of one concurrency level: specmesh served at kappa per draft method (its
     label in the name, e.g. ``served k=4 eagle``) and at kappa = 0 once, the same in-process
-    (except for the ``served_only`` methods: thread-plan variants), HF batched greedy, and at
-    concurrency 1 HF with prompt lookup (HF does not batch it). With kappa = 0 there are no
+    (except for the ``served_only`` methods: thread-plan variants), then the ``baselines``:
+    ``hf``, HF batched greedy and at concurrency 1 HF with prompt lookup (HF does not batch
+    it); ``llama-server``, llama.cpp's server plain and, with kappa > 0, with its
+    ``llama_spec_type`` speculation (``llama-server ngram-mod``). With kappa = 0 there are no
     per-method systems."""
     methods = list(methods) if kappa > 0 else []
     out = [System(f"served k={kappa} {m}", "served", kappa, SERVED_PLAIN, m) for m in methods]
     out.append(System(SERVED_PLAIN, "served", 0))
     out += [System(f"in-process k={kappa} {m}", "inprocess", kappa, INPROCESS_PLAIN, m)
             for m in methods if m not in served_only]
-    out += [System(INPROCESS_PLAIN, "inprocess", 0), System(HF_BASELINE, "hf")]
-    if concurrency == 1:
-        out.append(System(f"hf prompt lookup k={max(kappa, 1)}", "hf", max(kappa, 1)))
+    out.append(System(INPROCESS_PLAIN, "inprocess", 0))
+    if "hf" in baselines:
+        out.append(System(HF_BASELINE, "hf"))
+        if concurrency == 1:
+            out.append(System(f"hf prompt lookup k={max(kappa, 1)}", "hf", max(kappa, 1)))
+    if "llama-server" in baselines:
+        out.append(System(LLAMA_PLAIN, "llama"))
+        if kappa > 0 and llama_spec_type:
+            out.append(System(f"{LLAMA_PLAIN} {llama_spec_type}", "llama", kappa, LLAMA_PLAIN,
+                              llama_spec_type))
     return out
 
 
@@ -263,7 +325,9 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
     """One system at one level: median and all tokens/s (completion tokens / wall seconds),
     spec stats summed over repeats, acceptance per draft position, the share of verify steps
     with drafts, output identity of the first repeat vs HF and vs its kappa = 0 counterpart
-    (``exact``: every output identical to it), and its step profile."""
+    (``exact``: every output identical to it; None for llama.cpp, whose identity is
+    informative only), TTFT and inter-token latency percentiles of its streamed requests
+    (:func:`latency_summary`; None when not streamed), and its step profile."""
     spec = SpecStats()
     per_pos: list[int] = []
     profile: dict | None = None
@@ -278,6 +342,8 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
     plain = level_runs.get(system.plain) if system.plain else None
     tps = [r.tokens_per_s for r in runs]
     identical_k0 = same_outputs(first, plain[0]) if plain else None
+    # llama.cpp is a peer, not specmesh: its outputs are compared for information only
+    checked = identical_k0 is not None and system.kind != "llama"
     out = {"kind": system.kind, "kappa": system.kappa, "method": system.method,
            "median_tokens_per_s": _median(tps), "all_tokens_per_s": tps,
            "num_tokens": [r.num_tokens for r in runs], "seconds": [r.seconds for r in runs],
@@ -290,7 +356,8 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
            "identical_to_hf": (same_outputs(first, hf[0])
                                if hf and system.name != HF_BASELINE else None),
            "identical_to_k0": identical_k0,
-           "exact": all(identical_k0) if identical_k0 is not None else None,
+           "exact": all(identical_k0) if checked else None,
+           "latency": latency_summary(runs),
            "texts": first.texts, "token_ids": first.token_ids}
     if profile is not None:
         out["profile"] = profile_summary(profile)
@@ -300,8 +367,9 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
 
 def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[System]) -> dict:
     """Every system of one concurrency level plus the ratios that matter: each to HF, spec to
-    plain, served to in-process (same kappa and method); ``mismatches``: the speculative
-    systems whose output differs from their kappa = 0 counterpart's (request indices)."""
+    plain, served to in-process (same kappa and method), served to llama.cpp
+    (:func:`peer_ratios`); ``mismatches``: the speculative specmesh systems whose output
+    differs from their kappa = 0 counterpart's (request indices)."""
     out = {name: summarize_system(s, runs[s.name], runs)
            for s in systems if (name := s.name) in runs}
     hf = out.get(HF_BASELINE, {}).get("median_tokens_per_s")
@@ -319,12 +387,41 @@ def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[
         if twin and out[twin]["median_tokens_per_s"]:
             ratios[f"{s.name} / {twin}"] = (out[s.name]["median_tokens_per_s"]
                                             / out[twin]["median_tokens_per_s"])
+    ratios.update(peer_ratios(out))
     plain_of = {s.name: s.plain for s in systems}
     mismatches = [{"concurrency": level, "system": name, "plain": plain_of[name],
                    "requests": [i for i, same in enumerate(s["identical_to_k0"]) if not same]}
                   for name, s in out.items() if s["exact"] is False]
     return {"concurrency": level, "num_requests": len(next(iter(runs.values()))[0].texts)
             if runs else 0, "systems": out, "ratios": ratios, "mismatches": mismatches}
+
+
+def peer_ratios(systems: dict[str, dict]) -> dict[str, float]:
+    """specmesh served against llama.cpp at one level, from :func:`summarize_system` dicts
+    by name: each served system's tokens/s over the best (fastest) llama-server system's, and
+    its TTFT p50 over the lowest llama-server TTFT p50 (``TTFT p50 A / B``: below 1 is
+    faster). Empty without llama-server systems."""
+    llama = {n: s for n, s in systems.items() if s["kind"] == "llama"}
+    served = {n: s for n, s in systems.items() if s["kind"] == "served"}
+    out: dict[str, float] = {}
+    if not llama:
+        return out
+    best = max(llama, key=lambda n: llama[n]["median_tokens_per_s"])
+    if llama[best]["median_tokens_per_s"]:
+        for n, s in served.items():
+            out[f"{n} / best llama-server ({best})"] = (s["median_tokens_per_s"]
+                                                        / llama[best]["median_tokens_per_s"])
+
+    def ttft_p50(s: dict) -> float | None:
+        return ((s.get("latency") or {}).get("ttft_ms") or {}).get("p50")
+
+    timed = {n: ttft_p50(s) for n, s in llama.items() if ttft_p50(s)}
+    if timed:
+        fastest = min(timed, key=timed.__getitem__)
+        for n, s in served.items():
+            if ttft_p50(s) is not None:
+                out[f"TTFT p50 {n} / {fastest}"] = ttft_p50(s) / timed[fastest]
+    return out
 
 
 def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],

@@ -1,16 +1,17 @@
 """The systems ``specmesh bench`` compares, each run over a list of prompts into a
 :class:`cluster.runs.RunResult`:
 
-- served: C concurrent ``openai`` clients through the gateway of a running cluster, kappa
-  switched on the same cluster with ``ClusterHandle.set_num_speculative_tokens``
-  (:func:`run_served`);
+- served: C concurrent ``openai`` clients through the gateway of a running cluster, each
+  request streamed (SSE: its TTFT and inter-token latency), kappa switched on the same cluster
+  with ``ClusterHandle.set_num_speculative_tokens`` (:func:`run_served`);
 - in-process: prefill, verifier and drafter workers in the bench's own process
   (:class:`cluster.inprocess.InProcessCluster`, no Ray, no HTTP), at kappa = K per draft
   method and kappa = 0, with as many requests in flight as the concurrency level, so served /
   in-process ratios come from the same run (:class:`InProcessSystems`);
 - Hugging Face: batched greedy ``generate`` (left padding, attention mask) and, one prompt at
   a time, ``generate`` with prompt lookup (transformers does not batch prompt lookup), in the
-  bench's own process on its own model copy (:func:`run_hf`).
+  bench's own process on its own model copy (:func:`run_hf`);
+- llama.cpp's ``llama-server``: benchmarks/harness/llama_server.py.
 
 The verifiers' counters and step profiles are read before and after each specmesh pass
 (:func:`benchmarks.harness.report.snapshot_delta`), so a pass gets its own per-position
@@ -239,13 +240,15 @@ def served_snapshot(handle) -> dict:
 
 
 def run_served(handle, client, model: str, prompts: list[dict], max_tokens: int, kappa: int,
-               concurrency: int, system: str) -> RunResult:
+               concurrency: int, system: str, stream: bool = True) -> RunResult:
     """Set kappa on every verifier, then send ``prompts`` from ``concurrency`` clients
-    (:func:`cluster.runs.run_openai_concurrent`); adds the verifiers' per-position accepts and
-    step profile over the pass. Tokens/s = completion tokens / wall seconds of the pass."""
+    (:func:`cluster.runs.run_openai_concurrent`; ``stream``: over SSE, each request's TTFT and
+    inter-token latency recorded); adds the verifiers' per-position accepts and step profile
+    over the pass. Tokens/s = completion tokens / wall seconds of the pass."""
     handle.set_num_speculative_tokens(kappa)
     before = served_snapshot(handle)
-    res = run_openai_concurrent(client, model, prompts, max_tokens, system, concurrency)
+    res = run_openai_concurrent(client, model, prompts, max_tokens, system, concurrency,
+                                stream=stream)
     delta = snapshot_delta(before, served_snapshot(handle))
     res.accepted_per_pos = delta["num_accepted_tokens_per_pos"]
     res.profile = delta["profile"]

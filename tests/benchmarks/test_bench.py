@@ -1,7 +1,8 @@
 """``specmesh bench`` end to end on the tiny random model: served (Ray, gateway, HTTP) and
 in-process specmesh at kappa = 3 per draft method (n-gram and an untrained EAGLE head, a served
 cluster each, side by side) and kappa = 0, HF batched generate and prompt lookup, concurrency
-1 and 2, one repeat; the JSON, markdown and PNG it writes, and a prompts file with a bad line."""
+1 and 2, one repeat (llama-server asked for but absent: skipped with a note); the JSON,
+markdown and PNG it writes, and a prompts file with a bad line."""
 
 import json
 
@@ -30,11 +31,15 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
                "--concurrency", "1,2", "--repeats", "1", "--max-tokens", "6",
                "--prompts", str(prompts), "--profile", "--json", str(out_json),
                "--markdown", str(out_md), "--plot", str(out_png),
-               "--drafters", f"ngram,eagle:{head}"])
+               "--drafters", f"ngram,eagle:{head}",
+               "--baselines", "hf,llama-server", "--llama-server", str(tmp_path / "none")])
     assert rc == 0  # every method's output identical to kappa = 0's
     summary = json.loads(out_json.read_text())
     assert summary["mismatches"] == []
     cfg = summary["config"]
+    # no llama-server binary: the baseline is skipped with a note, the rest runs
+    assert cfg["baselines"] == ["hf"]
+    assert "is not an executable file" in cfg["llama_server"]["skipped"]
     assert cfg["concurrency"] == [1, 2]
     assert cfg["prompt_names"] == ["sea", "prompt-2"]
     assert [d["label"] for d in cfg["drafters"]] == ["ngram", "eagle:tiny-head"]
@@ -53,6 +58,11 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
             if name != "hf generate":
                 assert len(s["identical_to_hf"]) == 2
         # served runs carry token ids too (return_token_ids): outputs are compared as ids
+        # served requests are streamed: TTFT and inter-token latency per request
+        for name in ("served k=0", "served k=3 ngram"):
+            lat = level["systems"][name]["latency"]
+            assert lat["num_requests"] == 2 and lat["ttft_ms"]["p50"] > 0, name
+        assert level["systems"]["in-process k=0"]["latency"] is None
         served_ids = level["systems"]["served k=0"]["token_ids"]
         assert served_ids == level["systems"]["in-process k=0"]["token_ids"]
         assert all(len(ids) > 0 for ids in served_ids)
@@ -79,6 +89,8 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
     md = out_md.read_text()
     assert "## concurrency 1" in md and "## concurrency 2" in md
     assert "| system | tokens/s | x HF | acceptance | mean accept len |" in md
+    assert "TTFT p50 / p95 ms | ITL p50 / p95 ms |" in md
+    assert "- llama-server: skipped (--llama-server " in md
     assert "| in-process k=0 |" in md and "verifier step profile" in md
     assert "| drafter commit_to_tail |" in md
     plans = cfg["cluster_threads"]
