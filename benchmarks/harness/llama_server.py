@@ -52,8 +52,9 @@ def default_binary() -> Path:
     """Where benchmarks/build_llama_server.sh puts the binary:
     ``$SPECMESH_CACHE_DIR/llama.cpp/build/bin/llama-server`` (default cache dir
     ``~/.cache/specmesh``)."""
-    cache = os.environ.get("SPECMESH_CACHE_DIR") or os.path.join("~", ".cache", "specmesh")
-    return Path(cache).expanduser() / "llama.cpp" / "build" / "bin" / "llama-server"
+    from specmesh.engine.weights_cache import cache_root  # the engine's module: torch
+
+    return cache_root() / "llama.cpp" / "build" / "bin" / "llama-server"
 
 
 def _executable(path: Path) -> bool:
