@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from specmesh.cluster.runs import PredictionTokens, RunResult, same_outputs
+from specmesh.cluster.runs import CLEAR_HISTORY_PATH, PredictionTokens, RunResult, same_outputs
 from specmesh.protocol.spec_stats import SpecStats
 from specmesh.protocol.step_profile import BUCKETS_S, PhaseStats
 
@@ -543,6 +543,58 @@ def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
     first = by_level[min(by_level, key=int)] if by_level else None
     return {"config": config, "forward_cost": first, "forward_cost_by_level": by_level or None,
             "levels": levels, "mismatches": mismatches}
+
+
+def history_notes(cleared: dict[str, list[bool]]) -> list[str]:
+    """What the bench did about the drafters' cross-request memory, from the outcome of the
+    clear before each served pass (cluster label -> one flag per pass: True cleared, False
+    the gateway answered 404): a line for the clusters cleared before every pass and a loud
+    one for those that could not be cleared. Empty without served passes."""
+    done = [label for label, flags in cleared.items() if flags and all(flags)]
+    failed = {label: flags for label, flags in cleared.items() if flags and not all(flags)}
+    out = []
+    if done:
+        out.append(f"drafters' cross-request memory cleared through the gateway (POST "
+                   f"{CLEAR_HISTORY_PATH}) before every served pass ({', '.join(done)}): no "
+                   f"request was drafted from an earlier pass's output of its own prompt")
+    for label, flags in failed.items():
+        out.append(f"**drafters' cross-request memory NOT cleared on the {label} cluster "
+                   f"({flags.count(False)} of {len(flags)} passes): its gateway has no "
+                   f"{CLEAR_HISTORY_PATH} (HTTP 404, not supported by this server); a drafter "
+                   f"that remembers earlier requests may draft from an earlier repeat of the "
+                   f"same prompt**")
+    return out
+
+
+def run_notes(prompts: Sequence[dict], levels: Sequence[int], cleared: dict[str, list[bool]],
+              predictions: bool, inprocess_spec: bool) -> list[str]:
+    """The config's ``notes``, header lines of the tables: the drafters' history
+    (:func:`history_notes`); that in-process drafters keep theirs (``inprocess_spec``: the
+    run has in-process kappa > 0 systems); the levels whose requests repeat prompts within a
+    pass (concurrency above the number of prompts); and how the prompts' ``prediction`` was
+    used (sent with ``predictions`` on the served kappa > 0 requests only, else not)."""
+    out = history_notes(cleared)
+    if inprocess_spec:
+        out.append("in-process drafters are not cleared between passes (no control path "
+                   "in-process): a method that remembers earlier requests may draft there "
+                   "from an earlier repeat of the same prompt")
+    for level in levels:
+        if level > len(prompts):
+            out.append(f"concurrency {level}: the {len(prompts)} prompts are cycled to "
+                       f"{level} requests, so a pass repeats prompts and a drafter that "
+                       f"remembers earlier requests may draft from the same prompt's output "
+                       f"within the pass")
+    with_pred = sum(1 for p in prompts if p.get("prediction"))
+    if with_pred and predictions:
+        out.append(f"Predicted Outputs: {with_pred} of {len(prompts)} prompts carry a "
+                   f"prediction, sent as `prediction` (type content) on the served kappa > 0 "
+                   f"requests; served k=0 stays plain decode (so identical k=K vs k=0 also "
+                   f"shows a prediction changes no output); in-process, HF and llama-server "
+                   f"run without it")
+    elif with_pred:
+        out.append(f"Predicted Outputs: {with_pred} of {len(prompts)} prompts carry a "
+                   f"prediction, not sent (--predictions off)")
+    return out
 
 
 def mismatch_lines(summary: dict) -> list[str]:

@@ -135,3 +135,45 @@ def test_a_server_refusing_predictions_stops_the_bench_early():
         assert systems.check_predictions(openai_client(gw.url), "m", PROMPTS) is True
         (_, body), = gw.requests
         assert body["prediction"]["content"] == "p q r s t u"
+
+
+# -- the options and the report's notes ----------------------------------------------------------
+
+
+def test_options_predictions_and_the_workload_set():
+    from specmesh.benchmarks.harness.bench import bench_prompts
+    from specmesh.benchmarks.harness.options import bench_options
+    from specmesh.cluster.cli import build_parser
+    from specmesh.data.prompts import load_workloads
+
+    def opts(*argv):
+        return bench_options(build_parser().parse_args(["bench", *argv]))
+
+    assert opts().predictions is True and opts().prompts_file is None
+    assert opts("--predictions", "off").predictions is False
+    with pytest.raises(SystemExit):
+        opts("--predictions", "maybe")
+    got = bench_prompts(opts("--prompts", "workloads", "--num-prompts", "8"))
+    assert got == load_workloads()[:8]
+    assert [p["category"] for p in got[6:8]] == ["code-edit"] * 2
+
+
+def test_notes_say_what_was_cleared_and_sent():
+    from specmesh.benchmarks.harness.report import run_notes
+
+    prompts = PROMPTS  # two of three carry a prediction
+    notes = run_notes(prompts, [1, 4], {"ngram": [True, True], "suffix": [False, False]},
+                      predictions=True, inprocess_spec=True)
+    assert notes[0].startswith("drafters' cross-request memory cleared through the gateway "
+                               f"(POST {CLEAR_HISTORY_PATH}) before every served pass (ngram)")
+    assert notes[1].startswith("**drafters' cross-request memory NOT cleared on the suffix "
+                               "cluster (2 of 2 passes)") and "HTTP 404" in notes[1]
+    assert notes[2].startswith("in-process drafters are not cleared between passes")
+    assert notes[3].startswith("concurrency 4: the 3 prompts are cycled to 4 requests")
+    assert notes[4].startswith("Predicted Outputs: 2 of 3 prompts carry a prediction, sent")
+    assert len(notes) == 5
+    off = run_notes(prompts[:1], [1], {}, predictions=False, inprocess_spec=False)
+    assert off == []  # no served pass, no prediction, no cycling: nothing to say
+    off = run_notes(prompts, [1], {"ngram": [True]}, predictions=False, inprocess_spec=False)
+    assert off[-1] == ("Predicted Outputs: 2 of 3 prompts carry a prediction, not sent "
+                       "(--predictions off)")

@@ -81,3 +81,20 @@ def test_a_file_named_like_the_set_is_read_as_a_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "workloads").write_text(json.dumps({"prompt": "mine"}))
     assert [p["messages"][0]["content"] for p in load_prompt_set("./workloads")] == ["mine"]
+
+
+def test_the_cli_takes_the_workload_set(monkeypatch):
+    """``specmesh bench --prompts workloads`` passes the CLI's early prompts check (a name,
+    not a file) and reaches the bench with it."""
+    from specmesh.benchmarks.harness import bench as bench_module
+    from specmesh.cluster.cli import main
+
+    seen = {}
+
+    def fake_bench(cfg, opts):
+        seen["prompts"] = bench_module.bench_prompts(opts)
+        return {"mismatches": []}
+
+    monkeypatch.setattr(bench_module, "bench", fake_bench)
+    assert main(["bench", "--prompts", WORKLOADS, "--num-prompts", "2"]) == 0
+    assert seen["prompts"] == load_workloads()[:2]
