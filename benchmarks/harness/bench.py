@@ -275,7 +275,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
             for label in labels:
                 handles[label].set_num_speculative_tokens(kappa)
                 run_openai(clients[label], model, prompts[:1], 4, "warmup")
-                if opts.predictions:  # a server refusing predictions fails here, not mid-run
+                if opts.predictions and kappa > 0:  # a server refusing them fails here
                     check_predictions(clients[label], model, prompts)
             if hf_model is not None:
                 run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
@@ -319,6 +319,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                 h.set_num_speculative_tokens(kappa)
             for h in started:
                 h.stop()
+    sent = opts.predictions and kappa > 0  # predictions go with kappa > 0 requests only
     config = {"model": model, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
               "kappa": kappa, "max_tokens": opts.max_tokens,
               "num_prompts": len(prompts), "prompt_names": [p["name"] for p in prompts],
@@ -329,10 +330,10 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
               "profile": opts.profile, "verify_rule": cfg.verifier.verify_rule,
               "synthetic_acceptance": list(synthetic), "baselines": list(baselines),
               "llama_server": llama_info or None, "prompts": opts.prompts_file or "demo",
-              "predictions": {"sent": opts.predictions, "num_prompts_with_prediction": sum(
+              "predictions": {"sent": sent, "num_prompts_with_prediction": sum(
                   1 for p in prompts if p.get("prediction"))},
               "drafter_history_cleared": cleared,
-              "notes": run_notes(prompts, opts.concurrency, cleared, opts.predictions,
+              "notes": run_notes(prompts, opts.concurrency, cleared, sent,
                                  bool(inproc_labels) and kappa > 0)}
     categories = {c: [p["category"] for p in level_requests(prompts, c)]
                   for c in opts.concurrency}

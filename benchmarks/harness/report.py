@@ -593,7 +593,7 @@ def run_notes(prompts: Sequence[dict], levels: Sequence[int], cleared: dict[str,
                    f"run without it")
     elif with_pred:
         out.append(f"Predicted Outputs: {with_pred} of {len(prompts)} prompts carry a "
-                   f"prediction, not sent (--predictions off)")
+                   f"prediction, not sent (--predictions off, or no kappa > 0 system)")
     return out
 
 

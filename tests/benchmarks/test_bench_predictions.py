@@ -176,4 +176,4 @@ def test_notes_say_what_was_cleared_and_sent():
     assert off == []  # no served pass, no prediction, no cycling: nothing to say
     off = run_notes(prompts, [1], {"ngram": [True]}, predictions=False, inprocess_spec=False)
     assert off[-1] == ("Predicted Outputs: 2 of 3 prompts carry a prediction, not sent "
-                       "(--predictions off)")
+                       "(--predictions off, or no kappa > 0 system)")

@@ -98,3 +98,21 @@ def test_the_cli_takes_the_workload_set(monkeypatch):
     monkeypatch.setattr(bench_module, "bench", fake_bench)
     assert main(["bench", "--prompts", WORKLOADS, "--num-prompts", "2"]) == 0
     assert seen["prompts"] == load_workloads()[:2]
+
+
+def test_no_workload_prompt_is_a_near_copy_of_a_training_prompt(workloads):
+    """The shipped EAGLE heads learned from the drafter-training files: a workload prompt that
+    nearly repeats one of them (half its word trigrams or more, the held-out files' rule in
+    tests/cluster/test_train_prompts.py) would flatter the heads."""
+    from specmesh.data.prompts import load_prompts_file
+    from specmesh.drafter.training.eagle import DEFAULT_TRAIN_PROMPTS
+
+    def trigrams(p: dict) -> set:
+        w = re.findall(r"[a-z0-9']+", " ".join(m["content"] for m in p["messages"]).lower())
+        return set(zip(w, w[1:], w[2:]))
+
+    train = [trigrams(p) for f in DEFAULT_TRAIN_PROMPTS for p in load_prompts_file(str(f))]
+    close = [(p["name"], round(len(g & h) / min(len(g), len(h)), 2))
+             for p in workloads if (g := trigrams(p))
+             for h in train if h and len(g & h) / min(len(g), len(h)) >= 0.5]
+    assert not close, close
