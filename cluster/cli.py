@@ -35,7 +35,7 @@ from specmesh.cluster.options import (  # noqa: E402
     default_instance_id,
     drafter_plans,
 )
-from specmesh.data.prompts import load_prompts_file  # noqa: E402
+from specmesh.data.prompts import load_prompt_set  # noqa: E402
 from specmesh.decode.rules import outputs_exact  # noqa: E402
 from specmesh.engine.backend import cpu_backend  # noqa: E402
 from specmesh.engine.devices import resolve_device, resolve_dtype  # noqa: E402
@@ -160,7 +160,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     opts = bench_options(args)  # a bad list or prompts file fails before anything starts
     if opts.prompts_file:
-        load_prompts_file(opts.prompts_file)
+        load_prompt_set(opts.prompts_file)
     use_loopback()  # before the first `import ray`: an embedded, 127.0.0.1 Ray
     # lazy: the bench runner pulls in the gateway's HTTP stack (fastapi, uvicorn, httpx), which
     # no other command needs

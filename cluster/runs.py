@@ -1,6 +1,8 @@
 """Running prompts through a served cluster with the official ``openai`` client, shared by
 ``specmesh demo`` and ``specmesh bench``: the bundled prompts, one pass's totals, and a pass
-by several concurrent clients, streamed (SSE) or not.
+by several concurrent clients, streamed (SSE) or not, optionally with each prompt's
+``prediction`` sent as OpenAI's Predicted Outputs and the accepted / rejected prediction tokens
+of its usage recorded; and the gateway call that clears the drafters' cross-request memory.
 
 A streamed request records its latency (:class:`RequestLatency`): the time to its first
 content chunk (TTFT) and its mean inter-token latency, (last content chunk - first) / (tokens
@@ -13,6 +15,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,6 +58,54 @@ class RequestLatency:
                 "num_tokens": self.num_tokens, "itl_s": self.itl_s}
 
 
+@dataclass(frozen=True)
+class PredictionTokens:
+    """A response's Predicted Outputs counts (OpenAI's ``usage.completion_tokens_details``):
+    ``accepted`` prediction tokens that appear in the completion, ``rejected`` those that do
+    not."""
+
+    accepted: int = 0
+    rejected: int = 0
+
+    def __add__(self, other: PredictionTokens) -> PredictionTokens:
+        return PredictionTokens(self.accepted + other.accepted, self.rejected + other.rejected)
+
+    def as_dict(self) -> dict:
+        return {"accepted": self.accepted, "rejected": self.rejected}
+
+
+def _get(obj, name: str):  # noqa: ANN001, ANN202
+    """Field ``name`` of a response object (a declared attribute or one the client kept in
+    ``model_extra``) or of a dict; None when absent."""
+    if obj is None:
+        return None
+    if isinstance(obj, dict):
+        return obj.get(name)
+    value = getattr(obj, name, None)
+    return value if value is not None else (getattr(obj, "model_extra", None) or {}).get(name)
+
+
+def prediction_tokens_of(usage) -> PredictionTokens | None:  # noqa: ANN001
+    """The accepted / rejected prediction tokens of a response's ``usage`` (an ``openai``
+    usage object or a dict); None when the server reported neither (no prediction sent, or
+    a server without Predicted Outputs)."""
+    details = _get(usage, "completion_tokens_details")
+    accepted = _get(details, "accepted_prediction_tokens")
+    rejected = _get(details, "rejected_prediction_tokens")
+    if accepted is None and rejected is None:
+        return None
+    return PredictionTokens(int(accepted or 0), int(rejected or 0))
+
+
+def prediction_body(prompt: dict) -> dict:
+    """The request fields that send ``prompt``'s ``prediction`` (OpenAI's Predicted Outputs,
+    ``{"prediction": {"type": "content", "content": text}}``); ``{}`` when it has none. Sent
+    in ``extra_body``: the ``openai`` versions this project accepts (>= 1.30) include some
+    without the ``prediction`` parameter."""
+    text = prompt.get("prediction")
+    return {"prediction": {"type": "content", "content": text}} if text else {}
+
+
 @dataclass
 class RunResult:
     """One pass over the prompts by one system: completion tokens, seconds (wall time of the
@@ -63,7 +115,12 @@ class RunResult:
     draft position i; ``profile`` is the verifier's step profile over the pass
     (:meth:`protocol.step_profile.StepProfile.as_dict`); ``concurrency`` is the number of
     concurrent clients (or the batch size); ``latencies`` one :class:`RequestLatency` per
-    request, in prompt order, when the requests were streamed (empty otherwise)."""
+    request, in prompt order, when the requests were streamed (empty otherwise).
+
+    Per request, in prompt order (empty where the system does not expose it):
+    ``request_seconds`` from sending it (or the start of its batch) to its last token;
+    ``request_spec`` its spec stats; ``request_prediction`` its :class:`PredictionTokens`
+    (None for a request whose response reported none)."""
 
     system: str
     seconds: float = 0.0
@@ -75,6 +132,20 @@ class RunResult:
     profile: dict | None = None
     concurrency: int = 1
     latencies: list[RequestLatency] = field(default_factory=list)
+    request_seconds: list[float] = field(default_factory=list)
+    request_spec: list[SpecStats] = field(default_factory=list)
+    request_prediction: list[PredictionTokens | None] = field(default_factory=list)
+    #: the drafters' cross-request memory cleared before the pass: True, False (the server
+    #: cannot: HTTP 404), None (not asked: a system without such memory or control)
+    history_cleared: bool | None = None
+
+    @property
+    def request_tokens(self) -> list[int] | None:
+        """Completion tokens per request, prompt order: the streamed requests' counts, else
+        the lengths of ``token_ids``; None when the run has neither."""
+        if self.latencies:
+            return [lat.num_tokens for lat in self.latencies]
+        return None if self.token_ids is None else [len(t) for t in self.token_ids]
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,7 +157,12 @@ class RunResult:
                 "texts": self.texts, "token_ids": self.token_ids,
                 "accepted_per_pos": self.accepted_per_pos, "profile": self.profile,
                 "concurrency": self.concurrency,
-                "latencies": [lat.as_dict() for lat in self.latencies]}
+                "latencies": [lat.as_dict() for lat in self.latencies],
+                "request_seconds": self.request_seconds,
+                "request_spec": [s.as_dict() for s in self.request_spec],
+                "request_prediction": [None if p is None else p.as_dict()
+                                       for p in self.request_prediction],
+                "history_cleared": self.history_cleared}
 
 
 def openai_client(url: str):
@@ -95,6 +171,38 @@ def openai_client(url: str):
 
     return OpenAI(base_url=f"{url}/v1", api_key="specmesh", timeout=CLIENT_TIMEOUT_S,
                   max_retries=0)
+
+
+#: The gateway's endpoint that empties its drafters' cross-request memory (a drafter's global
+#: history of earlier outputs), so the next requests are drafted as if the earlier ones had
+#: not been served.
+CLEAR_HISTORY_PATH = "/v1/specmesh/drafters/clear_history"
+
+
+def clear_drafter_history(url: str, timeout_s: float = CLIENT_TIMEOUT_S) -> bool:
+    """``POST {url}`` :data:`CLEAR_HISTORY_PATH` on the gateway at ``url`` (an empty JSON
+    body, proxies bypassed: the gateway is local). True when it answered 2xx (cleared);
+    False when it answered 404 (a server without the endpoint: nothing was cleared, which the
+    caller must say).
+
+    Raises:
+        RuntimeError: any other status, or no answer (naming the URL and the reason).
+    """
+    req = urllib.request.Request(url.rstrip("/") + CLEAR_HISTORY_PATH, data=b"{}",
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout_s) as resp:
+            resp.read()
+        return True
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return False
+        detail = e.read().decode("utf-8", "replace")[:300]
+        raise RuntimeError(f"{req.full_url}: HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise RuntimeError(f"{req.full_url}: no answer ({reason})") from None
 
 
 #: vLLM's request extension: the response carries the output token ids (choice ``token_ids``)
@@ -124,13 +232,15 @@ class StreamedChat:
     """What one streamed chat completion returned: the text, the output token ids (None when
     the server sent none), completion tokens (the usage chunk's, else the ids', else one per
     content chunk), the non-OpenAI fields of its chunks (later chunks overriding earlier
-    ones: ``spec_stats``, llama.cpp's ``timings``) and its :class:`RequestLatency`."""
+    ones: ``spec_stats``, llama.cpp's ``timings``), its :class:`RequestLatency` and the
+    usage chunk's :class:`PredictionTokens` (None when it reported none)."""
 
     text: str
     token_ids: list[int] | None
     num_tokens: int
     extra: dict
     latency: RequestLatency
+    prediction: PredictionTokens | None = None
 
 
 def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
@@ -148,6 +258,7 @@ def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
     ids: list[int] | None = None
     extra: dict = {}
     usage_tokens = None
+    prediction = None
     first = last = None
     num_chunks = 0
     t0 = clock()
@@ -158,6 +269,7 @@ def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
             extra.update(chunk.model_extra or {})
             if chunk.usage is not None:
                 usage_tokens = chunk.usage.completion_tokens
+                prediction = prediction_tokens_of(chunk.usage)
             if not chunk.choices:
                 continue
             choice = chunk.choices[0]
@@ -175,14 +287,15 @@ def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
     n = usage_tokens if usage_tokens is not None else (len(ids) if ids is not None
                                                         else num_chunks)
     return StreamedChat("".join(parts), ids, n, extra,
-                        RequestLatency(first - t0, last - t0, n))
+                        RequestLatency(first - t0, last - t0, n), prediction)
 
 
 def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: int,
                           system: str, concurrency: int, stream: bool = False,
                           extra_body: dict | None = RETURN_TOKEN_IDS,
                           spec_stats: Callable[[dict], SpecStats] = spec_stats_of,
-                          clock: Callable[[], float] = time.perf_counter) -> RunResult:
+                          clock: Callable[[], float] = time.perf_counter,
+                          predictions: bool = False) -> RunResult:
     """Send ``prompts`` to an OpenAI-compatible server (the gateway, llama.cpp's
     ``llama-server``) from ``concurrency`` client threads sharing one ``openai`` client
     (each thread takes the next prompt when its previous one finished); greedy.
@@ -190,7 +303,9 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
     are in prompt order. ``stream``: each request over SSE (:func:`stream_chat`), its
     :class:`RequestLatency` in ``latencies``. ``extra_body``: the non-OpenAI request fields
     (vLLM's ``return_token_ids`` by default); ``spec_stats``: a response's spec stats from
-    its non-OpenAI fields.
+    its non-OpenAI fields; ``predictions``: each prompt's ``prediction`` is sent
+    (:func:`prediction_body`). Per request: its seconds to its last token (streamed: to its
+    last content chunk), spec stats and prediction tokens (``request_*``).
 
     Raises:
         openai.OpenAIError: a request failed (the other threads finish first).
@@ -201,25 +316,33 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
     texts: list[str] = [""] * len(prompts)
     ids: list[list[int] | None] = [None] * len(prompts)
     latencies: list[RequestLatency | None] = [None] * len(prompts)
+    seconds: list[float] = [0.0] * len(prompts)
+    specs: list[SpecStats] = [SpecStats() for _ in prompts]
+    predicted: list[PredictionTokens | None] = [None] * len(prompts)
     lock = threading.Lock()
 
     def one(i: int) -> None:
+        body = {**(extra_body or {}), **(prediction_body(prompts[i]) if predictions else {})}
         if stream:
-            out = stream_chat(client, model, prompts[i]["messages"], max_tokens, extra_body,
+            out = stream_chat(client, model, prompts[i]["messages"], max_tokens, body or None,
                               clock)
             with lock:
                 res.num_tokens += out.num_tokens
-                res.spec.add(spec_stats(out.extra))
+                specs[i] = spec_stats(out.extra)
                 texts[i], ids[i], latencies[i] = out.text, out.token_ids, out.latency
+                seconds[i], predicted[i] = out.latency.last_token_s, out.prediction
             return
+        t0 = clock()
         resp = client.chat.completions.create(model=model, messages=prompts[i]["messages"],
                                               max_tokens=max_tokens, temperature=0,
-                                              extra_body=extra_body)
+                                              extra_body=body or None)
+        took = clock() - t0
         with lock:
             res.num_tokens += resp.usage.completion_tokens
-            res.spec.add(spec_stats(resp.model_extra or {}))
+            specs[i] = spec_stats(resp.model_extra or {})
             texts[i] = resp.choices[0].message.content or ""
             ids[i] = _token_ids(resp)
+            seconds[i], predicted[i] = took, prediction_tokens_of(resp.usage)
 
     t0 = clock()
     pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
@@ -237,6 +360,9 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
     res.texts = texts
     res.token_ids = None if None in ids else ids
     res.latencies = [lat for lat in latencies if lat is not None]
+    res.request_seconds, res.request_spec, res.request_prediction = seconds, specs, predicted
+    for s in specs:
+        res.spec.add(s)
     return res
 
 

@@ -13,6 +13,14 @@ The draft methods are ``--drafters`` (``ngram,eagle``; default: the cluster's ``
 Their served clusters are all started before the runs and run side by side in one Ray
 session, each in its own Ray namespace (:func:`benchmarks.harness.options.namespace_for`).
 
+The prompts are the bundled demo prompts, a JSONL file, or the bundled workload set
+(``--prompts workloads``: chat, code-edit, extraction, multi-turn); every table is also split
+by the prompts' category. A prompt's ``prediction`` goes out as OpenAI's Predicted Outputs on
+the served kappa > 0 requests (``--predictions``; a server that refuses it stops the bench
+before its passes), and each served pass begins by clearing its cluster's drafters'
+cross-request memory through the gateway, so no request is drafted from an earlier pass's
+output of its own prompt (a gateway without that endpoint is noted in the report, loudly).
+
 Modules: options (the command's options and the compared methods), systems (served,
 in-process, Hugging Face), llama_server (the llama.cpp peer), report (counter and profile
 deltas, the summary), latency (TTFT and inter-token latency percentiles), render (markdown,
@@ -38,9 +46,16 @@ from specmesh.benchmarks.harness.options import (
     with_drafter,
 )
 from specmesh.benchmarks.harness.render import markdown, write_plot
-from specmesh.benchmarks.harness.report import System, mismatch_lines, summarize, systems_for
+from specmesh.benchmarks.harness.report import (
+    System,
+    mismatch_lines,
+    run_notes,
+    summarize,
+    systems_for,
+)
 from specmesh.benchmarks.harness.systems import (
     InProcessSystems,
+    check_predictions,
     generation_eos_ids,
     load_hf_model,
     run_hf,
@@ -49,13 +64,13 @@ from specmesh.benchmarks.harness.systems import (
 from specmesh.cluster.config import ClusterConfig, default_threads
 from specmesh.cluster.options import is_model_drafter
 from specmesh.cluster.runs import RunResult, load_prompts, openai_client, run_openai
-from specmesh.data.prompts import level_requests, load_prompts_file
+from specmesh.data.prompts import level_requests, load_prompt_set
 from specmesh.gateway.tokens import chat_prompt_ids
 
 def bench_prompts(opts: BenchOptions) -> list[dict]:
-    """The prompts of the run: the user's file or the bundled prompts, the first
-    ``num_prompts`` of them."""
-    prompts = load_prompts_file(opts.prompts_file) if opts.prompts_file else load_prompts()
+    """The prompts of the run: the user's file, the bundled workload set (``--prompts
+    workloads``) or the bundled demo prompts, the first ``num_prompts`` of them."""
+    prompts = load_prompt_set(opts.prompts_file) if opts.prompts_file else load_prompts()
     return prompts[:opts.num_prompts] if opts.num_prompts else prompts
 
 
@@ -253,12 +268,15 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                    f"the runs and running side by side in one Ray session, each in its own "
                    f"Ray namespace; served k=0 runs on the {labels[0]} cluster")
     runs: dict[int, dict[str, list[RunResult]]] = {c: {} for c in opts.concurrency}
+    cleared: dict[str, list[bool]] = {}  # served cluster -> per pass: its history cleared
     with sigterm_unwinds():  # after the clusters started: Ray's handler replaced
         try:
             clients = {label: openai_client(h.url) for label, h in handles.items()}
             for label in labels:
                 handles[label].set_num_speculative_tokens(kappa)
                 run_openai(clients[label], model, prompts[:1], 4, "warmup")
+                if opts.predictions and kappa > 0:  # a server refusing them fails here
+                    check_predictions(clients[label], model, prompts)
             if hf_model is not None:
                 run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
             if llama is not None:
@@ -273,8 +291,11 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                 reqs = level_requests(prompts, level)
                 if system.kind == "served":
                     label = system.method or labels[0]  # kappa = 0: the first method's cluster
+                    # the cluster's drafters' history cleared first (see run_served)
                     res = run_served(handles[label], clients[label], model, reqs, opts.max_tokens,
-                                     system.kappa, level, system.name)
+                                     system.kappa, level, system.name,
+                                     predictions=opts.predictions)
+                    cleared.setdefault(label, []).append(bool(res.history_cleared))
                 elif system.kind == "inprocess":
                     ids = level_requests(prompt_ids, level)
                     res = inproc.run(ids, system.kappa, level, system.name, system.method)
@@ -298,6 +319,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                 h.set_num_speculative_tokens(kappa)
             for h in started:
                 h.stop()
+    sent = opts.predictions and kappa > 0  # predictions go with kappa > 0 requests only
     config = {"model": model, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
               "kappa": kappa, "max_tokens": opts.max_tokens,
               "num_prompts": len(prompts), "prompt_names": [p["name"] for p in prompts],
@@ -307,8 +329,15 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
               "draft_method": drafters[0].method, "served_clusters": served_note,
               "profile": opts.profile, "verify_rule": cfg.verifier.verify_rule,
               "synthetic_acceptance": list(synthetic), "baselines": list(baselines),
-              "llama_server": llama_info or None}
-    summary = summarize(config, runs, level_systems, forward_cost or None)
+              "llama_server": llama_info or None, "prompts": opts.prompts_file or "demo",
+              "predictions": {"sent": sent, "num_prompts_with_prediction": sum(
+                  1 for p in prompts if p.get("prediction"))},
+              "drafter_history_cleared": cleared,
+              "notes": run_notes(prompts, opts.concurrency, cleared, sent,
+                                 bool(inproc_labels) and kappa > 0)}
+    categories = {c: [p["category"] for p in level_requests(prompts, c)]
+                  for c in opts.concurrency}
+    summary = summarize(config, runs, level_systems, forward_cost or None, categories)
     write_outputs(summary, opts)
     return summary
 

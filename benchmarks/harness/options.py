@@ -131,9 +131,11 @@ def with_drafter(cfg: ClusterConfig, d: BenchDrafter, namespace: str | None = No
 class BenchOptions:
     """What one bench run does. ``concurrency``: the levels (clients / batch size);
     ``max_tokens``: completion tokens per request; ``num_prompts``: the first N prompts (of
-    ``prompts_file`` when given, else the bundled ones); ``profile``: print the verifier step
-    profiles and measure the forward-cost ratio; ``*_path``: outputs (None: not written);
-    ``drafters``: the draft methods compared (None: the cluster's own ``--drafter``)."""
+    ``prompts_file`` when given: a JSONL file, or ``workloads`` for the bundled workload set;
+    else the bundled demo prompts); ``profile``: print the verifier step profiles and measure
+    the forward-cost ratio; ``*_path``: outputs (None: not written); ``drafters``: the draft
+    methods compared (None: the cluster's own ``--drafter``); ``predictions``: send the
+    prompts' ``prediction`` on the served speculative systems' requests."""
 
     concurrency: list[int] = field(default_factory=lambda: [1])
     repeats: int = 3
@@ -156,6 +158,8 @@ class BenchOptions:
     #: one speculative llama-server for every pass (its n-gram state kept across passes)
     #: instead of a fresh one per pass
     llama_keep_spec_state: bool = False
+    #: the prompts' ``prediction`` (OpenAI's Predicted Outputs) sent to the served systems
+    predictions: bool = True
 
 
 def parse_baselines(text: str) -> tuple[str, ...]:
@@ -192,10 +196,19 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median taken)")
     p.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request")
     p.add_argument("--num-prompts", type=int, default=None, help="the first N prompts only")
-    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl|workloads",
                    help='your prompts, one JSON object a line: {"messages": [...]} or '
-                        '{"prompt": "..."}, optional "name" and "category" (default: the '
-                        "bundled prompts)")
+                        '{"prompt": "..."}, optional "name", "category" and "prediction"; '
+                        'or "workloads", the bundled prompts by workload (chat, code-edit '
+                        "with predictions, extraction, multi-turn; tables split by "
+                        "category); a file named workloads is ./workloads (default: the "
+                        "bundled demo prompts)")
+    p.add_argument("--predictions", choices=("on", "off"), default="on",
+                   help="send each prompt's \"prediction\" as OpenAI's Predicted Outputs "
+                        "(prediction: {type: content}) on the served kappa>0 requests and "
+                        "report the accepted / rejected prediction tokens; in-process, HF "
+                        "and llama-server run without it (default: on; off for a server "
+                        "that refuses them)")
     p.add_argument("--profile", action="store_true",
                    help="print the verifier step profiles and the measured forward-cost ratio")
     p.add_argument("--json", default=None, metavar="PATH", help="write the whole summary here")
@@ -253,4 +266,5 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
                         baselines=parse_baselines(args.baselines),
                         llama_server=args.llama_server, llama_spec_type=args.llama_spec_type,
                         llama_server_args=llama_args,
-                        llama_keep_spec_state=args.llama_keep_spec_state)
+                        llama_keep_spec_state=args.llama_keep_spec_state,
+                        predictions=args.predictions == "on")

@@ -86,7 +86,9 @@ def markdown(summary: dict) -> str:
     position, share of verify steps with drafts, accepted drafts per verify step (all
     steps), identical outputs (vs HF; kappa=K vs kappa=0), TTFT and inter-token latency
     p50 / p95 of the streamed systems, then the level's ratios (served vs llama-server among
-    them); the step profiles and the step-cost check when the summary has them."""
+    them) and Predicted Outputs tokens, the table by prompt category
+    (:func:`category_markdown`); the step profiles and the step-cost check when the summary
+    has them. The config's ``notes`` are header lines."""
     cfg = summary["config"]
     drafters = ", ".join(d["label"] for d in cfg.get("drafters", [])) or cfg.get(
         "draft_method", "")
@@ -107,6 +109,7 @@ def markdown(summary: dict) -> str:
         lines.append("- TTFT: request sent to first content chunk; ITL: per request, (last "
                      "token - first token) / (tokens - 1); p50 / p95 over the level's "
                      "streamed requests, all repeats, ms")
+    lines += [f"- {note}" for note in cfg.get("notes") or []]
     if cfg.get("synthetic_acceptance"):
         curve = ", ".join(f"{a:.3f}" for a in cfg["synthetic_acceptance"])
         lines.append(f"- **SYNTHETIC ACCEPTANCE** (ablation, --verify-rule synthetic): drafts "
@@ -137,7 +140,11 @@ def markdown(summary: dict) -> str:
                 f"{_p50_p95(s.get('latency'), 'itl_ms')} |")
         lines.append("")
         lines += [f"- {k}: {v:.2f}x" for k, v in level["ratios"].items()]
+        lines += [f"- prediction tokens accepted / rejected, {name}: "
+                  f"{p['accepted']} / {p['rejected']} ({p['num_requests']} responses)"
+                  for name, s in level["systems"].items() if (p := s.get("prediction_tokens"))]
         lines.append("")
+        lines += category_markdown(level)
         lines += profile_markdown(level)
     costs = summary.get("forward_cost_by_level") or (
         {"1": summary["forward_cost"]} if summary.get("forward_cost") else {})
@@ -146,6 +153,49 @@ def markdown(summary: dict) -> str:
                   f"1-token forward per request after {fc['context_len']} tokens): "
                   f"{fc['multi_ms']:.2f} / {fc['single_ms']:.2f} ms = {fc['ratio']:.2f}x", ""]
     return "\n".join(lines)
+
+
+def _prediction_cell(p: dict | None) -> str:
+    return "" if p is None else f"{p['accepted']} / {p['rejected']}"
+
+
+def category_markdown(level: dict) -> list[str]:
+    """The level's systems split by prompt category (when its requests span two or more):
+    a row per category and system with its requests, tokens/s per client and its ratio to the
+    kappa = 0 counterpart's, acceptance, mean accept length, identical outputs k=K vs k=0 and,
+    when any request reported them, accepted / rejected prediction tokens."""
+    cats = level.get("categories") or []
+    if len(cats) < 2:
+        return []
+    systems = level["systems"]
+    preds = any(row.get("prediction_tokens") for s in systems.values()
+                for row in (s.get("categories") or {}).values())
+    lines = [f"### by category, concurrency {level['concurrency']} (tokens/s per client: the "
+             f"category's completion tokens / the sum of its requests' times, the pass's "
+             f"throughput split by category at concurrency 1; blank where a system has no "
+             f"per-request times)", "",
+             "| category | system | requests | tokens/s per client | x k=0 | acceptance | "
+             "mean accept len | identical k=K vs k=0 |"
+             + (" prediction tokens accepted / rejected |" if preds else ""),
+             "|---" * (9 if preds else 8) + "|"]
+    for cat in cats:
+        for name, s in systems.items():
+            row = (s.get("categories") or {}).get(cat)
+            if row is None:
+                continue
+            spec = s["kappa"] > 0 and s["kind"] != "hf"
+            steps = spec and s["kind"] != "llama"
+            same = _frac(row["identical_to_k0"])
+            if row.get("exact") is False:
+                same = f"**{same} MISMATCH**"
+            lines.append(
+                f"| {cat} | {name} | {row['num_requests']} | "
+                f"{_num(row['median_tokens_per_s'])} | {_num(row.get('ratio_to_k0'))} | "
+                f"{_num(row['acceptance_rate']) if spec else ''} | "
+                f"{_num(row['mean_accept_len']) if steps else ''} | {same} |"
+                + (f" {_prediction_cell(row.get('prediction_tokens'))} |" if preds else ""))
+    lines.append("")
+    return lines
 
 
 def profile_markdown(level: dict) -> list[str]:

@@ -12,10 +12,10 @@ benchmarks/harness/render.py.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from specmesh.cluster.runs import RunResult, same_outputs
+from specmesh.cluster.runs import CLEAR_HISTORY_PATH, PredictionTokens, RunResult, same_outputs
 from specmesh.protocol.spec_stats import SpecStats
 from specmesh.protocol.step_profile import BUCKETS_S, PhaseStats
 
@@ -320,14 +320,86 @@ def accepted_per_step(spec: SpecStats, profile: dict | None) -> float | None:
         if c.get("num_request_steps") else None
 
 
+# -- by category (a prompt's ``category``: the workload set's chat, code-edit, ...) ----------
+
+
+def prediction_totals(runs: Sequence[RunResult], indices: Collection[int] | None = None,
+                      ) -> dict | None:
+    """Accepted and rejected prediction tokens (OpenAI's Predicted Outputs usage) summed over
+    ``runs`` (all repeats) and their requests at ``indices`` (None: all): ``{"accepted",
+    "rejected", "num_requests"}`` (requests that reported them); None when none did."""
+    total, n = PredictionTokens(), 0
+    for r in runs:
+        for i, p in enumerate(r.request_prediction):
+            if p is not None and (indices is None or i in indices):
+                total, n = total + p, n + 1
+    return {**total.as_dict(), "num_requests": n} if n else None
+
+
+def _category_tokens_per_s(run: RunResult, indices: list[int]) -> float | None:
+    """One pass's tokens/s per client over the requests at ``indices``: their completion
+    tokens / the sum of their times (send, or the start of their batch, to the last token);
+    None without per-request tokens and times."""
+    tokens = run.request_tokens
+    if tokens is None or len(run.request_seconds) != len(tokens):
+        return None
+    seconds = sum(run.request_seconds[i] for i in indices)
+    return sum(tokens[i] for i in indices) / seconds if seconds > 0 else None
+
+
+def category_order(categories: Sequence[str]) -> list[str]:
+    """The distinct categories in order of first appearance."""
+    return list(dict.fromkeys(categories))
+
+
+def category_summary(runs: Sequence[RunResult], categories: Sequence[str],
+                     identical_k0: list[bool] | None, checked: bool) -> dict[str, dict]:
+    """One system's runs split by the requests' ``categories`` (one per request, in request
+    order), per category in order of first appearance: ``num_requests``;
+    ``median_tokens_per_s`` (over repeats) and ``all_tokens_per_s`` of tokens/s per client
+    (the category's completion tokens / the sum of its requests' times: at concurrency 1 the
+    pass's throughput split by category, above it the rate one client sees; None for a
+    system without per-request times); spec stats summed over repeats with their acceptance
+    rate and mean accept length (None without per-request spec stats); the first repeat's
+    ``identical_to_k0`` flags of the category (None without a kappa = 0 counterpart) and
+    ``exact`` (None unless ``checked``); ``prediction_tokens`` (:func:`prediction_totals`).
+    ``ratio_to_k0`` is filled by :func:`summarize_level`."""
+    out: dict[str, dict] = {}
+    for cat in category_order(categories):
+        idx = [i for i, c in enumerate(categories) if c == cat]
+        tps = [_category_tokens_per_s(r, idx) for r in runs]
+        tps_known = [t for t in tps if t is not None]
+        spec, has_spec = SpecStats(), False
+        for r in runs:
+            if len(r.request_spec) == len(categories):
+                has_spec = True
+                for i in idx:
+                    spec.add(r.request_spec[i])
+        flags = [identical_k0[i] for i in idx] if identical_k0 is not None else None
+        out[cat] = {"num_requests": len(idx),
+                    "median_tokens_per_s": _median(tps_known) if tps_known else None,
+                    "all_tokens_per_s": tps_known,
+                    "spec_stats": spec.as_dict() if has_spec else None,
+                    "acceptance_rate": spec.acceptance_rate if has_spec else None,
+                    "mean_accept_len": spec.mean_accept_len if has_spec else None,
+                    "identical_to_k0": flags,
+                    "exact": all(flags) if checked and flags is not None else None,
+                    "prediction_tokens": prediction_totals(runs, set(idx)),
+                    "ratio_to_k0": None}
+    return out
+
+
 def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str, list[RunResult]],
-                     ) -> dict:
+                     categories: Sequence[str] | None = None) -> dict:
     """One system at one level: median and all tokens/s (completion tokens / wall seconds),
     spec stats summed over repeats, acceptance per draft position, the share of verify steps
     with drafts, output identity of the first repeat vs HF and vs its kappa = 0 counterpart
     (``exact``: every output identical to it; None for llama.cpp, whose identity is
     informative only), TTFT and inter-token latency percentiles of its streamed requests
-    (:func:`latency_summary`; None when not streamed), and its step profile."""
+    (:func:`latency_summary`; None when not streamed), Predicted Outputs tokens
+    (:func:`prediction_totals`), whether each pass began with the drafters' history cleared
+    (``history_cleared``, one per repeat, when asked), its step profile and, given the
+    requests' ``categories``, the same split by category (:func:`category_summary`)."""
     spec = SpecStats()
     per_pos: list[int] = []
     profile: dict | None = None
@@ -358,19 +430,28 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
            "identical_to_k0": identical_k0,
            "exact": all(identical_k0) if checked else None,
            "latency": latency_summary(runs),
+           "prediction_tokens": prediction_totals(runs),
            "texts": first.texts, "token_ids": first.token_ids}
+    if any(r.history_cleared is not None for r in runs):
+        out["history_cleared"] = [r.history_cleared for r in runs]
+    if categories is not None:
+        out["categories"] = category_summary(runs, categories, identical_k0, checked)
     if profile is not None:
         out["profile"] = profile_summary(profile)
         out["profile_raw"] = profile
     return out
 
 
-def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[System]) -> dict:
+def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[System],
+                    categories: Sequence[str] | None = None) -> dict:
     """Every system of one concurrency level plus the ratios that matter: each to HF, spec to
     plain, served to in-process (same kappa and method), served to llama.cpp
     (:func:`peer_ratios`); ``mismatches``: the speculative specmesh systems whose output
-    differs from their kappa = 0 counterpart's (request indices)."""
-    out = {name: summarize_system(s, runs[s.name], runs)
+    differs from their kappa = 0 counterpart's (request indices). Given the level's request
+    ``categories`` (one per request), each system is also split by category, with each
+    category's tokens/s over its kappa = 0 counterpart's (``ratio_to_k0``), and
+    ``categories`` lists them in order."""
+    out = {name: summarize_system(s, runs[s.name], runs, categories)
            for s in systems if (name := s.name) in runs}
     hf = out.get(HF_BASELINE, {}).get("median_tokens_per_s")
     for s in out.values():
@@ -388,12 +469,19 @@ def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[
             ratios[f"{s.name} / {twin}"] = (out[s.name]["median_tokens_per_s"]
                                             / out[twin]["median_tokens_per_s"])
     ratios.update(peer_ratios(out))
+    for s in systems:
+        if s.name in out and s.plain in out and categories is not None:
+            for cat, row in out[s.name]["categories"].items():
+                base = out[s.plain]["categories"][cat]["median_tokens_per_s"]
+                if row["median_tokens_per_s"] is not None and base:
+                    row["ratio_to_k0"] = row["median_tokens_per_s"] / base
     plain_of = {s.name: s.plain for s in systems}
     mismatches = [{"concurrency": level, "system": name, "plain": plain_of[name],
                    "requests": [i for i, same in enumerate(s["identical_to_k0"]) if not same]}
                   for name, s in out.items() if s["exact"] is False]
     return {"concurrency": level, "num_requests": len(next(iter(runs.values()))[0].texts)
-            if runs else 0, "systems": out, "ratios": ratios, "mismatches": mismatches}
+            if runs else 0, "systems": out, "ratios": ratios, "mismatches": mismatches,
+            "categories": category_order(categories) if categories is not None else None}
 
 
 def peer_ratios(systems: dict[str, dict]) -> dict[str, float]:
@@ -426,9 +514,12 @@ def peer_ratios(systems: dict[str, dict]) -> dict[str, float]:
 
 def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
               systems: dict[int, list[System]],
-              forward_cost: dict[str, dict] | None = None) -> dict:
+              forward_cost: dict[str, dict] | None = None,
+              categories: dict[int, list[str]] | None = None) -> dict:
     """The whole bench: ``config`` (model, dtype, kappa, drafters, max_tokens, num_prompts,
-    repeats, threads, ...), per level :func:`summarize_level`, the measured forward cost per
+    repeats, threads, ``notes``...), per level :func:`summarize_level` (split by the level's
+    request ``categories`` when given: level -> one category per request), the measured
+    forward cost per
     level (``forward_cost``: concurrency as a string -> the
     :meth:`cluster.forward_cost.ForwardCost.as_dict` of a batch that size), for every
     profiled kappa > 0 system its step-cost check against its level's ratio, and
@@ -438,7 +529,8 @@ def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
     levels = {}
     by_level = forward_cost or {}
     for level, level_runs in runs.items():
-        lv = summarize_level(level, level_runs, systems[level])
+        lv = summarize_level(level, level_runs, systems[level],
+                             (categories or {}).get(level))
         plain_of = {s.name: s.plain for s in systems[level]}
         cost = by_level.get(str(level))
         for name, s in lv["systems"].items():
@@ -451,6 +543,58 @@ def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
     first = by_level[min(by_level, key=int)] if by_level else None
     return {"config": config, "forward_cost": first, "forward_cost_by_level": by_level or None,
             "levels": levels, "mismatches": mismatches}
+
+
+def history_notes(cleared: dict[str, list[bool]]) -> list[str]:
+    """What the bench did about the drafters' cross-request memory, from the outcome of the
+    clear before each served pass (cluster label -> one flag per pass: True cleared, False
+    the gateway answered 404): a line for the clusters cleared before every pass and a loud
+    one for those that could not be cleared. Empty without served passes."""
+    done = [label for label, flags in cleared.items() if flags and all(flags)]
+    failed = {label: flags for label, flags in cleared.items() if flags and not all(flags)}
+    out = []
+    if done:
+        out.append(f"drafters' cross-request memory cleared through the gateway (POST "
+                   f"{CLEAR_HISTORY_PATH}) before every served pass ({', '.join(done)}): no "
+                   f"request was drafted from an earlier pass's output of its own prompt")
+    for label, flags in failed.items():
+        out.append(f"**drafters' cross-request memory NOT cleared on the {label} cluster "
+                   f"({flags.count(False)} of {len(flags)} passes): its gateway has no "
+                   f"{CLEAR_HISTORY_PATH} (HTTP 404, not supported by this server); a drafter "
+                   f"that remembers earlier requests may draft from an earlier repeat of the "
+                   f"same prompt**")
+    return out
+
+
+def run_notes(prompts: Sequence[dict], levels: Sequence[int], cleared: dict[str, list[bool]],
+              predictions: bool, inprocess_spec: bool) -> list[str]:
+    """The config's ``notes``, header lines of the tables: the drafters' history
+    (:func:`history_notes`); that in-process drafters keep theirs (``inprocess_spec``: the
+    run has in-process kappa > 0 systems); the levels whose requests repeat prompts within a
+    pass (concurrency above the number of prompts); and how the prompts' ``prediction`` was
+    used (sent with ``predictions`` on the served kappa > 0 requests only, else not)."""
+    out = history_notes(cleared)
+    if inprocess_spec:
+        out.append("in-process drafters are not cleared between passes (no control path "
+                   "in-process): a method that remembers earlier requests may draft there "
+                   "from an earlier repeat of the same prompt")
+    for level in levels:
+        if level > len(prompts):
+            out.append(f"concurrency {level}: the {len(prompts)} prompts are cycled to "
+                       f"{level} requests, so a pass repeats prompts and a drafter that "
+                       f"remembers earlier requests may draft from the same prompt's output "
+                       f"within the pass")
+    with_pred = sum(1 for p in prompts if p.get("prediction"))
+    if with_pred and predictions:
+        out.append(f"Predicted Outputs: {with_pred} of {len(prompts)} prompts carry a "
+                   f"prediction, sent as `prediction` (type content) on the served kappa > 0 "
+                   f"requests; served k=0 stays plain decode (so identical k=K vs k=0 also "
+                   f"shows a prediction changes no output); in-process, HF and llama-server "
+                   f"run without it")
+    elif with_pred:
+        out.append(f"Predicted Outputs: {with_pred} of {len(prompts)} prompts carry a "
+                   f"prediction, not sent (--predictions off, or no kappa > 0 system)")
+    return out
 
 
 def mismatch_lines(summary: dict) -> list[str]:

@@ -29,7 +29,12 @@ from specmesh.benchmarks.harness.report import (
     verifier_snapshot,
     with_drafter_profiles,
 )
-from specmesh.cluster.runs import RunResult, run_openai_concurrent
+from specmesh.cluster.runs import (
+    RunResult,
+    clear_drafter_history,
+    prediction_body,
+    run_openai_concurrent,
+)
 from specmesh.gateway.tokens import chat_prompt_ids
 from specmesh.protocol.messages import SamplingParams
 
@@ -81,7 +86,7 @@ def run_hf(hf_model, tokenizer, prompts: list[dict], max_tokens: int, system: st
     """Greedy Hugging Face ``generate`` over ``prompts`` in batches of ``batch_size`` (left
     padding and an attention mask); with ``prompt_lookup`` (draft tokens per step) one prompt
     at a time. Completion tokens count up to and including the first EOS; ``seconds`` is the
-    wall time of all batches.
+    wall time of all batches, ``request_seconds`` each request's batch's.
 
     Raises:
         ValueError: ``prompt_lookup`` with ``batch_size`` > 1.
@@ -99,12 +104,15 @@ def run_hf(hf_model, tokenizer, prompts: list[dict], max_tokens: int, system: st
     for start in range(0, len(all_ids), batch_size):
         ids, mask = left_pad(all_ids[start:start + batch_size], pad_id)
         ids_t = torch.tensor(ids)
+        t_batch = time.perf_counter()
         with torch.inference_mode():
             out = hf_model.generate(ids_t, attention_mask=torch.tensor(mask), do_sample=False,
                                     max_new_tokens=max_tokens, eos_token_id=eos_ids or None,
                                     pad_token_id=pad_id, temperature=None, top_p=None,
                                     top_k=None, **kw)
+        took = time.perf_counter() - t_batch
         for row in out[:, ids_t.shape[1]:].tolist():
+            res.request_seconds.append(took)
             new = cut_at_eos(row, eos_ids)
             res.token_ids.append(new)
             res.num_tokens += len(new)
@@ -213,6 +221,7 @@ class InProcessSystems:
         for o in outs:
             res.num_tokens += len(o.token_ids)
             res.spec.add(o.spec)
+            res.request_spec.append(o.spec)
         tok = self.loaded.tokenizer
         res.texts = [tok.decode(t, skip_special_tokens=True) for t in res.token_ids]
         return res
@@ -228,6 +237,30 @@ class InProcessSystems:
 # -- served -----------------------------------------------------------------------------------
 
 
+def check_predictions(client, model: str, prompts: list[dict]) -> bool:
+    """Send the first prompt that has a ``prediction`` with it (4 tokens), so a server
+    without Predicted Outputs fails the bench before its passes; False (nothing sent) when no
+    prompt has one.
+
+    Raises:
+        SystemExit: the server refused the request (HTTP 400), naming its message and
+            ``--predictions off``.
+    """
+    import openai  # openai: only when the served systems run
+
+    prompt = next((p for p in prompts if p.get("prediction")), None)
+    if prompt is None:
+        return False
+    try:
+        client.chat.completions.create(model=model, messages=prompt["messages"], max_tokens=4,
+                                       temperature=0, extra_body=prediction_body(prompt))
+    except openai.BadRequestError as e:
+        raise SystemExit(f"the served cluster refused a prompt's prediction (OpenAI's "
+                         f"Predicted Outputs, prompt {prompt['name']!r}): {e}; run the bench "
+                         f"with --predictions off, or on a server that takes them") from None
+    return True
+
+
 def served_snapshot(handle) -> dict:
     """The summed counters and step profiles of the cluster's verifiers, with the drafters'
     step profiles under ``drafter <phase>`` (one Ray call each)."""
@@ -240,15 +273,28 @@ def served_snapshot(handle) -> dict:
 
 
 def run_served(handle, client, model: str, prompts: list[dict], max_tokens: int, kappa: int,
-               concurrency: int, system: str, stream: bool = True) -> RunResult:
-    """Set kappa on every verifier, then send ``prompts`` from ``concurrency`` clients
+               concurrency: int, system: str, stream: bool = True, predictions: bool = False,
+               clear_history: bool = True) -> RunResult:
+    """Set kappa on every verifier; with ``clear_history``, empty the drafters'
+    cross-request memory through the cluster's gateway
+    (:func:`cluster.runs.clear_drafter_history`; ``history_cleared`` False when the server
+    has no such endpoint), so no request of the pass is drafted from an earlier pass's output
+    of its own prompt; then send ``prompts`` from ``concurrency`` clients
     (:func:`cluster.runs.run_openai_concurrent`; ``stream``: over SSE, each request's TTFT and
-    inter-token latency recorded); adds the verifiers' per-position accepts and step profile
-    over the pass. Tokens/s = completion tokens / wall seconds of the pass."""
+    inter-token latency recorded), with each prompt's ``prediction`` when ``predictions`` and
+    kappa > 0 (kappa = 0 stays the plain-decode reference, so the output-identity check also
+    shows that a prediction changes no output). Adds the verifiers' per-position accepts and
+    step profile over the pass. Tokens/s = completion tokens / wall seconds of the pass.
+
+    Raises:
+        RuntimeError: the gateway answered the clear with an error other than 404.
+    """
     handle.set_num_speculative_tokens(kappa)
+    cleared = clear_drafter_history(handle.url) if clear_history else None
     before = served_snapshot(handle)
     res = run_openai_concurrent(client, model, prompts, max_tokens, system, concurrency,
-                                stream=stream)
+                                stream=stream, predictions=predictions and kappa > 0)
+    res.history_cleared = cleared
     delta = snapshot_delta(before, served_snapshot(handle))
     res.accepted_per_pos = delta["num_accepted_tokens_per_pos"]
     res.profile = delta["profile"]

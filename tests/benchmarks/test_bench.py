@@ -15,7 +15,8 @@ pytestmark = pytest.mark.ray
 PROMPTS = [
     {"name": "sea", "category": "poem",
      "messages": [{"role": "user", "content": "Write a haiku about the sea."}]},
-    {"prompt": "List three colours, then list them again."},
+    {"prompt": "List three colours, then list them again.",
+     "prediction": "Red, green, blue. Red, green, blue."},
 ]
 
 
@@ -32,7 +33,8 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
                "--prompts", str(prompts), "--profile", "--json", str(out_json),
                "--markdown", str(out_md), "--plot", str(out_png),
                "--drafters", f"ngram,eagle:{head}",
-               "--baselines", "hf,llama-server", "--llama-server", str(tmp_path / "none")])
+               "--baselines", "hf,llama-server", "--llama-server", str(tmp_path / "none"),
+               "--predictions", "off"])
     assert rc == 0  # every method's output identical to kappa = 0's
     summary = json.loads(out_json.read_text())
     assert summary["mismatches"] == []
@@ -42,6 +44,13 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
     assert "is not an executable file" in cfg["llama_server"]["skipped"]
     assert cfg["concurrency"] == [1, 2]
     assert cfg["prompt_names"] == ["sea", "prompt-2"]
+    # each served pass began with its cluster's drafters' history cleared, or the report
+    # says the gateway could not (HTTP 404) -- one flag per pass, never silent
+    passes = {"ngram": 2 * 2, "eagle:tiny-head": 2}  # 2 levels; k=0 runs on ngram's
+    assert {k: len(v) for k, v in cfg["drafter_history_cleared"].items()} == passes
+    assert any("drafters' cross-request memory" in n for n in cfg["notes"])
+    assert cfg["predictions"] == {"sent": False, "num_prompts_with_prediction": 1}
+    assert any("not sent (--predictions off" in n for n in cfg["notes"])
     assert [d["label"] for d in cfg["drafters"]] == ["ngram", "eagle:tiny-head"]
     assert set(cfg["threads"]) == {"verifier", "prefill", "drafter", "gateway"}
     assert "side by side" in cfg["served_clusters"]
@@ -52,6 +61,11 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
     assert set(summary["levels"]["2"]["systems"]) == want
     for level in summary["levels"].values():
         assert level["num_requests"] == 2
+        assert level["categories"] == ["poem", "user"]  # split by the prompts' category
+        rows = level["systems"]["served k=3 ngram"]["categories"]
+        assert rows["poem"]["num_requests"] == 1 and rows["poem"]["median_tokens_per_s"] > 0
+        assert rows["user"]["exact"] is True and rows["user"]["ratio_to_k0"] > 0
+        assert level["systems"]["served k=3 ngram"]["prediction_tokens"] is None  # not sent
         for name, s in level["systems"].items():
             assert s["median_tokens_per_s"] > 0, name
             assert len(s["all_tokens_per_s"]) == 1
@@ -90,6 +104,7 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
     assert "## concurrency 1" in md and "## concurrency 2" in md
     assert "| system | tokens/s | x HF | acceptance | mean accept len |" in md
     assert "TTFT p50 / p95 ms | ITL p50 / p95 ms |" in md
+    assert "### by category, concurrency 1" in md and "| poem | served k=3 ngram | 1 |" in md
     assert "- llama-server: skipped (--llama-server " in md
     assert "| in-process k=0 |" in md and "verifier step profile" in md
     assert "| drafter commit_to_tail |" in md
