@@ -37,6 +37,7 @@ the trie changes.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
@@ -75,14 +76,24 @@ class SuffixTrie:
     sequences, each under a hashable key (module docstring). Not thread-safe: a caller that
     shares one across threads locks around it.
 
+    ``undo``: for how many of a sequence's latest tokens :meth:`truncate` also restores which
+    follower was seen latest (the tie-break among equally frequent followers), so that
+    appending tokens and truncating them away leaves no trace at all; counts are always
+    restored exactly. 0: none kept (sequences that are never truncated).
+
     Raises:
-        ValueError: ``depth`` < 1.
+        ValueError: ``depth`` < 1 or ``undo`` < 0.
     """
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, undo: int = 0) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if undo < 0:
+            raise ValueError(f"undo must be >= 0, got {undo}")
         self.depth = depth
+        self.undo = undo
+        #: key -> per appended token (the latest ``undo``), the stamps it overwrote
+        self._undo: dict[Hashable, deque[list[tuple[_Node, int]]]] = {}
         self._root = _Node(None, -1, 0, None, -1, 0)
         self._root.kids = {}
         self._root.count = 0
@@ -101,6 +112,10 @@ class SuffixTrie:
     def __len__(self) -> int:
         return len(self._seqs)
 
+    def keys(self) -> list[Hashable]:
+        """The keys of the sequences held, oldest first."""
+        return list(self._seqs)
+
     def tokens(self, key: Hashable) -> Sequence[int]:
         """The tokens of sequence ``key`` (the trie's own list: read, never modify).
 
@@ -116,9 +131,12 @@ class SuffixTrie:
         if seq is None:
             seq = self._seqs[key] = []
             self._active[key] = []
+            if self.undo:
+                self._undo[key] = deque(maxlen=self.undo)
         active = self._active[key]
+        log = self._undo.get(key)
         for tok in tokens:
-            active = self._append(seq, active, tok)
+            active = self._append(seq, active, tok, log)
         self._active[key] = active
 
     def truncate(self, key: Hashable, length: int) -> None:
@@ -153,6 +171,7 @@ class SuffixTrie:
         if seq is None:
             return
         del self._active[key]
+        self._undo.pop(key, None)
         n, depth, root = len(seq), self.depth, self._root
         for a in range(0, n, max(starts_per_step, 1)):
             b = min(a + max(starts_per_step, 1), n)
@@ -257,15 +276,18 @@ class SuffixTrie:
             k -= 1
         return node, k
 
-    def _append(self, seq: list[int], active: list[Cursor], tok: int) -> list[Cursor]:
-        """Append ``tok`` to ``seq`` (active points ``active``); returns the new ones.
-        Longest suffix first: a leaf a shorter suffix expands may hold a longer suffix's
-        occurrence, which the longer one has already passed as a virtual step."""
+    def _append(self, seq: list[int], active: list[Cursor], tok: int,
+                log: deque | None) -> list[Cursor]:
+        """Append ``tok`` to ``seq`` (active points ``active``; ``log``: its undo log, or
+        None); returns the new active points. Longest suffix first: a leaf a shorter suffix
+        expands may hold a longer suffix's occurrence, which the longer one has already passed
+        as a virtual step."""
         n = len(seq)
         seq.append(tok)
         self._clock += 1
         clock = self._clock
         depth = self.depth
+        stamps: list[tuple[_Node, int]] | None = [] if log is not None else None
         out: list[Cursor] = []
         for node, k in active:
             if k and node.kids is not None:
@@ -275,15 +297,18 @@ class SuffixTrie:
             if node.kids is None:  # a leaf of this very occurrence: one virtual step down
                 out.append((node, k + 1))
             else:
-                out.append((self._count_child(node, tok, seq, n, clock), 0))
-        out.append((self._count_child(self._root, tok, seq, n, clock), 0))
+                out.append((self._count_child(node, tok, seq, n, clock, stamps), 0))
+        out.append((self._count_child(self._root, tok, seq, n, clock, stamps), 0))
         self._root.count += 1
         self.num_tokens += 1
+        if log is not None:
+            log.append(stamps)
         return out
 
-    def _count_child(self, node: _Node, tok: int, seq: list[int], end: int,
-                     clock: int) -> _Node:
-        """Count one more occurrence of ``node``'s string + ``tok`` ending at ``seq[end]``."""
+    def _count_child(self, node: _Node, tok: int, seq: list[int], end: int, clock: int,
+                     stamps: list | None) -> _Node:
+        """Count one more occurrence of ``node``'s string + ``tok`` ending at ``seq[end]``
+        (the stamp it overwrites goes to ``stamps`` when not None)."""
         child = node.kids.get(tok)
         if child is None:
             child = node.kids[tok] = _Node(node, tok, node.depth + 1, seq, end, clock)
@@ -291,6 +316,8 @@ class SuffixTrie:
             if child.kids is None:
                 self._expand(child)
             child.count += 1
+            if stamps is not None:
+                stamps.append((child, child.stamp))
             child.stamp = clock
         best = node.best
         if best is not None and best is not child and child.count >= best.count:
@@ -329,6 +356,10 @@ class SuffixTrie:
         seq.pop()
         root.count -= 1
         self.num_tokens -= 1
+        log = self._undo.get(key)
+        if log:  # the latest occurrences before this token's, for the tie-break
+            for node, stamp in log.pop():
+                node.stamp = stamp
         if n > self.depth:  # the shorter sequence's suffix of `depth` tokens
             cursor = self.find(seq[n - 1 - self.depth:])
             if cursor is None:  # the trie always holds its own sequences' strings

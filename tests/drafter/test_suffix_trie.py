@@ -116,7 +116,7 @@ def test_counts_followers_and_active_points_match_brute_force(depth, ops):
 def test_rolled_back_drafts_leave_no_trace(depth, stream, cuts):
     """Appending drafts and truncating them away leaves the trie equal to one built from the
     kept tokens alone (what the per-request tree does at every rejected draft)."""
-    trie = SuffixTrie(depth)
+    trie = SuffixTrie(depth, undo=64)
     trie.extend("r", stream)
     for keep, drafts in cuts:
         keep = min(keep, len(trie.tokens("r")))
@@ -131,20 +131,23 @@ def test_rolled_back_drafts_leave_no_trace(depth, stream, cuts):
 
 def _shape(node, depth):
     """The counted trie a root stands for, expanded (leaf compression may differ in where a
-    chain is cut, never in what it counts)."""
+    chain is cut, never in what it counts), with each node's followers in tie-break order."""
     out = {}
     stack = [((), node, 0)]
     while stack:
         path, n, k = stack.pop()
-        if path:
-            out[path] = 1 if k else n.count
         if n.kids is None:
             nxt = n.end + k + 1
-            if path and len(path) < depth and nxt < len(n.seq):
+            grows = bool(path) and len(path) < depth and nxt < len(n.seq)
+            if path:
+                out[path] = (1 if k else n.count, (n.seq[nxt],) if grows else ())
+            if grows:
                 stack.append((path + (n.seq[nxt],), n, k + 1))
             continue
-        for tok, c in n.kids.items():
-            stack.append((path + (tok,), c, 0))
+        kids = sorted(n.kids.values(), key=lambda c: (c.count, c.stamp), reverse=True)
+        out[path] = (n.count, tuple(c.token for c in kids))
+        for c in kids:
+            stack.append((path + (c.token,), c, 0))
     return out
 
 
@@ -170,6 +173,8 @@ def test_removal_in_steps_is_consistent_between_steps():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="depth must be >= 1"):
         SuffixTrie(0)
+    with pytest.raises(ValueError, match="undo must be >= 0"):
+        SuffixTrie(2, undo=-1)
     trie = SuffixTrie(2)
     trie.extend("a", [1, 2])
     with pytest.raises(ValueError, match="length must be >= 0"):
