@@ -95,10 +95,12 @@ def _check(kwargs: dict) -> None:
 
 @dataclass
 class _Request:
-    """A request's own index and the length of the context it was opened with."""
+    """A request's own index, the length of the context it was opened with, and the history's
+    epoch then (its output joins the history only if no clear came since)."""
 
     trie: SuffixTrie
     open_len: int
+    epoch: int
 
 
 @dataclass
@@ -179,6 +181,7 @@ class SuffixProposer(Proposer):
         self._history = SuffixTrie(depth)
         self._history_order: deque[int] = deque()  # history keys, oldest first
         self._history_keys = itertools.count()
+        self._epoch = 0  # clears of the history so far
         self._corpus = SuffixTrie(depth)
         self._corpus_reserved = 0  # tokens of loads under way, counted against the budget
         self._lock = threading.Lock()  # the shared indexes: drafting vs. corpus / history calls
@@ -195,7 +198,7 @@ class SuffixProposer(Proposer):
             self.close(request_id)
         trie = SuffixTrie(self.depth, undo=UNDO_TOKENS)
         trie.extend(_SEQ, context_token_ids)
-        self._requests[request_id] = _Request(trie, len(context_token_ids))
+        self._requests[request_id] = _Request(trie, len(context_token_ids), self._epoch)
 
     def rollback(self, request_id: str, num_context_tokens: int) -> None:
         st = self._requests.get(request_id)
@@ -206,14 +209,16 @@ class SuffixProposer(Proposer):
         st.open_len = min(st.open_len, n)
 
     def close(self, request_id: str) -> None:
-        """Drop the request's index; its output joins the history (when ``global`` > 0)."""
+        """Drop the request's index; its output joins the history (when ``global`` > 0 and
+        the history was not cleared since the request opened)."""
         st = self._requests.pop(request_id, None)
         if st is None:
             return
         output = list(st.trie.tokens(_SEQ)[st.open_len:])
         if output and self.max_global_tokens:
             with self._lock:
-                self._remember(output)
+                if st.epoch == self._epoch:
+                    self._remember(output)
 
     def _request(self, request_id: str, ctx: list[int]) -> _Request:
         """The request's index, brought to ``ctx``: the tokens past what it holds appended
@@ -391,11 +396,14 @@ class SuffixProposer(Proposer):
         self._history_order.append(key)
 
     def clear_history(self) -> None:
-        """Forget every finished request's output (the history); loaded corpora and the
-        requests under way stay."""
+        """Forget every finished request's output (the history), and keep the outputs of the
+        requests open now out of it when they finish: after a clear the history holds only
+        requests opened after it (a request that finished on the verifier but whose close has
+        not reached this drafter yet counts as open). Loaded corpora stay."""
         with self._lock:
             self._history = SuffixTrie(self.depth)
             self._history_order.clear()
+            self._epoch += 1
 
     def load_corpus(self, name: str, token_ids: list[int]) -> None:
         """Index ``token_ids`` as corpus ``name``, drafted from by every request; a name

@@ -183,6 +183,13 @@ def test_a_second_request_drafts_from_the_first_ones_output():
     assert off.propose("b", ctx, 4) == []
     p.clear_history()
     assert p.propose("c", ctx, 4) == [] and p.index_stats()["history_tokens"] == 0
+    # a request open at the clear stays out of the history; one opened after joins it
+    p.open("d", [1, 2, 3])
+    p.clear_history()
+    _serve(p, "e", [4], out)
+    p.propose("d", [1, 2, 3] + out, 1)
+    p.close("d")
+    assert p.index_stats()["history_requests"] == 1
 
 
 @settings(max_examples=60, deadline=None)
