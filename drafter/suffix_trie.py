@@ -253,16 +253,18 @@ class SuffixTrie:
             best = node.best = max(node.kids.values(), key=_rank)
         return best.token, (best, 0), best.count
 
-    def children(self, cursor: Cursor) -> list[tuple[int, Cursor, int]]:
-        """``(token, cursor, count)`` of every token that followed the cursor's string, most
-        frequent first (the latest among equals). O(children)."""
+    def children(self, cursor: Cursor, min_count: int = 1) -> list[tuple[int, Cursor, int]]:
+        """``(token, cursor, count)`` of every token that followed the cursor's string at
+        least ``min_count`` times, most frequent first (the latest among equals).
+        O(children)."""
         node, k = cursor
         if node.depth + k >= self.depth:
             return []
         if node.kids is None:
             top = self.top_child(cursor)
-            return [top] if top is not None else []
-        kids = sorted(node.kids.values(), key=_rank, reverse=True)
+            return [top] if top is not None and min_count <= 1 else []
+        kids = [c for c in node.kids.values() if c.count >= min_count]
+        kids.sort(key=_rank, reverse=True)
         return [(c.token, (c, 0), c.count) for c in kids]
 
     # -- internals -------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import operator
 import threading
 from collections import deque
@@ -358,7 +359,9 @@ class SuffixProposer(Proposer):
                 p = prob * count / denom
                 if p < floor:
                     break
-                for other, other_cursor, n in trie.children(cursor):
+                # the others at least as likely as the floor: count >= floor * denom / prob
+                least = max(math.ceil(floor * denom / prob - 1e-9), 1)
+                for other, other_cursor, n in trie.children(cursor, least):
                     q = prob * n / denom
                     if q < floor:
                         break
