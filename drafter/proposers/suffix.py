@@ -3,7 +3,10 @@
 before, chosen by how often each continuation followed the context's suffix. No model, no
 forward: all of it is CPU work on the drafter.
 
-Indexes, each a counted suffix trie of ``depth`` tokens (drafter/suffix_trie.py):
+Indexes, each a counted suffix trie of ``depth`` tokens (drafter/suffix_trie.py: bounded in
+depth, so that appending or rolling back a token touches at most ``depth`` nodes whatever the
+context's length; leaf-compressed, so that it keeps about a node or two per token rather than
+``depth``; that module's docstring gives the structure, its costs and its source):
 
 - **per request**: the request's prompt and output, every token the drafter is shown for it
   (updated as its context grows, rolled back with the drafts the verifier rejected, dropped
