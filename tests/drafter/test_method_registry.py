@@ -49,7 +49,7 @@ def plugins(tmp_path, monkeypatch):
 
 def test_builtins_are_every_module_of_the_methods_package():
     modules = {m.name for m in pkgutil.iter_modules(builtin_package.__path__)}
-    assert modules == {"ngram", "eagle", "draft_model"}
+    assert modules == {"ngram", "eagle", "draft_model", "suffix"}
     keys = registered_methods()
     for name in modules:  # each module registers the method named after it
         assert name in keys and registry.is_builtin(name)
