@@ -239,8 +239,9 @@ class _CommonRequest(BaseModel):
         text, ``max_completion_tokens``) and a malformed prediction."""
         if self.prediction is None:
             return
-        fields = {**(self.model_extra or {}), "n": self.n,
-                  "max_completion_tokens": getattr(self, "max_completion_tokens", None)}
+        fields = {**(self.model_extra or {}), "n": self.n}
+        if "max_completion_tokens" in type(self).model_fields:  # else in model_extra
+            fields["max_completion_tokens"] = self.max_completion_tokens
         for name, refused in PREDICTION_REFUSED.items():
             value = fields.get(name)
             if value is not None and refused(value):

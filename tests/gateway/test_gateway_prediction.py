@@ -251,3 +251,12 @@ def test_a_stop_string_cuts_the_prediction_counts_with_the_spec_stats():
     assert backend.aborts == [7] and run.num_output_tokens == 7
     assert (run.stats.num_draft_tokens, run.stats.num_accepted_tokens) == (6, 6)
     assert (run.num_accepted_prediction_tokens, run.num_rejected_prediction_tokens) == (6, 0)
+
+
+def test_completions_refuse_the_same_combinations(served):
+    body = {"prompt": "1 2 3", "max_tokens": 4, "prediction": PRED}
+    for field, value in (("max_completion_tokens", 4), ("n", 3), ("logprobs", 1)):
+        r = served["client"].post("/v1/completions", json={**body, field: value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "prediction cannot be combined" in err["message"]
