@@ -135,7 +135,8 @@ class _Gateway:
             min_p=0.0 if body.min_p is None else float(body.min_p),
             stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                               sampling=sampling, num_speculative_tokens=body.num_speculative_tokens,
+                               sampling=sampling,
+                               num_speculative_tokens=body.num_speculative_tokens,
                                prediction_token_ids=prediction_token_ids)
 
     def check_model(self, body) -> None:

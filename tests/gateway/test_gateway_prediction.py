@@ -81,7 +81,8 @@ PRED = {"type": "content", "content": "def f():\n    return 1\n"}
     ({"type": "text", "content": "x"}, 'prediction must be {"type": "content"'),
     ({"type": "content"}, 'prediction must be {"type": "content"'),
     ({"type": "content", "content": 7}, "a string or a list of text parts"),
-    ({"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}, "content parts must be"),
+    ({"type": "content", "content": [{"type": "image_url", "image_url": "x"}]},
+     "content parts must be"),
     ({"type": "content", "content": [{"type": "text", "text": 3}]}, "content parts must be"),
     ({"type": "content", "content": "x", "extra": 1}, "unknown fields"),
 ])
