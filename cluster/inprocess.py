@@ -32,7 +32,8 @@ VERIFIER = "verifier-0"
 
 @dataclass
 class Completion:
-    """One finished request: output tokens and the spec stats the verifier reported."""
+    """One finished request: output tokens and the spec stats the verifier reported (with
+    the prediction drafts it accepted and rejected, for a request with a prediction)."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -40,6 +41,8 @@ class Completion:
     error: str = ""
     num_prompt_tokens: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
 
     def add(self, msg: TokenStream, synthetic_acceptance: bool = False) -> None:
         """Take in one TokenStream of the request (``synthetic_acceptance``: the cluster's
@@ -50,6 +53,8 @@ class Completion:
         self.num_prompt_tokens = msg.num_prompt_tokens
         self.spec = SpecStats(msg.num_draft_tokens, msg.num_accepted_tokens,
                               msg.num_verify_steps, synthetic_acceptance)
+        self.num_accepted_prediction_tokens = msg.num_accepted_prediction_tokens
+        self.num_rejected_prediction_tokens = msg.num_rejected_prediction_tokens
 
 
 class InProcessCluster:
@@ -115,9 +120,10 @@ class InProcessCluster:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                  num_speculative_tokens: int | None = None, timeout_s: float = 3600.0,
-                 ) -> list[Completion]:
+                 predictions: list[list[int] | None] | None = None) -> list[Completion]:
         """Submit all prompts at once (continuous batching) and step the workers until every
-        request finished. Returns completions in prompt order.
+        request finished. Returns completions in prompt order. ``predictions``: each prompt's
+        predicted output token ids (OpenAI Predicted Outputs; None: none).
 
         Raises:
             TimeoutError: not finished within ``timeout_s`` seconds.
@@ -125,10 +131,12 @@ class InProcessCluster:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"req-{next(self._ids)}" for _ in prompts]
         results = {rid: Completion(rid) for rid in ids}
-        for rid, prompt, sp in zip(ids, prompts, params):
+        for rid, prompt, sp, pred in zip(ids, prompts, params,
+                                         predictions or [None] * len(prompts)):
             self.client.send(VERIFIER, GenerateRequest(
                 request_id=rid, prompt_token_ids=list(prompt), sampling=sp,
-                num_speculative_tokens=num_speculative_tokens))
+                num_speculative_tokens=num_speculative_tokens,
+                prediction_token_ids=None if pred is None else list(pred)))
         pending = set(ids)
         # the gateway's flag, from the configuration: drafts accepted by a rule that is not
         # exact (synthetic acceptance)

@@ -92,7 +92,7 @@ class RequestLifecycle:
         if self.send(req.drafter, DraftSync(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 committed_token_ids=list(req.output_token_ids), sampling=req.sampling,
-                seed_state=seed)):
+                seed_state=seed, prediction_token_ids=req.prediction_token_ids)):
             req.num_draft_syncs += 1
             req.tail_in_flight = True  # (a failed send put the request on plain decode)
 
@@ -129,7 +129,8 @@ class RequestLifecycle:
                 vocabulary giving each draft a positive probability (checked_draft_probs), a
                 ``base_committed_len`` past what the verifier has committed, or positions out
                 of range (decoding refuses negative ones; the caller counts the error and
-                quarantines the request's drafter).
+                quarantines the request's drafter), or prediction drafts for a request without
+                a prediction.
         """
         req = self.requests.get(msg.request_id)
         if req is None or req.status is not RequestStatus.RUNNING or req.drafter != peer:
@@ -145,6 +146,9 @@ class RequestLifecycle:
         if msg.base_committed_len > req.committed_len:
             raise ProtocolError(f"tail drafted on {msg.base_committed_len} committed tokens, "
                                 f"the verifier committed {req.committed_len}", request_id=rid)
+        if msg.from_prediction and not req.prediction_token_ids:
+            raise ProtocolError("prediction drafts for a request without a prediction",
+                                request_id=rid)
         before = req.tail.stats.num_stale_tokens
         try:
             probs = None if msg.draft_probs is None else checked_draft_probs(
@@ -154,7 +158,8 @@ class RequestLifecycle:
                                   req.output_token_ids, base_committed_len=msg.base_committed_len)
             else:
                 req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids,
-                             base_committed_len=msg.base_committed_len, draft_probs=probs)
+                             base_committed_len=msg.base_committed_len, draft_probs=probs,
+                             from_prediction=msg.from_prediction)
         except ValueError as err:  # the buffer's (and rows') own checks: still the peer's fault
             raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
         self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before
@@ -309,9 +314,11 @@ class RequestLifecycle:
         if new:
             self._after_commit(req, [first_token_id], notify_drafter=False)
 
-    def apply(self, req: Request, out: VerifyOutput) -> None:
+    def apply(self, req: Request, out: VerifyOutput,
+              from_prediction: list[bool] | None = None) -> None:
         """Commit one verify step's output for ``req`` (cut at EOS / stop / max_tokens); its
-        spec stats count only the drafts up to the cut."""
+        spec stats count only the drafts up to the cut, and so do its prediction counts
+        (``from_prediction``: the step's PlannedRequest.from_prediction)."""
         start = req.committed_len
         committed = req.commit(out.token_ids, self.eos_token_ids)
         if out.accepted_node_ids is not None:
@@ -320,6 +327,13 @@ class RequestLifecycle:
         if out.num_draft_tokens:
             self.scheduler.observe_accept(req, out.accept_len, out.num_draft_tokens)
             req.observe_spec(start, len(committed), out.num_draft_tokens, out.accept_len)
+        if from_prediction:
+            # the flagged drafts are the chain from the root: a tree's accepted path follows
+            # it for as many nodes as it accepted among the chain's
+            on_chain = out.accept_len if out.accepted_node_ids is None else sum(
+                j < len(from_prediction) for j in out.accepted_node_ids)
+            req.prediction.observe(start, len(committed), from_prediction, on_chain,
+                                   ended=req.finish_reason is not None)
         rows = None
         if out.hidden is not None and req.finish_reason is None and self.wants_hidden(req):
             # chunk row 0 sits at the last committed token (position L - 1): one row per
@@ -358,7 +372,9 @@ class RequestLifecycle:
             finish_reason=None if reason is None else FinishReason(reason).value,
             num_prompt_tokens=req.prompt_len, num_draft_tokens=req.spec.num_draft_tokens,
             num_accepted_tokens=req.spec.num_accepted_tokens,
-            num_verify_steps=req.spec.num_verify_steps, error=req.error))
+            num_verify_steps=req.spec.num_verify_steps, error=req.error,
+            num_accepted_prediction_tokens=req.prediction.num_accepted,
+            num_rejected_prediction_tokens=req.prediction.num_rejected))
 
     # -- ending ----------------------------------------------------------------------------
 

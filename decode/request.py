@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from specmesh.decode.config import INITIAL_ACCEPT_LEN_EMA
 from specmesh.decode.goodput import Acceptance
+from specmesh.decode.prediction_usage import PredictionUsage
 from specmesh.decode.tail_buffer import TailBuffer
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import SamplingParams
@@ -35,7 +36,9 @@ class Request:
     stats can be cut where a stop string found later by the gateway ended the output
     (:meth:`cut_output`). ``block_table`` holds its KV blocks in position order;
     ``num_reserved_blocks`` the blocks promised at admission (allocated lazily out of that
-    promise).
+    promise). ``prediction_token_ids``: the client's prediction (OpenAI Predicted Outputs),
+    sent on with every DraftSync; ``prediction`` counts its drafts accepted and rejected
+    (decode/prediction_usage.py).
     """
 
     request_id: str
@@ -69,6 +72,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # its first PrefillRequest left
     first_token_time: float | None = None
+    prediction_token_ids: list[int] | None = None
+    prediction: PredictionUsage = field(default_factory=PredictionUsage)
 
     @property
     def prompt_len(self) -> int:
@@ -122,10 +127,11 @@ class Request:
 
     def cut_output(self, num_output_tokens: int) -> None:
         """The output ended after its first ``num_output_tokens`` tokens (a stop string the
-        gateway found): spec stats count only drafts up to there. No-op when nothing past
-        that was committed."""
+        gateway found): spec stats and prediction counts count only drafts up to there. No-op
+        when nothing past that was committed."""
         if num_output_tokens >= self.committed_len:
             return
+        self.prediction.cut(num_output_tokens)
         steps: list[tuple[int, int, int, int]] = []
         spec = SpecStats()
         for start, n, d, a in self.spec_steps:

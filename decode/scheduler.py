@@ -50,12 +50,16 @@ class PlannedRequest:
     """One request of a verify step: verify ``draft_token_ids`` after its last committed token.
     ``draft_probs``: the row each draft was drawn from (None: one-hot), aligned with it.
     ``parents`` (a token tree, tree verification): each draft's parent index among the drafts
-    (-1: the last committed token); None for a chain."""
+    (-1: the last committed token); None for a chain. ``from_prediction``: whether each of the
+    first drafts was copied from the request's prediction; those drafts are the chain from the
+    last committed token (the whole chain, or a tree's first nodes: its chain tail); None when
+    none was (decode/prediction_usage.py)."""
 
     request: Request
     draft_token_ids: list[int]
     draft_probs: list[object | None] | None = None
     parents: list[int] | None = None
+    from_prediction: list[bool] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,11 +92,13 @@ class Scheduler:
     # -- queue -----------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                 num_speculative_tokens: int | None, vocab_size: int) -> str:
+                 num_speculative_tokens: int | None, vocab_size: int,
+                 prediction_token_ids: list[int] | None = None) -> str:
         """Why a GenerateRequest of this shape can never run here ("" when it can): an empty
-        prompt, token ids outside ``[0, vocab_size)``, ``max_tokens < 1``, sampling no rule
-        verifies (SamplingParams.invalid_reason), a negative kappa, or more tokens than
-        ``max_model_len`` / the KV cache."""
+        prompt, token ids outside ``[0, vocab_size)`` (prompt or prediction), ``max_tokens <
+        1``, sampling no rule verifies (SamplingParams.invalid_reason), a negative kappa, more
+        tokens than ``max_model_len`` / the KV cache, or a prediction longer than
+        ``max_model_len`` (the gateway's bound too)."""
         n, max_tokens = len(prompt_token_ids), sampling.max_tokens
         if n == 0:
             return "prompt is empty"
@@ -105,6 +111,12 @@ class Scheduler:
             return why
         if num_speculative_tokens is not None and num_speculative_tokens < 0:
             return "num_speculative_tokens must be >= 0"
+        if prediction_token_ids is not None:
+            if len(prediction_token_ids) > self.config.max_model_len:
+                return (f"the prediction has {len(prediction_token_ids)} tokens, more than the "
+                        f"maximum model length {self.config.max_model_len}")
+            if any(t < 0 or t >= vocab_size for t in prediction_token_ids):
+                return f"prediction token ids must lie in [0, {vocab_size})"
         if n + max_tokens > self.config.max_model_len:
             return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
                     f"maximum model length {self.config.max_model_len}")
@@ -240,6 +252,8 @@ class Scheduler:
             k = min(k, budget - 1)
             drafts = req.tail.usable(k)
             probs = req.tail.usable_probs(len(drafts))
+            predicted = req.tail.usable_predicted(len(drafts))
+            predicted = predicted if any(predicted) else None
             tree = None
             # a rule that judges chains only (synthetic acceptance): branch 0 as a chain
             if req.tail.tree is not None and all(r is None for r in probs) \
@@ -247,9 +261,11 @@ class Scheduler:
                 tree = req.tail.usable_tree(k, min(self.max_tree_nodes(req), budget - 1))
             if tree is not None:
                 drafts, parents = tree
-                planned = PlannedRequest(req, drafts, None, parents)
+                # the tree's first nodes are the chain tail (DraftTree.plan), as many as fit
+                planned = PlannedRequest(req, drafts, None, parents,
+                                         predicted and predicted[:len(drafts)])
             else:
-                planned = PlannedRequest(req, drafts, probs)
+                planned = PlannedRequest(req, drafts, probs, None, predicted)
             budget -= 1 + len(drafts)
             self.ensure_blocks(req, req.kv_len + 1 + len(drafts))
             plans.append(planned)

@@ -17,7 +17,13 @@ reaches outside that stretch was drafted on a prefix the verifier rejected (stal
 Each buffered token keeps the probability row it was drafted from (DraftTailStream.draft_probs,
 any row object; None for a one-hot draft): rows are cut, replaced and committed with their
 tokens. A duplicate token keeps its row (it was drafted on the same prefix), or takes the new
-one when it had none.
+one when it had none and was not copied from the prediction.
+
+Each buffered token also keeps whether it was copied from the request's prediction
+(DraftTailStream.from_prediction, OpenAI Predicted Outputs), cut, replaced and committed with
+it like its row; a duplicate keeps its flag. Such a token never takes a row: it was proposed
+deterministically, and judging it against a distribution it was not drawn from would not be
+exact.
 
 Token trees (DraftTailStream.parents, tree verification): a tree segment is usable only when
 it was drafted on the verifier's current committed prefix (``start_pos ==
@@ -65,6 +71,7 @@ class TailBuffer:
         self.start = committed_len
         self.tokens: list[int] = []
         self.probs: list[object | None] = []  # one draft-probability row per token (or None)
+        self.predicted: list[bool] = []  # per token: copied from the request's prediction
         self.stats = TailStats()
         self.origin = committed_len  # the drafter's path is known and consistent on
         self.path_end = committed_len  # [origin, path_end)
@@ -87,6 +94,7 @@ class TailBuffer:
         self.start = committed_len
         self.tokens.clear()
         self.probs.clear()
+        self.predicted.clear()
         self.origin = self.path_end = committed_len
         self._rejected = False
         self.tree = None
@@ -161,10 +169,12 @@ class TailBuffer:
         return tokens, parents
 
     def add(self, start_pos: int, draft_token_ids: list[int], committed: list[int], *,
-            base_committed_len: int, draft_probs: Sequence[object] | None = None) -> int:
+            base_committed_len: int, draft_probs: Sequence[object] | None = None,
+            from_prediction: bool = False) -> int:
         """Merge a DraftTailStream segment; ``committed`` is the full committed output and
         ``base_committed_len`` the drafter's committed length when it drafted the segment;
-        ``draft_probs``: one row per token (e.g. a ``[n, vocab_size]`` tensor) or None.
+        ``draft_probs``: one row per token (e.g. a ``[n, vocab_size]`` tensor) or None;
+        ``from_prediction``: its tokens were copied from the request's prediction.
 
         Returns the number of new tokens appended. A segment whose path before ``start_pos``
         the verifier rejected (or never saw) is stale (or a gap) and dropped whole; one that
@@ -174,9 +184,11 @@ class TailBuffer:
 
         Raises:
             ValueError: a negative position, ``start_pos < base_committed_len`` (decoding
-                refuses both: only a local caller can pass them), or ``draft_probs`` whose
-                row count is not the token count.
+                refuses both: only a local caller can pass them), ``draft_probs`` whose
+                row count is not the token count, or ``draft_probs`` with ``from_prediction``.
         """
+        if from_prediction and draft_probs is not None:
+            raise ValueError("prediction drafts with draft_probs (they are verified one-hot)")
         rows = [None] * len(draft_token_ids) if draft_probs is None else list(draft_probs)
         if len(rows) != len(draft_token_ids):
             raise ValueError(f"{len(rows)} draft_probs rows for {len(draft_token_ids)} tokens")
@@ -221,15 +233,17 @@ class TailBuffer:
                 self.stats.num_replaced_tokens += len(self.tokens) - i
                 del self.tokens[i:]
                 del self.probs[i:]
+                del self.predicted[i:]
                 self._drop_branches_after(self.start + i)
                 break
             self.stats.num_duplicate_tokens += 1
-            if self.probs[i] is None:
+            if self.probs[i] is None and not self.predicted[i]:
                 self.probs[i] = rows[0]
             toks, rows = toks[1:], rows[1:]
             i += 1
         self.tokens.extend(toks)
         self.probs.extend(rows)
+        self.predicted.extend([from_prediction] * len(toks))
         self.path_end = max(self.end, committed_len)
         return len(toks)
 
@@ -259,9 +273,11 @@ class TailBuffer:
             self.start = new_len
             self.tokens.clear()
             self.probs.clear()
+            self.predicted.clear()
             return
         del self.tokens[: max(new_len - self.start, 0)]
         del self.probs[: max(new_len - self.start, 0)]
+        del self.predicted[: max(new_len - self.start, 0)]
         self.start = new_len
 
     def _agreeing(self, committed: list[int], i: int, n: int) -> int:
@@ -283,8 +299,10 @@ class TailBuffer:
             self.stats.num_branch_hits += 1
             del self.tokens[i:]
             del self.probs[i:]
+            del self.predicted[i:]
             self.tokens += [committed[q], *cont]
             self.probs += [None] * (1 + len(cont))
+            self.predicted += [False] * (1 + len(cont))
             self.origin, self.path_end, self._rejected = new_len, self.end, False
             self.branches.clear()
             return True
@@ -299,3 +317,7 @@ class TailBuffer:
     def usable_probs(self, max_tokens: int) -> list[object | None]:
         """The draft-probability rows of :meth:`usable`'s tokens (None: a one-hot draft)."""
         return self.probs[: max(max_tokens, 0)]
+
+    def usable_predicted(self, max_tokens: int) -> list[bool]:
+        """Per token of :meth:`usable`: whether it was copied from the request's prediction."""
+        return self.predicted[: max(max_tokens, 0)]

@@ -290,7 +290,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
                 f"GenerateRequest for request {msg.request_id!r}, which is live", peer=peer))
             return
         error = self.scheduler.validate(msg.prompt_token_ids, msg.sampling,
-                                        msg.num_speculative_tokens, self.vocab_size)
+                                        msg.num_speculative_tokens, self.vocab_size,
+                                        msg.prediction_token_ids)
         if not error and live is not None:
             error = (f"duplicate request id {msg.request_id!r}: a request with this id is "
                      "live on this verifier")
@@ -303,7 +304,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
                                         finish_reason=reason.value, error=error))
             return
         kappa = self.scheduler.speculative_tokens_for(msg.num_speculative_tokens)
-        req = Request(msg.request_id, peer, list(msg.prompt_token_ids), msg.sampling, kappa)
+        req = Request(msg.request_id, peer, list(msg.prompt_token_ids), msg.sampling, kappa,
+                      prediction_token_ids=list(msg.prediction_token_ids or []) or None)
         self.requests[req.request_id] = req
         self.scheduler.enqueue(req)
 
@@ -477,7 +479,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         with prof.phase("commit"):
             self._ingest_drafts_before_commit()
             for p, out in zip(plan, outputs):
-                self.lifecycle.apply(p.request, out)
+                self.lifecycle.apply(p.request, out, p.from_prediction)
         self._count_step(plan, eligible, with_tail)
         self.scheduler.observe_step_time(time.monotonic() - t0)
         self.stats.num_steps += 1

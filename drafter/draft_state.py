@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specmesh.drafter.prediction import PredictionDrafter
 from specmesh.protocol.messages import SamplingParams
 
 
@@ -19,6 +20,8 @@ class DraftState:
     committed: list[int]  # committed output tokens, as the verifier told us
     path: list[int] = field(default_factory=list)  # speculative tokens after `committed`
     probs: list = field(default_factory=list)  # row each path token was drawn from, or None
+    #: per path token: copied from the request's prediction (sent as prediction segments)
+    predicted: list[bool] = field(default_factory=list)
     sampling: SamplingParams | None = None  # the request's (DraftSync.sampling)
     num_sent: int = 0  # tokens of `path` already streamed
     tree: tuple[list[int], list[int]] | None = None  # (tokens, parents) for the next segment
@@ -28,6 +31,8 @@ class DraftState:
     num_drafts_wanted: int | None = None  # VerifyCommit's: the verifier's cap (None: kappa)
     #: output position -> {candidate: drafts after it} sent as DraftBranches ({}: none made)
     branches: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    #: the request's prediction as a draft source (drafter/prediction.py; None: none)
+    prediction: PredictionDrafter | None = None
 
     @property
     def context(self) -> list[int]:

@@ -18,6 +18,13 @@ Trees: a proposer whose ``draft_shape`` is "tree" is asked for a tree only for t
 the committed prefix (an empty path); the segment carries the whole tree (``parents``) and its
 branch 0 becomes the path, which later segments extend as chains. A commit that leaves branch 0
 truncates the path as usual, so the next segment at the new committed prefix is a tree again.
+
+Predictions (OpenAI Predicted Outputs): a request whose DraftSync carries a prediction drafts
+from it first (drafter/prediction.py: the output's suffix aligned to the prediction, the tokens
+after it copied), whatever the method; the method drafts only where the prediction has nothing
+(no match, or its end). Prediction tokens leave as segments of their own
+(DraftTailStream.from_prediction, without draft_probs: a deterministic proposal, verified
+one-hot), so the verifier can count how many of them it accepted.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from specmesh.drafter.branches import MAX_BRANCH_REQUESTS, kept_candidates, plan
 from specmesh.drafter.config import RUN_AHEAD_STEPS, DrafterConfig
 from specmesh.drafter.draft_sampling import DraftSampling
 from specmesh.drafter.draft_state import DraftState
+from specmesh.drafter.prediction import PredictionDrafter, PredictionIndex, output_tail
 from specmesh.drafter.proposer import ProposeCall, Proposer
 from specmesh.drafter.registry import create_proposer
 from specmesh.drafter.seed_state import hidden_rows
@@ -74,6 +82,7 @@ class DrafterStats:
     num_refused_full: int = 0  # DraftSyncs answered DraftClose("drafter full")
     num_branch_candidates_sent: int = 0
     num_branch_hits: int = 0  # commits whose bonus token had a branch sent for it
+    num_prediction_tokens_sent: int = 0  # drafts copied from requests' predictions
 
 
 class DrafterWorker(MailboxWorker):
@@ -146,6 +155,8 @@ class DrafterWorker(MailboxWorker):
             return
         st = DraftState(msg.request_id, peer, list(msg.prompt_token_ids),
                         list(msg.committed_token_ids), sampling=msg.sampling)
+        if msg.prediction_token_ids:
+            st.prediction = PredictionDrafter(PredictionIndex(msg.prediction_token_ids))
         self.requests[msg.request_id] = st
         self.proposer.open(msg.request_id, st.context)
         if self._wants_seed(msg.seed_state):  # rows end at position len(context) - 2
@@ -202,6 +213,7 @@ class DrafterWorker(MailboxWorker):
         if lcp == len(toks):  # the commit agrees with our path: keep the rest of it
             del st.path[:lcp]
             del st.probs[:lcp]
+            del st.predicted[:lcp]
             st.num_sent = max(st.num_sent - lcp, 0)
             end = n_committed + len(toks)
             st.branches = {p: b for p, b in st.branches.items() if p >= end}
@@ -210,6 +222,7 @@ class DrafterWorker(MailboxWorker):
             self.proposer.rollback(st.request_id, len(st.prompt_token_ids) + n_committed + lcp)
             st.path.clear()
             st.probs.clear()
+            st.predicted.clear()
             st.num_sent = 0
             st.branches = {}
             if branch:  # the verifier's tail is this branch: continue it (sent again, fresh)
@@ -217,6 +230,7 @@ class DrafterWorker(MailboxWorker):
                 self.profile.count("branch_hits")
                 st.path.extend(branch)
                 st.probs.extend([None] * len(branch))
+                st.predicted.extend([False] * len(branch))
         st.committed.extend(toks)
         st.num_drafts_wanted = msg.num_drafts_wanted
         st.exhausted = False
@@ -264,15 +278,18 @@ class DrafterWorker(MailboxWorker):
     # -- drafting --------------------------------------------------------------------------
 
     def draft(self) -> int:
-        """Extend every request's path towards the window (one :meth:`Proposer.propose_many`
-        call for all of them); returns tokens streamed."""
+        """Extend every request's path towards the window: from its prediction where it has
+        one that continues the path (:meth:`_predict`), else by the method (one
+        :meth:`Proposer.propose_many` call for all of them); returns tokens streamed."""
         sent = 0
         wants = []
         for st in self.requests.values():
             room = min(self._window(st) - len(st.path), self.config.max_segment)
-            if self.proposer.max_drafts_per_call:
-                room = min(room, self.proposer.max_drafts_per_call)
             if room > 0 and not st.exhausted:
+                if self._predict(st, room):
+                    continue
+                if self.proposer.max_drafts_per_call:
+                    room = min(room, self.proposer.max_drafts_per_call)
                 wants.append((st, room))
         if wants:
             with self.profile.phase("propose"):
@@ -281,6 +298,7 @@ class DrafterWorker(MailboxWorker):
                 if new:
                     st.path.extend(new[:room])
                     st.probs.extend(rows[:room])
+                    st.predicted.extend([False] * len(new[:room]))
                 else:
                     st.exhausted = True  # until the next commit changes the context
         for st in list(self.requests.values()):
@@ -288,21 +306,46 @@ class DrafterWorker(MailboxWorker):
                 sent += self._send_segment(st)
         return sent
 
+    def _predict(self, st: DraftState, room: int) -> bool:
+        """Extend ``st``'s path by up to ``room`` tokens of its prediction, aligned to the
+        output's suffix (drafter/prediction.py); False when it has no prediction or the
+        prediction has nothing to continue the path with (the method drafts then)."""
+        if st.prediction is None:
+            return False
+        with self.profile.phase("predict"):
+            n = st.prediction.index.max_match
+            new = st.prediction.draft(output_tail(st.committed, st.path, n),
+                                      len(st.committed) + len(st.path), room)
+        if not new:
+            return False
+        st.path.extend(new)
+        st.probs.extend([None] * len(new))
+        st.predicted.extend([True] * len(new))
+        self.profile.count("prediction_tokens", len(new))
+        return True
+
     def _send_segment(self, st: DraftState) -> int:
         """Send ``st``'s path past what was sent (an empty segment when only news is owed:
-        it tells a verifier waiting for a tail that none is coming); returns tokens sent."""
-        seg = st.path[st.num_sent:]
-        seg_rows = st.probs[st.num_sent:]
+        it tells a verifier waiting for a tail that none is coming), one segment per run of
+        prediction tokens or method drafts; returns tokens sent."""
+        start = st.num_sent
         st.news = False
         tree, st.tree = st.tree, None
-        parents = None
-        if tree is not None and st.num_sent == 0:  # branch 0 is seg: send the tree
-            seg, parents = tree
-        self.send(st.verifier, DraftTailStream(
-            request_id=st.request_id, base_committed_len=len(st.committed),
-            start_pos=len(st.committed) + st.num_sent, draft_token_ids=seg,
-            draft_probs=None if parents else self._probs_buffer(seg_rows),
-            parents=parents))
+        if tree is not None and start == 0:  # branch 0 is the path: send the tree
+            runs = [(tree[0], tree[1], None, False)]
+        else:
+            runs = [(st.path[a:b], None, self._probs_buffer(st.probs[a:b]), flag)
+                    for a, b, flag in _runs(st.predicted, start, len(st.path))]
+        pos = len(st.committed) + start
+        for seg, parents, probs, flag in runs:
+            self.send(st.verifier, DraftTailStream(
+                request_id=st.request_id, base_committed_len=len(st.committed),
+                start_pos=pos, draft_token_ids=seg, draft_probs=probs, parents=parents,
+                from_prediction=flag))
+            pos += len(seg)
+            if flag:
+                self.stats.num_prediction_tokens_sent += len(seg)
+        seg = [t for run in runs for t in run[0]]
         st.num_sent = len(st.path)
         if st.commit_received_at is not None:  # how fast a commit turns into a tail
             self.profile.observe("commit_to_tail",
@@ -310,8 +353,8 @@ class DrafterWorker(MailboxWorker):
             st.commit_received_at = None
         # run-ahead: drafted tokens past the committed prefix when the segment leaves
         self.profile.count("run_ahead_tokens", len(st.path))
-        self.profile.count("num_segments", 1)
-        self.stats.num_segments_sent += 1
+        self.profile.count("num_segments", len(runs))
+        self.stats.num_segments_sent += len(runs)
         self.stats.num_draft_tokens_sent += len(seg)
         return len(seg)
 
@@ -423,3 +466,16 @@ class DrafterWorker(MailboxWorker):
             self.prepare_branches()
         return sent
 
+
+def _runs(flags: list[bool], start: int, end: int) -> list[tuple[int, int, bool]]:
+    """``flags[start:end]`` as maximal runs ``(first, last + 1, flag)`` of equal flags; one
+    empty run at ``start`` when the range is empty."""
+    if start >= end:
+        return [(start, start, False)]
+    out = []
+    a = start
+    for i in range(start + 1, end + 1):
+        if i == end or flags[i] != flags[a]:
+            out.append((a, i, flags[a]))
+            a = i
+    return out

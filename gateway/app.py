@@ -3,7 +3,8 @@
 
 Tokenization follows docs/architecture.md, 'Life of a request' step 1:
 ``tokenizer(prompt)["input_ids"]`` for completions
-and ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` for chat.
+and ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` for chat; a
+``prediction`` (OpenAI Predicted Outputs) is tokenized without special tokens or template.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
 from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.gateway.schemas import (
-    MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest, GatewayError, bad_request,
-    error_body,
+    MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
+    GatewayError, bad_request, error_body,
 )
-from specmesh.gateway.tokens import chat_prompt_ids, completion_prompt_ids
+from specmesh.gateway.tokens import chat_prompt_ids, completion_prompt_ids, prediction_ids
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import GenerateRequest, SamplingParams
 
@@ -87,9 +88,29 @@ class _Gateway:
 
     # ---------------------------------------------------------------- request -> GenerateRequest
 
+    def prediction_ids(self, text: str) -> list[int]:
+        """A prediction's token ids (gateway/tokens.py), at most ``max_model_len`` of them.
+
+        Raises:
+            GatewayError: 400 (param ``prediction``) for a prediction longer than that (or,
+                before tokenizing it, longer than MAX_PREDICTION_CHARS_PER_TOKEN characters
+                per token of it).
+        """
+        max_chars = MAX_PREDICTION_CHARS_PER_TOKEN * self.max_model_len
+        if len(text) > max_chars:
+            raise bad_request(f"the prediction has {len(text)} characters, more than this "
+                              f"server takes ({max_chars})", param="prediction")
+        ids = prediction_ids(self.tokenizer, text)
+        if len(ids) > self.max_model_len:
+            raise bad_request(f"the prediction has {len(ids)} tokens, more than this model's "
+                              f"max_model_len {self.max_model_len}", param="prediction")
+        return ids
+
     def build(self, body, prompt_ids: list[int], max_tokens: int | None,
-              request_id: str) -> GenerateRequest:
-        """Validate lengths and build the wire request."""
+              request_id: str, prediction_token_ids: list[int] | None = None
+              ) -> GenerateRequest:
+        """Validate lengths and build the wire request (``prediction_token_ids``: the
+        request's prediction, tokenized; None: none)."""
         n = len(prompt_ids)
         if n == 0:
             raise bad_request("the prompt is empty", param="prompt")
@@ -114,7 +135,9 @@ class _Gateway:
             min_p=0.0 if body.min_p is None else float(body.min_p),
             stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                               sampling=sampling, num_speculative_tokens=body.num_speculative_tokens)
+                               sampling=sampling,
+                               num_speculative_tokens=body.num_speculative_tokens,
+                               prediction_token_ids=prediction_token_ids)
 
     def check_model(self, body) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -124,9 +147,18 @@ class _Gateway:
     # ---------------------------------------------------------------- responses
 
     def usage(self, run: RequestRun) -> dict:
-        return {"prompt_tokens": run.num_prompt_tokens,
-                "completion_tokens": run.num_output_tokens,
-                "total_tokens": run.num_prompt_tokens + run.num_output_tokens}
+        """The OpenAI usage object; a request with a prediction also gets
+        ``completion_tokens_details`` with its accepted / rejected prediction tokens (the
+        verifier's count; ``completion_tokens`` stays the output's length, docs/operations.md,
+        'Predicted Outputs')."""
+        usage = {"prompt_tokens": run.num_prompt_tokens,
+                 "completion_tokens": run.num_output_tokens,
+                 "total_tokens": run.num_prompt_tokens + run.num_output_tokens}
+        if run.req.prediction_token_ids is not None:
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": run.num_accepted_prediction_tokens,
+                "rejected_prediction_tokens": run.num_rejected_prediction_tokens}
+        return usage
 
     def error_response(self, finish: Finish) -> JSONResponse:
         kind = {429: "rate_limit_error", 400: "invalid_request_error",
@@ -311,8 +343,10 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                 else:
                     prompt_ids = completion_prompt_ids(tokenizer, body.prompt)
                     limit = body.max_tokens
+                prediction = body.prediction_text()
+                pred_ids = None if prediction is None else gw.prediction_ids(prediction)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
-            req = gw.build(body, prompt_ids, limit, rid)
+            req = gw.build(body, prompt_ids, limit, rid, pred_ids)
             run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,
                              arrival, synthetic_acceptance=gw.synthetic_acceptance)
             if body.stream:

@@ -330,7 +330,9 @@ class MailboxBackend:
                               num_prompt_tokens=last.num_prompt_tokens,
                               num_draft_tokens=last.num_draft_tokens,
                               num_accepted_tokens=last.num_accepted_tokens,
-                              num_verify_steps=last.num_verify_steps)
+                              num_verify_steps=last.num_verify_steps,
+                              num_accepted_prediction_tokens=last.num_accepted_prediction_tokens,
+                              num_rejected_prediction_tokens=last.num_rejected_prediction_tokens)
         self._deliver(request_id, msg, final=True)
 
     # ------------------------------------------------------------------ public API

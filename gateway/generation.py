@@ -101,6 +101,9 @@ class RequestRun:
         self.stats = SpecStats(synthetic_acceptance=synthetic_acceptance)
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.num_output_tokens = 0
+        #: prediction drafts the verifier accepted / rejected (OpenAI Predicted Outputs)
+        self.num_accepted_prediction_tokens = 0
+        self.num_rejected_prediction_tokens = 0
         self.finish: Finish | None = None
         self.disconnected = False
         self._last_token_time: float | None = None
@@ -151,6 +154,28 @@ class RequestRun:
                 return "".join(parts), i + 1, True
         return "".join(parts), len(token_ids), False
 
+    def _update_prediction(self, msg: TokenStream) -> None:
+        """Prediction counts in a TokenStream are cumulative: keep the largest seen."""
+        self.num_accepted_prediction_tokens = max(self.num_accepted_prediction_tokens,
+                                                  msg.num_accepted_prediction_tokens)
+        self.num_rejected_prediction_tokens = max(self.num_rejected_prediction_tokens,
+                                                  msg.num_rejected_prediction_tokens)
+
+    def _cut_prediction(self, before: tuple[int, int], num_kept: int) -> None:
+        """A stop string ended the output after ``num_kept`` tokens of the last delta (one
+        verify step): its prediction drafts past the cut are not counted. The gateway has
+        the step's counts, not which drafts they were: accepted drafts are its first ones and
+        drafts lie in position order, so this is exact when the step's drafts all came from
+        the prediction (or none did); otherwise accepted and accepted + rejected are upper
+        bounds (the verifier, which has the flags, cuts exactly, decode/prediction_usage.py)."""
+        acc = self.num_accepted_prediction_tokens - before[0]
+        rej = self.num_rejected_prediction_tokens - before[1]
+        kept = max(num_kept, 0)
+        acc_kept = min(acc, kept)
+        rej_kept = min(acc + rej, kept) - acc_kept
+        self.num_accepted_prediction_tokens = before[0] + acc_kept
+        self.num_rejected_prediction_tokens = before[1] + rej_kept
+
     def _cut_stats(self, before: SpecStats, num_kept: int) -> None:
         """A stop string ended the output after ``num_kept`` tokens of the last delta: that
         verify step's drafts past the cut are neither drafted nor accepted."""
@@ -181,6 +206,9 @@ class RequestRun:
                                            self.stats.num_verify_steps,
                                            self.stats.synthetic_acceptance)
                         update_spec_stats(self.stats, msg)
+                        prediction_before = (self.num_accepted_prediction_tokens,
+                                             self.num_rejected_prediction_tokens)
+                        self._update_prediction(msg)
                         if msg.token_ids:
                             t0 = time.perf_counter()
                             text, kept, stopped = self._feed(msg.token_ids)
@@ -193,6 +221,7 @@ class RequestRun:
                                 yield TextDelta(text, tuple(msg.token_ids[:kept]))
                             if stopped:
                                 self._cut_stats(before, kept)
+                                self._cut_prediction(prediction_before, kept)
                                 self.finish = Finish(FinishReason.STOP)
                                 self.backend.abort(self.request_id, "stop string",
                                                    num_output_tokens=self.num_output_tokens)

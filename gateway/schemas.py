@@ -10,7 +10,8 @@ OpenAI client's own field lists):
   ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``stream``,
   ``stream_options``, ``n`` (1 only), ``num_speculative_tokens``, ``request_id``,
   ``return_token_ids`` (vLLM: output ids in each choice's ``token_ids``, prompt ids in
-  ``prompt_token_ids``);
+  ``prompt_token_ids``), ``prediction`` (OpenAI Predicted Outputs, :data:`PREDICTION_REFUSED`
+  for the fields it cannot be combined with);
 - without effect on the output, accepted and ignored: :data:`NO_OUTPUT_EFFECT` (``user``,
   ``metadata``, ``store``, ...);
 - changing the output and not honoured: :data:`COMMON_REFUSED` plus the endpoint's own
@@ -52,7 +53,7 @@ COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "top_logprobs": (), "best_of": (1,),
     "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "prediction": (), "audio": (),
+    "functions": ([],), "function_call": ("none",), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "moderation": (),
     # vLLM extensions
@@ -78,6 +79,25 @@ CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
 }
+
+
+#: fields OpenAI documents as not combinable with ``prediction`` -> whether a value is refused
+#: with one (absent and null always pass); a 400 names the field
+PREDICTION_REFUSED: dict[str, Any] = {
+    "n": lambda v: v > 1,
+    "logprobs": lambda v: v is not False,
+    "top_logprobs": lambda v: True,
+    "presence_penalty": lambda v: isinstance(v, (int, float)) and v > 0,
+    "frequency_penalty": lambda v: isinstance(v, (int, float)) and v > 0,
+    "tools": lambda v: v != [],
+    "functions": lambda v: v != [],
+    "audio": lambda v: True,
+    "modalities": lambda v: v != ["text"],
+    "max_completion_tokens": lambda v: True,
+}
+#: characters a prediction may have per token of max_model_len (refused before tokenizing:
+#: a bound on the gateway's work; a token is rarely more than a few characters)
+MAX_PREDICTION_CHARS_PER_TOKEN = 32
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -167,6 +187,9 @@ class _CommonRequest(BaseModel):
     # (``prompt_token_ids``: in the choice for completions, top level for chat; in a stream
     # only in the first chunk)
     return_token_ids: StrictBool = False
+    # OpenAI Predicted Outputs: {"type": "content", "content": text or text parts}; checked
+    # by prediction_text (clear 400s rather than pydantic's union errors)
+    prediction: Any = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -177,10 +200,61 @@ class _CommonRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def prediction_text(self) -> str | None:
+        """The text of ``prediction`` (text parts joined), None without one.
+
+        Raises:
+            GatewayError: 400 (param ``prediction``) for anything but ``{"type": "content",
+                "content": <string or list of text parts>}``.
+        """
+        p = self.prediction
+        if p is None:
+            return None
+        if not isinstance(p, dict) or p.get("type") != "content" or "content" not in p:
+            raise bad_request('prediction must be {"type": "content", "content": ...}',
+                              param="prediction")
+        extra = set(p) - {"type", "content"}
+        if extra:
+            raise bad_request(f"prediction has unknown fields {sorted(extra)}",
+                              param="prediction")
+        content = p["content"]
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise bad_request("prediction.content parts must be "
+                                      '{"type": "text", "text": <string>}', param="prediction")
+                texts.append(part["text"])
+            return "".join(texts)
+        raise bad_request("prediction.content must be a string or a list of text parts",
+                          param="prediction")
+
+    def check_prediction(self) -> None:
+        """With a ``prediction``: refuse (HTTP 400 naming the field) what OpenAI documents as
+        not combinable with it (:data:`PREDICTION_REFUSED`: ``n`` > 1, logprobs, positive
+        presence / frequency penalties, tools and functions, audio, modalities other than
+        text, ``max_completion_tokens``) and a malformed prediction."""
+        if self.prediction is None:
+            return
+        fields = {**(self.model_extra or {}), "n": self.n}
+        if "max_completion_tokens" in type(self).model_fields:  # else in model_extra
+            fields["max_completion_tokens"] = self.max_completion_tokens
+        for name, refused in PREDICTION_REFUSED.items():
+            value = fields.get(name)
+            if value is not None and refused(value):
+                raise bad_request(f"prediction cannot be combined with {name}"
+                                  + (" > 1" if name == "n" else ""), param=name)
+        self.prediction_text()
+
     def check_supported(self) -> None:
-        """Refuse options this gateway does not implement (HTTP 400 naming the field):
-        ``n != 1`` and every field of the endpoint's refused table with a value that would
-        change the output."""
+        """Refuse options this gateway does not implement (HTTP 400 naming the field): what
+        a ``prediction`` cannot be combined with (:meth:`check_prediction`), ``n != 1`` and
+        every field of the endpoint's refused table with a value that would change the
+        output."""
+        self.check_prediction()
         if self.n != 1:
             raise bad_request("only n=1 is supported", param="n")
         if self.stream_options is not None and not self.stream:

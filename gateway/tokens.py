@@ -1,4 +1,5 @@
-"""Prompt tokenization exactly as docs/architecture.md, 'Life of a request' step 1 fixes it."""
+"""Prompt tokenization exactly as docs/architecture.md, 'Life of a request' step 1 fixes it, and
+a prediction's (OpenAI Predicted Outputs)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     except Exception as err:  # noqa: BLE001 - jinja raises for roles/orders a template refuses
         raise bad_request(f"cannot apply the chat template: {err}", param="messages") from err
     return _plain_ids(out)
+
+
+def prediction_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of a prediction's text: ``tokenizer(text, add_special_tokens=False)``,
+    no chat template (it stands for the output, which the template does not wrap)."""
+    return _plain_ids(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,6 +1,7 @@
 """Checks of decoded wire messages that span fields (run by protocol/codec.py after msgspec has
 checked each field's type and bounds): a DraftTailStream's ``parents`` one per draft and pointing
-inside the segment, ``start_pos >= base_committed_len``, ``draft_probs`` rows = drafts; a
+inside the segment, ``start_pos >= base_committed_len``, ``draft_probs`` rows = drafts, a
+prediction segment a chain without ``draft_probs``; a
 DraftBranches' continuations one per candidate, non-empty, candidates distinct. Each check
 returns "" when the message is fine, else why not (the codec raises it as a ProtocolError).
 Constructing a message locally runs none of them.
@@ -30,6 +31,9 @@ def check_draft_tail(m: DraftTailStream) -> str:
         shape = tuple(m.draft_probs.shape)
         if len(shape) != 2 or shape[0] != n:
             return f"draft_probs of shape {list(shape)} for {n} draft tokens (want [{n}, vocab])"
+    if m.from_prediction and (m.draft_probs is not None or m.parents is not None):
+        return ("a prediction segment with draft_probs or parents (prediction drafts are "
+                "deterministic: a chain verified one-hot)")
     return ""
 
 

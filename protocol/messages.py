@@ -39,7 +39,9 @@ from msgspec import Meta
 # 9: TokenStream loses synthetic_acceptance (the gateway flags synthetic acceptance from the
 # cluster's configuration)
 # 10: ModelIdentity.kv_cache_dtype
-PROTOCOL_VERSION = 10
+# 11: OpenAI Predicted Outputs: GenerateRequest / DraftSync.prediction_token_ids,
+# DraftTailStream.from_prediction, TokenStream.num_{accepted,rejected}_prediction_tokens
+PROTOCOL_VERSION = 11
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -312,17 +314,24 @@ class HelloAck(Message, tag=11, kw_only=True):
 
 @register
 class GenerateRequest(Message, tag=20, kw_only=True):
-    """Gateway -> verifier: generate for an already tokenized prompt."""
+    """Gateway -> verifier: generate for an already tokenized prompt.
+
+    ``prediction_token_ids`` (OpenAI Predicted Outputs): the client's predicted output,
+    tokenized without a chat template; the verifier forwards it to the drafter, which drafts
+    from it first (drafter/prediction.py). None: no prediction.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     num_speculative_tokens: int | None = None  # this request's kappa; None = the verifier's
+    prediction_token_ids: list[TokenId] | None = None
 
     @classmethod
     def example(cls) -> GenerateRequest:
         return cls(request_id="req-1", prompt_token_ids=[1, 2, 3, 4],
-                   sampling=SamplingParams.example(), num_speculative_tokens=4)
+                   sampling=SamplingParams.example(), num_speculative_tokens=4,
+                   prediction_token_ids=[5, 6, 7])
 
 
 @register
@@ -335,6 +344,10 @@ class TokenStream(Message, tag=21, kw_only=True):
     ``offset``: the output position of the first token of ``token_ids`` (the number of output
     tokens the verifier streamed before this delta), so the gateway sees a lost or repeated
     delta (a gap or an overlap) and fails the request rather than return text with a hole.
+
+    ``num_accepted_prediction_tokens`` / ``num_rejected_prediction_tokens`` (a request with a
+    prediction): of the drafts verified so far, those drafted from the prediction that the
+    verifier accepted / rejected (cumulative, cut at the end of the output like the spec stats).
     """
 
     request_id: str
@@ -347,13 +360,16 @@ class TokenStream(Message, tag=21, kw_only=True):
     num_accepted_tokens: NonNegInt = 0  # of which accepted
     num_verify_steps: NonNegInt = 0  # verify forwards that included drafts
     error: str = ""
+    num_accepted_prediction_tokens: NonNegInt = 0
+    num_rejected_prediction_tokens: NonNegInt = 0
 
     @classmethod
     def example(cls) -> TokenStream:
         return cls(request_id="req-1", token_ids=[9, 10], offset=3, finished=True,
                    finish_reason="length",
                    num_prompt_tokens=4, num_draft_tokens=6, num_accepted_tokens=3,
-                   num_verify_steps=2)
+                   num_verify_steps=2, num_accepted_prediction_tokens=2,
+                   num_rejected_prediction_tokens=1)
 
 
 @register
@@ -486,18 +502,21 @@ class PrefillCancelAck(Message, tag=34, kw_only=True):
 
 @register
 class DraftSync(Message, tag=40, kw_only=True):
-    """Verifier -> drafter: open or re-open a request; the committed prefix is the truth."""
+    """Verifier -> drafter: open or re-open a request; the committed prefix is the truth.
+    ``prediction_token_ids``: the request's prediction (GenerateRequest's), drafted from
+    first; None: none."""
 
     request_id: str
     prompt_token_ids: list[int]
     committed_token_ids: list[int]
     sampling: SamplingParams
     seed_state: Buffer | None = None
+    prediction_token_ids: list[TokenId] | None = None
 
     @classmethod
     def example(cls) -> DraftSync:
         return cls(request_id="req-1", prompt_token_ids=[1, 2, 3], committed_token_ids=[42],
-                   sampling=SamplingParams.example())
+                   sampling=SamplingParams.example(), prediction_token_ids=[42, 7, 8])
 
 
 @register
@@ -535,9 +554,17 @@ class DraftTailStream(Message, tag=42, kw_only=True):
     ``[base_committed_len, start_pos)``, which the verifier uses to see that a segment was
     drafted on a prefix it has since rejected (decode/tail_buffer.py).
 
+    ``from_prediction``: every draft of the segment was copied from the request's prediction
+    (OpenAI Predicted Outputs; the verifier counts their acceptance for the usage's
+    ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``); a drafter splits its path
+    into segments where the source changes. Such drafts are deterministic proposals: a
+    prediction segment is a chain without ``draft_probs`` (verified one-hot, which keeps
+    sampled requests exact).
+
     Decoding refuses (ProtocolError) negative positions or token ids, ``start_pos <
-    base_committed_len``, parents of the wrong length or pointing outside the segment, and
-    ``draft_probs`` whose rows are not the drafts.
+    base_committed_len``, parents of the wrong length or pointing outside the segment,
+    ``draft_probs`` whose rows are not the drafts, and a prediction segment with parents or
+    ``draft_probs``.
     """
 
     request_id: str
@@ -546,6 +573,7 @@ class DraftTailStream(Message, tag=42, kw_only=True):
     draft_token_ids: list[TokenId]
     draft_probs: Buffer | None = None
     parents: list[int] | None = None
+    from_prediction: bool = False
 
     @classmethod
     def example(cls) -> DraftTailStream:

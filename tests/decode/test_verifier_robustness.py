@@ -179,8 +179,10 @@ def _tail_frames(**fields):
     {"base_committed_len": 500, "start_pos": 500},  # more than the verifier ever committed
     {"draft_token_ids": [1, 2], "parents": [-1]},  # parents of the wrong length
     {"draft_token_ids": [1, 2], "parents": [-1, 1]},  # a token its own parent
+    {"from_prediction": True},  # prediction drafts for a request without a prediction
+    {"draft_token_ids": [1, 2], "parents": [-1, -1], "from_prediction": True},  # not a chain
 ], ids=["neg-start", "neg-base", "start-before-base", "neg-token", "oov-token", "future-base",
-        "parents-len", "parents-self"])
+        "parents-len", "parents-self", "prediction-none", "prediction-tree"])
 def test_out_of_range_tail_is_a_protocol_error_and_the_request_continues_plain(model, bad):
     m, cfg = model
     c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=32, block_size=4)

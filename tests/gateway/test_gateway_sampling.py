@@ -150,7 +150,7 @@ HONOURED = {
     "max_tokens": 5, "max_completion_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
     "min_p": 0.05, "seed": 3, "stop": ["zzz"], "stop_token_ids": [2], "ignore_eos": True,
     "num_speculative_tokens": 2, "n": 1, "request_id": None, "stream_options": None,
-    "return_token_ids": True,
+    "return_token_ids": True, "prediction": {"type": "content", "content": "a predicted answer"},
 }
 
 

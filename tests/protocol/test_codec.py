@@ -25,6 +25,7 @@ from specmesh.protocol.messages import (
     Buffer,
     DraftBranches,
     DraftClose,
+    DraftSync,
     DraftTailStream,
     GenerateRequest,
     Hello,
@@ -139,16 +140,19 @@ def _buffers(draw: st.DrawFn) -> Buffer:
 @st.composite
 def _tails(draw: st.DrawFn) -> DraftTailStream:
     """Valid segments: positions >= 0, start_pos >= base, parents one per draft (earlier
-    tokens or -1), draft_probs [n, vocab]."""
+    tokens or -1), draft_probs [n, vocab]; from the prediction only as a chain without
+    draft_probs."""
     drafts = draw(st.lists(_token, max_size=16))
     n = len(drafts)
     base = draw(st.integers(0, 2**62))
     parents = draw(st.none() | st.just([draw(st.integers(-1, i - 1)) for i in range(n)]))
     probs = draw(st.none() | st.integers(0, 3).map(
         lambda v: Buffer("float32", (n, v), bytes(4 * n * v))))
+    predicted = parents is None and probs is None and draw(st.booleans())
     return DraftTailStream(request_id=draw(_text), base_committed_len=base,
                            start_pos=base + draw(st.integers(0, 2**62)),
-                           draft_token_ids=drafts, draft_probs=probs, parents=parents)
+                           draft_token_ids=drafts, draft_probs=probs, parents=parents,
+                           from_prediction=predicted)
 
 
 _messages = st.one_of(
@@ -159,7 +163,8 @@ _messages = st.one_of(
     st.builds(TokenStream, request_id=_text, token_ids=st.lists(_token), finished=st.booleans(),
               finish_reason=st.none() | st.sampled_from(["stop", "length", "abort", "error"]),
               num_prompt_tokens=_count, num_draft_tokens=_count,
-              num_accepted_tokens=_count, num_verify_steps=_count, error=_text),
+              num_accepted_tokens=_count, num_verify_steps=_count, error=_text,
+              num_accepted_prediction_tokens=_count, num_rejected_prediction_tokens=_count),
     st.builds(Abort, request_id=_text, reason=_text, num_output_tokens=st.none() | _count),
 )
 
@@ -343,6 +348,11 @@ def test_meta_bounds_refuse_minus_one_and_accept_zero(cls: type, field_name: str
     (DraftTailStream, {"parents": [-1, 0]}, "2 parents for 3"),
     (DraftTailStream, {"parents": [-1, 0, 2]}, "parents[2]"),
     (DraftTailStream, {"parents": [-2, 0, 1]}, "parents[0]"),
+    (DraftTailStream, {"from_prediction": True}, "a prediction segment with"),  # a tree
+    (DraftTailStream, {"from_prediction": 1}, "from_prediction"),
+    (GenerateRequest, {"prediction_token_ids": [5, -1]}, "prediction_token_ids"),
+    (DraftSync, {"prediction_token_ids": [-7]}, "prediction_token_ids"),
+    (TokenStream, {"num_rejected_prediction_tokens": -1}, "num_rejected_prediction_tokens"),
     (DraftBranches, {"position": 3}, "position 3 < base"),
     (DraftBranches, {"continuations": [[13]]}, "1 continuations for 2"),
     (DraftBranches, {"continuations": [[13], []]}, "an empty continuation"),
