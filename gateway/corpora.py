@@ -162,11 +162,16 @@ class CorpusControl:
             op=CorpusOp.CLEAR_HISTORY.value, op_id=op_id, name="", token_ids=[])])
 
     async def wait(self, op: Operation, timeout_s: float = DEFAULT_WAIT_S) -> dict:
-        """Wait (at most ``timeout_s``) until ``op`` is done; its summary either way."""
-        if not op.done.is_set():
-            await asyncio.get_running_loop().run_in_executor(None, op.done.wait, timeout_s)
+        """Wait (at most ``timeout_s``) until ``op`` is done; its summary either way. The
+        operation is forgotten afterwards (also when the caller is cancelled): later answers
+        only update the list's statuses."""
+        try:
+            if not op.done.is_set():
+                await asyncio.get_running_loop().run_in_executor(None, op.done.wait, timeout_s)
+        finally:
+            with self._lock:
+                self._ops.pop(op.op_id, None)
         with self._lock:
-            self._ops.pop(op.op_id, None)
             return op.summary()
 
     def listing(self) -> list[dict]:

@@ -122,8 +122,9 @@ class GatewayHost(RoleHost):
         # new one (started, restarted) gets the corpora
         if peer.role == Role.VERIFIER.value:
             self.backend.verifier_hello(peer.name, peer.incarnation)
-            if is_new:
-                self.corpus.verifier_joined(peer.name)
+            corpus = getattr(self, "corpus", None)  # (built with the worker)
+            if is_new and corpus is not None:
+                corpus.verifier_joined(peer.name)
 
     def describe(self) -> dict:
         return {"instance_id": self.instance_id, "role": self.role.value,
