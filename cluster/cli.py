@@ -28,6 +28,7 @@ from specmesh.cluster.loopback import use_loopback  # noqa: E402
 from specmesh.cluster.options import (  # noqa: E402
     CLI_DTYPES,
     add_cluster_options,
+    add_corpus_option,
     add_cpu_backend_option,
     add_model_options,
     backend_overrides,
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="embedded local Ray: prefill, verifier, drafter, gateway",
                        **with_methods)
     add_cluster_options(s)
+    add_corpus_option(s)
     s.add_argument("--port", type=int, default=8000)
     s.set_defaults(func=cmd_serve)
 
@@ -230,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "again wherever Ray restarts it; 0.0.0.0 = every interface, advertising "
                          "the node IP; an explicit IP pins the role to the machine that has it")
     add_cluster_options(la)
+    add_corpus_option(la)
     la.set_defaults(func=cmd_launch)
 
     d = sub.add_parser("demo", help="start the cluster and run bundled prompts through HTTP",

@@ -71,6 +71,9 @@ class ClusterConfig:
     :class:`~engine.backend.BackendOverrides` or its ``NAME=on|off,...`` text): every role
     builds its backend from what its own machine has plus these, so the roles of a cluster
     make the same asks wherever they run (no role reads the ``SPECMESH_*`` switches itself).
+    ``corpus_files``: ``--corpus [NAME=]FILE`` items (cluster/corpus_files.py): text files the
+    gateway tokenizes at start and loads into every drafter as corpora (docs/drafters.md,
+    'Corpora'); read where the gateway runs.
 
     Raises:
         ValueError: an unsupported dtype, a KV cache dtype the model dtype cannot have (or a
@@ -92,6 +95,7 @@ class ClusterConfig:
     threads: dict[str, int] = field(default_factory=default_threads)
     namespace: str = DEFAULT_NAMESPACE
     backend: BackendOverrides = BackendOverrides()
+    corpus_files: tuple[str, ...] = ()
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
         max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)

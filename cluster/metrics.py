@@ -49,6 +49,27 @@ def profile_families(profile: StepProfile, labels: dict[str, str]):
     yield counts
 
 
+def drafter_corpus_families(worker, labels: dict[str, str]):
+    """A drafter's corpora (docs/drafters.md, 'Corpora'): ``specmesh:drafter_corpora`` and
+    ``specmesh:drafter_corpus_tokens`` (gauges: corpora held and their tokens) and, for a
+    method that drafts from corpora, ``specmesh:drafter_proposed_draft_tokens`` and
+    ``specmesh:drafter_corpus_draft_tokens`` (counters: draft tokens it proposed, and those it
+    copied from a corpus; their ratio is the corpus's share of the drafts)."""
+    st = worker.stats
+    yield _gauge("specmesh:drafter_corpora", "Corpora the drafter holds", st.num_corpora,
+                 labels)
+    yield _gauge("specmesh:drafter_corpus_tokens", "Tokens of the corpora the drafter holds",
+                 st.num_corpus_tokens, labels)
+    p = worker.proposer
+    if p.supports_corpus:
+        yield _counter("specmesh:drafter_proposed_draft_tokens",
+                       "Draft tokens the drafting method proposed", p.num_draft_tokens_proposed,
+                       labels)
+        yield _counter("specmesh:drafter_corpus_draft_tokens",
+                       "Proposed draft tokens copied from a corpus", p.num_corpus_draft_tokens,
+                       labels)
+
+
 class RoleCollector:
     """Collects ``host.worker.stats`` (and the verifier's load) for one role host."""
 
@@ -62,6 +83,8 @@ class RoleCollector:
         yield _counter("specmesh:protocol_errors", "Malformed or out-of-turn messages received",
                        st.num_protocol_errors, labels)
         yield from profile_families(h.worker.profile, labels)
+        if h.role == "drafter":
+            yield from drafter_corpus_families(h.worker, labels)
         if h.role != "verifier":
             return
         yield _counter("specmesh:spec_decode_num_drafts", "Verify steps x requests with drafts",

@@ -7,9 +7,10 @@ import argparse
 import os
 
 from specmesh.cluster.config import ROLES, ClusterConfig, default_threads
+from specmesh.cluster.corpus_files import check_corpus_option
 from specmesh.cluster.drafter_option import add_drafter_options
 from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
-from specmesh.drafter.registry import runs_a_model
+from specmesh.drafter.registry import runs_a_model, supports_corpus
 from specmesh.engine.backend import CHOICES, BackendOverrides, read_overrides
 from specmesh.engine.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
 
@@ -96,6 +97,15 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "this long (a verifier alive but silent; 0: never)")
 
 
+def add_corpus_option(p: argparse.ArgumentParser) -> None:
+    """``--corpus``: corpora loaded into the drafters at start (cluster/corpus_files.py)."""
+    p.add_argument("--corpus", nargs="+", default=[], metavar="[NAME=]FILE",
+                   help="text files the gateway tokenizes at start and loads into every "
+                        "drafter as corpora to draft from (n-gram / suffix methods; named "
+                        "NAME, else after the file); more can be loaded and removed at run "
+                        "time: POST / DELETE /v1/specmesh/corpus (docs/drafters.md)")
+
+
 def add_verify_rule_option(p: argparse.ArgumentParser) -> None:
     """``--verify-rule``: the choices and their help come from the verification-rule registry
     (decode/rules.py): ``auto`` and every rule a deployment may pick."""
@@ -154,6 +164,10 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
         kw["host"] = args.host
     if getattr(args, "stream_idle_timeout", None) is not None:
         kw["stream_idle_timeout_s"] = args.stream_idle_timeout or None
+    corpus = getattr(args, "corpus", None) or []
+    if corpus:  # checked here, before any role starts
+        check_corpus_option(corpus, method, supports_corpus(method))
+        kw["corpus_files"] = tuple(corpus)
     plan = thread_plan(args, is_model_drafter(method))
     if plan is not None:
         kw["threads"] = plan

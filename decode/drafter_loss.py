@@ -40,10 +40,12 @@ class DrafterLoss:
                 self.lifecycle.lose_drafter(peer)
 
     def resync_drafter(self, peer: str) -> None:
-        """``peer`` restarted (new incarnation): re-open its requests with DraftSync (those
-        that lost it to a failed send too)."""
+        """``peer`` restarted or joined (a new incarnation): send it the corpora this verifier
+        relays (decode/corpus_relay.py), and re-open its requests with DraftSync (those that
+        lost it to a failed send too)."""
         self._drafter_owes.pop(peer, None)
         self._drafters_down.pop(peer, None)
+        self.corpus_relay.drafter_joined(peer)
         for req in list(self.requests.values()):
             if req.drafter == peer and req.status is RequestStatus.RUNNING:
                 self.lifecycle.sync_draft(req)

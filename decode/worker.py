@@ -16,6 +16,7 @@ import time
 
 from specmesh.decode.config import VerifierConfig
 from specmesh.decode.core_sharing import CoreSharing
+from specmesh.decode.corpus_relay import CorpusRelay
 from specmesh.decode.drafter_loss import DrafterLoss
 from specmesh.decode.kv_receiver import KVReceiver
 from specmesh.decode.lifecycle import RequestLifecycle
@@ -33,6 +34,8 @@ from specmesh.protocol.messages import (
     Abort,
     DraftBranches,
     DraftClose,
+    DrafterCorpus,
+    DrafterCorpusResult,
     DraftNeedSync,
     DraftSync,
     DraftTailStream,
@@ -100,6 +103,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self.core_sharing: CoreSharing | None = None
         #: pauses verify steps for a prefill in flight on shared cores (decode/prefill_pause.py)
         self.prefill_pause = PrefillPause(config.max_prefill_pause_s)
+        #: relays corpus operations from gateways to the drafters (decode/corpus_relay.py)
+        self.corpus_relay = CorpusRelay(self.send, lambda: list(self.lifecycle.drafter_peers))
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -205,6 +210,9 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         - DraftNeedSync (drafter): the request is re-opened with DraftSync.
         - DraftClose (drafter: it dropped the request, e.g. full): the request runs as plain
           decode; no tail is waited for.
+        - DrafterCorpus (gateway): relayed to every drafter (decode/corpus_relay.py);
+          DrafterCorpusResult (drafter): forwarded to the gateway that sent the operation.
+          Either from a peer of another role is ignored.
         - ProtocolError (any peer): counted; the named request fails (during transfer) or is
           quarantined (bad drafter message).
         A message for an unknown or finished request (or transfer) is dropped and counted:
@@ -212,7 +220,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         ``num_ignored_messages``; so is anything else (:attr:`num_dropped_messages`).
         """
         msg, peer = env.msg, env.peer
-        if isinstance(msg, (DraftTailStream, DraftBranches, DraftNeedSync, DraftClose)):
+        if isinstance(msg, (DraftTailStream, DraftBranches, DraftNeedSync, DraftClose,
+                            DrafterCorpusResult)):
             self._heard_from_drafter(peer)
         try:
             if isinstance(msg, ProtocolError):
@@ -260,6 +269,15 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
                     self.stats.num_drafter_closes += 1
                     self.lifecycle.drop_draft(req)
                 else:
+                    self.stats.num_ignored_messages += 1
+            elif isinstance(msg, DrafterCorpus):
+                if peer in self.lifecycle.drafter_peers or peer in self.prefill_peers:
+                    self.stats.num_ignored_messages += 1  # only a gateway sends these
+                else:
+                    self.corpus_relay.on_operation(peer, msg)
+            elif isinstance(msg, DrafterCorpusResult):
+                if peer not in self.lifecycle.drafter_peers \
+                        or not self.corpus_relay.on_result(peer, msg):
                     self.stats.num_ignored_messages += 1
             else:
                 self.stats.num_ignored_messages += 1

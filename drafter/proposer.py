@@ -17,6 +17,13 @@ if TYPE_CHECKING:
     from specmesh.drafter.draft_sampling import DraftSampling
 
 
+class CorpusUnsupported(NotImplementedError):
+    """The drafting method keeps no cross-request memory, so it cannot draft from a corpus
+    (:meth:`Proposer.load_corpus` / :meth:`Proposer.drop_corpus` of a method whose
+    ``supports_corpus`` is False). The drafter answers the operation ``unsupported`` and the
+    gateway turns that into HTTP 400."""
+
+
 @dataclass(frozen=True)
 class DraftTarget:
     """The target a proposer drafts for, as the cluster describes it to a method's factory
@@ -105,6 +112,13 @@ class Proposer(ABC):
     #: cores): the cluster's default thread plan leaves such a drafter a core of its own
     runs_a_model: ClassVar[bool] = False
     seed_hidden_size: int | None = None
+    #: whether the method drafts from corpora loaded at run time (:meth:`load_corpus`,
+    #: :meth:`drop_corpus`; ``specmesh serve --corpus``, ``POST /v1/specmesh/corpus``)
+    supports_corpus: ClassVar[bool] = False
+    #: counters a method with corpora keeps for the drafter's metrics (docs/drafters.md,
+    #: 'Corpora'): draft tokens it returned, and how many of them it copied from a corpus
+    num_draft_tokens_proposed: int = 0
+    num_corpus_draft_tokens: int = 0
 
     @abstractmethod
     def open(self, request_id: str, context_token_ids: list[int]) -> None:
@@ -183,6 +197,41 @@ class Proposer(ABC):
         The default prepares none: a method that drafts in microseconds (n-gram) gains
         nothing from it."""
         return [{} for _ in calls]
+
+    # -- cross-request memory (docs/drafters.md, 'Corpora') -------------------------------
+    # The drafter worker calls these three from one background thread of its own, one at a
+    # time and in the order the operations arrived, while its loop thread goes on calling
+    # propose / open / rollback / close: an implementation builds new state aside and installs
+    # it with one reference assignment (atomic in CPython), or guards what both threads touch
+    # with a lock held only briefly, so drafting never waits for a load.
+
+    def load_corpus(self, name: str, token_ids: list[int]) -> None:
+        """Draft from ``token_ids`` (a corpus: documentation, code, earlier conversations,
+        token ids of the target's vocabulary) from now on, under ``name``; a corpus already
+        loaded under ``name`` is replaced. SGLang's external corpus
+        (``external_corpus_manager.py``, notes_drafters_2 section 1) is the model.
+
+        Raises:
+            CorpusUnsupported: the method keeps no cross-request memory (the default).
+            ValueError: token ids it cannot hold (e.g. negative).
+        """
+        raise CorpusUnsupported(f"the {self.name!r} drafting method keeps no cross-request "
+                                "memory: it cannot draft from a corpus")
+
+    def drop_corpus(self, name: str) -> bool:
+        """Forget corpus ``name``; False when no corpus of that name is loaded.
+
+        Raises:
+            CorpusUnsupported: the method keeps no cross-request memory (the default).
+        """
+        raise CorpusUnsupported(f"the {self.name!r} drafting method keeps no cross-request "
+                                "memory: it holds no corpus")
+
+    def clear_history(self) -> None:
+        """Forget what earlier requests left in the method's cross-request memory (a suffix
+        drafter's global tree of earlier outputs), so that no request is drafted from its own
+        earlier run (the bench calls it between repeats). Corpora stay. The default keeps no
+        such memory: nothing to forget."""
 
     #: what the method drafts: "chain" (one path) or "tree" (several branches from the same
     #: context: :meth:`propose_tree`; the drafter worker asks for a tree for the segment at the

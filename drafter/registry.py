@@ -275,6 +275,13 @@ def runs_a_model(method: str) -> bool:
     return bool(cls.runs_a_model) if cls is not None else False
 
 
+def supports_corpus(method: str) -> bool:
+    """Whether the method ``method`` drafts from corpora loaded at run time
+    (:attr:`Proposer.supports_corpus`); False for an unknown name."""
+    cls = _lenient(method)
+    return bool(cls.supports_corpus) if cls is not None else False
+
+
 def create_proposer(method: str, kwargs: dict | None = None,
                     target: DraftTarget | None = None) -> Proposer:
     """A proposer of ``method`` for ``target`` (default: :class:`DraftTarget`'s defaults)
@@ -293,4 +300,4 @@ def trainable_methods() -> list[str]:
 __all__ = ["BUILTIN_PACKAGE", "ENTRY_POINT_GROUP", "create_proposer", "get_method",
            "get_proposer", "is_builtin", "load_plugins", "method_key", "register_proposer",
            "registered_methods", "runs_a_model", "seed_state_for", "seed_state_kinds",
-           "seed_state_of", "spelling", "spellings", "trainable_methods"]
+           "seed_state_of", "spelling", "spellings", "supports_corpus", "trainable_methods"]

@@ -37,6 +37,7 @@ import torch
 
 from specmesh.drafter.branches import MAX_BRANCH_REQUESTS, kept_candidates, plan_branches
 from specmesh.drafter.config import RUN_AHEAD_STEPS, DrafterConfig
+from specmesh.drafter.corpus_loader import CorpusLoader
 from specmesh.drafter.draft_sampling import DraftSampling
 from specmesh.drafter.draft_state import DraftState
 from specmesh.drafter.prediction import PredictionDrafter, PredictionIndex, output_tail
@@ -52,6 +53,7 @@ from specmesh.protocol.messages import (
     DraftBranches,
     DraftClose,
     DraftNeedSync,
+    DrafterCorpus,
     DraftSync,
     DraftTailStream,
     VerifyCommit,
@@ -83,6 +85,8 @@ class DrafterStats:
     num_branch_candidates_sent: int = 0
     num_branch_hits: int = 0  # commits whose bonus token had a branch sent for it
     num_prediction_tokens_sent: int = 0  # drafts copied from requests' predictions
+    num_corpora: int = 0  # corpora held (DrafterCorpus loads)
+    num_corpus_tokens: int = 0  # their tokens
 
 
 class DrafterWorker(MailboxWorker):
@@ -104,6 +108,8 @@ class DrafterWorker(MailboxWorker):
         self.profile = StepProfile()
         self._gen: torch.Generator | None = None
         self._branches_pending = False  # prepare_branches left work for the next step
+        #: corpora and the cross-request history (DrafterCorpus), applied in the background
+        self.corpus = CorpusLoader(self.proposer, mailbox.name, mailbox.wake)
 
     # -- message handling ------------------------------------------------------------------
 
@@ -115,7 +121,9 @@ class DrafterWorker(MailboxWorker):
         told with DraftNeedSync. A request's state is never dropped without telling its
         verifier: a DraftSync it has no room for answers DraftClose(reason "drafter full"), a
         commit for a request it does not know answers DraftNeedSync (once until the next
-        DraftSync). Anything else is counted as dropped.
+        DraftSync). DrafterCorpus: a corpus operation, applied in the background
+        (drafter/corpus_loader.py) and answered with DrafterCorpusResult. Anything else is
+        counted as dropped.
 
         Seed states (a proposer whose ``seed_state`` is "hidden"): a DraftSync's rows (at
         least one) end at position ``len(context) - 2``, a VerifyCommit's (one per committed
@@ -139,6 +147,8 @@ class DrafterWorker(MailboxWorker):
                 self._drop(msg.request_id)
             else:
                 self.stats.num_dropped_messages += 1
+        elif isinstance(msg, DrafterCorpus):
+            self._send_corpus_results(self.corpus.on_message(env.peer, msg))
         else:
             self.stats.num_dropped_messages += 1
             log.debug("drafter ignores %s from %s", type(msg).__name__, env.peer)
@@ -271,9 +281,18 @@ class DrafterWorker(MailboxWorker):
         self.proposer.close(request_id)
 
     def on_send_failed(self, peer: str, err: ConnectionError) -> None:
-        """The verifier is gone: its requests are gone too."""
+        """The verifier is gone: its requests (and its half-sent corpora) are gone too."""
         for rid in [r for r, s in self.requests.items() if s.verifier == peer]:
             self._drop(rid)
+        self.corpus.forget_peer(peer)
+
+    def _send_corpus_results(self, results: list) -> None:
+        """Send corpus answers ((peer, DrafterCorpusResult) pairs) and update the counts."""
+        for peer, result in results:
+            self.send(peer, result)
+        if results:
+            self.stats.num_corpora = len(self.corpus.held)
+            self.stats.num_corpus_tokens = self.corpus.num_tokens
 
     # -- drafting --------------------------------------------------------------------------
 
@@ -461,6 +480,7 @@ class DrafterWorker(MailboxWorker):
         if self._has_work() or self._branches_pending:
             timeout_s = 0.0
         self.ingest(timeout_s)
+        self._send_corpus_results(self.corpus.results())
         sent = self.draft()
         if not self._has_work():
             self.prepare_branches()

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics (docs/architecture.md, 'Life of a request' steps 1 and 5).
+/metrics (docs/architecture.md, 'Life of a request' steps 1 and 5), and the drafters' corpora
+under /v1/specmesh/ (gateway/corpus_api.py).
 
 Tokenization follows docs/architecture.md, 'Life of a request' step 1:
 ``tokenizer(prompt)["input_ids"]`` for completions
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specmesh.gateway.corpus_api import add_corpus_routes
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
 from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.gateway.schemas import (
@@ -282,7 +284,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                default_max_tokens: int = 256, metrics_registry: CollectorRegistry | None = None,
                default_temperature: float = 1.0, vocab_size: int | None = None,
                readiness: Callable[[], str] | None = None,
-               synthetic_acceptance: bool = False) -> FastAPI:
+               synthetic_acceptance: bool = False, corpus=None) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -300,6 +302,9 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         synthetic_acceptance: the backend's verifiers accept drafts by the synthetic-acceptance
             ablation (the cluster's configuration says so; no message does): every response's
             spec stats and headers and the gateway's metrics flag it.
+        corpus: the drafters' corpora and history (a :class:`gateway.corpora.CorpusControl`),
+            served under ``/v1/specmesh/`` (gateway/corpus_api.py); None: those endpoints
+            answer 501.
     """
     metrics = GatewayMetrics(metrics_registry, backend=backend)
     gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
@@ -383,5 +388,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
     async def metrics_endpoint():
         # the gateway's own series and every role's (one scrape for the cluster)
         return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    add_corpus_routes(app, corpus, tokenizer, vocab_size)
 
     return app

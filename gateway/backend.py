@@ -137,6 +137,9 @@ class MailboxBackend:
         self.num_stream_gaps = 0  # requests failed on a TokenStream gap or overlap
         self.num_verifier_losses = 0  # requests failed because their verifier died / restarted
         self.num_reader_turns = 0  # the reader thread's loop turns (the gateway's heartbeat)
+        #: message class -> what takes it, ``handler(peer, msg)`` in the reader thread: the
+        #: verifiers' control answers (gateway/corpora.py registers the corpus ones)
+        self.control_handlers: dict[type, Callable[[str, object], None]] = {}
         self._thread = threading.Thread(target=self._reader, name="gateway-backend-reader",
                                         daemon=True)
         self._thread.start()
@@ -159,6 +162,14 @@ class MailboxBackend:
     def _send(self, peer: str, msg: object) -> None:
         with self._send_lock:
             self.mailbox.send(peer, msg)
+
+    def send(self, peer: str, msg: object) -> None:
+        """Send a control message (not a request's) to verifier ``peer``; thread-safe.
+
+        Raises:
+            ConnectionError: no channel to ``peer``.
+        """
+        self._send(peer, msg)
 
     def _deliver(self, request_id: str, msg: TokenStream, *, final: bool) -> bool:
         """Queue ``msg`` for its request; with ``final`` the request is forgotten."""
@@ -211,6 +222,10 @@ class MailboxBackend:
             if not self._deliver(msg.request_id, msg, final=msg.finished):
                 self.num_dropped_streams += 1
                 log.debug("dropped TokenStream for unknown request %s", msg.request_id)
+            return
+        handler = self.control_handlers.get(type(msg))
+        if handler is not None:
+            handler(peer, msg)
             return
         self.num_ignored_messages += 1
         log.debug("gateway ignores %s from %s", type(msg).__name__, peer)

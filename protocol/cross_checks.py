@@ -2,17 +2,36 @@
 checked each field's type and bounds): a DraftTailStream's ``parents`` one per draft and pointing
 inside the segment, ``start_pos >= base_committed_len``, ``draft_probs`` rows = drafts, a
 prediction segment a chain without ``draft_probs``; a
-DraftBranches' continuations one per candidate, non-empty, candidates distinct. Each check
+DraftBranches' continuations one per candidate, non-empty, candidates distinct; a corpus
+operation's op, name and chunks (:func:`check_drafter_corpus`), its results' op and status. Each
+check
 returns "" when the message is fine, else why not (the codec raises it as a ProtocolError).
 Constructing a message locally runs none of them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
-from specmesh.protocol.messages import DraftBranches, DraftTailStream
+from specmesh.protocol.enums import CorpusOp, CorpusStatus
+from specmesh.protocol.messages import (
+    CORPUS_CHUNK_TOKENS,
+    MAX_CORPUS_NAME_LEN,
+    MAX_CORPUS_TOKENS,
+    DraftBranches,
+    DrafterCorpus,
+    DrafterCorpusRelayed,
+    DrafterCorpusResult,
+    DraftTailStream,
+)
+
+_CORPUS_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_OPS = frozenset(o.value for o in CorpusOp)
+_STATUSES = frozenset(s.value for s in CorpusStatus)
+#: most chunks a load may announce (MAX_CORPUS_TOKENS in full chunks)
+MAX_CORPUS_CHUNKS = -(-MAX_CORPUS_TOKENS // CORPUS_CHUNK_TOKENS)
 
 
 def check_draft_tail(m: DraftTailStream) -> str:
@@ -51,8 +70,64 @@ def check_draft_branches(m: DraftBranches) -> str:
     return ""
 
 
+def corpus_name_error(name: object) -> str:
+    """Why ``name`` cannot name a corpus ("" when it can): names are 1..MAX_CORPUS_NAME_LEN
+    characters of ``[A-Za-z0-9._-]`` (they appear in URL paths and logs)."""
+    if type(name) is not str or not name:
+        return "a corpus name must be a non-empty string"
+    if len(name) > MAX_CORPUS_NAME_LEN:
+        return f"a corpus name has at most {MAX_CORPUS_NAME_LEN} characters, got {len(name)}"
+    if not _CORPUS_NAME.fullmatch(name):
+        return f"corpus name {name!r} may only hold letters, digits, '.', '_' and '-'"
+    return ""
+
+
+def _op_and_name_error(op: str, name: str) -> str:
+    if op not in _OPS:
+        return f"unknown corpus op {op!r} (one of {', '.join(sorted(_OPS))})"
+    if op == CorpusOp.CLEAR_HISTORY:
+        return f"clear_history names no corpus, got name {name!r}" if name else ""
+    return corpus_name_error(name)
+
+
+def check_drafter_corpus(m: DrafterCorpus) -> str:
+    """Why corpus operation ``m`` is malformed ("" when it is not)."""
+    why = _op_and_name_error(m.op, m.name)
+    if why:
+        return why
+    if m.chunk_index >= m.num_chunks:
+        return f"chunk_index {m.chunk_index} >= num_chunks {m.num_chunks}"
+    if m.op != CorpusOp.LOAD:
+        if m.token_ids or m.num_chunks != 1:
+            return f"a {m.op} carries no token ids and one chunk"
+        return ""
+    if m.num_chunks > MAX_CORPUS_CHUNKS:
+        return (f"{m.num_chunks} chunks: a corpus has at most {MAX_CORPUS_TOKENS} tokens "
+                f"({MAX_CORPUS_CHUNKS} chunks)")
+    if not m.token_ids:
+        return "an empty load chunk"
+    if len(m.token_ids) > CORPUS_CHUNK_TOKENS:
+        return f"a chunk of {len(m.token_ids)} tokens > CORPUS_CHUNK_TOKENS={CORPUS_CHUNK_TOKENS}"
+    return ""
+
+
+def check_corpus_relayed(m: DrafterCorpusRelayed) -> str:
+    """Why relay report ``m`` is malformed ("" when it is not)."""
+    return _op_and_name_error(m.op, m.name)
+
+
+def check_corpus_result(m: DrafterCorpusResult) -> str:
+    """Why corpus result ``m`` is malformed ("" when it is not)."""
+    if m.status not in _STATUSES:
+        return f"unknown corpus status {m.status!r} (one of {', '.join(sorted(_STATUSES))})"
+    return _op_and_name_error(m.op, m.name)
+
+
 #: message class -> check of the decoded message returning an error ("" when valid)
 CROSS_FIELD_CHECKS: dict[type, Callable[[Any], str]] = {
     DraftTailStream: check_draft_tail,
     DraftBranches: check_draft_branches,
+    DrafterCorpus: check_drafter_corpus,
+    DrafterCorpusRelayed: check_corpus_relayed,
+    DrafterCorpusResult: check_corpus_result,
 }

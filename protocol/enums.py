@@ -1,6 +1,7 @@
-"""Closed vocabularies of the protocol: role names and finish reasons.
+"""Closed vocabularies of the protocol: role names, finish reasons, corpus operations and their
+outcomes.
 
-Both are ``str`` enums, so a member equals its wire string (``Role.VERIFIER == "verifier"``)
+All are ``str`` enums, so a member equals its wire string (``Role.VERIFIER == "verifier"``)
 and travels as that string; a decoder turns an unknown string into a ProtocolError where the
 field matters.
 """
@@ -44,6 +45,36 @@ class FinishReason(str, enum.Enum):
     def is_success(self) -> bool:
         """The request ran to its natural end (not aborted, failed or refused)."""
         return self in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+class CorpusOp(str, enum.Enum):
+    """What a :class:`~protocol.messages.DrafterCorpus` asks of the drafters: ``LOAD`` a corpus
+    under a name (replacing one of that name), ``DROP`` it, or ``CLEAR_HISTORY``: forget what
+    earlier requests left in the drafters' cross-request memory (corpora stay)."""
+
+    LOAD = "load"
+    DROP = "drop"
+    CLEAR_HISTORY = "clear_history"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CorpusStatus(str, enum.Enum):
+    """How one drafter answered a corpus operation
+    (:class:`~protocol.messages.DrafterCorpusResult`): ``APPLIED`` (loaded, dropped, history
+    cleared), ``UNKNOWN`` (a drop of a name it does not hold), ``UNSUPPORTED`` (its drafting
+    method keeps no corpora), ``SUPERSEDED`` (a newer operation on the same name reached it
+    first: this one was not applied) or ``ERROR`` (``error`` says why)."""
+
+    APPLIED = "applied"
+    UNKNOWN = "unknown"
+    UNSUPPORTED = "unsupported"
+    SUPERSEDED = "superseded"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 #: What DraftClose.reason says for each way a request ends.

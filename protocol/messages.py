@@ -41,7 +41,9 @@ from msgspec import Meta
 # 10: ModelIdentity.kv_cache_dtype
 # 11: OpenAI Predicted Outputs: GenerateRequest / DraftSync.prediction_token_ids,
 # DraftTailStream.from_prediction, TokenStream.num_{accepted,rejected}_prediction_tokens
-PROTOCOL_VERSION = 11
+# 12: DrafterCorpus, DrafterCorpusRelayed, DrafterCorpusResult (corpora and the drafters'
+# cross-request history, controlled at run time)
+PROTOCOL_VERSION = 12
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -635,6 +637,94 @@ class DraftBranches(Message, tag=45, kw_only=True):
                    continuations=[[13, 14], [15]])
 
 
+# --------------------------------------------------------------------------------------------
+# Drafter control: corpora and cross-request history (gateway -> verifier -> drafter)
+# --------------------------------------------------------------------------------------------
+
+#: most token ids one DrafterCorpus chunk carries (a header of a few hundred KB: a chunk never
+#: holds a role's loop for long, and MAX_HEADER_BYTES is far away)
+CORPUS_CHUNK_TOKENS = 65_536
+#: most tokens one corpus may have (what the gateway accepts and a drafter assembles)
+MAX_CORPUS_TOKENS = 4_194_304
+#: longest corpus name; names are 1..MAX_CORPUS_NAME_LEN of ``[A-Za-z0-9._-]`` (they appear in
+#: URLs and metrics)
+MAX_CORPUS_NAME_LEN = 128
+
+
+@register
+class DrafterCorpus(Message, tag=50, kw_only=True):
+    """Gateway -> verifier, relayed verifier -> drafter: an operation on the drafters'
+    cross-request memory (docs/drafters.md, 'Corpora'). ``op`` (a protocol.enums.CorpusOp):
+
+    - ``load``: corpus ``name`` is the token ids of chunks ``0 .. num_chunks - 1`` (each at
+      most CORPUS_CHUNK_TOKENS, none empty) in order; it replaces a corpus of that name once
+      the last chunk is in;
+    - ``drop``: forget corpus ``name``;
+    - ``clear_history``: forget what earlier requests left in the drafters' memory (a suffix
+      drafter's global tree); corpora stay. ``name`` is empty.
+
+    ``op_id`` names the operation (its results carry it) and orders the operations on one
+    name: the gateway numbers them increasingly, so a drafter that gets the same operation
+    from several verifiers applies it once, and one older than the last it applied for that
+    name not at all.
+
+    Decoding refuses (ProtocolError) an unknown op, a name that is not 1..MAX_CORPUS_NAME_LEN
+    of ``[A-Za-z0-9._-]`` (empty for ``clear_history``), ``chunk_index >= num_chunks``, more
+    chunks than MAX_CORPUS_TOKENS needs, an empty or oversize load chunk, and token ids or
+    chunks on a drop or a clear.
+    """
+
+    op: str
+    op_id: NonNegInt
+    name: str
+    token_ids: list[TokenId]
+    chunk_index: NonNegInt = 0
+    num_chunks: Annotated[int, Meta(ge=1)] = 1
+
+    @classmethod
+    def example(cls) -> DrafterCorpus:
+        return cls(op="load", op_id=7, name="docs", token_ids=[5, 6, 7, 8], chunk_index=0,
+                   num_chunks=2)
+
+
+@register
+class DrafterCorpusRelayed(Message, tag=51, kw_only=True):
+    """Verifier -> gateway: DrafterCorpus ``op_id`` (its last chunk, for a load) went to
+    ``drafters`` (the gateway then waits for a DrafterCorpusResult from each); ``error``
+    non-empty: the verifier refused it (e.g. a chunk out of order) and relayed nothing more
+    of it."""
+
+    op: str
+    op_id: NonNegInt
+    name: str
+    drafters: list[str] = msgspec.field(default_factory=list)
+    error: str = ""
+
+    @classmethod
+    def example(cls) -> DrafterCorpusRelayed:
+        return cls(op="load", op_id=7, name="docs", drafters=["drafter-0", "drafter-1"])
+
+
+@register
+class DrafterCorpusResult(Message, tag=52, kw_only=True):
+    """Drafter -> verifier, relayed verifier -> gateway: how ``drafter`` answered DrafterCorpus
+    ``op_id``: ``status`` (a protocol.enums.CorpusStatus), ``num_tokens`` (the tokens it holds
+    under ``name`` afterwards) and ``error`` (why, for ``error`` and ``unsupported``)."""
+
+    op: str
+    op_id: NonNegInt
+    name: str
+    drafter: str
+    status: str
+    num_tokens: NonNegInt = 0
+    error: str = ""
+
+    @classmethod
+    def example(cls) -> DrafterCorpusResult:
+        return cls(op="load", op_id=7, name="docs", drafter="drafter-0", status="applied",
+                   num_tokens=4)
+
+
 __all__ = [
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
     "Message", "NonNegInt", "TokenId", "buffer_nbytes",
@@ -642,5 +732,6 @@ __all__ = [
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
     "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftBranches",
     "DraftClose",
-    "DraftNeedSync",
+    "DraftNeedSync", "DrafterCorpus", "DrafterCorpusRelayed", "DrafterCorpusResult",
+    "CORPUS_CHUNK_TOKENS", "MAX_CORPUS_TOKENS", "MAX_CORPUS_NAME_LEN",
 ]

@@ -1,15 +1,20 @@
 """Host of the gateway role: tokenizer, a ZMQ mailbox to the verifiers, the OpenAI-compatible
-HTTP server (uvicorn). Its mailbox is driven by the gateway backend, not by a worker loop."""
+HTTP server (uvicorn), and the list of corpora the drafters draft from (``--corpus`` files
+loaded at start, gateway/corpora.py). Its mailbox is driven by the gateway backend, not by a
+worker loop."""
 
 from __future__ import annotations
 
 import os
 
+from specmesh.cluster.corpus_files import corpus_specs, read_corpus_file
 from specmesh.cluster.hosts.base import RoleHost, peers_of
 from specmesh.decode.rules import outputs_exact
+from specmesh.drafter.registry import supports_corpus
 from specmesh.gateway.backend import MailboxBackend
+from specmesh.gateway.corpora import CorpusControl
 from specmesh.protocol.enums import Role
-from specmesh.protocol.messages import ModelIdentity
+from specmesh.protocol.messages import MAX_CORPUS_TOKENS, ModelIdentity
 
 
 class GatewayHost(RoleHost):
@@ -44,7 +49,32 @@ class GatewayHost(RoleHost):
                                       stream_timeout_s=self.cfg.stream_idle_timeout_s)
         # a verifier whose connection drops fails its requests unless it is soon back
         self.mailbox.on_disconnect = self.backend.verifier_disconnected
+        method = self.cfg.drafter.method
+        self.corpus = CorpusControl(self.backend.send, self._ready_verifiers,
+                                    supported=supports_corpus(method),
+                                    method=method).attach(self.backend)
+        self._load_corpus_files()
         return None
+
+    def _load_corpus_files(self) -> None:
+        """Tokenize the ``--corpus`` files and put them on the list (the verifiers get them
+        as they connect).
+
+        Raises:
+            ValueError: a corpus that is empty or longer than MAX_CORPUS_TOKENS.
+            OSError: a file that cannot be read.
+        """
+        from specmesh.gateway.corpus_api import corpus_token_ids  # fastapi, pydantic
+
+        for name, path in corpus_specs(self.cfg.corpus_files):
+            ids = corpus_token_ids(self.tokenizer, read_corpus_file(path))
+            if not 0 < len(ids) <= MAX_CORPUS_TOKENS:
+                raise ValueError(f"--corpus {name}: {path} holds {len(ids)} tokens (1 to "
+                                 f"{MAX_CORPUS_TOKENS} allowed)")
+            self.corpus.keep(name, ids)
+
+    def _ready_verifiers(self) -> list[str]:
+        return [v for v in self.verifiers if self.mailbox.ready(v)]
 
     def start(self) -> None:
         # the HTTP stack (fastapi, starlette, pydantic, httpx, uvicorn) only in the gateway role
@@ -54,7 +84,8 @@ class GatewayHost(RoleHost):
         self.app = create_app(self.backend, self.tokenizer, self.model_name,
                               self.cfg.max_model_len, default_temperature=0.0,
                               vocab_size=self.vocab_size, readiness=self.not_ready_reason,
-                              synthetic_acceptance=synthetic_outputs(self.cfg))
+                              synthetic_acceptance=synthetic_outputs(self.cfg),
+                              corpus=self.corpus)
         self.server, self._server_thread, self.port = serve_gateway(self.app, self.bind_host,
                                                                     self._port)
 
@@ -71,7 +102,7 @@ class GatewayHost(RoleHost):
         return ""
 
     def _pick_verifier(self) -> str:
-        ready = [v for v in self.verifiers if self.mailbox.ready(v)]
+        ready = self._ready_verifiers()
         if not ready:
             raise ConnectionError("no verifier is connected yet")
         return least_loaded_verifier(ready, self.backend.in_flight_by_verifier(), self.loads)
@@ -87,9 +118,13 @@ class GatewayHost(RoleHost):
         return self.backend.num_reader_turns
 
     def on_hello(self, peer, is_new: bool) -> None:
-        # a verifier's new incarnation (restarted) fails the requests its old one held
+        # a verifier's new incarnation (restarted) fails the requests its old one held; a
+        # new one (started, restarted) gets the corpora
         if peer.role == Role.VERIFIER.value:
             self.backend.verifier_hello(peer.name, peer.incarnation)
+            corpus = getattr(self, "corpus", None)  # (built with the worker)
+            if is_new and corpus is not None:
+                corpus.verifier_joined(peer.name)
 
     def describe(self) -> dict:
         return {"instance_id": self.instance_id, "role": self.role.value,

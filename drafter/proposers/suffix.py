@@ -155,6 +155,7 @@ class SuffixProposer(Proposer):
         Option("width", int, "branches of a draft tree (tree verification; 1: chains only)",
                DEFAULT_TREE_WIDTH, kwarg="tree_width", minimum=1),
     ), check=_check)
+    supports_corpus = True  # load_corpus / drop_corpus / clear_history (docs/drafters.md)
     draft_shape = "tree"  # a chain when tree_width is 1 or nothing else is likely
 
     def __init__(self, depth: int = DEFAULT_DEPTH, max_match: int = DEFAULT_MAX_MATCH,
@@ -277,6 +278,9 @@ class SuffixProposer(Proposer):
     def _count(self, best: _Draft, num_tokens: int) -> None:
         self.num_drafts[best.source] += 1
         self.num_draft_tokens[best.source] += num_tokens
+        self.num_draft_tokens_proposed += num_tokens  # the drafter's metrics (Proposer)
+        if best.source == "corpus":
+            self.num_corpus_draft_tokens += num_tokens
 
     def _cap(self, match_len: int, num_tokens: int) -> int:
         """Most drafts for a match of ``match_len`` tokens: the paper's ``max_spec_factor *
@@ -412,13 +416,14 @@ class SuffixProposer(Proposer):
             self._epoch += 1
 
     def load_corpus(self, name: str, token_ids: list[int]) -> None:
-        """Index ``token_ids`` as corpus ``name``, drafted from by every request; a name
-        already loaded is continued (chunks of one corpus, sent in order, index as one
-        sequence). Indexed :data:`CORPUS_STEP` tokens per hold of the drafting lock.
+        """Index ``token_ids`` as corpus ``name``, drafted from by every request; a corpus
+        already loaded under ``name`` is replaced (dropped first, :meth:`Proposer.load_corpus`).
+        Indexed :data:`CORPUS_STEP` tokens per hold of the drafting lock.
 
         Raises:
             ValueError: an empty name, a token that is not an integer >= 0, or a load that
-                would take the corpora past ``max_corpus_tokens`` (nothing is loaded then).
+                would take the corpora past ``max_corpus_tokens`` (nothing is loaded then, and
+                a corpus it was to replace is gone).
             TypeError: a name that is not a string.
         """
         if not isinstance(name, str):
@@ -431,6 +436,7 @@ class SuffixProposer(Proposer):
             raise ValueError(f"corpus {name!r}: token ids must be integers") from None
         if any(t < 0 for t in ids):
             raise ValueError(f"corpus {name!r}: token ids must be >= 0")
+        self.drop_corpus(name)  # a load replaces; loads come one at a time (the worker's thread)
         with self._load_lock:
             with self._lock:
                 held = self._corpus.num_tokens + self._corpus_reserved

@@ -229,19 +229,20 @@ def test_a_loaded_corpus_is_drafted_from_until_dropped():
     assert p.propose("r", ctx, 6) == [] and p.index_stats()["corpus_tokens"] == 0
 
 
-def test_a_corpus_loaded_in_chunks_indexes_as_one_sequence():
+def test_a_load_replaces_a_corpus_of_the_same_name():
     passage = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 40
-    whole, chunked = suffix(), suffix()
+    whole, replaced = suffix(), suffix()
     whole.load_corpus("pi", passage)
-    for a in range(0, len(passage), 77):
-        chunked.load_corpus("pi", passage[a:a + 77])
-    assert list(chunked._corpus.tokens("pi")) == passage
+    replaced.load_corpus("pi", [7, 7, 7, 2, 2, 2] * 50)
+    replaced.load_corpus("pi", passage)
+    assert list(replaced._corpus.tokens("pi")) == passage
+    assert replaced.corpora() == {"pi": len(passage)}
     for m in range(1, 5):
         for pattern in itertools.product(range(1, 10), repeat=m):
-            w, c = whole._corpus.find(pattern), chunked._corpus.find(pattern)
+            w, c = whole._corpus.find(pattern), replaced._corpus.find(pattern)
             assert (w is None) == (c is None)
             if w is not None:
-                assert whole._corpus.count(w) == chunked._corpus.count(c)
+                assert whole._corpus.count(w) == replaced._corpus.count(c)
 
 
 def test_corpus_loads_are_checked_and_bounded():
