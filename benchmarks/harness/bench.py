@@ -333,8 +333,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
               "predictions": {"sent": sent, "num_prompts_with_prediction": sum(
                   1 for p in prompts if p.get("prediction"))},
               "drafter_history_cleared": cleared,
-              "notes": run_notes(prompts, opts.concurrency, cleared, sent,
-                                 bool(inproc_labels) and kappa > 0)}
+              "notes": run_notes(prompts, opts.concurrency, cleared, sent)}
     categories = {c: [p["category"] for p in level_requests(prompts, c)]
                   for c in opts.concurrency}
     summary = summarize(config, runs, level_systems, forward_cost or None, categories)

@@ -567,17 +567,13 @@ def history_notes(cleared: dict[str, list[bool]]) -> list[str]:
 
 
 def run_notes(prompts: Sequence[dict], levels: Sequence[int], cleared: dict[str, list[bool]],
-              predictions: bool, inprocess_spec: bool) -> list[str]:
+              predictions: bool) -> list[str]:
     """The config's ``notes``, header lines of the tables: the drafters' history
-    (:func:`history_notes`); that in-process drafters keep theirs (``inprocess_spec``: the
-    run has in-process kappa > 0 systems); the levels whose requests repeat prompts within a
+    (:func:`history_notes`; in-process drafters are cleared before every pass, by a call, so
+    only the served ones can fail to be); the levels whose requests repeat prompts within a
     pass (concurrency above the number of prompts); and how the prompts' ``prediction`` was
     used (sent with ``predictions`` on the served kappa > 0 requests only, else not)."""
     out = history_notes(cleared)
-    if inprocess_spec:
-        out.append("in-process drafters are not cleared between passes (no control path "
-                   "in-process): a method that remembers earlier requests may draft there "
-                   "from an earlier repeat of the same prompt")
     for level in levels:
         if level > len(prompts):
             out.append(f"concurrency {level}: the {len(prompts)} prompts are cycled to "

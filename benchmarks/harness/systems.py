@@ -200,13 +200,16 @@ class InProcessSystems:
         """All ``prompt_ids`` through the (method, kappa, concurrency) cluster, greedy;
         ``seconds`` is the wall time until the last finished. Spec stats from the completions,
         per-position accepts and the verifier's step profile from its counters over this
-        pass.
+        pass. The drafter's cross-request memory is cleared first (``Proposer.clear_history``,
+        as the served passes clear theirs through the gateway), so no request is drafted from
+        its own earlier run.
 
         Raises:
             RuntimeError: a request did not finish successfully.
         """
 
         c = self.cluster(kappa, concurrency, method)
+        c.drafter.proposer.clear_history()
         before = self._snapshot(c)
         t0 = time.perf_counter()
         outs = c.generate(prompt_ids, SamplingParams(max_tokens=self.max_tokens))

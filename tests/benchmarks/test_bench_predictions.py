@@ -163,17 +163,16 @@ def test_notes_say_what_was_cleared_and_sent():
 
     prompts = PROMPTS  # two of three carry a prediction
     notes = run_notes(prompts, [1, 4], {"ngram": [True, True], "suffix": [False, False]},
-                      predictions=True, inprocess_spec=True)
+                      predictions=True)
     assert notes[0].startswith("drafters' cross-request memory cleared through the gateway "
                                f"(POST {CLEAR_HISTORY_PATH}) before every served pass (ngram)")
     assert notes[1].startswith("**drafters' cross-request memory NOT cleared on the suffix "
                                "cluster (2 of 2 passes)") and "HTTP 404" in notes[1]
-    assert notes[2].startswith("in-process drafters are not cleared between passes")
-    assert notes[3].startswith("concurrency 4: the 3 prompts are cycled to 4 requests")
-    assert notes[4].startswith("Predicted Outputs: 2 of 3 prompts carry a prediction, sent")
-    assert len(notes) == 5
-    off = run_notes(prompts[:1], [1], {}, predictions=False, inprocess_spec=False)
+    assert notes[2].startswith("concurrency 4: the 3 prompts are cycled to 4 requests")
+    assert notes[3].startswith("Predicted Outputs: 2 of 3 prompts carry a prediction, sent")
+    assert len(notes) == 4
+    off = run_notes(prompts[:1], [1], {}, predictions=False)
     assert off == []  # no served pass, no prediction, no cycling: nothing to say
-    off = run_notes(prompts, [1], {"ngram": [True]}, predictions=False, inprocess_spec=False)
+    off = run_notes(prompts, [1], {"ngram": [True]}, predictions=False)
     assert off[-1] == ("Predicted Outputs: 2 of 3 prompts carry a prediction, not sent "
                        "(--predictions off, or no kappa > 0 system)")
