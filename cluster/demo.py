@@ -1,13 +1,21 @@
 """``specmesh demo``: start the cluster, run the bundled prompts through the gateway over HTTP
 with the official ``openai`` client, speculation on (kappa > 0) and off (kappa = 0) on the same
-cluster, and print a table."""
+cluster, and print a table. The two runs are interleaved prompt by prompt (on, off; then off,
+on for the next prompt), so a machine whose load changes during the demo slows both alike and
+the ratio stays a side-by-side one."""
 
 from __future__ import annotations
 
 import time
 
 from specmesh.cluster.config import ClusterConfig
-from specmesh.cluster.runs import load_prompts, openai_client, run_openai, same_outputs
+from specmesh.cluster.runs import (
+    RunResult,
+    load_prompts,
+    openai_client,
+    run_openai,
+    same_outputs,
+)
 
 
 def warm_up(client, model: str, prompts: list[dict], handle, kappa: int,  # noqa: ANN001
@@ -20,6 +28,31 @@ def warm_up(client, model: str, prompts: list[dict], handle, kappa: int,  # noqa
     run_openai(client, model, prompts[:1], max_tokens, "warmup")
     handle.set_num_speculative_tokens(kappa)
     run_openai(client, model, prompts[:1], max_tokens, "warmup")
+
+
+def interleaved(client, model: str, prompts: list[dict], max_tokens: int,  # noqa: ANN001
+                handle, kappa: int) -> tuple[RunResult, RunResult]:  # noqa: ANN001
+    """(speculative, kappa=0) runs over ``prompts``, one prompt at a time through both, the
+    order alternating per prompt (on then off, off then on), the cluster's kappa switched
+    before each request and left at ``kappa``. Each run sums its own requests' times."""
+    runs = {kappa: RunResult("speculative"), 0: RunResult("kappa=0")}
+    ids: dict[int, list] = {kappa: [], 0: []}
+    try:
+        for i, p in enumerate(prompts):
+            for k in ((kappa, 0) if i % 2 == 0 else (0, kappa)):
+                handle.set_num_speculative_tokens(k)
+                one = run_openai(client, model, [p], max_tokens, runs[k].system, show=k > 0)
+                run = runs[k]
+                run.seconds += one.seconds
+                run.num_tokens += one.num_tokens
+                run.spec.add(one.spec)
+                run.texts += one.texts
+                ids[k].append(one.token_ids[0] if one.token_ids else None)
+    finally:
+        handle.set_num_speculative_tokens(kappa)
+    for k, run in runs.items():
+        run.token_ids = None if None in ids[k] else ids[k]
+    return runs[kappa], runs[0]
 
 
 def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 96) -> dict:
@@ -41,10 +74,7 @@ def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 9
     try:
         client = openai_client(handle.url)
         warm_up(client, model, prompts, handle, kappa)
-        spec = run_openai(client, model, prompts, max_tokens, "speculative", show=True)
-        handle.set_num_speculative_tokens(0)
-        plain = run_openai(client, model, prompts, max_tokens, "kappa=0")
-        handle.set_num_speculative_tokens(kappa)
+        spec, plain = interleaved(client, model, prompts, max_tokens, handle, kappa)
     finally:
         handle.stop()
     same = sum(same_outputs(spec, plain))
