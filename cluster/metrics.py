@@ -85,6 +85,13 @@ class RoleCollector:
         yield from profile_families(h.worker.profile, labels)
         if h.role == "drafter":
             yield from drafter_corpus_families(h.worker, labels)
+        if h.role == "prefill":
+            yield _counter("specmesh:prefix_cache_queries",
+                           "Prompt tokens looked up in the prefill's prefix cache",
+                           st.prefix_cache_queries, labels)
+            yield _counter("specmesh:prefix_cache_hits",
+                           "Prompt tokens whose KV the prefill's prefix cache held",
+                           st.prefix_cache_hits, labels)
         if h.role != "verifier":
             return
         yield _counter("specmesh:spec_decode_num_drafts", "Verify steps x requests with drafts",

@@ -87,6 +87,11 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kv-send-mb-s", type=float, default=0.0, metavar="MIB_PER_S",
                    help="cap on the KV bandwidth each prefill worker sends at, MiB/s (frames "
                         "paced; 0: no cap)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="the prefill role keeps the KV of the prompts it prefilled and reuses "
+                        "a new prompt's cached leading blocks instead of computing them "
+                        "(vLLM's option; docs/operations.md, 'Prefix caching')")
     p.add_argument("--max-prefill-pause-s", type=float, default=1.0, metavar="SECONDS",
                    help="where prefill shares the verifier's CPU cores, the verifier pauses its "
                         "verify steps while a prompt it waits on prefills, for windows of at "
@@ -156,6 +161,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0),
               max_prefill_pause_s=getattr(args, "max_prefill_pause_s", 1.0),
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
               num_branches=getattr(args, "draft_branches", 4),
               backend=backend_overrides(args))
     if getattr(args, "port", None) is not None:

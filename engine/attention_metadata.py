@@ -19,7 +19,10 @@ class AttentionMetadata:
     ``slot_mapping`` is a LongTensor [T] of cache slots for the batch's new K/V.
     ``tree_masks`` (None: all chains): per request None or the bool [q_len, q_len] ancestry
     mask of its token tree chunk (engine/token_tree.py): its rows see the KV before the chunk
-    and their ancestors' rows only.
+    and their ancestors' rows only. ``paged``: whole prompts too go through the paged
+    attention (chunk invariant: a row's result does not depend on where its chunk starts, so a
+    prompt computed after a cached prefix equals the prompt computed whole, bit for bit; the
+    prefill's prefix cache asks for it).
     """
 
     query_lens: list[int]
@@ -28,6 +31,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int = 0
     tree_masks: list[torch.Tensor | None] | None = None
+    paged: bool = False
     _plan: PagedAttentionPlan | None = field(default=None, repr=False)
     _prepared: bool = field(default=False, repr=False)
 
@@ -40,6 +44,7 @@ class AttentionMetadata:
         block_size: int,
         device: str | torch.device = "cpu",
         tree_masks: list[torch.Tensor | None] | None = None,
+        paged: bool = False,
     ) -> AttentionMetadata:
         """Metadata for requests whose chunk i starts at ``start_positions[i]`` (the slot of
         its row 0; rows take consecutive slots, trees included).
@@ -62,6 +67,7 @@ class AttentionMetadata:
             block_size=block_size,
             tree_masks=tree_masks if tree_masks and any(m is not None for m in tree_masks)
             else None,
+            paged=paged,
         )
 
     @property
@@ -73,11 +79,11 @@ class AttentionMetadata:
 
     def prepare(self, device: torch.device) -> None:
         """Build (once per forward) the paged-attention plan every layer shares; nothing when
-        every chunk is a whole prompt (those attend within the chunk, causal)."""
+        every chunk is a whole prompt (those attend within the chunk, causal) unless ``paged``."""
         if self._prepared:
             return
         self._prepared = True
-        if not self.whole_prompts:
+        if self.paged or not self.whole_prompts:
             self._plan = plan_paged_attention(self.query_lens, self.kv_lens, self.block_tables,
                                               self.block_size, device, self.tree_masks)
 

@@ -107,7 +107,7 @@ class ModelRunner:
 
     def forward(
         self, chunks: list[SeqChunk], logits: str = "all", return_hidden: bool = False,
-        hidden_layers: tuple[int, ...] | None = None,
+        hidden_layers: tuple[int, ...] | None = None, paged: bool = False,
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One batched forward over all chunks; writes their K/V into the cache.
 
@@ -117,6 +117,8 @@ class ModelRunner:
             return_hidden: also return per chunk the final hidden states [q_len, hidden_size]
                 (all rows, final-norm output), or with ``hidden_layers`` those decoder layers'
                 outputs side by side, [q_len, len(hidden_layers) * hidden_size].
+            paged: whole prompts too attend through the paged kernel (AttentionMetadata's
+                ``paged``: each row's result is the same wherever its chunk starts).
 
         Returns:
             list of logits per chunk, or (logits list, hidden list) when ``return_hidden``.
@@ -146,7 +148,7 @@ class ModelRunner:
             masks.append(ancestry_mask(c.parents) if tree else None)
         meta = AttentionMetadata.build(
             q_lens, [c.start_pos for c in chunks], [c.block_table for c in chunks],
-            self.block_size, self.device, tree_masks=masks,
+            self.block_size, self.device, tree_masks=masks, paged=paged,
         )
         ends = torch.tensor(q_lens).cumsum(0)
         rows = None if logits == "all" else (ends - 1).to(self.device)
@@ -177,12 +179,15 @@ class ModelRunner:
         start_pos: int = 0,
         return_hidden: bool = False,
         hidden_layers: tuple[int, ...] | None = None,
+        paged: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one prompt (positions start_pos ..) in chunks of ``chunk_size`` tokens (all at once
         when None) and return the logits of its last token, [1, vocab].
 
         With ``return_hidden`` also returns the final hidden states of all prompt tokens
-        [len(token_ids), hidden_size] (``hidden_layers``: as :meth:`forward`).
+        [len(token_ids), hidden_size] (``hidden_layers``, ``paged``: as :meth:`forward`; with
+        ``paged`` the KV and logits do not depend on ``chunk_size`` or ``start_pos``, bit for
+        bit: a prompt's tail run over its cached prefix equals the whole prompt run).
 
         Raises:
             ValueError: as :meth:`forward`, or ``chunk_size < 1``.
@@ -195,7 +200,7 @@ class ModelRunner:
         for lo in range(0, len(token_ids), step):
             chunk = SeqChunk(token_ids[lo : lo + step], start_pos + lo, block_table)
             out = self.forward([chunk], logits="last", return_hidden=return_hidden,
-                               hidden_layers=hidden_layers)
+                               hidden_layers=hidden_layers, paged=paged)
             if return_hidden:
                 logits, hidden = out
                 hiddens.append(hidden[0])
@@ -211,9 +216,13 @@ class ModelRunner:
         block_tables: list[list[int]],
         return_hidden: bool = False,
         hidden_layers: tuple[int, ...] | None = None,
+        start_positions: list[int] | None = None,
+        paged: bool = False,
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Run several whole prompts (each from position 0, into its own ``block_tables``
         entry) in ONE forward and return, per prompt, the logits of its last token [1, vocab].
+        ``start_positions`` (None: all 0): prompt i's tokens start there, the KV before them
+        already in its blocks (a prefix cache hit; use with ``paged``, as :meth:`prefill`).
 
         Each prompt computes exactly as :meth:`prefill` computes it alone in one chunk: a forward
         of whole prompts attends within each prompt (causal, one attention call per prompt) and
@@ -222,14 +231,16 @@ class ModelRunner:
         check (a prompt longer than a chunk runs alone through :meth:`prefill`).
 
         With ``return_hidden`` also returns per prompt its hidden states [len, hidden_size]
-        (``hidden_layers``: as :meth:`forward`).
+        (``hidden_layers``, ``paged``: as :meth:`forward`).
 
         Raises:
-            ValueError: as :meth:`forward`, or ``prompts`` and ``block_tables`` of different
-                lengths.
+            ValueError: as :meth:`forward`, or ``prompts``, ``block_tables`` and
+                ``start_positions`` of different lengths.
         """
-        if len(prompts) != len(block_tables):
-            raise ValueError(f"{len(prompts)} prompts but {len(block_tables)} block tables")
-        chunks = [SeqChunk(list(p), 0, t) for p, t in zip(prompts, block_tables)]
+        starts = [0] * len(prompts) if start_positions is None else list(start_positions)
+        if not len(prompts) == len(block_tables) == len(starts):
+            raise ValueError(f"{len(prompts)} prompts, {len(block_tables)} block tables and "
+                             f"{len(starts)} start positions")
+        chunks = [SeqChunk(list(p), s, t) for p, t, s in zip(prompts, block_tables, starts)]
         return self.forward(chunks, logits="last", return_hidden=return_hidden,
-                            hidden_layers=hidden_layers)
+                            hidden_layers=hidden_layers, paged=paged)

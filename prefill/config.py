@@ -21,7 +21,11 @@ class PrefillConfig:
     so a cap also delays the next request's prefill. ``max_batch_tokens``: prompt tokens of one
     batched forward: waiting prompts of at most ``chunk_size`` tokens each run together up to
     it, as far as batching shortens their times to first token (prefill/batching.py); 1 runs
-    one prompt per forward."""
+    one prompt per forward. ``enable_prefix_caching``: keep the full KV blocks of prompts
+    prefilled in this worker's cache and compute a new prompt's cached prefix no more
+    (prefill/prefix_cache.py, docs/operations.md 'Prefix caching'; vLLM's option); every
+    prefill forward then attends through the paged kernel, so a prompt's KV and first token are
+    the same bits whatever part of it was cached."""
 
     instance_id: str = "prefill-0"
     chunk_size: int = 512
@@ -31,6 +35,7 @@ class PrefillConfig:
     seed_states: dict[str, str] = field(default_factory=dict)
     max_kv_send_mb_s: float = 0.0
     max_batch_tokens: int = 512
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for method, kind in self.seed_states.items():

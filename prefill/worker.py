@@ -14,6 +14,11 @@ then each request's KV as KVFrames stamped (request id, transfer id, layer range
 KV frames and PrefillDone go on the same ordered channel. A PrefillCancel is acknowledged once
 no frame of that transfer can follow.
 
+With ``enable_prefix_caching`` the full KV blocks of the prompts prefilled stay in this worker's
+cache (prefill/prefix_cache.py): a prompt whose leading full blocks were prefilled before
+reuses them and computes only the rest (always its last token, whose logits give the first
+token), then ships the KV of all its blocks as usual.
+
 A batch whose verifier shares this worker's cores and computes nothing meanwhile
 (``PrefillRequest.verifier_idle``) runs on the verifier's thread count too (``idle_threads``).
 """
@@ -35,6 +40,7 @@ from specmesh.engine.runner import ModelRunner
 from specmesh.engine.sampling import sample_tokens
 from specmesh.prefill.batching import PrefillCost, batch_length
 from specmesh.prefill.config import PrefillConfig
+from specmesh.prefill.prefix_cache import PrefixCache, block_keys
 from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.messages import (
     Abort,
@@ -61,6 +67,22 @@ class Queued:
 
 
 @dataclass
+class Claim:
+    """One request's blocks in this worker during its prefill: ``held``, the cached prefix
+    blocks it reuses (acquired from the prefix cache), then ``new``, the blocks it computes into;
+    ``keys``: its full blocks' chained keys (empty with prefix caching off)."""
+
+    held: list[int]
+    new: list[int]
+    keys: list[bytes]
+
+    @property
+    def table(self) -> list[int]:
+        """The request's block table in this worker."""
+        return self.held + self.new
+
+
+@dataclass
 class PrefillStats:
     num_requests: int = 0
     num_prompt_tokens: int = 0
@@ -71,6 +93,9 @@ class PrefillStats:
     num_protocol_errors: int = 0
     num_dropped_backlog: int = 0  # queued requests of a verifier that went away or restarted
     num_dropped_messages: int = 0  # an Abort for no queued request, a kind prefill does not take
+    num_computed_tokens: int = 0  # prompt tokens run through a forward (cache hits are not)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's name)
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was cached (not computed)
 
 
 class PrefillWorker(MailboxWorker):
@@ -96,6 +121,9 @@ class PrefillWorker(MailboxWorker):
         #: cores (PrefillRequest.verifier_idle) runs on ``idle threads``, then back to
         #: ``threads`` (set by cluster/hosts/prefill.py on a CPU node; None: never)
         self.idle_threads: tuple[int, int, Callable[[int], None]] | None = None
+        #: the KV blocks of past prompts (None: prefix caching off)
+        self.prefix_cache = (PrefixCache(block_manager.block_size)
+                             if config.enable_prefix_caching else None)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This worker's randomness for unseeded sampled first tokens (freshly seeded)."""
@@ -206,12 +234,64 @@ class PrefillWorker(MailboxWorker):
         batch: list[Queued] = []
         for item in list(self.queue)[:take]:
             blocks += bm.blocks_for(len(item.req.prompt_token_ids))
-            if not bm.can_allocate(blocks):
+            if not self._can_allocate(blocks):
                 break  # (single-threaded, the worker's blocks are free between batches)
             batch.append(item)
         for _ in batch:
             self.queue.popleft()
         return batch
+
+    def _can_allocate(self, num_blocks: int) -> bool:
+        """``num_blocks`` blocks are free or can be freed by evicting unused cached ones."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
+        return 0 <= num_blocks <= self.block_manager.num_free_blocks + evictable
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` free blocks, evicting least recently used cached ones for room."""
+        bm = self.block_manager
+        short = num_blocks - bm.num_free_blocks
+        if short > 0 and self.prefix_cache is not None:
+            bm.free(self.prefix_cache.evict(short))
+        return bm.allocate(num_blocks)
+
+    def _claim_blocks(self, reqs: list[PrefillRequest]) -> list[Claim]:
+        """Per request its blocks: with prefix caching, the longest cached run of its
+        leading full blocks that leaves its last token to compute (whose logits give the first
+        token), then new blocks for the rest. On failure nothing stays claimed.
+
+        Raises:
+            KVCacheExhausted: not enough blocks, even after evicting every unused cached one.
+        """
+        cache, bm = self.prefix_cache, self.block_manager
+        claims: list[Claim] = []
+        try:
+            for req in reqs:
+                n = len(req.prompt_token_ids)
+                claim = Claim([], [], [])
+                claims.append(claim)
+                if cache is not None:
+                    claim.keys = block_keys(req.prompt_token_ids, bm.block_size)
+                    claim.held = cache.match(claim.keys, (n - 1) // bm.block_size)
+                claim.new = self._allocate(bm.blocks_for(n) - len(claim.held))
+        except BaseException:
+            self._unclaim(claims, keep=False)
+            raise
+        return claims
+
+    def _unclaim(self, claims: list[Claim], keep: bool) -> None:
+        """Hand back a batch's blocks; with ``keep`` (their KV computed) each request's new
+        full blocks go to the prefix cache first, where it has none under their keys yet."""
+        cache = self.prefix_cache
+        for claim in claims:
+            taken: list[int] = []
+            if cache is not None:
+                if keep:
+                    n_held = len(claim.held)
+                    taken = cache.insert(claim.keys[n_held:],
+                                         claim.new[:len(claim.keys) - n_held])
+                cache.release(claim.held + taken)
+            kept = set(taken)
+            self.block_manager.free([b for b in claim.new if b not in kept])
 
     def _threads_for(self, req: PrefillRequest) -> int:
         """Torch threads a batch led by ``req`` runs on (0: the worker does not set them)."""
@@ -229,7 +309,11 @@ class PrefillWorker(MailboxWorker):
         now = time.monotonic()
         for item in batch:
             self.profile.observe("queue_wait", max(now - item.received, 0.0))
-        tables = [self.block_manager.allocate(self.block_manager.blocks_for(n)) for n in sizes]
+        claims = self._claim_blocks(reqs)
+        tables = [c.table for c in claims]
+        starts = [len(c.held) * self.block_manager.block_size for c in claims]
+        computed = [n - s for n, s in zip(sizes, starts)]
+        done = False
         # a verifier on the same cores pauses its verify steps for this prompt (or has nothing
         # to do): the batch runs on its threads too
         threads = max(self._threads_for(r) for r in reqs)
@@ -240,10 +324,10 @@ class PrefillWorker(MailboxWorker):
         try:
             t0 = time.monotonic()
             with self.profile.phase("forward"):
-                firsts, seeds = self._forward(reqs, tables)
-            if len(reqs) > 1 or sizes[0] <= self.config.chunk_size:  # one forward: a cost point
+                firsts, seeds = self._forward(reqs, tables, starts)
+            if len(reqs) > 1 or computed[0] <= self.config.chunk_size:  # one forward: a point
                 self.cost_models.setdefault(threads, PrefillCost()).observe(
-                    sum(sizes), time.monotonic() - t0)
+                    sum(computed), time.monotonic() - t0)
             self.profile.count("num_batches")
             self.profile.count("num_batch_prompts", len(reqs))
             with self.profile.phase("send_kv"):
@@ -256,18 +340,24 @@ class PrefillWorker(MailboxWorker):
                         num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed))
                 for item, fs in zip(batch, frames):
                     self._send_frames(item.peer, fs)
+            done = True
         finally:
             if boost:
                 self.idle_threads[2](self.idle_threads[0])
-            for table in tables:
-                self.block_manager.free(table)
+            self._unclaim(claims, keep=done)  # computed KV stays cached, if on
         self.stats.num_requests += len(reqs)
         self.stats.num_prompt_tokens += sum(sizes)
+        self.stats.num_computed_tokens += sum(computed)
+        if self.prefix_cache is not None:
+            self.stats.prefix_cache_queries += sum(sizes)
+            self.stats.prefix_cache_hits += sum(starts)
+            self.profile.count("prefix_cache_hit_tokens", sum(starts))
 
-    def _forward(self, reqs: list[PrefillRequest],
-                 tables: list[list[int]]) -> tuple[list[int], list[Buffer | None]]:
-        """Run the prompts; returns per request its first token (output position 0, by its
-        sampling mode) and the seed state PrefillDone carries (None: its method has none)."""
+    def _forward(self, reqs: list[PrefillRequest], tables: list[list[int]],
+                 starts: list[int]) -> tuple[list[int], list[Buffer | None]]:
+        """Run the prompts, each from ``starts[i]`` (its KV before that is cached); returns
+        per request its first token (output position 0, by its sampling mode) and the seed
+        state PrefillDone carries (None: its method has none)."""
         kinds = [self.config.seed_states.get(r.draft_method, "") for r in reqs]
         # hidden states once per batch: the widest layer set any request's method asks for
         hidden_kinds = sorted({k for k in kinds if is_hidden_seed(k)})
@@ -276,17 +366,21 @@ class PrefillWorker(MailboxWorker):
             wanted = {seed_state_layers(k) for k in hidden_kinds}
             layers = wanted.pop() if len(wanted) == 1 else ()
         if layers == ():  # methods of one batch that want different layers: one at a time
-            out = [self._forward(reqs[i:i + 1], tables[i:i + 1]) for i in range(len(reqs))]
+            out = [self._forward(reqs[i:i + 1], tables[i:i + 1], starts[i:i + 1])
+                   for i in range(len(reqs))]
             return [f for o in out for f in o[0]], [s for o in out for s in o[1]]
         want_hidden = bool(hidden_kinds)
-        prompts = [r.prompt_token_ids for r in reqs]
+        prompts = [r.prompt_token_ids[s:] for r, s in zip(reqs, starts)]
+        paged = self.prefix_cache is not None  # chunk invariant: cached or not, the same bits
         if len(reqs) == 1:
             out = self.runner.prefill(prompts[0], tables[0], chunk_size=self.config.chunk_size,
-                                      return_hidden=want_hidden, hidden_layers=layers)
+                                      start_pos=starts[0], return_hidden=want_hidden,
+                                      hidden_layers=layers, paged=paged)
             logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
         else:
             out = self.runner.prefill_batch(prompts, tables, return_hidden=want_hidden,
-                                            hidden_layers=layers)
+                                            hidden_layers=layers, start_positions=starts,
+                                            paged=paged)
             logits, hidden = out if want_hidden else (out, None)
         last = torch.cat([x.reshape(-1, x.shape[-1])[-1:] for x in logits])
         # output position 0, by each request's mode (engine/sampling.py): greedy argmax,

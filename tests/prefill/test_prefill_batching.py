@@ -140,7 +140,7 @@ def test_without_a_cost_fit_a_batch_takes_two_prompts_then_the_fit_decides(tiny)
 def test_prefill_batch_checks_its_arguments(tiny):
     model, config = tiny
     runner = ModelRunner(model, config, KVCache(config, NUM_BLOCKS, BLOCK, torch.float32))
-    with pytest.raises(ValueError, match="2 prompts but 1 block tables"):
+    with pytest.raises(ValueError, match="2 prompts, 1 block tables"):
         runner.prefill_batch([[1, 2], [3]], [[0]])
     with pytest.raises(ValueError, match="token id out of range"):
         runner.prefill_batch([[1, 2], [VOCAB]], [[0], [1]])
