@@ -7,7 +7,11 @@ out of that reservation, so a running request never runs out of KV. Each step th
 plans, per running request, the drafts to verify: its usable tail, capped by kappa
 (``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
 more than its recent accept length, (``goodput_drafts``) by its goodput-maximising cap this step
-(decode/goodput.py), and the whole batch by ``max_num_batched_tokens``. A
+(decode/goodput.py), and the whole batch by ``max_num_batched_tokens``. A run of drafts
+copied from the request's prediction (OpenAI Predicted Outputs) at the head of its tail is
+exempt from kappa and those two caps: it is verified up to ``num_prediction_tokens`` instead
+(:meth:`Scheduler.prediction_drafts`), and it does not move the accept history the caps read
+(:meth:`Scheduler.observe_accept`). A
 request whose tail holds a draft tree (one-hot drafts) gets a tree instead: its depth capped
 like a chain's length, its nodes by ``max_tree_nodes`` (default twice kappa, as vLLM / SGLang
 give trees a node budget of their own). It also
@@ -217,6 +221,28 @@ class Scheduler:
             k = min(k, int(req.accept_len_ema + 0.5) + 1)  # all accepted -> may grow
         return max(k, 0)
 
+    def prediction_drafts(self, req: Request) -> int:
+        """Most drafts verified for ``req`` this step when they are a run of its prediction's
+        from the last committed token: ``num_prediction_tokens`` (never below the request's
+        own :meth:`num_drafts`, never past ``max_tokens``); 0 for a request without a
+        prediction. No adaptive or goodput cap: a prediction draft costs no forward to make
+        and, after an edit's rejected token, the drafter re-aligns the prediction to the
+        output (drafter/prediction.py), so the next run is as likely right as the last."""
+        if not (req.prediction_token_ids and req.spec_enabled and req.drafter is not None
+                and req.num_speculative_tokens > 0):
+            return 0
+        return max(min(self.config.num_prediction_tokens, req.num_remaining - 1), 0)
+
+    def _prediction_run(self, req: Request, width: int) -> int:
+        """Drafts at the head of ``req``'s usable tail copied from its prediction, at most
+        ``width``."""
+        run = 0
+        for flag in req.tail.usable_predicted(width):
+            if not flag:
+                break
+            run += 1
+        return min(run, len(req.tail.usable(width)))
+
     def drafts_wanted(self, req: Request) -> int:
         """What VerifyCommit tells ``req``'s drafter it will verify next: :meth:`num_drafts`,
         within its cap under the latest goodput decision (0 while its drafts are held back:
@@ -249,6 +275,9 @@ class Scheduler:
         for req, k in zip(running, caps):
             if budget < 1:
                 break
+            width = self.prediction_drafts(req)
+            if width > k:  # a prediction run is verified past the method's caps
+                k = max(k, self._prediction_run(req, width))
             k = min(k, budget - 1)
             drafts = req.tail.usable(k)
             probs = req.tail.usable_probs(len(drafts))
@@ -279,9 +308,22 @@ class Scheduler:
         nodes = self.config.max_tree_nodes or 2 * req.num_speculative_tokens
         return max(min(nodes, req.num_remaining - 1), 0)
 
-    def observe_accept(self, req: Request, accept_len: int, num_drafts: int) -> None:
+    def observe_accept(self, req: Request, accept_len: int, num_drafts: int,
+                       num_predicted: int = 0) -> None:
         """Update ``req``'s accept-length EMA and acceptance after a verify step that carried
-        ``num_drafts`` drafts."""
+        ``num_drafts`` drafts, the first ``num_predicted`` of them copied from its prediction.
+
+        Those two are the history of the method's drafts (what ``adaptive_drafts`` and
+        ``goodput_drafts`` cap): the prediction drafts are left out, so a step of prediction
+        drafts only changes nothing, and a step whose prediction run was all accepted counts
+        the method drafts after it as a step of their own (one whose run was cut before them
+        never judged them)."""
+        num_predicted = min(max(num_predicted, 0), num_drafts)
+        if num_predicted:
+            if num_predicted == num_drafts or accept_len < num_predicted:
+                return
+            accept_len -= num_predicted
+            num_drafts -= num_predicted
         req.accept_len_ema += ACCEPT_LEN_EMA_WEIGHT * (accept_len - req.accept_len_ema)
         req.acceptance.observe(accept_len, num_drafts)
 
