@@ -39,8 +39,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="kappa: most drafts verified per request per step (0 = speculation off)")
     p.add_argument("--num-prediction-tokens", type=int, default=DEFAULT_NUM_PREDICTION_TOKENS,
                    help="most drafts verified per request per step while they are copied from "
-                        "the request's prediction (OpenAI Predicted Outputs), past kappa and "
-                        "the adaptive / goodput draft caps (0 = kappa, like other drafts)")
+                        "the request's prediction (OpenAI Predicted Outputs): the run's width "
+                        "starts at kappa, doubles after each run accepted whole up to this, "
+                        "and restarts at kappa after a rejected one; the adaptive / goodput "
+                        "draft caps do not apply to it (<= kappa: kappa, like other drafts)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the verifier (default: all cores)")
     p.add_argument("--thread-plan", default=None, metavar="ROLE=N,...",

@@ -14,8 +14,8 @@ ACCEPT_LEN_EMA_WEIGHT = 0.5
 #: Initial accept-length EMA of a new request: optimistic, so that a request starts with the
 #: full kappa and only loses drafts after it has shown that they fail.
 INITIAL_ACCEPT_LEN_EMA = 16.0
-#: Default for ``num_prediction_tokens``: a prediction draft costs the drafter nothing and is
-#: usually right, so a step may carry as many of them as the default ``max_num_speculative_tokens``.
+#: Default for ``num_prediction_tokens``: a prediction draft costs the drafter nothing, so a run
+#: that keeps matching may grow to as many as the default ``max_num_speculative_tokens``.
 DEFAULT_NUM_PREDICTION_TOKENS = 16
 #: Weight of the newest step in the verify-step time EMA that sizes the tail-wait budget.
 STEP_TIME_EMA_WEIGHT = 0.2
@@ -71,11 +71,13 @@ class VerifierConfig:
     chain.
     ``num_prediction_tokens``: most drafts verified per request per step while the drafts at
     the head of its tail were copied from its prediction (OpenAI Predicted Outputs): a run of
-    prediction drafts from the last committed token is verified up to this many, whatever the
-    request's kappa, ``adaptive_drafts`` and ``goodput_drafts`` allow its method's drafts (a
-    prediction is a draft that costs no forward and re-aligns after the one rejected token
-    of an edit, so a method's accept history says nothing about it); 0: prediction drafts get
-    kappa like any other (decode/scheduler.py, Scheduler.prediction_drafts).
+    prediction drafts from the last committed token is verified up to the request's
+    prediction width, which starts at kappa, doubles after each run accepted whole up to this
+    many and falls back to kappa after a rejected prediction draft, whatever
+    ``adaptive_drafts`` and ``goodput_drafts`` allow its method's drafts (a prediction draft
+    costs no forward, so a method's accept history says nothing about it); at most kappa:
+    prediction drafts get kappa like any other (decode/scheduler.py,
+    Scheduler.prediction_drafts).
     ``max_prefill_pause_s``: where a prefill worker shares this verifier's CPU cores, the
     verifier pauses its verify steps while a prefill it waits on is in flight, for windows of
     at most this long with one verify step between them, so the prompt runs on every core
