@@ -63,7 +63,9 @@ class ClusterConfig:
     dtype in prefill and verifier alike (vLLM's ``--kv-cache-dtype``; ``auto``: the model
     dtype; ``bfloat16`` / ``float16``: a 16-bit cache for a float32 model on the CPU,
     engine/kv_cache.py); every role announces it in its Hello (ModelIdentity). A drafter
-    ``window`` of 0 means "two verify steps of drafts" (2 x kappa).
+    ``window`` of 0 means "two verify steps of drafts" (2 x kappa), a ``prediction_window`` of
+    0 two steps of prediction drafts (2 x the verifier's ``num_prediction_tokens``, at least
+    the window).
     ``namespace``: the Ray namespace of the cluster's named actors (controller
     ``specmesh-controller``, roles ``specmesh-<instance id>``); clusters sharing one Ray
     session need distinct ones (``specmesh bench --drafters`` runs one per method).
@@ -99,8 +101,8 @@ class ClusterConfig:
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
         max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
-    drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(window=0,
-                                                                         max_segment=0))
+    drafter: DrafterConfig = field(default_factory=lambda: DrafterConfig(
+        window=0, max_segment=0, prediction_window=0))
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -126,6 +128,10 @@ class ClusterConfig:
         if self.drafter.window <= 0:  # derived from kappa (frozen: set through object)
             w = DrafterConfig.default_window(self.verifier.num_speculative_tokens)
             object.__setattr__(self, "drafter", replace(self.drafter, window=w, max_segment=w))
+        if self.drafter.prediction_window <= 0:  # derived from num_prediction_tokens
+            w = max(DrafterConfig.default_window(self.verifier.num_prediction_tokens),
+                    self.drafter.window)
+            object.__setattr__(self, "drafter", replace(self.drafter, prediction_window=w))
 
     @classmethod
     def create(cls, **settings) -> ClusterConfig:
@@ -172,4 +178,5 @@ class ClusterConfig:
     def with_kappa(self, num_speculative_tokens: int) -> ClusterConfig:
         """The same deployment with another kappa (and the drafter window that follows)."""
         v = replace(self.verifier, num_speculative_tokens=num_speculative_tokens)
-        return replace(self, verifier=v, drafter=replace(self.drafter, window=0, max_segment=0))
+        return replace(self, verifier=v, drafter=replace(self.drafter, window=0, max_segment=0,
+                                                         prediction_window=0))

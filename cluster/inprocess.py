@@ -111,7 +111,9 @@ class InProcessCluster:
         w = window or DrafterConfig.default_window(num_speculative_tokens)
         # branches hide drafting latency from a verifier that runs meanwhile; stepped in turn
         # here, the drafter's whole window is ready before every verify step: off by default
-        d_opts = {"num_branches": 0, **(drafter_options or {})}
+        # prediction drafts run two verify steps of num_prediction_tokens ahead, as served
+        pw = max(DrafterConfig.default_window(self.verifier.config.num_prediction_tokens), w)
+        d_opts = {"num_branches": 0, "prediction_window": pw, **(drafter_options or {})}
         self.drafter = DrafterWorker(DrafterConfig(method=draft_method, window=w, max_segment=w,
                                                    **d_opts),
                                      self.hub.mailbox("drafter-0"), proposer)

@@ -9,6 +9,7 @@ import os
 from specmesh.cluster.config import ROLES, ClusterConfig, default_threads
 from specmesh.cluster.corpus_files import check_corpus_option
 from specmesh.cluster.drafter_option import add_drafter_options
+from specmesh.decode.config import DEFAULT_NUM_PREDICTION_TOKENS
 from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
 from specmesh.drafter.registry import runs_a_model, supports_corpus
 from specmesh.engine.backend import CHOICES, BackendOverrides, read_overrides
@@ -36,6 +37,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="auto (a visible GPU, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="kappa: most drafts verified per request per step (0 = speculation off)")
+    p.add_argument("--num-prediction-tokens", type=int, default=DEFAULT_NUM_PREDICTION_TOKENS,
+                   help="most drafts verified per request per step while they are copied from "
+                        "the request's prediction (OpenAI Predicted Outputs): the run's width "
+                        "starts at kappa, doubles after each run accepted whole up to this, "
+                        "and restarts at kappa after a rejected one; the adaptive / goodput "
+                        "draft caps do not apply to it (<= kappa: kappa, like other drafts)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the verifier (default: all cores)")
     p.add_argument("--thread-plan", default=None, metavar="ROLE=N,...",
@@ -154,6 +161,8 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
               kv_cache_mb=args.kv_cache_mb,
               num_speculative_tokens=args.num_speculative_tokens,
+              num_prediction_tokens=getattr(args, "num_prediction_tokens",
+                                            DEFAULT_NUM_PREDICTION_TOKENS),
               max_model_len=settings["max_model_len"].value, max_num_seqs=args.max_num_seqs,
               draft_method=method, drafter_method_kwargs=dict(method_kwargs),
               verify_rule=getattr(args, "verify_rule", "auto"),

@@ -14,6 +14,9 @@ ACCEPT_LEN_EMA_WEIGHT = 0.5
 #: Initial accept-length EMA of a new request: optimistic, so that a request starts with the
 #: full kappa and only loses drafts after it has shown that they fail.
 INITIAL_ACCEPT_LEN_EMA = 16.0
+#: Default for ``num_prediction_tokens``: a prediction draft costs the drafter nothing, so a run
+#: that keeps matching may grow to as many as the default ``max_num_speculative_tokens``.
+DEFAULT_NUM_PREDICTION_TOKENS = 16
 #: Weight of the newest step in the verify-step time EMA that sizes the tail-wait budget.
 STEP_TIME_EMA_WEIGHT = 0.2
 #: Default for ``max_num_batched_tokens``: large enough that a full batch of ``max_num_seqs``
@@ -66,6 +69,15 @@ class VerifierConfig:
     registry. ``max_tree_nodes``: most draft-tree nodes verified per request per step (tree
     verification; 0: twice the request's kappa); the tree's depth is capped by kappa like a
     chain.
+    ``num_prediction_tokens``: most drafts verified per request per step while the drafts at
+    the head of its tail were copied from its prediction (OpenAI Predicted Outputs): a run of
+    prediction drafts from the last committed token is verified up to the request's
+    prediction width, which starts at kappa, doubles after each run accepted whole up to this
+    many and falls back to kappa after a rejected prediction draft, whatever
+    ``adaptive_drafts`` and ``goodput_drafts`` allow its method's drafts (a prediction draft
+    costs no forward, so a method's accept history says nothing about it); at most kappa:
+    prediction drafts get kappa like any other (decode/scheduler.py,
+    Scheduler.prediction_drafts).
     ``max_prefill_pause_s``: where a prefill worker shares this verifier's CPU cores, the
     verifier pauses its verify steps while a prefill it waits on is in flight, for windows of
     at most this long with one verify step between them, so the prompt runs on every core
@@ -96,6 +108,7 @@ class VerifierConfig:
     verify_rule: str = AUTO_VERIFY_RULE
     synthetic_acceptance: tuple[float, ...] = ()
     max_tree_nodes: int = 0
+    num_prediction_tokens: int = DEFAULT_NUM_PREDICTION_TOKENS
     max_prefill_pause_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -117,6 +130,9 @@ class VerifierConfig:
             raise ValueError("tail_wait_fraction must be >= 0")
         if self.max_tree_nodes < 0:
             raise ValueError("max_tree_nodes must be >= 0")
+        if self.num_prediction_tokens < 0:
+            raise ValueError(f"num_prediction_tokens must be >= 0 (0: kappa), got "
+                             f"{self.num_prediction_tokens}")
         if not self.max_prefill_pause_s >= 0:
             raise ValueError(f"max_prefill_pause_s must be >= 0 (0: never pause), got "
                              f"{self.max_prefill_pause_s}")

@@ -325,7 +325,13 @@ class RequestLifecycle:
             self.stats.num_tree_verify_steps += 1
             self.stats.num_tree_side_branch_accepts += out.side_branch
         if out.num_draft_tokens:
-            self.scheduler.observe_accept(req, out.accept_len, out.num_draft_tokens)
+            # the chain's leading prediction run (a tree's method nodes count as the method's)
+            num_predicted = 0
+            if from_prediction and out.accepted_node_ids is None:
+                while num_predicted < len(from_prediction) and from_prediction[num_predicted]:
+                    num_predicted += 1
+            self.scheduler.observe_accept(req, out.accept_len, out.num_draft_tokens,
+                                          num_predicted)
             req.observe_spec(start, len(committed), out.num_draft_tokens, out.accept_len)
         if from_prediction:
             # the flagged drafts are the chain from the root: a tree's accepted path follows

@@ -69,6 +69,9 @@ class Request:
     spec_steps: list[tuple[int, int, int, int]] = field(default_factory=list)
     accept_len_ema: float = INITIAL_ACCEPT_LEN_EMA
     acceptance: Acceptance = field(default_factory=Acceptance)  # decode/goodput.py
+    #: most prediction drafts its next step verifies (0: not set yet, its kappa);
+    #: Scheduler.prediction_drafts / observe_accept
+    prediction_width: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # its first PrefillRequest left
     first_token_time: float | None = None

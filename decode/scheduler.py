@@ -7,7 +7,12 @@ out of that reservation, so a running request never runs out of KV. Each step th
 plans, per running request, the drafts to verify: its usable tail, capped by kappa
 (``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
 more than its recent accept length, (``goodput_drafts``) by its goodput-maximising cap this step
-(decode/goodput.py), and the whole batch by ``max_num_batched_tokens``. A
+(decode/goodput.py), and the whole batch by ``max_num_batched_tokens``. A run of drafts
+copied from the request's prediction (OpenAI Predicted Outputs) at the head of its tail has a
+width of its own instead: kappa after a rejected prediction draft, doubled after each run
+accepted whole, up to ``num_prediction_tokens`` (:meth:`Scheduler.prediction_drafts`); its
+steps do not move the accept history the method's caps read (:meth:`Scheduler.observe_accept`).
+A
 request whose tail holds a draft tree (one-hot drafts) gets a tree instead: its depth capped
 like a chain's length, its nodes by ``max_tree_nodes`` (default twice kappa, as vLLM / SGLang
 give trees a node budget of their own). It also
@@ -30,6 +35,11 @@ from specmesh.decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, 
 from specmesh.decode.goodput import DraftBudget, DraftCaps, expected_tokens
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.protocol.messages import SamplingParams
+
+
+#: Factor a request's prediction width grows by after a step that accepted its whole
+#: prediction run (Scheduler.prediction_drafts).
+PREDICTION_WIDTH_GROWTH = 2
 
 
 class BlockAllocator(Protocol):
@@ -217,6 +227,42 @@ class Scheduler:
             k = min(k, int(req.accept_len_ema + 0.5) + 1)  # all accepted -> may grow
         return max(k, 0)
 
+    def prediction_drafts(self, req: Request) -> int:
+        """Most drafts verified for ``req`` this step when they are a run of its prediction's
+        from the last committed token (never past ``max_tokens``; 0 for a request without a
+        prediction): its prediction width, which starts at its kappa, doubles after every
+        step that accepted its whole prediction run, up to ``num_prediction_tokens``, and
+        falls back to kappa after a step that rejected a prediction draft
+        (:meth:`observe_accept`), like TCP's slow start.
+
+        Neither ``adaptive_drafts`` nor ``goodput_drafts`` caps it: the drafts cost no
+        forward to make, and the history those caps read is the method's. The width is not
+        simply ``num_prediction_tokens``: where the output leaves the prediction (an edit, or
+        a model that words it differently), a wide step verifies many drafts past the first
+        rejected one, and a verify forward's cost grows with its tokens
+        (docs/benchmarks.md, 'Predicted Outputs'); a run that keeps matching grows back to
+        the full width in a few steps."""
+        if not (req.prediction_token_ids and req.spec_enabled and req.drafter is not None
+                and req.num_speculative_tokens > 0):
+            return 0
+        width = req.prediction_width or req.num_speculative_tokens
+        return max(min(width, self._max_prediction_width(req), req.num_remaining - 1), 0)
+
+    def _max_prediction_width(self, req: Request) -> int:
+        """The widest prediction run ``req`` may verify: ``num_prediction_tokens``, at least
+        its kappa."""
+        return max(self.config.num_prediction_tokens, req.num_speculative_tokens)
+
+    def _prediction_run(self, req: Request, width: int) -> int:
+        """Drafts at the head of ``req``'s usable tail copied from its prediction, at most
+        ``width``."""
+        run = 0
+        for flag in req.tail.usable_predicted(width):
+            if not flag:
+                break
+            run += 1
+        return min(run, len(req.tail.usable(width)))
+
     def drafts_wanted(self, req: Request) -> int:
         """What VerifyCommit tells ``req``'s drafter it will verify next: :meth:`num_drafts`,
         within its cap under the latest goodput decision (0 while its drafts are held back:
@@ -249,6 +295,9 @@ class Scheduler:
         for req, k in zip(running, caps):
             if budget < 1:
                 break
+            width = self.prediction_drafts(req)
+            if width > k:  # a prediction run is verified past the method's caps
+                k = max(k, self._prediction_run(req, width))
             k = min(k, budget - 1)
             drafts = req.tail.usable(k)
             probs = req.tail.usable_probs(len(drafts))
@@ -279,9 +328,30 @@ class Scheduler:
         nodes = self.config.max_tree_nodes or 2 * req.num_speculative_tokens
         return max(min(nodes, req.num_remaining - 1), 0)
 
-    def observe_accept(self, req: Request, accept_len: int, num_drafts: int) -> None:
+    def observe_accept(self, req: Request, accept_len: int, num_drafts: int,
+                       num_predicted: int = 0) -> None:
         """Update ``req``'s accept-length EMA and acceptance after a verify step that carried
-        ``num_drafts`` drafts."""
+        ``num_drafts`` drafts, the first ``num_predicted`` of them copied from its prediction.
+
+        Those two are the history of the method's drafts (what ``adaptive_drafts`` and
+        ``goodput_drafts`` cap): the prediction drafts are left out, so a step of prediction
+        drafts only leaves them alone, and a step whose prediction run was all accepted counts
+        the method drafts after it as a step of their own (one whose run was cut before them
+        never judged them). The prediction drafts set the request's prediction width instead
+        (:meth:`prediction_drafts`): doubled when all were accepted, kappa when one was
+        not."""
+        num_predicted = min(max(num_predicted, 0), num_drafts)
+        if num_predicted:
+            if accept_len >= num_predicted:
+                width = req.prediction_width or req.num_speculative_tokens
+                req.prediction_width = min(PREDICTION_WIDTH_GROWTH * max(width, 1),
+                                           self._max_prediction_width(req))
+            else:
+                req.prediction_width = req.num_speculative_tokens
+            if num_predicted == num_drafts or accept_len < num_predicted:
+                return
+            accept_len -= num_predicted
+            num_drafts -= num_predicted
         req.accept_len_ema += ACCEPT_LEN_EMA_WEIGHT * (accept_len - req.accept_len_ema)
         req.acceptance.observe(accept_len, num_drafts)
 

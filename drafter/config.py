@@ -21,7 +21,12 @@ class DrafterConfig:
     those samples (None: a fresh one). ``num_branches``: candidates per position for which a
     proposer that prepares branches (:meth:`drafter.proposer.Proposer.propose_branches`)
     drafts ahead of the commit, at the first ``branch_positions`` positions of the path, once
-    its run-ahead is full (0: none)."""
+    its run-ahead is full (0: none). ``prediction_window``: how far a path may run past the
+    committed prefix in tokens copied from the request's prediction (OpenAI Predicted Outputs;
+    copying costs no forward, so neither ``max_segment`` nor the verifier's
+    ``num_drafts_wanted`` bounds it, only this; 0: the ``window``). A verifier that verifies
+    up to ``num_prediction_tokens`` prediction drafts a step needs twice that here (one tail
+    in flight, one being verified: :meth:`default_window`)."""
 
     method: str = "ngram"
     window: int = 8
@@ -32,10 +37,14 @@ class DrafterConfig:
     seed: int | None = None
     num_branches: int = 4
     branch_positions: int = 2
+    prediction_window: int = 0
 
     def __post_init__(self) -> None:
         if self.num_branches < 0 or self.branch_positions < 0:
             raise ValueError("num_branches and branch_positions must be >= 0")
+        if self.prediction_window < 0:
+            raise ValueError(f"prediction_window must be >= 0 (0: the window), got "
+                             f"{self.prediction_window}")
 
     @staticmethod
     def default_window(num_speculative_tokens: int) -> int:

@@ -24,7 +24,10 @@ from it first (drafter/prediction.py: the output's suffix aligned to the predict
 after it copied), whatever the method; the method drafts only where the prediction has nothing
 (no match, or its end). Prediction tokens leave as segments of their own
 (DraftTailStream.from_prediction, without draft_probs: a deterministic proposal, verified
-one-hot), so the verifier can count how many of them it accepted.
+one-hot), so the verifier can count how many of them it accepted. Copying costs no forward,
+so a path continued from the prediction runs up to ``prediction_window`` tokens ahead, past the
+method's window and ``max_segment``: the verifier verifies a run of prediction drafts wider than
+kappa (decode/scheduler.py, Scheduler.prediction_drafts).
 """
 
 from __future__ import annotations
@@ -303,13 +306,20 @@ class DrafterWorker(MailboxWorker):
         sent = 0
         wants = []
         for st in self.requests.values():
+            if st.exhausted:
+                continue
+            if st.prediction is not None and \
+                    self._predict(st, self._prediction_window(st) - len(st.path)):
+                continue
             room = min(self._window(st) - len(st.path), self.config.max_segment)
-            if room > 0 and not st.exhausted:
-                if self._predict(st, room):
-                    continue
+            if room > 0:
                 if self.proposer.max_drafts_per_call:
                     room = min(room, self.proposer.max_drafts_per_call)
                 wants.append((st, room))
+            elif st.prediction is not None:
+                # the prediction has nothing here and the method's window is full: nothing
+                # changes until the next commit
+                st.exhausted = True
         if wants:
             with self.profile.phase("propose"):
                 results = self._propose_all(wants)
@@ -329,7 +339,7 @@ class DrafterWorker(MailboxWorker):
         """Extend ``st``'s path by up to ``room`` tokens of its prediction, aligned to the
         output's suffix (drafter/prediction.py); False when it has no prediction or the
         prediction has nothing to continue the path with (the method drafts then)."""
-        if st.prediction is None:
+        if st.prediction is None or room <= 0:
             return False
         with self.profile.phase("predict"):
             n = st.prediction.index.max_match
@@ -415,6 +425,11 @@ class DrafterWorker(MailboxWorker):
             return self.config.window
         return min(self.config.window, RUN_AHEAD_STEPS * max(st.num_drafts_wanted, 1))
 
+    def _prediction_window(self, st: DraftState) -> int:
+        """How far ``st``'s path may run past its committed prefix in prediction tokens:
+        ``prediction_window``, never less than the method's run-ahead (:meth:`_window`)."""
+        return max(self.config.prediction_window, self._window(st))
+
     def _propose_all(self, wants: list[tuple[DraftState, int]]) -> list[tuple[list[int], list]]:
         """Up to ``room`` drafts for each ``(st, room)`` and their rows, in order: a proposer
         that samples (``returns_draft_probs``) drafts a sampled request the way it samples
@@ -470,9 +485,11 @@ class DrafterWorker(MailboxWorker):
 
     def _has_work(self) -> bool:
         """Some path may still grow: below its own run-ahead cap (:meth:`_window`, which the
-        verifier's ``num_drafts_wanted`` can set below the window) and not exhausted."""
-        return any(not s.exhausted and len(s.path) < self._window(s)
-                   for s in self.requests.values())
+        verifier's ``num_drafts_wanted`` can set below the window; :meth:`_prediction_window`
+        for a request with a prediction) and not exhausted."""
+        return any(not s.exhausted and len(s.path) < (
+            self._window(s) if s.prediction is None else self._prediction_window(s))
+            for s in self.requests.values())
 
     def step(self, timeout_s: float = 0.0) -> int:
         """Ingest what arrived (waiting up to ``timeout_s`` for the first message), then draft;

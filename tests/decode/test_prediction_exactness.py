@@ -119,3 +119,29 @@ def test_a_prediction_outside_the_vocabulary_or_too_long_is_refused(tiny):
     too_long = [1] * (c.verifier.config.max_model_len + 1)
     (bad,) = c.generate(prompts[:1], SamplingParams(max_tokens=4), predictions=[too_long])
     assert bad.finish_reason == "invalid" and "prediction has" in bad.error
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_prediction_drafts_are_verified_past_kappa(tiny, edited):
+    """kappa 2: a run of prediction drafts that keeps matching is verified up to
+    num_prediction_tokens wide (an exact prediction: a mean accept length above kappa,
+    impossible within it; an edited one: longer than with kappa, the width restarting at kappa
+    after each edit's rejected draft); the output stays plain decode's and accepted + rejected
+    = drafts."""
+    model, cfg, prompts, refs, _ = tiny
+    preds = [_edited(ref, i) if edited else ref for i, ref in enumerate(refs)]
+    sp = SamplingParams(max_tokens=MAX_TOKENS)
+    means = {}
+    for width in (0, 12):
+        c = InProcessCluster(model, cfg, num_speculative_tokens=2, num_kv_blocks=128,
+                             block_size=4, proposer=OracleProposer([], []),
+                             num_prediction_tokens=width)
+        res = c.generate(prompts, sp, predictions=preds)
+        for r, ref in zip(res, refs):
+            assert r.token_ids == ref
+            assert r.num_accepted_prediction_tokens + r.num_rejected_prediction_tokens \
+                == r.spec.num_draft_tokens
+        means[width] = sum(r.spec.num_accepted_tokens for r in res) / sum(
+            r.spec.num_verify_steps for r in res)
+    assert means[0] <= 2 and means[0] < means[12]
+    assert edited or means[12] > 2

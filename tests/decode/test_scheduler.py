@@ -331,3 +331,81 @@ def test_goodput_caps_are_per_request():
     plans = sched.plan([good, bad])
     assert [len(p.draft_token_ids) for p in plans] == [4, 0]
     assert sched.drafts_wanted(good) == 4 and sched.drafts_wanted(bad) == 0
+
+
+def predicting(req: Request, sched: Scheduler, output: list[int], prediction: list[int],
+               method: list[int] = ()) -> Request:
+    """``req`` running with a prediction and a tail of ``prediction`` drafts (flagged as
+    copied from it) followed by ``method`` drafts."""
+    req.prediction_token_ids = list(range(50))
+    running(req, sched, output)
+    n = len(output)
+    req.tail.add(n, prediction, req.output_token_ids, base_committed_len=n,
+                 from_prediction=True)
+    if method:
+        req.tail.add(n + len(prediction), list(method), req.output_token_ids,
+                     base_committed_len=n)
+    return req
+
+
+def test_a_prediction_run_is_verified_past_kappa_up_to_num_prediction_tokens():
+    run = list(range(10, 30))  # 20 prediction drafts
+    sched = make_scheduler(num_prediction_tokens=12)
+    req = predicting(make_request("a", max_tokens=40, kappa=4), sched, [9], run)
+    req.prediction_width = 12
+    (plan,) = sched.plan([req])
+    assert plan.draft_token_ids == run[:12] and plan.from_prediction == [True] * 12
+    assert len(req.block_table) * BLOCK >= req.kv_len + 13  # KV for every planned token
+    # never past max_tokens
+    short = predicting(make_request("b", max_tokens=8, kappa=4), sched, [9], run)
+    short.prediction_width = 12
+    (plan,) = sched.plan([short])
+    assert plan.draft_token_ids == run[:6]  # 7 tokens left: 6 drafts and the bonus
+    # method drafts after the run ride within kappa only
+    mixed = predicting(make_request("c", max_tokens=40), sched, [9], run[:2], [7, 7, 7, 7])
+    mixed.prediction_width = 12
+    (plan,) = sched.plan([mixed])
+    assert plan.draft_token_ids == run[:2] + [7, 7] and plan.from_prediction[:2] == [True] * 2
+    # 0: prediction drafts get kappa like any other; no prediction: kappa
+    off = make_scheduler(num_prediction_tokens=0)
+    req = predicting(make_request("d", max_tokens=40), off, [9], run)
+    req.prediction_width = 12
+    assert len(off.plan([req])[0].draft_token_ids) == 4
+    plain = running(make_request("e", max_tokens=40), sched, [9], drafts=run)
+    assert len(sched.plan([plain])[0].draft_token_ids) == 4
+
+
+def test_the_prediction_width_doubles_while_runs_match_and_restarts_at_kappa():
+    """Slow start: kappa, doubled after every run accepted whole, up to num_prediction_tokens;
+    kappa again after a rejected prediction draft. Neither adaptive_drafts nor goodput_drafts
+    cuts it, and the method's accept history is left alone."""
+    for goodput in (False, True):
+        sched = make_scheduler(goodput_drafts=goodput, num_prediction_tokens=16)
+        for n, t in ((1, 0.10), (17, 0.50)):  # a 17-token verify costs 5x a one-token step
+            sched.observe_forward(n, t)
+        req = predicting(make_request("a", max_tokens=100), sched, [9], list(range(10, 30)))
+        for _ in range(6):  # the method's drafts failed: its own cap is down to 1
+            sched.observe_accept(req, 0, 4)
+        ema, rate = req.accept_len_ema, req.acceptance.rate
+        assert sched.num_drafts(req) == 1
+        widths = []
+        for accepted in (True, True, True, True, False, True):
+            (plan,) = sched.plan([req])
+            n = len(plan.draft_token_ids)
+            assert all(plan.from_prediction)
+            widths.append(n)
+            sched.observe_accept(req, n if accepted else n // 2, n, num_predicted=n)
+        assert widths == [4, 8, 16, 16, 16, 4]
+        assert (req.accept_len_ema, req.acceptance.rate) == (ema, rate)
+
+
+def test_observe_accept_counts_the_method_drafts_after_a_prediction_run():
+    sched = make_scheduler()
+    req = running(make_request("a", max_tokens=40), sched, [9])
+    sched.observe_accept(req, 2, 6, num_predicted=6)  # prediction drafts only: no change
+    assert req.acceptance.num_steps == 0 and req.prediction_width == 4  # a rejection: kappa
+    sched.observe_accept(req, 1, 6, num_predicted=2)  # the run was cut before the method's
+    assert req.acceptance.num_steps == 0
+    sched.observe_accept(req, 3, 6, num_predicted=2)  # method: 1 accepted of 4
+    assert req.acceptance.num_steps == 1 and req.prediction_width == 8
+    assert req.accept_len_ema == pytest.approx(16 + ACCEPT_LEN_EMA_WEIGHT * (1 - 16))

@@ -122,3 +122,45 @@ def test_runs_split_a_path_where_the_source_changes():
     assert _runs(flags, 0, 5) == [(0, 2, True), (2, 4, False), (4, 5, True)]
     assert _runs(flags, 1, 3) == [(1, 2, True), (2, 3, False)]
     assert _runs(flags, 5, 5) == [(5, 5, False)]
+
+
+def test_prediction_drafts_run_ahead_to_the_prediction_window():
+    """Copying costs no forward: a prediction path runs ``prediction_window`` ahead, past the
+    method's window, ``max_segment`` and a verifier's ``num_drafts_wanted``; once the
+    prediction has nothing and the method's window is full the drafter rests until a commit."""
+    hub = InProcHub()
+    v = hub.mailbox("verifier-0")
+    d = DrafterWorker(DrafterConfig(window=4, max_segment=4, num_branches=0,
+                                    prediction_window=12),
+                      hub.mailbox("drafter-0"))
+    pred = list(range(10, 40))
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2],
+                                  committed_token_ids=[10], sampling=SamplingParams(),
+                                  prediction_token_ids=pred))
+    d.step()
+    (seg,) = _segments(v)
+    assert seg.from_prediction and seg.draft_token_ids == pred[1:13]
+    assert not d._has_work()
+    # the verifier accepted 11 and wants 1 method draft: the prediction still runs 12 ahead
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1,
+                                     committed_token_ids=[11], num_drafts_wanted=1))
+    d.step()
+    (seg,) = _segments(v)
+    assert seg.from_prediction and seg.draft_token_ids == [pred[13]]
+    # the output leaves the prediction for good: the method fills its own window only
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=2,
+                                     committed_token_ids=[12, 99], num_drafts_wanted=2))
+    for _ in range(3):
+        d.step()
+    assert all(not s.from_prediction and len(s.draft_token_ids) <= 4 for s in _segments(v))
+    assert len(d.requests["r"].path) <= 4 and not d._has_work()
+
+
+def test_without_a_prediction_window_the_prediction_keeps_the_method_window():
+    v, d = _setup(window=4)
+    v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2],
+                                  committed_token_ids=[10], sampling=SamplingParams(),
+                                  prediction_token_ids=list(range(10, 40))))
+    d.step()
+    (seg,) = _segments(v)
+    assert seg.draft_token_ids == [11, 12, 13, 14]
