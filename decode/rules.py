@@ -98,8 +98,14 @@ class VerificationRule(ABC):
     def verify_tree(self, batch: RuleBatch
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a rule that ``judges_trees``: ``(output_token_ids, accept_len,
-        accepted_node_ids [batch, max_depth])`` over ``batch.parents``."""
-        raise NotImplementedError(f"rule {self.name!r} does not verify draft trees")
+        accepted_node_ids [batch, max_depth])`` over ``batch.parents``.
+
+        Raises:
+            TypeError: the rule does not judge trees (``judges_trees`` False; the registry
+                never gives it a tree, so this is a caller's error).
+        """
+        raise TypeError(f"rule {self.name!r} does not verify draft trees (judges_trees is "
+                        f"False)")
 
     @classmethod
     def from_config(cls, config: VerifierConfig) -> VerificationRule:
