@@ -37,7 +37,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from specmesh.plugins import check_interface, entry_points, load_entry_point, origin
+from specmesh.plugins import (
+    check_interface,
+    entry_points,
+    load_entry_point,
+    name_taken,
+    origin,
+)
 
 if TYPE_CHECKING:  # (decode.config.VerifierConfig and decode.verification.RuleBatch, named in
     # annotations, are not imported: both modules import this one)
@@ -125,10 +131,6 @@ _lock = threading.RLock()
 _state = {"loaded": "no"}  # "no" -> "loading" -> "yes"
 
 
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _check_declarations(cls: type[VerificationRule], what: str) -> str:
     """The rule's name, after TypeError for declarations the system cannot use."""
     name = getattr(cls, "name", None)
@@ -156,12 +158,7 @@ def _add(cls: type[VerificationRule], source: str, name: str | None = None) -> N
     with _lock:
         other = _RULES.get(name)
         if other is not None and other is not cls:
-            if name in _BUILTIN:
-                raise ValueError(f"verification rule {name!r} is built in ({_qualname(other)}): "
-                                 f"{source} ({_qualname(cls)}) cannot shadow it; give the "
-                                 "plugin another name")
-            raise ValueError(f"verification rule {name!r} is already registered by "
-                             f"{_qualname(other)}; {source} ({_qualname(cls)}) cannot take it")
+            raise name_taken("verification rule", name, cls, other, source, name in _BUILTIN)
         _RULES[name] = cls
         if cls.__module__ in BUILTIN_MODULES:
             _BUILTIN.add(name)

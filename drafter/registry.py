@@ -38,6 +38,7 @@ from specmesh.plugins import (
     import_object,
     is_import_path,
     load_entry_point,
+    name_taken,
     origin,
 )
 
@@ -50,10 +51,6 @@ _REGISTRY: dict[str, type[Proposer]] = {}
 _BUILTIN: set[str] = set()
 _lock = threading.RLock()
 _state = {"builtins": "no"}  # "no" -> "loading" -> "yes"
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _check_declarations(cls: type[Proposer]) -> None:
@@ -81,13 +78,8 @@ def _add(key: str, cls: type[Proposer], source: str) -> type[Proposer]:
             clash = spellings & ({other_key} | ({other.cli_name} if other.cli_name else set()))
             if not clash:
                 continue
-            name = clash.pop()
-            if other_key in _BUILTIN:
-                raise ValueError(f"drafting method {name!r} is built in ({_qualname(other)}): "
-                                 f"{source} ({_qualname(cls)}) cannot shadow it; give the "
-                                 "plugin another name")
-            raise ValueError(f"drafting method {name!r} is already registered by "
-                             f"{_qualname(other)}; {source} ({_qualname(cls)}) cannot take it")
+            raise name_taken("drafting method", clash.pop(), cls, other, source,
+                             other_key in _BUILTIN)
         _REGISTRY[key] = cls
         if cls.__module__.startswith(BUILTIN_PACKAGE + "."):
             _BUILTIN.add(key)

@@ -426,8 +426,11 @@ class DrafterWorker(MailboxWorker):
         return min(self.config.window, RUN_AHEAD_STEPS * max(st.num_drafts_wanted, 1))
 
     def _prediction_window(self, st: DraftState) -> int:
-        """How far ``st``'s path may run past its committed prefix in prediction tokens:
-        ``prediction_window``, never less than the method's run-ahead (:meth:`_window`)."""
+        """How far ``st``'s path may run past its committed prefix: for a request with a
+        prediction, ``prediction_window`` in prediction tokens, never less than the method's
+        run-ahead; without one, the method's run-ahead (:meth:`_window`)."""
+        if st.prediction is None:
+            return self._window(st)
         return max(self.config.prediction_window, self._window(st))
 
     def _propose_all(self, wants: list[tuple[DraftState, int]]) -> list[tuple[list[int], list]]:
@@ -487,9 +490,8 @@ class DrafterWorker(MailboxWorker):
         """Some path may still grow: below its own run-ahead cap (:meth:`_window`, which the
         verifier's ``num_drafts_wanted`` can set below the window; :meth:`_prediction_window`
         for a request with a prediction) and not exhausted."""
-        return any(not s.exhausted and len(s.path) < (
-            self._window(s) if s.prediction is None else self._prediction_window(s))
-            for s in self.requests.values())
+        return any(not s.exhausted and len(s.path) < self._prediction_window(s)
+                   for s in self.requests.values())
 
     def step(self, timeout_s: float = 0.0) -> int:
         """Ingest what arrived (waiting up to ``timeout_s`` for the first message), then draft;

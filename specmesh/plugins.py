@@ -73,6 +73,24 @@ def check_interface(cls: object, base: type, what: str) -> None:
         raise TypeError(f"{what} {getattr(cls, '__name__', cls)!r}: " + "; ".join(errors))
 
 
+def name_taken(kind: str, name: str, cls: type, other: type, source: str,
+               builtin: bool) -> ValueError:
+    """The error for ``cls`` (from ``source``: a module, an entry point, an import path)
+    asking for the ``name`` that ``other`` holds in the registry of ``kind`` ("drafting
+    method", "verification rule"); ``builtin``: ``other`` is built in, which no plugin
+    shadows."""
+    if builtin:
+        return ValueError(f"{kind} {name!r} is built in ({qualname(other)}): {source} "
+                          f"({qualname(cls)}) cannot shadow it; give the plugin another name")
+    return ValueError(f"{kind} {name!r} is already registered by {qualname(other)}; "
+                      f"{source} ({qualname(cls)}) cannot take it")
+
+
+def qualname(cls: type) -> str:
+    """``module.QualName`` of ``cls``, as errors name a class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def entry_points(group: str) -> list[metadata.EntryPoint]:
     """The entry points of ``group`` in every distribution on ``sys.path`` now (read from the
     distributions' metadata each call, so a path added later counts), by name."""
