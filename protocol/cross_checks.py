@@ -25,6 +25,9 @@ from specmesh.protocol.messages import (
     DrafterCorpusRelayed,
     DrafterCorpusResult,
     DraftTailStream,
+    PrefillDone,
+    TokenLogprobs,
+    TokenStream,
 )
 
 _CORPUS_NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -123,6 +126,34 @@ def check_corpus_result(m: DrafterCorpusResult) -> str:
     return _op_and_name_error(m.op, m.name)
 
 
+def token_logprobs_error(lp: TokenLogprobs | None, num_tokens: int | None = None) -> str:
+    """Why logprobs ``lp`` are malformed ("" when they are not): top lists one per entry (or
+    none at all) with as many ids as logprobs, and ``num_tokens`` entries when given."""
+    if lp is None:
+        return ""
+    n = len(lp.token_logprobs)
+    if num_tokens is not None and n != num_tokens:
+        return f"{n} logprobs for {num_tokens} tokens"
+    if len(lp.top_token_ids) != len(lp.top_logprobs) or lp.top_token_ids and \
+            len(lp.top_token_ids) != n:
+        return (f"{len(lp.top_token_ids)} top token lists and {len(lp.top_logprobs)} top "
+                f"logprob lists for {n} entries")
+    if any(len(a) != len(b) for a, b in zip(lp.top_token_ids, lp.top_logprobs)):
+        return "a top token list and its logprobs differ in length"
+    return ""
+
+
+def check_token_stream(m: TokenStream) -> str:
+    """Why ``m``'s logprobs are malformed: one per token of the delta ("" when fine)."""
+    return token_logprobs_error(m.logprobs, len(m.token_ids)) or \
+        token_logprobs_error(m.prompt_logprobs)
+
+
+def check_prefill_done(m: PrefillDone) -> str:
+    """Why ``m``'s logprobs are malformed: one for the first token ("" when fine)."""
+    return token_logprobs_error(m.logprobs, 1) or token_logprobs_error(m.prompt_logprobs)
+
+
 #: message class -> check of the decoded message returning an error ("" when valid)
 CROSS_FIELD_CHECKS: dict[type, Callable[[Any], str]] = {
     DraftTailStream: check_draft_tail,
@@ -130,4 +161,6 @@ CROSS_FIELD_CHECKS: dict[type, Callable[[Any], str]] = {
     DrafterCorpus: check_drafter_corpus,
     DrafterCorpusRelayed: check_corpus_relayed,
     DrafterCorpusResult: check_corpus_result,
+    TokenStream: check_token_stream,
+    PrefillDone: check_prefill_done,
 }

@@ -43,8 +43,13 @@ from msgspec import Meta
 # DraftTailStream.from_prediction, TokenStream.num_{accepted,rejected}_prediction_tokens
 # 12: DrafterCorpus, DrafterCorpusRelayed, DrafterCorpusResult (corpora and the drafters'
 # cross-request history, controlled at run time)
-PROTOCOL_VERSION = 12
+# 13: logprobs: SamplingParams.logprobs / prompt_logprobs, TokenLogprobs, PrefillDone.logprobs /
+# prompt_logprobs, TokenStream.logprobs / prompt_logprobs
+PROTOCOL_VERSION = 13
 PLACEHOLDER_TOKEN_ID = -1
+#: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
+#: ``top_logprobs`` limit)
+MAX_LOGPROBS = 20
 
 
 #: a count, length or output position (never negative)
@@ -239,6 +244,11 @@ class SamplingParams(Message, tag=2, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     min_p: float = 0.0
+    # --- logprobs (issue 33): None = not asked (nobody pays for them); k >= 0: the chosen
+    # token's logprob plus the k most likely tokens' at every output position (``logprobs``)
+    # / at every prompt position after the first (``prompt_logprobs``, from the prefill role)
+    logprobs: NonNegInt | None = None
+    prompt_logprobs: NonNegInt | None = None
 
     def invalid_reason(self) -> str:
         """Why these parameters can never be sampled ("" when they can): a temperature that is
@@ -256,6 +266,10 @@ class SamplingParams(Message, tag=2, kw_only=True):
             return f"top_k must be a 64-bit signed integer, got {self.top_k}"
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
             return f"seed must be in [-2**63, 2**64), got {self.seed}"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                return f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
         return ""
 
     @classmethod
@@ -307,6 +321,43 @@ class HelloAck(Message, tag=11, kw_only=True):
         return cls(accepted=False, protocol_version=PROTOCOL_VERSION, role="verifier",
                    instance_id="verifier-0", incarnation=1, model=ModelIdentity.example(),
                    draft_method="ngram", error="model mismatch: vocab_size 49152 != 32000")
+
+
+@register
+class TokenLogprobs(Message, tag=23, kw_only=True):
+    """Log probabilities of consecutive tokens (output or prompt positions), one entry each.
+
+    ``token_logprobs[i]``: the log probability of the token at position i under the target's
+    distribution there (float32 ``log_softmax`` of the logits the verification rule saw, before
+    temperature / top-k / top-p: vLLM's default, raw-model logprobs); ``top_token_ids[i]`` and
+    ``top_logprobs[i]``: the request's k most likely tokens there, most likely first (empty
+    lists when k = 0). A masked-out token has ``-inf``.
+    """
+
+    token_logprobs: list[float]
+    top_token_ids: list[list[TokenId]] = msgspec.field(default_factory=list)
+    top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_logprobs)
+
+    def slice(self, start: int, stop: int | None = None) -> TokenLogprobs:
+        """Entries ``[start, stop)``."""
+        return TokenLogprobs(token_logprobs=self.token_logprobs[start:stop],
+                             top_token_ids=self.top_token_ids[start:stop],
+                             top_logprobs=self.top_logprobs[start:stop])
+
+    @staticmethod
+    def concat(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
+        """The entries of ``parts`` back to back."""
+        return TokenLogprobs(token_logprobs=[x for p in parts for x in p.token_logprobs],
+                             top_token_ids=[x for p in parts for x in p.top_token_ids],
+                             top_logprobs=[x for p in parts for x in p.top_logprobs])
+
+    @classmethod
+    def example(cls) -> TokenLogprobs:
+        return cls(token_logprobs=[-0.25, -1.5], top_token_ids=[[9, 4], [3, 10]],
+                   top_logprobs=[[-0.25, -2.0], [-0.75, -1.5]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,6 +415,10 @@ class TokenStream(Message, tag=21, kw_only=True):
     error: str = ""
     num_accepted_prediction_tokens: NonNegInt = 0
     num_rejected_prediction_tokens: NonNegInt = 0
+    #: one entry per token of ``token_ids`` when the request asked (SamplingParams.logprobs)
+    logprobs: TokenLogprobs | None = None
+    #: the prompt's logprobs (positions 1 .. n-1), on the delta at offset 0, when asked
+    prompt_logprobs: TokenLogprobs | None = None
 
     @classmethod
     def example(cls) -> TokenStream:
@@ -371,7 +426,7 @@ class TokenStream(Message, tag=21, kw_only=True):
                    finish_reason="length",
                    num_prompt_tokens=4, num_draft_tokens=6, num_accepted_tokens=3,
                    num_verify_steps=2, num_accepted_prediction_tokens=2,
-                   num_rejected_prediction_tokens=1)
+                   num_rejected_prediction_tokens=1, logprobs=TokenLogprobs.example())
 
 
 @register
@@ -465,11 +520,18 @@ class PrefillDone(Message, tag=32, kw_only=True):
     num_bytes: int
     seed_state: Buffer | None = None
     error: str = ""
+    #: the first token's logprobs (one entry) when its request asked (SamplingParams.logprobs)
+    logprobs: TokenLogprobs | None = None
+    #: the prompt's logprobs, positions 1 .. n-1 (position 0 has none), when asked
+    #: (SamplingParams.prompt_logprobs)
+    prompt_logprobs: TokenLogprobs | None = None
 
     @classmethod
     def example(cls) -> PrefillDone:
         return cls(request_id="req-1", transfer_id=11, first_token_id=42, num_frames=2,
-                   num_bytes=384, seed_state=Buffer("bfloat16", (1, 4), bytes(8)))
+                   num_bytes=384, seed_state=Buffer("bfloat16", (1, 4), bytes(8)),
+                   logprobs=TokenLogprobs.example().slice(0, 1),
+                   prompt_logprobs=TokenLogprobs.example())
 
 
 @register
@@ -728,7 +790,7 @@ class DrafterCorpusResult(Message, tag=52, kw_only=True):
 __all__ = [
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
     "Message", "NonNegInt", "TokenId", "buffer_nbytes",
-    "Buffer", "ModelIdentity", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
+    "Buffer", "ModelIdentity", "SamplingParams", "TokenLogprobs", "MAX_LOGPROBS", "Hello", "HelloAck", "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
     "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftBranches",
     "DraftClose",
