@@ -23,7 +23,7 @@ from specmesh.engine.runner import ModelRunner
 from specmesh.prefill.config import PrefillConfig
 from specmesh.prefill.worker import PrefillWorker
 from specmesh.protocol.enums import FinishReason
-from specmesh.protocol.messages import GenerateRequest, SamplingParams, TokenStream
+from specmesh.protocol.messages import GenerateRequest, SamplingParams, TokenLogprobs, TokenStream
 from specmesh.protocol.spec_stats import SpecStats
 from specmesh.protocol.transport import InProcHub
 
@@ -43,6 +43,9 @@ class Completion:
     spec: SpecStats = field(default_factory=SpecStats)
     num_accepted_prediction_tokens: int = 0
     num_rejected_prediction_tokens: int = 0
+    #: the output's logprobs, one part per TokenStream, and the prompt's (when asked)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: TokenLogprobs | None = None
 
     def add(self, msg: TokenStream, synthetic_acceptance: bool = False) -> None:
         """Take in one TokenStream of the request (``synthetic_acceptance``: the cluster's
@@ -55,6 +58,10 @@ class Completion:
                               msg.num_verify_steps, synthetic_acceptance)
         self.num_accepted_prediction_tokens = msg.num_accepted_prediction_tokens
         self.num_rejected_prediction_tokens = msg.num_rejected_prediction_tokens
+        if msg.logprobs is not None:
+            self.logprobs.append(msg.logprobs)
+        if msg.prompt_logprobs is not None:
+            self.prompt_logprobs = msg.prompt_logprobs
 
 
 class InProcessCluster:

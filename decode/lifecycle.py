@@ -287,6 +287,9 @@ class RequestLifecycle:
         if t is not None and self.on_prefill_time is not None:
             self.on_prefill_time(req, now - t.started_at)
         req.commit([first_token_id], self.eos_token_ids)
+        if t is not None and t.done is not None:  # the prefill role's logprobs, when asked
+            req.add_logprobs(t.done.logprobs, 1)
+            req.prompt_logprobs = t.done.prompt_logprobs
         req.tail.reset(req.committed_len)
         return True
 
@@ -321,6 +324,7 @@ class RequestLifecycle:
         (``from_prediction``: the step's PlannedRequest.from_prediction)."""
         start = req.committed_len
         committed = req.commit(out.token_ids, self.eos_token_ids)
+        req.add_logprobs(out.logprobs, len(committed))
         if out.accepted_node_ids is not None:
             self.stats.num_tree_verify_steps += 1
             self.stats.num_tree_side_branch_accepts += out.side_branch
@@ -380,7 +384,9 @@ class RequestLifecycle:
             num_accepted_tokens=req.spec.num_accepted_tokens,
             num_verify_steps=req.spec.num_verify_steps, error=req.error,
             num_accepted_prediction_tokens=req.prediction.num_accepted,
-            num_rejected_prediction_tokens=req.prediction.num_rejected))
+            num_rejected_prediction_tokens=req.prediction.num_rejected,
+            logprobs=req.take_logprobs(len(delta)),
+            prompt_logprobs=req.prompt_logprobs if offset == 0 else None))
 
     # -- ending ----------------------------------------------------------------------------
 

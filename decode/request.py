@@ -11,7 +11,7 @@ from specmesh.decode.goodput import Acceptance
 from specmesh.decode.prediction_usage import PredictionUsage
 from specmesh.decode.tail_buffer import TailBuffer
 from specmesh.protocol.enums import FinishReason
-from specmesh.protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams, TokenLogprobs
 from specmesh.protocol.spec_stats import SpecStats
 
 
@@ -77,6 +77,27 @@ class Request:
     first_token_time: float | None = None
     prediction_token_ids: list[int] | None = None
     prediction: PredictionUsage = field(default_factory=PredictionUsage)
+    #: logprobs (a request with SamplingParams.logprobs / prompt_logprobs): those of the
+    #: committed output not streamed yet, one part per commit, and the prompt's (from the
+    #: prefill role, sent with the first TokenStream)
+    unstreamed_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: TokenLogprobs | None = None
+
+    def add_logprobs(self, logprobs: TokenLogprobs | None, num_committed: int) -> None:
+        """Keep the logprobs of the ``num_committed`` tokens just committed (the first ones of
+        ``logprobs``, which may cover tokens cut at EOS / max_tokens); a request that did not
+        ask keeps none."""
+        if self.sampling.logprobs is not None and logprobs is not None and num_committed:
+            self.unstreamed_logprobs.append(logprobs.slice(0, num_committed))
+
+    def take_logprobs(self, num_tokens: int) -> TokenLogprobs | None:
+        """The logprobs of the ``num_tokens`` committed tokens not streamed yet (None when the
+        request did not ask, or when they do not cover exactly those tokens)."""
+        if self.sampling.logprobs is None:
+            return None
+        parts, self.unstreamed_logprobs = self.unstreamed_logprobs, []
+        out = TokenLogprobs.concat(parts)
+        return out if len(out.token_logprobs) == num_tokens else None
 
     @property
     def prompt_len(self) -> int:

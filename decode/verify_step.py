@@ -15,7 +15,9 @@ from specmesh.decode.rules import RuleSet, VerificationRule
 from specmesh.decode.scheduler import PlannedRequest
 from specmesh.decode.verification import RuleBatch
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
+from specmesh.engine.logprobs import token_logprobs
 from specmesh.engine.runner import ModelRunner, SeqChunk
+from specmesh.protocol.messages import TokenLogprobs
 from specmesh.protocol.step_profile import StepProfile
 
 
@@ -29,7 +31,9 @@ class VerifyOutput:
     predicted ``token_ids[i]`` (decode/seed_state.py). For a tree (``PlannedRequest.parents``),
     ``accepted_node_ids`` are the accepted path's nodes, in path order (the hidden rows are
     then the root's and theirs), and ``side_branch`` tells whether the path left the first
-    child (branch 0) somewhere."""
+    child (branch 0) somewhere. ``logprobs`` (only for a request that asked,
+    ``SamplingParams.logprobs``): one entry per token of ``token_ids``, from the target logits
+    of the row that chose it (engine/logprobs.py)."""
 
     token_ids: list[int]
     accept_len: int
@@ -37,6 +41,7 @@ class VerifyOutput:
     hidden: torch.Tensor | None = None
     accepted_node_ids: list[int] | None = None
     side_branch: bool = False
+    logprobs: TokenLogprobs | None = None
 
 
 class VerifyStep:
@@ -149,6 +154,7 @@ class VerifyStep:
         for rule, idx in groups.values():
             batch = self._rule_batch([plan[i] for i in idx], [logits[i] for i in idx],
                                      rule.uses_draft_probs)
+            lp_rows = _logprob_rows(batch)  # the rule's logits, before the rule runs
             if rule.judges_trees:
                 out, accept_len, nodes = rule.verify_tree(batch)
                 for i, row, a, path in zip(idx, out.tolist(), accept_len.tolist(),
@@ -158,10 +164,13 @@ class VerifyStep:
                     outputs[i] = VerifyOutput(
                         row[: a + 1], a, len(plan[i].draft_token_ids), accepted_node_ids=path,
                         side_branch=any(parents.index(parents[j]) != j for j in path))
-                continue
-            out, accept_len = rule.verify(batch)
-            for i, row, a in zip(idx, out.tolist(), accept_len.tolist()):
-                outputs[i] = VerifyOutput(row[: a + 1], a, len(plan[i].draft_token_ids))
+            else:
+                out, accept_len = rule.verify(batch)
+                for i, row, a in zip(idx, out.tolist(), accept_len.tolist()):
+                    outputs[i] = VerifyOutput(row[: a + 1], a, len(plan[i].draft_token_ids))
+            for b, rows in lp_rows.items():
+                outputs[idx[b]] = _with_logprobs(outputs[idx[b]], rows,
+                                                 batch.sampling[b].logprobs)
         return outputs  # type: ignore[return-value]
 
     def _rule_batch(self, plan: list[PlannedRequest], logits: list[torch.Tensor],
@@ -188,6 +197,30 @@ class VerifyStep:
                          sampling=[p.request.sampling for p in plan],
                          positions=positions, draft_probs=draft_probs,
                          generator=self.generator(device), parents=parents)
+
+
+def _logprob_rows(batch: RuleBatch) -> dict[int, torch.Tensor]:
+    """Batch index -> a float32 copy of its ``k_b + 1`` target-logits rows, for the requests
+    of ``batch`` that asked for logprobs (``SamplingParams.logprobs``; the others pay
+    nothing). Taken after any in-place processing of ``target_logits`` and before the rule
+    runs, so the logprobs are of the distribution the rule judged."""
+    wanted = [b for b, s in enumerate(batch.sampling) if s.logprobs is not None]
+    if not wanted:
+        return {}
+    starts = [0]
+    for k in batch.num_draft_tokens():
+        starts.append(starts[-1] + k + 1)
+    return {b: batch.target_logits[starts[b]:starts[b + 1]].float().clone() for b in wanted}
+
+
+def _with_logprobs(out: VerifyOutput, rows: torch.Tensor, k: int) -> VerifyOutput:
+    """``out`` with the logprobs of its tokens: token i was chosen by chunk row i of a chain;
+    by the root's row, then the accepted nodes' rows (``1 + node``), of a tree."""
+    if out.accepted_node_ids:
+        rows = rows.index_select(0, torch.tensor([0] + [1 + j for j in out.accepted_node_ids],
+                                                 dtype=torch.long, device=rows.device))
+    return replace(out, logprobs=token_logprobs(rows[:len(out.token_ids)], out.token_ids,
+                                                min(k, rows.shape[-1])))
 
 
 def _path_rows(hidden: torch.Tensor, out: VerifyOutput) -> torch.Tensor:

@@ -180,9 +180,11 @@ class ModelRunner:
         return_hidden: bool = False,
         hidden_layers: tuple[int, ...] | None = None,
         paged: bool = False,
+        logits: str = "last",
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one prompt (positions start_pos ..) in chunks of ``chunk_size`` tokens (all at once
-        when None) and return the logits of its last token, [1, vocab].
+        when None) and return the logits of its last token, [1, vocab]; with ``logits="all"``
+        those of every token run, [len(token_ids), vocab] (prompt logprobs).
 
         With ``return_hidden`` also returns the final hidden states of all prompt tokens
         [len(token_ids), hidden_size] (``hidden_layers``, ``paged``: as :meth:`forward`; with
@@ -197,18 +199,19 @@ class ModelRunner:
         self._validate([SeqChunk(list(token_ids), start_pos, block_table)])
         step = chunk_size or len(token_ids)
         hiddens: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
         for lo in range(0, len(token_ids), step):
             chunk = SeqChunk(token_ids[lo : lo + step], start_pos + lo, block_table)
-            out = self.forward([chunk], logits="last", return_hidden=return_hidden,
+            out = self.forward([chunk], logits=logits, return_hidden=return_hidden,
                                hidden_layers=hidden_layers, paged=paged)
             if return_hidden:
-                logits, hidden = out
+                out, hidden = out
                 hiddens.append(hidden[0])
-            else:
-                logits = out
+            rows.append(out[0])
+        result = rows[-1] if logits == "last" else torch.cat(rows)
         if return_hidden:
-            return logits[0], torch.cat(hiddens)
-        return logits[0]
+            return result, torch.cat(hiddens)
+        return result
 
     def prefill_batch(
         self,
@@ -218,9 +221,11 @@ class ModelRunner:
         hidden_layers: tuple[int, ...] | None = None,
         start_positions: list[int] | None = None,
         paged: bool = False,
+        logits: str = "last",
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Run several whole prompts (each from position 0, into its own ``block_tables``
-        entry) in ONE forward and return, per prompt, the logits of its last token [1, vocab].
+        entry) in ONE forward and return, per prompt, the logits of its last token [1, vocab]
+        (``logits="all"``: of every token run, [len, vocab]: prompt logprobs).
         ``start_positions`` (None: all 0): prompt i's tokens start there, the KV before them
         already in its blocks (a prefix cache hit; use with ``paged``, as :meth:`prefill`).
 
@@ -242,5 +247,5 @@ class ModelRunner:
             raise ValueError(f"{len(prompts)} prompts, {len(block_tables)} block tables and "
                              f"{len(starts)} start positions")
         chunks = [SeqChunk(list(p), s, t) for p, t, s in zip(prompts, block_tables, starts)]
-        return self.forward(chunks, logits="last", return_hidden=return_hidden,
+        return self.forward(chunks, logits=logits, return_hidden=return_hidden,
                             hidden_layers=hidden_layers, paged=paged)

@@ -36,6 +36,7 @@ import torch
 from specmesh.engine.block_manager import BlockManager, KVCacheExhausted
 from specmesh.engine.frames import tensor_to_buffer
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
+from specmesh.engine.logprobs import token_logprobs
 from specmesh.engine.runner import ModelRunner
 from specmesh.engine.sampling import sample_tokens
 from specmesh.prefill.batching import PrefillCost, batch_length
@@ -50,6 +51,7 @@ from specmesh.protocol.messages import (
     PrefillCancelAck,
     PrefillDone,
     PrefillRequest,
+    TokenLogprobs,
 )
 from specmesh.protocol.step_profile import StepProfile
 from specmesh.protocol.transport import Envelope, Mailbox, MailboxWorker
@@ -271,7 +273,9 @@ class PrefillWorker(MailboxWorker):
                 claims.append(claim)
                 if cache is not None:
                     claim.keys = block_keys(req.prompt_token_ids, bm.block_size)
-                    claim.held = cache.match(claim.keys, (n - 1) // bm.block_size)
+                    # prompt logprobs need every prompt row's logits: nothing reused
+                    if req.sampling.prompt_logprobs is None:
+                        claim.held = cache.match(claim.keys, (n - 1) // bm.block_size)
                 claim.new = self._allocate(bm.blocks_for(n) - len(claim.held))
         except BaseException:
             self._unclaim(claims, keep=False)
@@ -324,7 +328,7 @@ class PrefillWorker(MailboxWorker):
         try:
             t0 = time.monotonic()
             with self.profile.phase("forward"):
-                firsts, seeds = self._forward(reqs, tables, starts)
+                firsts, seeds, logprobs = self._forward(reqs, tables, starts)
             if len(reqs) > 1 or computed[0] <= self.config.chunk_size:  # one forward: a point
                 self.cost_models.setdefault(threads, PrefillCost()).observe(
                     sum(computed), time.monotonic() - t0)
@@ -332,12 +336,14 @@ class PrefillWorker(MailboxWorker):
             self.profile.count("num_batch_prompts", len(reqs))
             with self.profile.phase("send_kv"):
                 frames = [self._kv_frames(r, t, n) for r, t, n in zip(reqs, tables, sizes)]
-                for item, first, seed, fs in zip(batch, firsts, seeds, frames):
+                for item, first, seed, fs, (lp, prompt_lp) in zip(batch, firsts, seeds, frames,
+                                                                  logprobs):
                     req = item.req
                     self.send(item.peer, PrefillDone(
                         request_id=req.request_id, transfer_id=req.transfer_id,
                         first_token_id=first, num_frames=len(fs),
-                        num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed))
+                        num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed,
+                        logprobs=lp, prompt_logprobs=prompt_lp))
                 for item, fs in zip(batch, frames):
                     self._send_frames(item.peer, fs)
             done = True
@@ -353,11 +359,12 @@ class PrefillWorker(MailboxWorker):
             self.stats.prefix_cache_hits += sum(starts)
             self.profile.count("prefix_cache_hit_tokens", sum(starts))
 
-    def _forward(self, reqs: list[PrefillRequest], tables: list[list[int]],
-                 starts: list[int]) -> tuple[list[int], list[Buffer | None]]:
+    def _forward(self, reqs: list[PrefillRequest], tables: list[list[int]], starts: list[int]
+                 ) -> tuple[list[int], list[Buffer | None], list[tuple[TokenLogprobs | None, ...]]]:
         """Run the prompts, each from ``starts[i]`` (its KV before that is cached); returns
-        per request its first token (output position 0, by its sampling mode) and the seed
-        state PrefillDone carries (None: its method has none)."""
+        per request its first token (output position 0, by its sampling mode), the seed
+        state PrefillDone carries (None: its method has none) and its (first token, prompt)
+        logprobs when asked (:func:`_request_logprobs`)."""
         kinds = [self.config.seed_states.get(r.draft_method, "") for r in reqs]
         # hidden states once per batch: the widest layer set any request's method asks for
         hidden_kinds = sorted({k for k in kinds if is_hidden_seed(k)})
@@ -368,19 +375,22 @@ class PrefillWorker(MailboxWorker):
         if layers == ():  # methods of one batch that want different layers: one at a time
             out = [self._forward(reqs[i:i + 1], tables[i:i + 1], starts[i:i + 1])
                    for i in range(len(reqs))]
-            return [f for o in out for f in o[0]], [s for o in out for s in o[1]]
+            return ([f for o in out for f in o[0]], [s for o in out for s in o[1]],
+                    [x for o in out for x in o[2]])
         want_hidden = bool(hidden_kinds)
+        # every row's logits only when a request asks for prompt logprobs
+        rows = "all" if any(r.sampling.prompt_logprobs is not None for r in reqs) else "last"
         prompts = [r.prompt_token_ids[s:] for r, s in zip(reqs, starts)]
         paged = self.prefix_cache is not None  # chunk invariant: cached or not, the same bits
         if len(reqs) == 1:
             out = self.runner.prefill(prompts[0], tables[0], chunk_size=self.config.chunk_size,
                                       start_pos=starts[0], return_hidden=want_hidden,
-                                      hidden_layers=layers, paged=paged)
+                                      hidden_layers=layers, paged=paged, logits=rows)
             logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
         else:
             out = self.runner.prefill_batch(prompts, tables, return_hidden=want_hidden,
                                             hidden_layers=layers, start_positions=starts,
-                                            paged=paged)
+                                            paged=paged, logits=rows)
             logits, hidden = out if want_hidden else (out, None)
         last = torch.cat([x.reshape(-1, x.shape[-1])[-1:] for x in logits])
         # output position 0, by each request's mode (engine/sampling.py): greedy argmax,
@@ -391,7 +401,9 @@ class PrefillWorker(MailboxWorker):
         for i, kind in enumerate(kinds):  # EAGLE family: f_{p-1}, the state that predicted 0
             seeds.append(tensor_to_buffer(hidden[i][-1:].clone()) if is_hidden_seed(kind)
                          else None)
-        return list(firsts), seeds
+        firsts = list(firsts)
+        return firsts, seeds, [_request_logprobs(r, x, f)
+                               for r, x, f in zip(reqs, logits, firsts)]
 
     def _kv_frames(self, req: PrefillRequest, block_table: list[int], n: int) -> list[KVFrame]:
         """The KVFrames of ``req``'s prompt KV: at most ``frame_tokens`` tokens x
@@ -440,3 +452,23 @@ class PrefillWorker(MailboxWorker):
             for item in batch:
                 self._fail(item.peer, item.req, f"prefill failed: {err}")
         return len(batch)
+
+
+def _request_logprobs(req: PrefillRequest, logits: torch.Tensor, first: int
+                      ) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
+    """``req``'s (first token, prompt) logprobs from its prompt forward's logits (``[1, vocab]``
+    or, when the batch ran every row, ``[n, vocab]``; row i predicts prompt token i + 1 and the
+    last row the first token), each None unless asked (``SamplingParams.logprobs`` /
+    ``prompt_logprobs``): the float32 log_softmax of the raw logits, as the verifier reports
+    the later tokens' (engine/logprobs.py). The prompt's are positions 1 .. n-1 (position 0
+    has no predecessor; OpenAI and vLLM report None there)."""
+    s = req.sampling
+    rows = logits.reshape(-1, logits.shape[-1])
+    vocab = rows.shape[-1]
+    first_lp = None if s.logprobs is None else token_logprobs(rows[-1:], [first],
+                                                               min(s.logprobs, vocab))
+    prompt_lp = None
+    if s.prompt_logprobs is not None:
+        ids = req.prompt_token_ids
+        prompt_lp = token_logprobs(rows[:len(ids) - 1], ids[1:], min(s.prompt_logprobs, vocab))
+    return first_lp, prompt_lp
