@@ -10,20 +10,28 @@ and ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specmesh.gateway.choices import (
+    ChoiceFormat, ChunkWriter, choice_chunks, full_choice, sse as _sse, sse_response, usage_of,
+)
 from specmesh.gateway.corpus_api import add_corpus_routes
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
+from specmesh.gateway.logprobs import TokenTexts
+from specmesh.gateway.prompt_batch import (
+    complete_batch, completion_prompts, prompt_text, stream_batch,
+)
+from specmesh.gateway.tokenize_api import add_tokenize_routes
 from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.gateway.schemas import (
     MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
@@ -34,10 +42,6 @@ from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -87,6 +91,7 @@ class _Gateway:
         self.vocab_size = vocab_size
         self.synthetic_acceptance = synthetic_acceptance
         self.created = int(time.time())
+        self.texts = TokenTexts(tokenizer)  # logprobs' token strings (gateway/logprobs.py)
 
     # ---------------------------------------------------------------- request -> GenerateRequest
 
@@ -130,7 +135,9 @@ class _Gateway:
             raise bad_request(f"stop_token_ids must lie in [0, {self.vocab_size}) (the model's "
                               "vocabulary)", param="stop_token_ids")
         temperature = self.default_temperature if body.temperature is None else body.temperature
+        logprobs, prompt_logprobs = body.logprob_counts()
         sampling = SamplingParams(
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens, temperature=float(temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=max(0, body.top_k or 0), seed=body.seed,
@@ -149,18 +156,8 @@ class _Gateway:
     # ---------------------------------------------------------------- responses
 
     def usage(self, run: RequestRun) -> dict:
-        """The OpenAI usage object; a request with a prediction also gets
-        ``completion_tokens_details`` with its accepted / rejected prediction tokens (the
-        verifier's count; ``completion_tokens`` stays the output's length, docs/operations.md,
-        'Predicted Outputs')."""
-        usage = {"prompt_tokens": run.num_prompt_tokens,
-                 "completion_tokens": run.num_output_tokens,
-                 "total_tokens": run.num_prompt_tokens + run.num_output_tokens}
-        if run.req.prediction_token_ids is not None:
-            usage["completion_tokens_details"] = {
-                "accepted_prediction_tokens": run.num_accepted_prediction_tokens,
-                "rejected_prediction_tokens": run.num_rejected_prediction_tokens}
-        return usage
+        """The OpenAI usage object of ``run`` (gateway/choices.py)."""
+        return usage_of(run)
 
     def error_response(self, finish: Finish) -> JSONResponse:
         kind = {429: "rate_limit_error", 400: "invalid_request_error",
@@ -169,43 +166,43 @@ class _Gateway:
         code = finish.code or (finish.reason if finish.reason in refused else None)
         return JSONResponse(error_body(finish.error, kind, None, code), status_code=finish.status)
 
-    async def complete(self, run: RequestRun, chat: bool, return_token_ids: bool = False
-                       ) -> Response:
-        """Non-streaming: gather all text, answer one JSON object. ``return_token_ids`` (vLLM's
-        extension): the choice carries the output ids (``token_ids``) and the prompt's
-        (``prompt_token_ids``: in the choice for completions, top level for chat)."""
-        parts: list[str] = []
-        token_ids: list[int] = []
-        finish = None
+    async def collect(self, run: RequestRun) -> Collected:
+        """Run ``run`` to its end and gather its text, output ids and logprob parts."""
+        got = Collected()
         async for ev in run.events():
             if isinstance(ev, TextDelta):
-                parts.append(ev.text)
-                token_ids.extend(ev.token_ids)
+                got.parts.append(ev.text)
+                got.token_ids.extend(ev.token_ids)
+                if ev.token_ids:
+                    got.logprobs.append(ev.logprobs)
             else:
-                finish = ev
-        if finish is None or finish.is_error:
-            return self.error_response(finish or Finish(FinishReason.ERROR, "no result", 500))
-        text = "".join(parts)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish.reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": finish.reason}
-        body = {"id": run.request_id, "object": "chat.completion" if chat else "text_completion",
+                got.finish = ev
+        return got
+
+    def choice(self, run: RequestRun, fmt: ChoiceFormat, got: Collected
+               ) -> tuple[dict, list[int] | None]:
+        """The choice of a finished, successful ``run`` (gateway/choices.py)."""
+        return full_choice(fmt, self.texts, run, "".join(got.parts), got.token_ids,
+                           got.logprobs, got.finish.reason)
+
+    async def complete(self, run: RequestRun, fmt: ChoiceFormat) -> Response:
+        """Non-streaming: gather all text, answer one JSON object (``fmt``: echo, logprobs,
+        ``return_token_ids``: gateway/choices.py)."""
+        got = await self.collect(run)
+        if got.finish is None or got.finish.is_error:
+            return self.error_response(got.finish or Finish(FinishReason.ERROR, "no result", 500))
+        choice, top_prompt_ids = self.choice(run, fmt, got)
+        body = {"id": run.request_id,
+                "object": "chat.completion" if fmt.chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                "usage": self.usage(run), "spec_stats": run.stats.as_dict()}
-        if return_token_ids:
-            choice["token_ids"] = token_ids
-            (body if chat else choice)["prompt_token_ids"] = list(run.req.prompt_token_ids)
+                "usage": usage_of(run), "spec_stats": run.stats.as_dict()}
+        if top_prompt_ids is not None:
+            body["prompt_token_ids"] = top_prompt_ids
         return JSONResponse(body, headers=spec_stats_headers(run.stats))
 
-    async def stream(self, run: RequestRun, chat: bool, include_usage: bool,
-                     return_token_ids: bool = False) -> Response:
-        """Streaming: wait for the first event (so a 429 / 400 is a real status), then SSE.
-        ``return_token_ids``: each chunk's choice carries the delta's ``token_ids``; the first
-        chunk carries ``prompt_token_ids`` (in the choice for completions, top level for
-        chat), as vLLM does."""
+    async def stream(self, run: RequestRun, fmt: ChoiceFormat) -> Response:
+        """Streaming: wait for the first event (so a 429 / 400 is a real status), then SSE
+        (chunks: gateway/choices.py)."""
         events = run.events()
         try:
             first = await events.__anext__()
@@ -215,69 +212,37 @@ class _Gateway:
         if isinstance(first, Finish) and first.is_error:
             await events.aclose()
             return self.error_response(first)
-        return StreamingResponse(self._sse_body(run, events, first, chat, include_usage,
-                                                return_token_ids),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(self._sse_body(run, events, first, fmt))
 
-    async def _sse_body(self, run: RequestRun, events: AsyncIterator, first, chat: bool,
-                        include_usage: bool, return_token_ids: bool = False
+    async def _sse_body(self, run: RequestRun, events: AsyncIterator, first, fmt: ChoiceFormat
                         ) -> AsyncIterator[str]:
         created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        prompt_ids_sent = False
-
-        def chunk(delta_text: str | None, finish_reason: str | None, role: bool = False,
-                  token_ids: tuple[int, ...] = ()) -> dict:
-            nonlocal prompt_ids_sent
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else (
-                    {} if delta_text is None else {"content": delta_text})
-                choice = {"index": 0, "delta": delta, "logprobs": None,
-                          "finish_reason": finish_reason}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "logprobs": None,
-                          "finish_reason": finish_reason}
-            out = {"id": run.request_id, "object": obj, "created": created,
-                   "model": self.model_name, "choices": [choice]}
-            if include_usage:
-                out["usage"] = None
-            if return_token_ids:
-                choice["token_ids"] = list(token_ids)
-                if not prompt_ids_sent:
-                    prompt_ids_sent = True
-                    (out if chat else choice)["prompt_token_ids"] = list(
-                        run.req.prompt_token_ids)
-            return out
-
+        writer = ChunkWriter(fmt, self.texts, run, self.model_name, created)
         try:
-            if chat:
-                yield _sse(chunk(None, None, role=True))
-            ev = first
-            while True:
-                if isinstance(ev, TextDelta):
-                    if ev.text or (return_token_ids and ev.token_ids):
-                        t0 = time.perf_counter()
-                        data = _sse(chunk(ev.text, None, token_ids=ev.token_ids))
-                        self.metrics.profile.observe("sse", time.perf_counter() - t0)
-                        yield data
-                else:
-                    if ev.is_error:
-                        yield _sse(error_body(ev.error, "server_error", None, ev.reason))
-                    else:
-                        final = chunk(None, ev.reason)
-                        final["spec_stats"] = run.stats.as_dict()
-                        yield _sse(final)
-                        if include_usage:
-                            yield _sse({"id": run.request_id, "object": obj, "created": created,
-                                        "model": self.model_name, "choices": [],
-                                        "usage": self.usage(run),
-                                        "spec_stats": run.stats.as_dict()})
-                    break
-                ev = await events.__anext__()
+            async for chunk in choice_chunks(writer, events, first):
+                t0 = time.perf_counter()
+                data = _sse(chunk)
+                self.metrics.profile.observe("sse", time.perf_counter() - t0)
+                yield data
+            if fmt.include_usage and run.finish is not None and not run.finish.is_error:
+                yield _sse({"id": run.request_id, "object": writer.obj, "created": created,
+                            "model": self.model_name, "choices": [], "usage": usage_of(run),
+                            "spec_stats": run.stats.as_dict()})
             yield "data: [DONE]\n\n"
         finally:
             await events.aclose()
+
+
+@dataclass
+class Collected:
+    """A finished run's output: text parts, output ids, the logprob parts of its deltas (one
+    per delta with tokens) and its finish."""
+
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: Finish | None = None
+
 
 
 def create_app(backend, tokenizer, model_name: str, max_model_len: int,
@@ -341,23 +306,38 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         try:
             gw.check_model(body)
             body.check_supported()
-            with metrics.profile.phase("tokenize"):
-                if chat:
-                    prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())
-                    limit = body.output_limit()
-                else:
-                    prompt_ids = completion_prompt_ids(tokenizer, body.prompt)
-                    limit = body.max_tokens
-                prediction = body.prediction_text()
-                pred_ids = None if prediction is None else gw.prediction_ids(prediction)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
-            req = gw.build(body, prompt_ids, limit, rid, pred_ids)
-            run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,
-                             arrival, synthetic_acceptance=gw.synthetic_acceptance)
-            if body.stream:
-                resp = await gw.stream(run, chat, body.include_usage, body.return_token_ids)
+            echo_only = not chat and body.echo and body.max_tokens == 0
+            prompts = [None] if chat else completion_prompts(body.prompt)
+            runs, fmts = [], []
+            for i, prompt in enumerate(prompts):
+                with metrics.profile.phase("tokenize"):
+                    if chat:
+                        prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())
+                        limit = body.output_limit()
+                    else:
+                        prompt_ids = completion_prompt_ids(tokenizer, prompt)
+                        # echo with max_tokens 0 (vLLM): one token generated, then dropped
+                        limit = 1 if echo_only else body.max_tokens
+                    prediction = body.prediction_text()
+                    pred_ids = None if prediction is None else gw.prediction_ids(prediction)
+                req = gw.build(body, prompt_ids, limit, rid if len(prompts) == 1 else
+                               f"{rid}-{i}", pred_ids)
+                runs.append(RequestRun(backend, tokenizer, req, body.stop_list(), metrics,
+                                       request, arrival,
+                                       synthetic_acceptance=gw.synthetic_acceptance))
+                fmts.append(ChoiceFormat(
+                    chat=chat, index=i, logprobs=req.sampling.logprobs is not None,
+                    echo=prompt_text(tokenizer, prompt) if not chat and body.echo else None,
+                    echo_only=echo_only, return_token_ids=body.return_token_ids,
+                    include_usage=body.include_usage, continuous_usage=body.continuous_usage))
+            if len(runs) > 1:
+                batch = stream_batch if body.stream else complete_batch
+                resp = await batch(gw, runs, fmts, rid)
+            elif body.stream:
+                resp = await gw.stream(runs[0], fmts[0])
             else:
-                resp = await gw.complete(run, chat, body.return_token_ids)
+                resp = await gw.complete(runs[0], fmts[0])
         except GatewayError as err:
             resp = err.response()
         metrics.requests.labels(endpoint=endpoint, status=str(resp.status_code)).inc()
@@ -390,5 +370,6 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     add_corpus_routes(app, corpus, tokenizer, vocab_size)
+    add_tokenize_routes(app, tokenizer, model_name, max_model_len)
 
     return app

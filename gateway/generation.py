@@ -18,7 +18,7 @@ from specmesh.gateway.backend import DuplicateRequestId
 from specmesh.gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
 from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.protocol.enums import FinishReason
-from specmesh.protocol.messages import GenerateRequest, TokenStream
+from specmesh.protocol.messages import GenerateRequest, TokenLogprobs, TokenStream
 from specmesh.protocol.spec_stats import SpecStats
 
 log = logging.getLogger(__name__)
@@ -33,10 +33,12 @@ DISCONNECT_POLL_S = 0.1
 class TextDelta:
     """New output text, safe to show (complete characters, no partial stop string), and the
     output token ids committed since the previous delta (``token_ids``; the text of some may
-    still be held back). Either may be empty, never both."""
+    still be held back). Either may be empty, never both. ``logprobs``: one entry per token of
+    ``token_ids`` when the request asked for them (SamplingParams.logprobs)."""
 
     text: str
     token_ids: tuple[int, ...] = ()
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class RequestRun:
         self.num_accepted_prediction_tokens = 0
         self.num_rejected_prediction_tokens = 0
         self.finish: Finish | None = None
+        #: the prompt's logprobs (positions 1 .. n-1) when asked (SamplingParams.prompt_logprobs)
+        self.prompt_logprobs: TokenLogprobs | None = None
         self.disconnected = False
         self._last_token_time: float | None = None
 
@@ -209,6 +213,8 @@ class RequestRun:
                         prediction_before = (self.num_accepted_prediction_tokens,
                                              self.num_rejected_prediction_tokens)
                         self._update_prediction(msg)
+                        if msg.prompt_logprobs is not None:
+                            self.prompt_logprobs = msg.prompt_logprobs
                         if msg.token_ids:
                             t0 = time.perf_counter()
                             text, kept, stopped = self._feed(msg.token_ids)
@@ -218,7 +224,8 @@ class RequestRun:
                             self.num_output_tokens += kept
                             self._observe_tokens(kept)
                             if text or kept:
-                                yield TextDelta(text, tuple(msg.token_ids[:kept]))
+                                lp = None if msg.logprobs is None else msg.logprobs.slice(0, kept)
+                                yield TextDelta(text, tuple(msg.token_ids[:kept]), lp)
                             if stopped:
                                 self._cut_stats(before, kept)
                                 self._cut_prediction(prediction_before, kept)

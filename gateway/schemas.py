@@ -11,7 +11,9 @@ OpenAI client's own field lists):
   ``stream_options``, ``n`` (1 only), ``num_speculative_tokens``, ``request_id``,
   ``return_token_ids`` (vLLM: output ids in each choice's ``token_ids``, prompt ids in
   ``prompt_token_ids``), ``prediction`` (OpenAI Predicted Outputs, :data:`PREDICTION_REFUSED`
-  for the fields it cannot be combined with);
+  for the fields it cannot be combined with); logprobs (issue 33): completions ``logprobs``
+  (0..20) and ``echo`` (``max_tokens: 0`` with it: the prompt alone), chat ``logprobs`` and
+  ``top_logprobs`` (0..20), ``stream_options.continuous_usage_stats``;
 - without effect on the output, accepted and ignored: :data:`NO_OUTPUT_EFFECT` (``user``,
   ``metadata``, ``store``, ...);
 - changing the output and not honoured: :data:`COMMON_REFUSED` plus the endpoint's own
@@ -27,6 +29,8 @@ from typing import Annotated, Any, ClassVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+from specmesh.protocol.messages import MAX_LOGPROBS
 
 
 #: longest client-supplied request id (body ``request_id`` or header ``X-Request-Id``)
@@ -51,8 +55,8 @@ NO_OUTPUT_EFFECT = frozenset({
 COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "top_logprobs": (), "best_of": (1,),
-    "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "response_format": ({"type": "text"},), "best_of": (1,),
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "moderation": (),
@@ -69,13 +73,13 @@ COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
 }
 #: /v1/completions only (prompts are tokenized with the tokenizer's special tokens)
 COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
-    **COMMON_REFUSED, "logprobs": (), "add_special_tokens": (True,),
-    "max_completion_tokens": (),
+    **COMMON_REFUSED, "add_special_tokens": (True,),
+    "max_completion_tokens": (), "top_logprobs": (),  # chat's; completions say logprobs: k
 }
 #: /v1/chat/completions only (the chat template with the generation prompt,
 #: docs/architecture.md, 'Life of a request')
 CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
-    **COMMON_REFUSED, "logprobs": (False,), "add_special_tokens": (False,),
+    **COMMON_REFUSED, "echo": (False,), "add_special_tokens": (False,),
     "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
 }
@@ -156,6 +160,8 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    # vLLM: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 class _CommonRequest(BaseModel):
@@ -200,6 +206,12 @@ class _CommonRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every
+        chunk carries the usage so far."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def prediction_text(self) -> str | None:
         """The text of ``prediction`` (text parts joined), None without one.
 
@@ -240,8 +252,9 @@ class _CommonRequest(BaseModel):
         if self.prediction is None:
             return
         fields = {**(self.model_extra or {}), "n": self.n}
-        if "max_completion_tokens" in type(self).model_fields:  # else in model_extra
-            fields["max_completion_tokens"] = self.max_completion_tokens
+        for name in ("max_completion_tokens", "logprobs", "top_logprobs"):
+            if name in type(self).model_fields:  # else in model_extra
+                fields[name] = getattr(self, name)
         for name, refused in PREDICTION_REFUSED.items():
             value = fields.get(name)
             if value is not None and refused(value):
@@ -269,6 +282,23 @@ class CompletionRequest(_CommonRequest):
     refused: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_REFUSED
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # --- logprobs and echo (issue 33; OpenAI / vLLM semantics, gateway/logprobs.py)
+    #: 0 allowed with ``echo`` only: the prompt (and its logprobs) without generated text
+    max_tokens: NonNegInt64 | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(SamplingParams.logprobs, SamplingParams.prompt_logprobs): ``logprobs`` for the
+        output, and for the prompt too with ``echo`` (vLLM)."""
+        return self.logprobs, (self.logprobs if self.echo else None)
+
+    def check_supported(self) -> None:
+        """As the common checks, and ``max_tokens: 0`` only with ``echo`` (vLLM)."""
+        super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo)",
+                              param="max_tokens")
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -278,6 +308,20 @@ class ChatCompletionRequest(_CommonRequest):
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: PositiveInt64 | None = None
+    # --- logprobs (issue 33; OpenAI semantics, gateway/logprobs.py)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(SamplingParams.logprobs, SamplingParams.prompt_logprobs): ``top_logprobs`` (0
+        when absent) with ``logprobs: true``; chat reports no prompt logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    def check_supported(self) -> None:
+        """As the common checks, and ``top_logprobs`` only with ``logprobs: true`` (OpenAI)."""
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
 
     def output_limit(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""

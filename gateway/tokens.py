@@ -56,3 +56,25 @@ def prediction_ids(tokenizer, text: str) -> list[int]:
     """The token ids of a prediction's text: ``tokenizer(text, add_special_tokens=False)``,
     no chat template (it stands for the output, which the template does not wrap)."""
     return _plain_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def text_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer(text, add_special_tokens=...)["input_ids"]`` as a flat list (/tokenize)."""
+    return _plain_ids(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The chat template's ids of ``messages``: :func:`chat_prompt_ids` (what
+    /v1/chat/completions sends), or without the generation prompt (/tokenize may ask).
+
+    Raises:
+        GatewayError: 400 (param ``messages``) when the template refuses the messages.
+    """
+    if add_generation_prompt:
+        return chat_prompt_ids(tokenizer, messages)
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                            tokenize=True)
+    except Exception as err:  # noqa: BLE001 - jinja raises for roles/orders a template refuses
+        raise bad_request(f"cannot apply the chat template: {err}", param="messages") from err
+    return _plain_ids(out)

@@ -326,7 +326,24 @@ def test_bad_requests(cluster):
         "content-type": "application/json"}))
     err(c.post("/v1/completions", json={"max_tokens": 3}))  # no prompt
     err(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1}))
-    err(c.post("/v1/completions", json={"prompt": ["a", "b"]}))
+    assert err(c.post("/v1/completions", json={"prompt": []}))["param"] == "prompt"
+    assert err(c.post("/v1/completions", json={"prompt": [[100, 101], [len(tok) + 5]]}))[
+        "param"] == "prompt"  # one bad prompt of a list refuses the request
+    assert err(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}))[
+        "param"] == "max_tokens"  # 0 only with echo
+    assert err(c.post("/v1/completions", json={"prompt": "hi", "logprobs": 21}))[
+        "param"] == "logprobs"
+    assert err(c.post("/v1/completions", json={"prompt": "hi", "logprobs": True}))[
+        "param"] == "logprobs"
+    assert err(c.post("/v1/completions", json={"prompt": "hi", "echo": 1}))["param"] == "echo"
+    assert err(c.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}))[
+        "param"] == "top_logprobs"  # without logprobs: true
+    assert err(c.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+        "top_logprobs": -1}))["param"] == "top_logprobs"
+    assert err(c.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "echo": True}))["param"] == "echo"
     err(c.post("/v1/completions", json={"prompt": [len(tok) + 5]}))
     err(c.post("/v1/chat/completions", json={"messages": []}))
     err(c.post("/v1/completions", json={"prompt": "hi", "model": "gpt-4"}), 404)

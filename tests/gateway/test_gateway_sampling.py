@@ -151,7 +151,10 @@ HONOURED = {
     "min_p": 0.05, "seed": 3, "stop": ["zzz"], "stop_token_ids": [2], "ignore_eos": True,
     "num_speculative_tokens": 2, "n": 1, "request_id": None, "stream_options": None,
     "return_token_ids": True, "prediction": {"type": "content", "content": "a predicted answer"},
+    "logprobs": 2, "echo": True,
 }
+#: chat's own values where the endpoints differ (logprobs is a flag there, the count apart)
+HONOURED_CHAT = {"logprobs": True, "top_logprobs": 2}
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -182,8 +185,10 @@ def test_every_openai_request_field_is_honoured_or_refused(ngram, chat):
                                                                "stream"})):
         if name == "max_completion_tokens" and not chat:
             continue
-        value = HONOURED[name]
+        value = HONOURED_CHAT.get(name, HONOURED.get(name)) if chat else HONOURED[name]
         body = {**base, name: value} if value is not None else base
+        if chat and name == "top_logprobs":  # only with logprobs: true (OpenAI)
+            body["logprobs"] = True
         r = ngram.client.post(url, json=body)
         assert r.status_code == 200, (name, r.text)
     # what reached the wire
