@@ -12,7 +12,7 @@ import torch
 
 from specmesh.cluster.inprocess import InProcessCluster
 from helpers.models import hf_greedy, tiny_llama
-from helpers.proposers import GarbageProposer, OracleProposer
+from helpers.proposers import GarbageProposer, OracleProposer, TreeOracleProposer
 from specmesh.protocol.messages import SamplingParams, TokenLogprobs
 
 MAX_TOKENS = 20
@@ -99,7 +99,9 @@ def test_seeded_sampled_logprobs_spec_on_equal_spec_off(tiny):
     hf, _, _, prompts, _ = tiny
     kw = {"temperature": 0.8, "top_k": 20, "seed": 11}
     _, off = _run(tiny, 0, **kw)
-    c, on = _run(tiny, 4, **kw)  # the n-gram drafter
+    # an oracle that drafts the seeded output: the coupled rule accepts it
+    c, on = _run(tiny, 4, proposer=OracleProposer(prompts, [r.token_ids for r in off]), **kw)
+    assert c.verifier.stats.num_accepted_tokens > 0
     for p, a, b in zip(prompts, off, on):
         assert a.token_ids == b.token_ids
         la, lb = _flat(a), _flat(b)
@@ -127,3 +129,19 @@ def test_logprobs_zero_reports_the_chosen_token_only(tiny):
     assert len(lp) == 8 and lp.top_token_ids == [[]] * 8
     assert all(x <= 0 for x in lp.token_logprobs)
     assert res[0].prompt_logprobs is None
+
+
+def test_tree_drafts_take_the_accepted_nodes_rows(tiny):
+    """Draft trees accepted through side branches: each token's logprob comes from the row
+    of the node that chose it, so they equal speculation off."""
+    _, off = _run(tiny, 0)
+    _, _, _, prompts, refs = tiny
+    c, on = _run(tiny, 3, proposer=TreeOracleProposer(prompts, refs, 96))
+    st = c.verifier.stats
+    assert st.num_tree_verify_steps > 0 and st.num_tree_side_branch_accepts > 0
+    for a, b in zip(off, on):
+        assert a.token_ids == b.token_ids
+        la, lb = _flat(a), _flat(b)
+        torch.testing.assert_close(torch.tensor(la.token_logprobs),
+                                   torch.tensor(lb.token_logprobs), atol=1e-5, rtol=0)
+        assert la.top_token_ids == lb.top_token_ids
