@@ -52,6 +52,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt] = Field(max_length=1 << 20)
 
 
+#: init kwargs about this host's files, left out of /tokenizer_info
+LOCAL_KEYS = ("name_or_path", "is_local", "local_files_only", "vocab_file", "merges_file",
+              "tokenizer_file", "cache_dir")
+
+
 def _json_safe(value: Any) -> Any:
     """``value`` if it is JSON data (an AddedToken becomes its text); else None."""
     if isinstance(value, (str, int, float, bool)) or value is None:
@@ -76,7 +81,12 @@ def tokenizer_info(tokenizer) -> dict[str, Any]:
         safe = _json_safe(value)
         if safe is not None or value is None:
             info[key] = safe
-    info.pop("name_or_path", None)  # a local path says nothing to a client
+    for key in LOCAL_KEYS:  # where the files lie on this host says nothing to a client
+        info.pop(key, None)
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length"):
+        value = getattr(tokenizer, key, None)  # lm-evaluation-harness reads the special tokens
+        if key not in info and isinstance(value, (str, int)):
+            info[key] = value
     info["tokenizer_class"] = type(tokenizer).__name__
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str):
