@@ -68,8 +68,8 @@ def token_counts(index: torch.Tensor, token_ids: torch.Tensor, num_rows: int,
 
 def apply_penalties_(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
     """Process rows ``p.rows`` of ``logits`` [N, V] in place (module docstring: the order)
-    and return ``logits``. The rows are computed in float32 and written back in the logits'
-    dtype.
+    and return ``logits``. The rows are computed in float32 (float64 for float64 logits) and
+    written back in the logits' dtype.
 
     Raises:
         ValueError: ``logits`` not 2-D, or per-row tensors whose length is not ``R``.
@@ -83,7 +83,9 @@ def apply_penalties_(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
         raise ValueError(f"per-row penalties must have {r} entries")
     device = logits.device
     rows = p.rows.to(device)
-    x = logits.index_select(0, rows).float()
+    # float32 (float64 logits stay float64: the tests' exact references)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.index_select(0, rows).to(dtype)
     vocab = x.shape[1]
     if p.allow_index is not None and p.allow_index.numel():
         keep = torch.zeros(r, vocab, dtype=torch.bool, device=device)
@@ -94,15 +96,15 @@ def apply_penalties_(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
         x[p.ban_index.to(device), p.ban_ids.to(device)] = float("-inf")
     if p.bias_index is not None and p.bias_index.numel():
         x.index_put_((p.bias_index.to(device), p.bias_ids.to(device)),
-                     p.bias_values.to(device=device, dtype=torch.float32), accumulate=True)
+                     p.bias_values.to(device=device, dtype=dtype), accumulate=True)
     if p.seen is not None:
-        rep = p.repetition.to(device=device, dtype=torch.float32).unsqueeze(1)
+        rep = p.repetition.to(device=device, dtype=dtype).unsqueeze(1)
         factor = torch.where(p.seen.to(device), rep, torch.ones_like(rep))
         x = torch.where(x > 0, x / factor, x * factor)
     if p.output_counts is not None:
-        counts = p.output_counts.to(device)
-        x -= p.frequency.to(device=device, dtype=torch.float32).unsqueeze(1) * counts
-        x -= p.presence.to(device=device, dtype=torch.float32).unsqueeze(1) * (counts > 0)
+        counts = p.output_counts.to(device=device, dtype=dtype)
+        x -= p.frequency.to(device=device, dtype=dtype).unsqueeze(1) * counts
+        x -= p.presence.to(device=device, dtype=dtype).unsqueeze(1) * (counts > 0)
     logits.index_copy_(0, rows, x.to(logits.dtype))
     return logits
 

@@ -36,6 +36,7 @@ import torch
 from specmesh.engine.block_manager import BlockManager, KVCacheExhausted
 from specmesh.engine.frames import tensor_to_buffer
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
+from specmesh.engine.logits_processors import RowsHistory, apply_logits_processors
 from specmesh.engine.runner import ModelRunner
 from specmesh.engine.sampling import sample_tokens
 from specmesh.prefill.batching import PrefillCost, batch_length
@@ -193,7 +194,7 @@ class PrefillWorker(MailboxWorker):
             return f"prompt of {n} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}"
         if any(t < 0 or t >= cfg.vocab_size for t in req.prompt_token_ids):
             return f"prompt token id outside [0, {cfg.vocab_size})"
-        why = req.sampling.invalid_reason()
+        why = req.sampling.invalid_reason() or req.sampling.vocab_reason(cfg.vocab_size)
         if why:
             return why
         if not req.block_table:
@@ -383,6 +384,9 @@ class PrefillWorker(MailboxWorker):
                                             paged=paged)
             logits, hidden = out if want_hidden else (out, None)
         last = torch.cat([x.reshape(-1, x.shape[-1])[-1:] for x in logits])
+        # penalties and token constraints at output position 0: history = the prompt
+        apply_logits_processors(last, [RowsHistory(r.sampling, r.prompt_token_ids, (), i)
+                                       for i, r in enumerate(reqs)])
         # output position 0, by each request's mode (engine/sampling.py): greedy argmax,
         # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
         firsts = sample_tokens(last, [r.sampling for r in reqs], [0] * len(reqs),

@@ -15,36 +15,10 @@ from hypothesis import strategies as st
 from specmesh.engine.logits_processors import (
     RowsHistory, apply_logits_processors, chain_row_drafts, tree_row_drafts,
 )
+from helpers.penalties import reference_row
 from specmesh.protocol.messages import SamplingParams
 
 V = 12
-
-
-def reference_row(row: list[float], s: SamplingParams, prompt: list[int],
-                  output: list[int]) -> list[float]:
-    """One row processed by hand: allowed ids, bans (min_tokens, bad words), bias, then
-    repetition, frequency and presence penalties (vLLM's order)."""
-    x = list(row)
-    if s.allowed_token_ids is not None:
-        x = [v if t in s.allowed_token_ids else -math.inf for t, v in enumerate(x)]
-    if len(output) < s.min_tokens:
-        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(s.eos_token_ids))
-        for t in stops:
-            x[t] = -math.inf
-    for word in s.bad_words_token_ids:
-        pre = list(word[:-1])
-        if len(pre) <= len(output) and (not pre or output[len(output) - len(pre):] == pre):
-            x[word[-1]] = -math.inf
-    for t, b in zip(s.logit_bias_token_ids, s.logit_bias_values):
-        x[t] += b
-    for t in range(len(x)):
-        if t in prompt or t in output:
-            r = s.repetition_penalty
-            x[t] = x[t] / r if x[t] > 0 else x[t] * r
-        c = output.count(t)
-        x[t] -= s.frequency_penalty * c
-        x[t] -= s.presence_penalty * (1 if c else 0)
-    return x
 
 
 def _tokens(n: int) -> st.SearchStrategy:
