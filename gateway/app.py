@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specmesh.gateway.corpus_api import add_corpus_routes
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
 from specmesh.gateway.metrics import GatewayMetrics
+from specmesh.gateway.penalties import penalty_sampling_fields
 from specmesh.gateway.schemas import (
     MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
     GatewayError, bad_request, error_body,
@@ -130,12 +131,14 @@ class _Gateway:
             raise bad_request(f"stop_token_ids must lie in [0, {self.vocab_size}) (the model's "
                               "vocabulary)", param="stop_token_ids")
         temperature = self.default_temperature if body.temperature is None else body.temperature
+        penalties = penalty_sampling_fields(body, self.tokenizer,
+                                            self.vocab_size or len(self.tokenizer), max_tokens)
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=float(temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=max(0, body.top_k or 0), seed=body.seed,
             min_p=0.0 if body.min_p is None else float(body.min_p),
-            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
+            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, **penalties)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                sampling=sampling,
                                num_speculative_tokens=body.num_speculative_tokens,

@@ -286,15 +286,15 @@ class SamplingParams(Message, tag=2, kw_only=True):
     def penalty_invalid_reason(self) -> str:
         """Why the penalties and token constraints can never be applied ("" when they can):
         presence / frequency penalties outside ``[-2, 2]`` (OpenAI's range), a repetition
-        penalty not in ``(0, 2]`` (vLLM's), logit bias lists of different lengths or a value
+        penalty not finite and ``> 0`` (vLLM's), logit bias lists of different lengths or a value
         outside ``[-100, 100]``, ``min_tokens`` above ``max_tokens``, an empty bad word, an
         empty ``allowed_token_ids``. Token ids against the vocabulary: :meth:`vocab_reason`."""
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:  # also refuses NaN
                 return f"{name} must be in [-2, 2], got {v!r}"
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            return f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}"
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            return f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}"
         if len(self.logit_bias_token_ids) != len(self.logit_bias_values):
             return (f"logit_bias has {len(self.logit_bias_token_ids)} token ids and "
                     f"{len(self.logit_bias_values)} values")

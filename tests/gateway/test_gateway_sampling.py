@@ -151,6 +151,9 @@ HONOURED = {
     "min_p": 0.05, "seed": 3, "stop": ["zzz"], "stop_token_ids": [2], "ignore_eos": True,
     "num_speculative_tokens": 2, "n": 1, "request_id": None, "stream_options": None,
     "return_token_ids": True, "prediction": {"type": "content", "content": "a predicted answer"},
+    "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2,
+    "logit_bias": {"19556": -100}, "min_tokens": 1, "bad_words": ["zzz"],
+    "allowed_token_ids": [2, 30, 19556],
 }
 
 
