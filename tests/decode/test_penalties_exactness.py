@@ -143,3 +143,27 @@ def test_verify_step_rows_equal_position_by_position() -> None:
             RowsHistory(req.sampling, req.prompt_token_ids, out, 0)])
         assert torch.equal(got[row:row + 1], want), row
     assert not torch.equal(got, logits)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_model_drafter_drafts_from_the_processed_distribution(tiny, mode) -> None:
+    """The draft-model proposer drafting with the target itself processes its draft logits
+    with the request's penalties and constraints, each draft with the drafts before it: every
+    draft is accepted (greedy and seeded), and the output is the reference's. Left raw, its
+    drafts would miss wherever a penalty changes the argmax."""
+    from specmesh.drafter.proposers.draft_model import DraftModelProposer
+
+    hf, model, cfg, plain = tiny
+    sp = SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=0.8, presence_penalty=0.5,
+                        repetition_penalty=1.3, bad_words_token_ids=[[plain[1], plain[2]]],
+                        logit_bias_token_ids=[plain[0]], logit_bias_values=[-100.0],
+                        min_tokens=6, eos_token_ids=[plain[3]], **MODES[mode])
+    want = penalized_reference(hf, PROMPT, sp, (plain[3],))
+    proposer = DraftModelProposer(dtype="float64", loaded=model, num_blocks=128, block_size=4)
+    c = InProcessCluster(model, cfg, num_speculative_tokens=4, num_kv_blocks=256, block_size=4,
+                         proposer=proposer, draft_method="draft_model",
+                         eos_token_ids=(plain[3],))
+    (r,) = c.generate([PROMPT], sp)
+    assert r.token_ids == want
+    st = c.verifier.stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
