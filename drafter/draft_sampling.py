@@ -48,10 +48,11 @@ class DraftSampling:
     position of the first draft asked for (0 is the prefill worker's first token; draft ``j``
     of the call sits at ``first_position + j``). ``generator``: the drafter's randomness for
     unseeded sampled requests (torch's default generator when None). ``with_probs``: return the
-    rows of unseeded sampled drafts (the verifier's rule uses them). ``prompt_token_ids`` / ``output_token_ids``: the request's
-    prompt and its output before the call's first draft (committed + path), the history of the
-    penalties and token constraints; the drafts :meth:`choose` picks are appended to that
-    history for the next ones (index ``i`` sees the call's drafts ``0 .. i-1``).
+    rows of unseeded sampled drafts (the verifier's rule uses them). ``prompt_token_ids`` /
+    ``output_token_ids``: the request's prompt and its output before the call's first draft
+    (committed + path), the history of the penalties and token constraints; the drafts
+    :meth:`choose` picks are appended to that history for the next ones (index ``i`` sees the
+    call's drafts ``0 .. i-1``).
     """
 
     sampling: SamplingParams

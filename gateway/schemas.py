@@ -58,9 +58,9 @@ COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "moderation": (),
     # vLLM extensions
-    "use_beam_search": (False,),
-    "length_penalty": (1,), "early_stopping": (False,), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "early_stopping": (False,),
+    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "structured_outputs": (),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),

@@ -1,8 +1,9 @@
 """Penalties and token constraints on the real model (float32, SmolLM2-135M-Instruct, in-process
 workers; issue 33 item 3): ``frequency_penalty`` (a count over every accepted draft) and
-``bad_words`` (a multi-token word across drafts), greedy and seeded, on chat prompts: each changes the output, and speculation at
-k = 4 and k = 8 (an oracle drafter of the speculation-off output, drafts accepted; the n-gram
-drafter) equals speculation off token for token."""
+``bad_words`` (a multi-token word across drafts), greedy and seeded, on chat prompts: each
+changes the output, and speculation at k = 4 and k = 8 (an oracle drafter of the
+speculation-off output, drafts accepted; the n-gram drafter) equals speculation off token for
+token."""
 
 from __future__ import annotations
 
