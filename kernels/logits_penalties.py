@@ -17,6 +17,14 @@ bias is added, (4) penalties:
 - presence: ``logit -= presence_penalty * (count > 0)``.
 
 ``-inf`` stays ``-inf`` through every step. Units: logits (pre-temperature).
+
+Entry points of the dense step (4, the one that touches every column): :func:`dense_penalties_ref`
+(plain torch, the source of truth), :func:`dense_penalties_triton` (one program per row and
+block of :data:`BLOCK_V` columns: CUDA, or CPU under ``TRITON_INTERPRET=1``) and
+:func:`dense_penalties` (the launcher: the kernel on CUDA or under the interpreter, else the
+reference). Both do the same float operations in the same order on each element (bit for bit
+under the interpreter; to float rounding where a GPU's division may round differently). Steps
+1-3 are sparse scatters and stay in torch (:func:`apply_penalties_`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from specmesh.kernels.triton_mode import check_runnable, interpret_mode, is_interpreted
+
+#: columns per program of the dense kernel
+BLOCK_V = 1024
 
 
 @dataclass(frozen=True)
@@ -97,16 +112,110 @@ def apply_penalties_(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
     if p.bias_index is not None and p.bias_index.numel():
         x.index_put_((p.bias_index.to(device), p.bias_ids.to(device)),
                      p.bias_values.to(device=device, dtype=dtype), accumulate=True)
-    if p.seen is not None:
-        rep = p.repetition.to(device=device, dtype=dtype).unsqueeze(1)
-        factor = torch.where(p.seen.to(device), rep, torch.ones_like(rep))
-        x = torch.where(x > 0, x / factor, x * factor)
-    if p.output_counts is not None:
-        counts = p.output_counts.to(device=device, dtype=dtype)
-        x -= p.frequency.to(device=device, dtype=dtype).unsqueeze(1) * counts
-        x -= p.presence.to(device=device, dtype=dtype).unsqueeze(1) * (counts > 0)
+    if p.seen is not None or p.output_counts is not None:
+        x = dense_penalties(x, p.output_counts, p.seen, p.presence, p.frequency, p.repetition)
     logits.index_copy_(0, rows, x.to(logits.dtype))
     return logits
 
 
-__all__ = ["PenaltyInputs", "apply_penalties_", "token_counts"]
+def _check_dense(x: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None,
+                 *per_row: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"x must be float32 / float64 [R, V], got {x.dtype} {tuple(x.shape)}")
+    for name, t in (("output_counts", counts), ("seen", seen)):
+        if t is not None and tuple(t.shape) != tuple(x.shape):
+            raise ValueError(f"{name} {tuple(t.shape)} does not match x {tuple(x.shape)}")
+    if any(t.shape != (x.shape[0],) for t in per_row):
+        raise ValueError(f"per-row penalties must have {x.shape[0]} entries")
+
+
+def dense_penalties_ref(x: torch.Tensor, counts: torch.Tensor | None,
+                        seen: torch.Tensor | None, presence: torch.Tensor,
+                        frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """Step 4 of the module docstring on ``x`` float32 / float64 [R, V] (a new tensor):
+    repetition where ``seen`` (bool [R, V], None: nowhere), then frequency and presence from
+    ``counts`` (float [R, V], None: all zero); per-row penalties [R].
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit.
+    """
+    _check_dense(x, counts, seen, presence, frequency, repetition)
+    dtype, device = x.dtype, x.device
+    if seen is not None:
+        rep = repetition.to(device=device, dtype=dtype).unsqueeze(1)
+        factor = torch.where(seen.to(device), rep, torch.ones_like(rep))
+        x = torch.where(x > 0, x / factor, x * factor)
+    if counts is not None:
+        c = counts.to(device=device, dtype=dtype)
+        x = x - frequency.to(device=device, dtype=dtype).unsqueeze(1) * c
+        x = x - presence.to(device=device, dtype=dtype).unsqueeze(1) * (c > 0).to(dtype)
+    return x
+
+
+@triton.jit
+def _dense_penalties_kernel(x_ptr, counts_ptr, seen_ptr, presence_ptr, frequency_ptr,
+                            repetition_ptr, out_ptr, vocab, HAS_COUNTS: tl.constexpr,
+                            HAS_SEEN: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < vocab
+    offs = row.to(tl.int64) * vocab + cols
+    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    if HAS_SEEN:
+        rep = tl.load(repetition_ptr + row).to(x.dtype)
+        seen = tl.load(seen_ptr + offs, mask=valid, other=0) != 0
+        factor = tl.where(seen, rep, 1.0).to(x.dtype)
+        x = tl.where(x > 0, x / factor, x * factor)
+    if HAS_COUNTS:
+        c = tl.load(counts_ptr + offs, mask=valid, other=0.0).to(x.dtype)
+        freq = tl.load(frequency_ptr + row).to(x.dtype)
+        pres = tl.load(presence_ptr + row).to(x.dtype)
+        x = x - freq * c
+        x = x - pres * tl.where(c > 0, 1.0, 0.0).to(x.dtype)
+    tl.store(out_ptr + offs, x, mask=valid)
+
+
+def _kernel_is_interpreted() -> bool:
+    """Whether this module's kernel was decorated interpreted (kernels/triton_mode.py)."""
+    return is_interpreted(_dense_penalties_kernel)
+
+
+def dense_penalties_triton(x: torch.Tensor, counts: torch.Tensor | None,
+                           seen: torch.Tensor | None, presence: torch.Tensor,
+                           frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """:func:`dense_penalties_ref` computed by the Triton kernel (same arguments and result).
+
+    Raises:
+        ValueError: see :func:`dense_penalties_ref`; or CPU tensors while the kernel is
+            compiled.
+        RuntimeError: CPU tensors with ``TRITON_INTERPRET=1`` set only after triton was
+            imported.
+    """
+    _check_dense(x, counts, seen, presence, frequency, repetition)
+    check_runnable(x.is_cuda, _dense_penalties_kernel)
+    rows, vocab = x.shape
+    out = torch.empty_like(x)
+    if rows == 0 or vocab == 0:
+        return out
+    dtype, device = x.dtype, x.device
+    c = counts.to(device=device, dtype=dtype).contiguous() if counts is not None else x
+    s = seen.to(device=device, dtype=torch.int8).contiguous() if seen is not None else x
+    _dense_penalties_kernel[(rows, triton.cdiv(vocab, BLOCK_V))](
+        x.contiguous(), c, s, presence.to(device=device, dtype=dtype).contiguous(),
+        frequency.to(device=device, dtype=dtype).contiguous(),
+        repetition.to(device=device, dtype=dtype).contiguous(), out, vocab,
+        HAS_COUNTS=counts is not None, HAS_SEEN=seen is not None, BLOCK=BLOCK_V)
+    return out
+
+
+def dense_penalties(x: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None,
+                    presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor) -> torch.Tensor:
+    """Launcher: the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else the
+    torch reference. Arguments, result and errors as :func:`dense_penalties_ref`."""
+    fn = dense_penalties_triton if (x.is_cuda or interpret_mode()) else dense_penalties_ref
+    return fn(x, counts, seen, presence, frequency, repetition)
+
+
+__all__ = ["BLOCK_V", "PenaltyInputs", "apply_penalties_", "dense_penalties",
+           "dense_penalties_ref", "dense_penalties_triton", "token_counts"]
