@@ -16,7 +16,10 @@ bias is added, (4) penalties:
 - frequency: ``logit -= frequency_penalty * count`` (count in the output so far);
 - presence: ``logit -= presence_penalty * (count > 0)``.
 
-``-inf`` stays ``-inf`` through every step. Units: logits (pre-temperature).
+``-inf`` stays ``-inf`` through every step. A row the bans would leave without a finite logit
+(constraints that contradict each other, e.g. ``allowed_token_ids`` only EOS under
+``min_tokens``) keeps its values from before the bans, so no row is ever an empty distribution
+(which would make NaN probabilities). Units: logits (pre-temperature).
 
 Entry points of the dense step (4, the one that touches every column): :func:`dense_penalties_ref`
 (plain torch, the source of truth), :func:`dense_penalties_triton` (one program per row and
@@ -108,7 +111,10 @@ def apply_penalties_(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
         restricted = keep.any(dim=1, keepdim=True)
         x.masked_fill_(restricted & ~keep, float("-inf"))
     if p.ban_index is not None and p.ban_index.numel():
+        before = x.clone()
         x[p.ban_index.to(device), p.ban_ids.to(device)] = float("-inf")
+        emptied = torch.isneginf(x).all(dim=1)  # contradicting constraints: bans yield
+        x = torch.where(emptied.unsqueeze(1), before, x)
     if p.bias_index is not None and p.bias_index.numel():
         x.index_put_((p.bias_index.to(device), p.bias_ids.to(device)),
                      p.bias_values.to(device=device, dtype=dtype), accumulate=True)

@@ -114,6 +114,13 @@ def test_neutral_requests_and_other_rows_are_untouched() -> None:
     assert torch.equal(logits[[0, 1, 3]], before[[0, 1, 3]]) and logits[2, 2] == before[2, 2] - 1
 
 
+def test_contradicting_constraints_never_empty_a_row() -> None:
+    """Only EOS allowed under min_tokens: the ban yields (the row keeps EOS), never all -inf."""
+    s = SamplingParams(allowed_token_ids=[2], min_tokens=5, eos_token_ids=[2])
+    out = apply_logits_processors(torch.zeros(2, V), [RowsHistory(s, [1], [], 0, [[], [3]])])
+    assert (out[:, 2] == 0).all() and torch.isneginf(out[:, [0, 1, 3]]).all()
+
+
 def test_out_of_vocabulary_ids_are_refused() -> None:
     with pytest.raises(ValueError, match="allowed_token_ids"):
         apply_logits_processors(torch.zeros(1, V), [RowsHistory(

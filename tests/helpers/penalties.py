@@ -17,11 +17,13 @@ from specmesh.protocol.messages import SamplingParams
 
 def reference_row(row: list[float], s: SamplingParams, prompt: list[int],
                   output: list[int]) -> list[float]:
-    """One row processed by hand: allowed ids, bans (min_tokens, bad words), bias, then
-    repetition, frequency and presence penalties (vLLM's order)."""
+    """One row processed by hand: allowed ids, bans (min_tokens, bad words; none when they
+    would leave no finite logit), bias, then repetition, frequency and presence penalties
+    (vLLM's order)."""
     x = list(row)
     if s.allowed_token_ids is not None:
         x = [v if t in s.allowed_token_ids else -math.inf for t, v in enumerate(x)]
+    allowed = list(x)
     if len(output) < s.min_tokens:
         stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(s.eos_token_ids))
         for t in stops:
@@ -30,6 +32,8 @@ def reference_row(row: list[float], s: SamplingParams, prompt: list[int],
         pre = list(word[:-1])
         if len(pre) <= len(output) and (not pre or output[len(output) - len(pre):] == pre):
             x[word[-1]] = -math.inf
+    if all(v == -math.inf for v in x):  # contradicting constraints: the bans yield
+        x = allowed
     for t, b in zip(s.logit_bias_token_ids, s.logit_bias_values):
         x[t] += b
     for t in range(len(x)):
