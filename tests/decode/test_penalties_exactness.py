@@ -20,7 +20,7 @@ import torch
 
 from helpers.models import hf_greedy, tiny_llama
 from helpers.penalties import penalized_reference
-from helpers.proposers import GarbageProposer, OracleProposer
+from helpers.proposers import GarbageProposer, OracleProposer, TreeOracleProposer
 from specmesh.cluster.inprocess import InProcessCluster
 from specmesh.decode.request import Request
 from specmesh.decode.scheduler import PlannedRequest
@@ -167,3 +167,21 @@ def test_model_drafter_drafts_from_the_processed_distribution(tiny, mode) -> Non
     assert r.token_ids == want
     st = c.verifier.stats
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_tree_drafts_see_their_own_path(tiny, mode) -> None:
+    """Draft trees whose right path is a side branch (branch 0 wrong): each node's row is
+    processed with the drafts on its own path, so the accepted path equals plain decode."""
+    hf, model, cfg, plain = tiny
+    # negative penalties favour what a row's history holds: a row that also saw the wrong
+    # branch would favour its tokens
+    sp = SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=-1.5, presence_penalty=-1.0,
+                        bad_words_token_ids=[[plain[1], plain[2]]], **MODES[mode])
+    want = penalized_reference(hf, PROMPT, sp)
+    c = InProcessCluster(model, cfg, num_speculative_tokens=3, num_kv_blocks=256, block_size=4,
+                         proposer=TreeOracleProposer([PROMPT], [want], VOCAB))
+    (r,) = c.generate([PROMPT], sp)
+    assert r.token_ids == want
+    st = c.verifier.stats
+    assert st.num_tree_verify_steps > 0 and st.num_accepted_tokens > 0
