@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from specmesh.decode.config import INITIAL_ACCEPT_LEN_EMA
 from specmesh.decode.goodput import Acceptance
 from specmesh.decode.prediction_usage import PredictionUsage
@@ -13,6 +15,17 @@ from specmesh.decode.tail_buffer import TailBuffer
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import SamplingParams, TokenLogprobs
 from specmesh.protocol.spec_stats import SpecStats
+
+
+def sampling_with_eos(sampling: SamplingParams, eos_token_ids: frozenset[int]
+                      ) -> SamplingParams:
+    """``sampling`` with the verifier's EOS ids in ``eos_token_ids`` when ``min_tokens`` must
+    keep them away (protocol.messages.SamplingParams: the prefill worker and the drafter mask
+    what the verifier would stop at); unchanged otherwise."""
+    if not sampling.min_tokens or sampling.ignore_eos or not eos_token_ids:
+        return sampling
+    ids = sorted(set(sampling.eos_token_ids) | set(eos_token_ids))
+    return msgspec.structs.replace(sampling, eos_token_ids=ids)
 
 
 class RequestStatus(enum.Enum):

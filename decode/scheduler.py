@@ -116,7 +116,8 @@ class Scheduler:
             return f"prompt token ids must lie in [0, {vocab_size})"
         if max_tokens < 1:
             return "max_tokens must be >= 1"
-        why = sampling.invalid_reason()  # greedy, sampled and seeded requests all run
+        # greedy, sampled and seeded requests all run
+        why = sampling.invalid_reason() or sampling.vocab_reason(vocab_size)
         if why:
             return why
         if num_speculative_tokens is not None and num_speculative_tokens < 0:

@@ -16,6 +16,9 @@ from specmesh.decode.scheduler import PlannedRequest
 from specmesh.decode.verification import RuleBatch
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
 from specmesh.engine.logprobs import token_logprobs
+from specmesh.engine.logits_processors import (
+    RowsHistory, apply_logits_processors, chain_row_drafts, tree_row_drafts,
+)
 from specmesh.engine.runner import ModelRunner, SeqChunk
 from specmesh.protocol.messages import TokenLogprobs
 from specmesh.protocol.step_profile import StepProfile
@@ -191,9 +194,11 @@ class VerifyStep:
         if any(p.parents is not None for p in plan):  # the tree rule's batches
             parents = torch.tensor([j for p in plan for j in p.parents], dtype=torch.long,
                                    device=device)
+        target_logits = torch.cat(logits)
+        _apply_penalties(plan, target_logits)
         return RuleBatch(draft_token_ids=torch.tensor(drafts, dtype=torch.long, device=device),
                          cu_num_draft_tokens=counts.cumsum(0).to(device),
-                         target_logits=torch.cat(logits),
+                         target_logits=target_logits,
                          sampling=[p.request.sampling for p in plan],
                          positions=positions, draft_probs=draft_probs,
                          generator=self.generator(device), parents=parents)
@@ -221,6 +226,22 @@ def _with_logprobs(out: VerifyOutput, rows: torch.Tensor, k: int) -> VerifyOutpu
                                                  dtype=torch.long, device=rows.device))
     return replace(out, logprobs=token_logprobs(rows[:len(out.token_ids)], out.token_ids,
                                                 min(k, rows.shape[-1])))
+def _apply_penalties(plan: list[PlannedRequest], target_logits: torch.Tensor) -> None:
+    """Penalties and token constraints (engine/logits_processors.py) on ``target_logits``
+    [num_draft_total + batch, V], in place, before any rule reads them: row ``i`` of a request
+    with the history of the output committed plus the drafts before that row (a tree node's
+    row: its path), so greedy takes the argmax of the processed row and the sampled rules
+    process it further."""
+    histories, first = [], 0
+    for p in plan:
+        s = p.request.sampling
+        if s.has_logits_processors:
+            rows = (chain_row_drafts(p.draft_token_ids) if p.parents is None
+                    else tree_row_drafts(p.draft_token_ids, p.parents))
+            histories.append(RowsHistory(s, p.request.prompt_token_ids,
+                                         p.request.output_token_ids, first, rows))
+        first += len(p.draft_token_ids) + 1
+    apply_logits_processors(target_logits, histories)
 
 
 def _path_rows(hidden: torch.Tensor, out: VerifyOutput) -> torch.Tensor:

@@ -22,7 +22,7 @@ from specmesh.decode.kv_receiver import KVReceiver
 from specmesh.decode.lifecycle import RequestLifecycle
 from specmesh.decode.prefill_loss import PrefillLoss
 from specmesh.decode.prefill_pause import PrefillPause
-from specmesh.decode.request import Request, RequestStatus
+from specmesh.decode.request import Request, RequestStatus, sampling_with_eos
 from specmesh.decode.scheduler import BlockAllocator, Scheduler
 from specmesh.decode.stats import VerifierStats
 from specmesh.decode.verify_step import VerifyStep
@@ -322,7 +322,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
                                         finish_reason=reason.value, error=error))
             return
         kappa = self.scheduler.speculative_tokens_for(msg.num_speculative_tokens)
-        req = Request(msg.request_id, peer, list(msg.prompt_token_ids), msg.sampling, kappa,
+        sampling = sampling_with_eos(msg.sampling, self.lifecycle.eos_token_ids)
+        req = Request(msg.request_id, peer, list(msg.prompt_token_ids), sampling, kappa,
                       prediction_token_ids=list(msg.prediction_token_ids or []) or None)
         self.requests[req.request_id] = req
         self.scheduler.enqueue(req)

@@ -16,6 +16,12 @@ drafter drafts the way the rule samples:
   DraftTailStream.draft_probs (192 KB per draft at V = 49,152), so rejection sampling accepts
   with probability ``min(1, target / draft)`` instead of ``target``.
 
+A request with penalties or token constraints (SamplingParams.has_logits_processors) has its
+draft logits processed first, each draft with the output before it (the committed output, the
+drafter's path and the call's earlier drafts; engine/logits_processors.py), exactly as the
+verifier processes the row it verifies that draft against: greedy drafts are then the argmax
+of the processed logits, so drafts keep being accepted.
+
 Logits come in the target's id space, ``[1, vocab_size]`` (a drafter whose vocabulary is a
 subset puts ``-inf`` at the ids it cannot propose), so the coupled noise of column ``x`` is the
 target's noise of token ``x``.
@@ -23,10 +29,12 @@ target's noise of token ``x``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from specmesh.engine.logits_processors import RowsHistory, apply_logits_processors
 from specmesh.engine.sampling import COUPLED, GREEDY, processed_probs, sampling_mode, seeds_tensor
 from specmesh.kernels.coupled_sample import gumbel_sample
 from specmesh.protocol.messages import SamplingParams
@@ -40,13 +48,26 @@ class DraftSampling:
     position of the first draft asked for (0 is the prefill worker's first token; draft ``j``
     of the call sits at ``first_position + j``). ``generator``: the drafter's randomness for
     unseeded sampled requests (torch's default generator when None). ``with_probs``: return the
-    rows of unseeded sampled drafts (the verifier's rule uses them).
+    rows of unseeded sampled drafts (the verifier's rule uses them). ``prompt_token_ids`` /
+    ``output_token_ids``: the request's prompt and its output before the call's first draft
+    (committed + path), the history of the penalties and token constraints; the drafts
+    :meth:`choose` picks are appended to that history for the next ones (index ``i`` sees the
+    call's drafts ``0 .. i-1``).
     """
 
     sampling: SamplingParams
     first_position: int
     generator: torch.Generator | None = None
     with_probs: bool = True
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    _drafted: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def processes(self) -> bool:
+        """Whether draft logits go through the request's penalties and token constraints
+        (then even a greedy request's drafts are picked here, not by a plain argmax)."""
+        return self.sampling.has_logits_processors
 
     @property
     def mode(self) -> str:
@@ -71,6 +92,21 @@ class DraftSampling:
         """
         if logits.dim() != 2 or logits.shape[0] != 1:
             raise ValueError(f"draft logits must be [1, vocab_size], got {tuple(logits.shape)}")
+        del self._drafted[index:]
+        token, row = self._choose(self._processed(logits, index), index)
+        self._drafted.append(token)
+        return token, row
+
+    def _processed(self, logits: torch.Tensor, index: int) -> torch.Tensor:
+        """``logits`` (a copy) through the request's penalties and token constraints with the
+        output before draft ``index``; unchanged without any."""
+        if not self.processes:
+            return logits
+        history = list(self.output_token_ids) + self._drafted[:index]
+        return apply_logits_processors(logits.clone(), [RowsHistory(
+            self.sampling, self.prompt_token_ids, history, 0)])
+
+    def _choose(self, logits: torch.Tensor, index: int) -> tuple[int, torch.Tensor | None]:
         mode = self.mode
         if mode == GREEDY:
             return int(logits[0].argmax()), None

@@ -452,10 +452,13 @@ class DrafterWorker(MailboxWorker):
                 out[j] = (new, [None] * len(new))
                 continue
             how = None
-            if p.returns_draft_probs and st.sampling is not None \
-                    and sampling_mode(st.sampling) != GREEDY:
+            # sampled requests, and greedy ones with penalties or token constraints, are
+            # drafted from the distribution the verifier verifies them against
+            if p.returns_draft_probs and st.sampling is not None and (
+                    sampling_mode(st.sampling) != GREEDY or st.sampling.has_logits_processors):
                 how = DraftSampling(st.sampling, len(st.committed) + len(st.path),
-                                    self._generator(), self.config.draft_probs)
+                                    self._generator(), self.config.draft_probs,
+                                    st.prompt_token_ids, st.committed + st.path)
             calls.append(ProposeCall(st.request_id, st.context, room, how))
             where.append(j)
         if calls:

@@ -33,6 +33,7 @@ from specmesh.gateway.prompt_batch import (
 )
 from specmesh.gateway.tokenize_api import add_tokenize_routes
 from specmesh.gateway.metrics import GatewayMetrics
+from specmesh.gateway.penalties import penalty_sampling_fields
 from specmesh.gateway.schemas import (
     MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
     GatewayError, bad_request, error_body,
@@ -136,13 +137,15 @@ class _Gateway:
                               "vocabulary)", param="stop_token_ids")
         temperature = self.default_temperature if body.temperature is None else body.temperature
         logprobs, prompt_logprobs = body.logprob_counts()
+        penalties = penalty_sampling_fields(body, self.tokenizer,
+                                            self.vocab_size or len(self.tokenizer), max_tokens)
         sampling = SamplingParams(
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens, temperature=float(temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=max(0, body.top_k or 0), seed=body.seed,
             min_p=0.0 if body.min_p is None else float(body.min_p),
-            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
+            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, **penalties)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                sampling=sampling,
                                num_speculative_tokens=body.num_speculative_tokens,

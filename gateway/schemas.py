@@ -13,12 +13,15 @@ OpenAI client's own field lists):
   ``prompt_token_ids``), ``prediction`` (OpenAI Predicted Outputs, :data:`PREDICTION_REFUSED`
   for the fields it cannot be combined with); logprobs (issue 33): completions ``logprobs``
   (0..20) and ``echo`` (``max_tokens: 0`` with it: the prompt alone), chat ``logprobs`` and
-  ``top_logprobs`` (0..20), ``stream_options.continuous_usage_stats``;
+  ``top_logprobs`` (0..20), ``stream_options.continuous_usage_stats``; the penalties and token
+  constraints ``frequency_penalty``, ``presence_penalty``, ``logit_bias``,
+  ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``
+  (gateway/penalties.py);
 - without effect on the output, accepted and ignored: :data:`NO_OUTPUT_EFFECT` (``user``,
   ``metadata``, ``store``, ...);
 - changing the output and not honoured: :data:`COMMON_REFUSED` plus the endpoint's own
   table, refused with HTTP 400 naming the field unless the value is absent, null or the
-  neutral one listed (``frequency_penalty: 0`` passes, ``0.5`` does not).
+  neutral one listed (``length_penalty: 1`` passes, ``0.5`` does not).
 
 Other unknown fields are ignored, as OpenAI-compatible servers do.
 """
@@ -54,17 +57,15 @@ NO_OUTPUT_EFFECT = frozenset({
 #: (absent and null always pass); anything else is HTTP 400 naming the field
 COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "best_of": (1,),
     "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "moderation": (),
     # vLLM extensions
-    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,),
-    "length_penalty": (1,), "early_stopping": (False,), "bad_words": ([],),
-    "allowed_token_ids": (), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "early_stopping": (False,),
+    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "structured_outputs": (),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
@@ -196,6 +197,15 @@ class _CommonRequest(BaseModel):
     # OpenAI Predicted Outputs: {"type": "content", "content": text or text parts}; checked
     # by prediction_text (clear 400s rather than pydantic's union errors)
     prediction: Any = None
+    # penalties and token constraints at every verified position (gateway/penalties.py turns
+    # them into SamplingParams; ids against the vocabulary are checked there)
+    frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)  # OpenAI
+    presence_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)  # OpenAI
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100.0, le=100.0)]] | None = None
+    repetition_penalty: Number | None = Field(default=None, gt=0.0)  # vLLM
+    min_tokens: NonNegInt64 | None = None  # vLLM
+    bad_words: str | list[str] | None = None  # vLLM
+    allowed_token_ids: list[NonNegInt64] | None = None  # vLLM
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -251,7 +261,9 @@ class _CommonRequest(BaseModel):
         text, ``max_completion_tokens``) and a malformed prediction."""
         if self.prediction is None:
             return
-        fields = {**(self.model_extra or {}), "n": self.n}
+        fields = {**(self.model_extra or {}), "n": self.n,
+                  "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty}
         for name in ("max_completion_tokens", "logprobs", "top_logprobs"):
             if name in type(self).model_fields:  # else in model_extra
                 fields[name] = getattr(self, name)

@@ -37,6 +37,7 @@ from specmesh.engine.block_manager import BlockManager, KVCacheExhausted
 from specmesh.engine.frames import tensor_to_buffer
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
 from specmesh.engine.logprobs import token_logprobs
+from specmesh.engine.logits_processors import RowsHistory, apply_logits_processors
 from specmesh.engine.runner import ModelRunner
 from specmesh.engine.sampling import sample_tokens
 from specmesh.prefill.batching import PrefillCost, batch_length
@@ -195,7 +196,7 @@ class PrefillWorker(MailboxWorker):
             return f"prompt of {n} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}"
         if any(t < 0 or t >= cfg.vocab_size for t in req.prompt_token_ids):
             return f"prompt token id outside [0, {cfg.vocab_size})"
-        why = req.sampling.invalid_reason()
+        why = req.sampling.invalid_reason() or req.sampling.vocab_reason(cfg.vocab_size)
         if why:
             return why
         if not req.block_table:
@@ -393,6 +394,9 @@ class PrefillWorker(MailboxWorker):
                                             paged=paged, logits=rows)
             logits, hidden = out if want_hidden else (out, None)
         last = torch.cat([x.reshape(-1, x.shape[-1])[-1:] for x in logits])
+        # penalties and token constraints at output position 0: history = the prompt
+        apply_logits_processors(last, [RowsHistory(r.sampling, r.prompt_token_ids, (), i)
+                                       for i, r in enumerate(reqs)])
         # output position 0, by each request's mode (engine/sampling.py): greedy argmax,
         # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
         firsts = sample_tokens(last, [r.sampling for r in reqs], [0] * len(reqs),
@@ -402,8 +406,8 @@ class PrefillWorker(MailboxWorker):
             seeds.append(tensor_to_buffer(hidden[i][-1:].clone()) if is_hidden_seed(kind)
                          else None)
         firsts = list(firsts)
-        return firsts, seeds, [_request_logprobs(r, x, f)
-                               for r, x, f in zip(reqs, logits, firsts)]
+        return firsts, seeds, [_request_logprobs(r, x, f, last[i:i + 1])
+                               for i, (r, x, f) in enumerate(zip(reqs, logits, firsts))]
 
     def _kv_frames(self, req: PrefillRequest, block_table: list[int], n: int) -> list[KVFrame]:
         """The KVFrames of ``req``'s prompt KV: at most ``frame_tokens`` tokens x
@@ -454,18 +458,20 @@ class PrefillWorker(MailboxWorker):
         return len(batch)
 
 
-def _request_logprobs(req: PrefillRequest, logits: torch.Tensor, first: int
+def _request_logprobs(req: PrefillRequest, logits: torch.Tensor, first: int,
+                      first_row: torch.Tensor
                       ) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
     """``req``'s (first token, prompt) logprobs from its prompt forward's logits (``[1, vocab]``
-    or, when the batch ran every row, ``[n, vocab]``; row i predicts prompt token i + 1 and the
-    last row the first token), each None unless asked (``SamplingParams.logprobs`` /
-    ``prompt_logprobs``): the float32 log_softmax of the raw logits, as the verifier reports
-    the later tokens' (engine/logprobs.py). The prompt's are positions 1 .. n-1 (position 0
+    or, when the batch ran every row, ``[n, vocab]``; row i predicts prompt token i + 1) and
+    ``first_row`` ``[1, vocab]``, the last row as the first token was chosen from (after the
+    request's penalties and constraints), each None unless asked (``SamplingParams.logprobs`` /
+    ``prompt_logprobs``): the float32 log_softmax, as the verifier reports the later tokens'
+    (engine/logprobs.py). The prompt's are positions 1 .. n-1 of the raw logits (position 0
     has no predecessor; OpenAI and vLLM report None there)."""
     s = req.sampling
     rows = logits.reshape(-1, logits.shape[-1])
     vocab = rows.shape[-1]
-    first_lp = None if s.logprobs is None else token_logprobs(rows[-1:], [first],
+    first_lp = None if s.logprobs is None else token_logprobs(first_row, [first],
                                                                min(s.logprobs, vocab))
     prompt_lp = None
     if s.prompt_logprobs is not None:

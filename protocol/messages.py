@@ -44,7 +44,8 @@ from msgspec import Meta
 # 12: DrafterCorpus, DrafterCorpusRelayed, DrafterCorpusResult (corpora and the drafters'
 # cross-request history, controlled at run time)
 # 13: logprobs: SamplingParams.logprobs / prompt_logprobs, TokenLogprobs, PrefillDone.logprobs /
-# prompt_logprobs, TokenStream.logprobs / prompt_logprobs
+# prompt_logprobs, TokenStream.logprobs / prompt_logprobs; SamplingParams penalties and token constraints (frequency / presence / repetition
+# penalties, logit bias, min_tokens, bad words, allowed token ids, the verifier's EOS ids)
 PROTOCOL_VERSION = 13
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
@@ -249,6 +250,29 @@ class SamplingParams(Message, tag=2, kw_only=True):
     # / at every prompt position after the first (``prompt_logprobs``, from the prefill role)
     logprobs: NonNegInt | None = None
     prompt_logprobs: NonNegInt | None = None
+    # -- penalties and token constraints (vLLM's semantics; engine/logits_processors.py applies
+    # them at every verified position with the tokens committed before it; neutral defaults)
+    #: subtracted once from the logit of every token in the output so far (OpenAI, [-2, 2])
+    presence_penalty: float = 0.0
+    #: times the token's count in the output so far, subtracted from its logit ([-2, 2])
+    frequency_penalty: float = 0.0
+    #: tokens of prompt + output: positive logits divided by it, negative ones multiplied
+    #: (vLLM / CTRL, > 0; 1 is off)
+    repetition_penalty: float = 1.0
+    #: OpenAI logit_bias as two aligned lists (a wire-friendly map): the bias
+    #: ``logit_bias_values[i]`` ([-100, 100]) is added to token ``logit_bias_token_ids[i]``
+    logit_bias_token_ids: list[TokenId] = msgspec.field(default_factory=list)
+    logit_bias_values: list[float] = msgspec.field(default_factory=list)
+    #: EOS and stop_token_ids are masked until this many output tokens exist (vLLM)
+    min_tokens: NonNegInt = 0
+    #: vLLM bad_words, tokenized by the gateway: a word's last token is masked when the
+    #: output so far ends with the word's other tokens
+    bad_words_token_ids: list[list[TokenId]] = msgspec.field(default_factory=list)
+    #: vLLM allowed_token_ids: only these may be sampled (None: every token)
+    allowed_token_ids: list[TokenId] | None = None
+    #: the deployment's EOS ids, filled in by the verifier at admission (the gateway leaves it
+    #: empty) so that every role masks them for ``min_tokens`` (unless ``ignore_eos``)
+    eos_token_ids: list[TokenId] = msgspec.field(default_factory=list)
 
     def invalid_reason(self) -> str:
         """Why these parameters can never be sampled ("" when they can): a temperature that is
@@ -270,11 +294,58 @@ class SamplingParams(Message, tag=2, kw_only=True):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 return f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
+        return self.penalty_invalid_reason()
+
+    def penalty_invalid_reason(self) -> str:
+        """Why the penalties and token constraints can never be applied ("" when they can):
+        presence / frequency penalties outside ``[-2, 2]`` (OpenAI's range), a repetition
+        penalty not finite and ``> 0`` (vLLM's), logit bias lists of different lengths or a value
+        outside ``[-100, 100]``, ``min_tokens`` above ``max_tokens``, an empty bad word, an
+        empty ``allowed_token_ids``. Token ids against the vocabulary: :meth:`vocab_reason`."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:  # also refuses NaN
+                return f"{name} must be in [-2, 2], got {v!r}"
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            return f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}"
+        if len(self.logit_bias_token_ids) != len(self.logit_bias_values):
+            return (f"logit_bias has {len(self.logit_bias_token_ids)} token ids and "
+                    f"{len(self.logit_bias_values)} values")
+        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias_values):
+            return "logit_bias values must be in [-100, 100]"
+        if self.min_tokens > self.max_tokens:
+            return f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+        if any(not w for w in self.bad_words_token_ids):
+            return "bad_words must not hold an empty word"
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            return "allowed_token_ids must not be empty"
         return ""
+
+    def vocab_reason(self, vocab_size: int) -> str:
+        """Why a token id of the penalties and constraints lies outside ``[0, vocab_size)``
+        ("" when none does); the receiver's check (the wire layer has no vocabulary)."""
+        for name, ids in (("logit_bias", self.logit_bias_token_ids),
+                          ("bad_words", [t for w in self.bad_words_token_ids for t in w]),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
+            if any(not 0 <= t < vocab_size for t in ids):
+                return f"{name} token ids must lie in [0, {vocab_size})"
+        return ""
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether any penalty or token constraint is set (neutral values are none): requests
+        without one skip the processing entirely."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias_token_ids
+                    or self.min_tokens or self.bad_words_token_ids
+                    or self.allowed_token_ids is not None)
 
     @classmethod
     def example(cls) -> SamplingParams:
-        return cls(max_tokens=32, temperature=0.0, seed=7, stop_token_ids=[2, 5])
+        return cls(max_tokens=32, temperature=0.0, seed=7, stop_token_ids=[2, 5],
+                   presence_penalty=0.5, logit_bias_token_ids=[3], logit_bias_values=[-1.5],
+                   min_tokens=2, bad_words_token_ids=[[4, 6]], allowed_token_ids=[1, 3, 9],
+                   eos_token_ids=[0])
 
 
 # --------------------------------------------------------------------------------------------

@@ -314,7 +314,7 @@ class DraftModelProposer(Proposer):
               index: int) -> tuple[int, torch.Tensor | None]:
         """Draft ``index`` of a call from logits [1, vocab]: argmax for greedy requests (and
         ``how`` None), else ``how.choose`` over the target's ids (drafter/draft_sampling.py)."""
-        if how is None or how.mode == GREEDY:
+        if how is None or (how.mode == GREEDY and not how.processes):
             return self._argmax(logits), None
         full = target_space_logits(logits[:, :self.draft_vocab_limit], self.target_vocab_size)
         return how.choose(full, index)

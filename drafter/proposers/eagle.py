@@ -183,7 +183,7 @@ class EagleProposer(Proposer):
     def _pick(self, g: torch.Tensor, how: DraftSampling | None,
               index: int) -> tuple[int, torch.Tensor | None]:
         head = self.head
-        if how is None or how.mode == GREEDY:
+        if how is None or (how.mode == GREEDY and not how.processes):
             return int(head.target_ids(head.logits(g).argmax())), None
         full = target_space_logits(head.logits(g).reshape(1, -1), head.config.vocab_size,
                                    head.draft_to_target)
@@ -288,7 +288,7 @@ class EagleProposer(Proposer):
         one (their sampling rule)."""
         picks = {}
         greedy = [i for i, cur in live.items() if cur.call.how is None
-                  or cur.call.how.mode == GREEDY]
+                  or (cur.call.how.mode == GREEDY and not cur.call.how.processes)]
         if greedy:
             g = torch.stack([live[i].st.last_g for i in greedy])
             ids = self.head.target_ids(self.head.logits(g).argmax(-1)).tolist()

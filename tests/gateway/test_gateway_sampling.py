@@ -152,6 +152,9 @@ HONOURED = {
     "num_speculative_tokens": 2, "n": 1, "request_id": None, "stream_options": None,
     "return_token_ids": True, "prediction": {"type": "content", "content": "a predicted answer"},
     "logprobs": 2, "echo": True,
+    "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2,
+    "logit_bias": {"19556": -100}, "min_tokens": 1, "bad_words": ["zzz"],
+    "allowed_token_ids": [2, 30, 19556],
 }
 #: chat's own values where the endpoints differ (logprobs is a flag there, the count apart)
 HONOURED_CHAT = {"logprobs": True, "top_logprobs": 2}
