@@ -145,3 +145,20 @@ def test_tree_drafts_take_the_accepted_nodes_rows(tiny):
         torch.testing.assert_close(torch.tensor(la.token_logprobs),
                                    torch.tensor(lb.token_logprobs), atol=1e-5, rtol=0)
         assert la.top_token_ids == lb.top_token_ids
+
+
+def test_prompt_logprobs_with_prefix_caching(tiny):
+    """A prompt whose blocks the prefill worker has cached still gets every prompt position's
+    logprobs (it is run whole), equal to the first time's."""
+    _, model, cfg, prompts, _ = tiny
+    c = InProcessCluster(model, cfg, num_speculative_tokens=4, num_kv_blocks=128, block_size=4,
+                         prefill_options={"enable_prefix_caching": True})
+    prompt = prompts[0] * 2  # 16 tokens: 4 full blocks to cache
+    sp = SamplingParams(max_tokens=4, prompt_logprobs=3)
+    (first,) = c.generate([prompt], sp)
+    plain = c.generate([prompt], SamplingParams(max_tokens=4))  # no prompt logprobs: reuses
+    assert c.prefill.stats.prefix_cache_hits > 0
+    (again,) = c.generate([prompt], sp)
+    assert again.token_ids == first.token_ids == plain[0].token_ids
+    assert len(again.prompt_logprobs) == len(prompt) - 1
+    assert again.prompt_logprobs.token_logprobs == first.prompt_logprobs.token_logprobs
