@@ -162,3 +162,27 @@ def test_prompt_logprobs_with_prefix_caching(tiny):
     assert again.token_ids == first.token_ids == plain[0].token_ids
     assert len(again.prompt_logprobs) == len(prompt) - 1
     assert again.prompt_logprobs.token_logprobs == first.prompt_logprobs.token_logprobs
+
+
+@pytest.mark.parametrize("chunk", [3, 5])
+def test_prompt_logprobs_of_a_chunked_prefill(tiny, chunk):
+    """A prompt longer than the prefill chunk: its logprobs are taken chunk by chunk and equal
+    the reference forward's; the first token and its logprobs are the unchunked run's."""
+    hf, model, cfg, prompts, _ = tiny
+    prompt = prompts[0] + prompts[1]  # 15 tokens
+    sp = SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=2)
+    runs = [InProcessCluster(model, cfg, num_speculative_tokens=0, num_kv_blocks=128,
+                             block_size=4, prefill_chunk_size=c).generate([prompt], sp)[0]
+            for c in (chunk, 512)]
+    assert runs[0].token_ids == runs[1].token_ids
+    lp = _reference(hf, prompt, runs[0].token_ids)
+    want = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    for r in runs:
+        assert len(r.prompt_logprobs) == len(prompt) - 1
+        torch.testing.assert_close(torch.tensor(r.prompt_logprobs.token_logprobs), want,
+                                   atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(runs[0].prompt_logprobs.token_logprobs),
+                               torch.tensor(runs[1].prompt_logprobs.token_logprobs),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(_flat(runs[0]).token_logprobs),
+                               torch.tensor(_flat(runs[1]).token_logprobs), atol=1e-5, rtol=0)
