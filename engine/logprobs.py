@@ -17,6 +17,9 @@ import torch
 
 from specmesh.protocol.messages import TokenLogprobs
 
+#: rows whose log_softmax is computed at once (bounds the temporary of a long prompt's)
+ROWS_PER_BLOCK = 256
+
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> TokenLogprobs:
     """Logprobs of ``token_ids`` under ``logits`` row by row, with each row's top ``k``.
@@ -38,14 +41,19 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> To
         raise ValueError(f"{n} logits rows for {len(token_ids)} tokens")
     if not 0 <= k <= vocab:
         raise ValueError(f"k must be in [0, {vocab}], got {k}")
-    if n == 0:
-        return TokenLogprobs(token_logprobs=[])
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(list(token_ids), dtype=torch.long, device=lp.device)
-    chosen = lp.gather(1, ids[:, None])[:, 0].cpu().tolist()
-    if k == 0:
-        return TokenLogprobs(token_logprobs=chosen, top_token_ids=[[] for _ in range(n)],
-                             top_logprobs=[[] for _ in range(n)])
-    top = lp.topk(k, dim=-1)
-    return TokenLogprobs(token_logprobs=chosen, top_token_ids=top.indices.cpu().tolist(),
-                         top_logprobs=top.values.cpu().tolist())
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)
+    out = TokenLogprobs(token_logprobs=[], top_token_ids=[], top_logprobs=[])
+    # a block of rows at a time: a long prompt's log_softmax never doubles its logits' memory
+    for lo in range(0, n, ROWS_PER_BLOCK):
+        lp = torch.log_softmax(logits[lo:lo + ROWS_PER_BLOCK].float(), dim=-1)
+        rows = lp.shape[0]
+        out.token_logprobs.extend(
+            lp.gather(1, ids[lo:lo + rows, None])[:, 0].cpu().tolist())
+        if k == 0:
+            out.top_token_ids.extend([] for _ in range(rows))
+            out.top_logprobs.extend([] for _ in range(rows))
+            continue
+        top = lp.topk(k, dim=-1)
+        out.top_token_ids.extend(top.indices.cpu().tolist())
+        out.top_logprobs.extend(top.values.cpu().tolist())
+    return out

@@ -365,7 +365,7 @@ class PrefillWorker(MailboxWorker):
         """Run the prompts, each from ``starts[i]`` (its KV before that is cached); returns
         per request its first token (output position 0, by its sampling mode), the seed
         state PrefillDone carries (None: its method has none) and its (first token, prompt)
-        logprobs when asked (:func:`_request_logprobs`)."""
+        logprobs when asked (SamplingParams.logprobs / prompt_logprobs)."""
         kinds = [self.config.seed_states.get(r.draft_method, "") for r in reqs]
         # hidden states once per batch: the widest layer set any request's method asks for
         hidden_kinds = sorted({k for k in kinds if is_hidden_seed(k)})
@@ -379,20 +379,31 @@ class PrefillWorker(MailboxWorker):
             return ([f for o in out for f in o[0]], [s for o in out for s in o[1]],
                     [x for o in out for x in o[2]])
         want_hidden = bool(hidden_kinds)
-        # every row's logits only when a request asks for prompt logprobs
-        rows = "all" if any(r.sampling.prompt_logprobs is not None for r in reqs) else "last"
         prompts = [r.prompt_token_ids[s:] for r, s in zip(reqs, starts)]
         paged = self.prefix_cache is not None  # chunk invariant: cached or not, the same bits
-        if len(reqs) == 1:
+        prompt_lps: list[TokenLogprobs | None] = [None] * len(reqs)
+        if len(reqs) == 1 and reqs[0].sampling.prompt_logprobs is not None:
+            out, prompt_lps[0] = self._prefill_with_prompt_logprobs(
+                reqs[0], tables[0], want_hidden, layers, paged)
+            logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
+        elif len(reqs) == 1:
             out = self.runner.prefill(prompts[0], tables[0], chunk_size=self.config.chunk_size,
                                       start_pos=starts[0], return_hidden=want_hidden,
-                                      hidden_layers=layers, paged=paged, logits=rows)
+                                      hidden_layers=layers, paged=paged)
             logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
-        else:
+        else:  # whole prompts (bounded by the batch's token budget): every row's logits only
+            # when a request asks for prompt logprobs (whose prompt then starts at 0: no cache)
+            rows = "all" if any(r.sampling.prompt_logprobs is not None for r in reqs) else "last"
             out = self.runner.prefill_batch(prompts, tables, return_hidden=want_hidden,
                                             hidden_layers=layers, start_positions=starts,
                                             paged=paged, logits=rows)
             logits, hidden = out if want_hidden else (out, None)
+            for i, r in enumerate(reqs):
+                k = r.sampling.prompt_logprobs
+                if k is not None:
+                    ids = r.prompt_token_ids
+                    prompt_lps[i] = token_logprobs(logits[i][:len(ids) - 1], ids[1:],
+                                                   min(k, logits[i].shape[-1]))
         last = torch.cat([x.reshape(-1, x.shape[-1])[-1:] for x in logits])
         # penalties and token constraints at output position 0: history = the prompt
         apply_logits_processors(last, [RowsHistory(r.sampling, r.prompt_token_ids, (), i)
@@ -406,8 +417,38 @@ class PrefillWorker(MailboxWorker):
             seeds.append(tensor_to_buffer(hidden[i][-1:].clone()) if is_hidden_seed(kind)
                          else None)
         firsts = list(firsts)
-        return firsts, seeds, [_request_logprobs(r, x, f, last[i:i + 1])
-                               for i, (r, x, f) in enumerate(zip(reqs, logits, firsts))]
+        first_lps = [None if r.sampling.logprobs is None else
+                     token_logprobs(last[i:i + 1], [firsts[i]],
+                                    min(r.sampling.logprobs, last.shape[-1]))
+                     for i, r in enumerate(reqs)]
+        return firsts, seeds, list(zip(first_lps, prompt_lps))
+
+    def _prefill_with_prompt_logprobs(self, req: PrefillRequest, table: list[int],
+                                      want_hidden: bool, layers, paged: bool):  # noqa: ANN001
+        """Run ``req``'s whole prompt chunk by chunk as ``runner.prefill`` does, taking each
+        chunk's logprobs from its logits before the next (a long prompt never holds every
+        row's logits at once). Returns what ``runner.prefill`` returns (the last row's logits,
+        with the hidden states when asked) and the prompt's logprobs: row i predicts prompt
+        token i + 1, the float32 log_softmax of the raw logits (engine/logprobs.py), as the
+        verifier reports the output's; position 0 has none (OpenAI and vLLM report None)."""
+        ids = req.prompt_token_ids
+        step = self.config.chunk_size or len(ids)
+        parts: list[TokenLogprobs] = []
+        hiddens: list[torch.Tensor] = []
+        last = None
+        for lo in range(0, len(ids), step):
+            out = self.runner.prefill(ids[lo:lo + step], table, start_pos=lo,
+                                      return_hidden=want_hidden, hidden_layers=layers,
+                                      paged=paged, logits="all")
+            rows, hidden = out if want_hidden else (out, None)
+            if hidden is not None:
+                hiddens.append(hidden)
+            targets = ids[lo + 1:lo + 1 + rows.shape[0]]  # the last row predicts the output
+            parts.append(token_logprobs(rows[:len(targets)], targets,
+                                        min(req.sampling.prompt_logprobs, rows.shape[-1])))
+            last = rows[-1:]
+        prompt_lp = TokenLogprobs.concat(parts)
+        return ((last, torch.cat(hiddens)) if want_hidden else last), prompt_lp
 
     def _kv_frames(self, req: PrefillRequest, block_table: list[int], n: int) -> list[KVFrame]:
         """The KVFrames of ``req``'s prompt KV: at most ``frame_tokens`` tokens x
@@ -457,24 +498,3 @@ class PrefillWorker(MailboxWorker):
                 self._fail(item.peer, item.req, f"prefill failed: {err}")
         return len(batch)
 
-
-def _request_logprobs(req: PrefillRequest, logits: torch.Tensor, first: int,
-                      first_row: torch.Tensor
-                      ) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
-    """``req``'s (first token, prompt) logprobs from its prompt forward's logits (``[1, vocab]``
-    or, when the batch ran every row, ``[n, vocab]``; row i predicts prompt token i + 1) and
-    ``first_row`` ``[1, vocab]``, the last row as the first token was chosen from (after the
-    request's penalties and constraints), each None unless asked (``SamplingParams.logprobs`` /
-    ``prompt_logprobs``): the float32 log_softmax, as the verifier reports the later tokens'
-    (engine/logprobs.py). The prompt's are positions 1 .. n-1 of the raw logits (position 0
-    has no predecessor; OpenAI and vLLM report None there)."""
-    s = req.sampling
-    rows = logits.reshape(-1, logits.shape[-1])
-    vocab = rows.shape[-1]
-    first_lp = None if s.logprobs is None else token_logprobs(first_row, [first],
-                                                               min(s.logprobs, vocab))
-    prompt_lp = None
-    if s.prompt_logprobs is not None:
-        ids = req.prompt_token_ids
-        prompt_lp = token_logprobs(rows[:len(ids) - 1], ids[1:], min(s.prompt_logprobs, vocab))
-    return first_lp, prompt_lp

@@ -145,3 +145,44 @@ def test_tree_drafts_take_the_accepted_nodes_rows(tiny):
         torch.testing.assert_close(torch.tensor(la.token_logprobs),
                                    torch.tensor(lb.token_logprobs), atol=1e-5, rtol=0)
         assert la.top_token_ids == lb.top_token_ids
+
+
+def test_prompt_logprobs_with_prefix_caching(tiny):
+    """A prompt whose blocks the prefill worker has cached still gets every prompt position's
+    logprobs (it is run whole), equal to the first time's."""
+    _, model, cfg, prompts, _ = tiny
+    c = InProcessCluster(model, cfg, num_speculative_tokens=4, num_kv_blocks=128, block_size=4,
+                         prefill_options={"enable_prefix_caching": True})
+    prompt = prompts[0] * 2  # 16 tokens: 4 full blocks to cache
+    sp = SamplingParams(max_tokens=4, prompt_logprobs=3)
+    (first,) = c.generate([prompt], sp)
+    plain = c.generate([prompt], SamplingParams(max_tokens=4))  # no prompt logprobs: reuses
+    assert c.prefill.stats.prefix_cache_hits > 0
+    (again,) = c.generate([prompt], sp)
+    assert again.token_ids == first.token_ids == plain[0].token_ids
+    assert len(again.prompt_logprobs) == len(prompt) - 1
+    assert again.prompt_logprobs.token_logprobs == first.prompt_logprobs.token_logprobs
+
+
+@pytest.mark.parametrize("chunk", [3, 5])
+def test_prompt_logprobs_of_a_chunked_prefill(tiny, chunk):
+    """A prompt longer than the prefill chunk: its logprobs are taken chunk by chunk and equal
+    the reference forward's; the first token and its logprobs are the unchunked run's."""
+    hf, model, cfg, prompts, _ = tiny
+    prompt = prompts[0] + prompts[1]  # 15 tokens
+    sp = SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=2)
+    runs = [InProcessCluster(model, cfg, num_speculative_tokens=0, num_kv_blocks=128,
+                             block_size=4, prefill_chunk_size=c).generate([prompt], sp)[0]
+            for c in (chunk, 512)]
+    assert runs[0].token_ids == runs[1].token_ids
+    lp = _reference(hf, prompt, runs[0].token_ids)
+    want = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    for r in runs:
+        assert len(r.prompt_logprobs) == len(prompt) - 1
+        torch.testing.assert_close(torch.tensor(r.prompt_logprobs.token_logprobs), want,
+                                   atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(runs[0].prompt_logprobs.token_logprobs),
+                               torch.tensor(runs[1].prompt_logprobs.token_logprobs),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(_flat(runs[0]).token_logprobs),
+                               torch.tensor(_flat(runs[1]).token_logprobs), atol=1e-5, rtol=0)

@@ -364,3 +364,16 @@ def test_logprob_values_are_finite_json(served):
                        choice["logprobs"]["top_logprobs"]):
         assert math.isfinite(lp) and lp <= 0
         assert all(math.isfinite(v) and v <= 0 for v in top.values())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_stop_string_cuts_the_logprobs_with_the_tokens(served, stream):
+    full, _ = _completion(served, 4, logprobs=2)
+    text = full["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut, stats = _completion(served, 4, stream=stream, logprobs=2, stop=[stop])
+    assert stats["num_accepted_tokens"] > 0
+    n = len(cut["token_ids"])
+    assert 0 < n < len(full["token_ids"]) and cut["token_ids"] == full["token_ids"][:n]
+    assert len(cut["logprobs"]["token_logprobs"]) == n
+    _close(cut["logprobs"]["token_logprobs"], full["logprobs"]["token_logprobs"][:n], 0.0)
