@@ -134,16 +134,27 @@ def break_even_batch(alpha: float, kappa: int, c: float, t_star: float,
     Raises:
         ValueError: ``t_star <= 0`` or an invalid argument of :func:`round_cost`.
     """
-    if not t_star > 0:
-        raise ValueError(f"t_star must be > 0, got {t_star}")
     e = tokens_per_round(alpha, kappa)
     if extra is None:
         extra = drafting_extra(kappa, c, drafting)
         if drafting == "decoupled" and kappa * c >= e:
             return 0.0  # the drafter alone takes longer than the tokens are worth
-    if e - extra <= 1.0:
+    return break_even_for_tokens(e, kappa, t_star, extra)
+
+
+def break_even_for_tokens(tokens: float, kappa: int, t_star: float, extra: float) -> float:
+    """:func:`break_even_batch` for a measured ``E`` (``tokens`` a round commits, e.g.
+    :func:`tokens_per_round_positions`): ``t_star * (tokens - extra) / (kappa + 1)``, 0 when
+    ``tokens - extra <= 1``.
+
+    Raises:
+        ValueError: ``t_star <= 0``.
+    """
+    if not t_star > 0:
+        raise ValueError(f"t_star must be > 0, got {t_star}")
+    if tokens - extra <= 1.0:
         return 0.0
-    return t_star * (e - extra) / (kappa + 1)
+    return t_star * (tokens - extra) / (kappa + 1)
 
 
 def asymptotic_speedup(alpha: float, kappa: int, c: float, drafting: str = "chain") -> float:
@@ -246,6 +257,7 @@ def _check(alpha: float, kappa: int) -> None:
 
 
 __all__ = ["DRAFTING", "PlanRow", "asymptotic_speedup", "break_even_batch",
+           "break_even_for_tokens",
            "conditional_acceptance", "drafting_extra", "fitted_alpha", "plan", "plan_row",
            "round_cost", "speedup", "tie_acceptance", "tokens_per_round",
            "tokens_per_round_positions"]
