@@ -131,7 +131,33 @@ def test_schedule_file_overrides_the_default(tmp_path):
     assert cfg.max_kappa == 5
     s = KappaSchedule(cfg, initial_kappa=4)
     assert s.kappa_for(40) == 2  # past the largest slot: the largest
-    assert run(s, 1, 5, 3) == [(3, 5, 5)] or s.states[1].kappa == 5
+    # slot 1 starts at 5 (its middle), EMA 4; weight 0.5, 1 warm-up step, a decision every 2:
+    # at step 3 the EMA is 0.5 <= 2 - 0.5 - 0.25
+    assert run(s, 1, 0, 3) == [(3, 5, 2)]
+
+
+def test_policy_options(tmp_path):
+    import argparse
+
+    from specmesh.cluster.cli import build_parser
+    from specmesh.cluster.options import policy_settings
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"1": [1, 2], "4": [0, 1]}))
+    args = build_parser().parse_args(["serve", "--speculative-schedule", str(path)])
+    got = policy_settings(args)
+    assert got["speculative_policy"] == "schedule"
+    assert [sl.candidates for sl in got["speculative_schedule"].slots] == [(1, 2), (0, 1)]
+    args = build_parser().parse_args(["serve", "--speculative-policy", "fixed"])
+    assert policy_settings(args) == {"speculative_policy": "fixed"}
+    assert policy_settings(argparse.Namespace()) == {"speculative_policy": "goodput"}
+    with pytest.raises(SystemExit, match="goes with --speculative-policy schedule"):
+        policy_settings(argparse.Namespace(speculative_policy="goodput",
+                                           speculative_schedule=str(path)))
+    path.write_text("{not json")
+    with pytest.raises(SystemExit, match="--speculative-schedule: speculative schedule"):
+        policy_settings(argparse.Namespace(speculative_policy=None,
+                                           speculative_schedule=str(path)))
 
 
 @pytest.mark.parametrize("obj, match", [
@@ -258,3 +284,18 @@ def test_schedule_change_reaches_a_running_request():
     # the kappa its last VerifyCommit asked for), and 7 from the one after
     assert 3 < drafts[first7] <= 7 and drafts[first7 + 1] == 7
     assert c.verifier.scheduler.current_kappa == 7
+    # the current kappa is a Prometheus gauge of the verifier, its moves a counter
+    import types
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from specmesh.cluster.metrics import RoleCollector
+
+    registry = CollectorRegistry()
+    registry.register(RoleCollector(types.SimpleNamespace(
+        role="verifier", instance_id="verifier-0", worker=c.verifier)))
+    text = generate_latest(registry).decode()
+    gauge = next(ln for ln in text.splitlines() if ln.startswith("specmesh:spec_decode_kappa{"))
+    assert float(gauge.split()[-1]) == 7.0
+    assert 'specmesh:spec_decode_kappa_changes_total{instance="verifier-0",role="verifier"} 1.0' \
+        in text
