@@ -97,7 +97,12 @@ def render_machine(report: dict) -> str:
                          f"{'-' if s is None else f'{s:.2f}x'} over kappa 0")
         extra = "" if d["extra"] is None else f" (drafting the verifier waits for: " \
                                                f"{d['extra']:.3f} steps)"
-        lines.append(f"  break-even batch, model: {_batch(d['break_even_batch'])}{extra}")
+        lines.append(f"  break-even batch, model (roofline, T*): "
+                     f"{_batch(d['break_even_batch'])}{extra}")
+        if fit is not None:
+            linear = d["break_even_batch_linear"]
+            lines.append(f"  break-even batch, model (the fitted line): "
+                         f"{'never' if linear is None else _batch(linear)}")
         m = d["measured"]
         pays = ", ".join(f"C={b}" for b in m["pays_at"]) or "no level"
         measured = {"crossed": f"{m['batch']:.1f} (pays at {pays})" if m["batch"] else "-",

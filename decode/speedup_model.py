@@ -157,6 +157,25 @@ def break_even_for_tokens(tokens: float, kappa: int, t_star: float, extra: float
     return t_star * (tokens - extra) / (kappa + 1)
 
 
+def break_even_linear(tokens: float, kappa: int, fixed: float, per_token: float,
+                      extra: float = 0.0) -> float | None:
+    """The break-even batch under a measured linear forward cost instead of the roofline:
+    ``t(N) = fixed + per_token * N`` (a CPU has no flat memory-bound region: its forwards
+    grow with the tokens from the first), drafting ``extra`` per round (same unit). Plain
+    decode at batch ``B`` commits ``B`` tokens in ``t(B)``, a round ``B * tokens`` in
+    ``t(B * (kappa + 1)) + extra``; equal at
+    ``B = (fixed * (tokens - 1) - extra) / (per_token * (kappa + 1 - tokens))``.
+    0 when speculation does not pay even at batch 1's limit (the numerator <= 0); None when it
+    never stops paying under this line (every draft accepted, or no per-token cost)."""
+    top = fixed * (tokens - 1.0) - extra
+    if top <= 0:
+        return 0.0
+    bottom = per_token * (kappa + 1 - tokens)
+    if bottom <= 1e-12:
+        return None
+    return top / bottom
+
+
 def asymptotic_speedup(alpha: float, kappa: int, c: float, drafting: str = "chain") -> float:
     """``S_inf``: the speedup far past the knee, where every forward scales with the batch:
     ``E / ((kappa + 1) + kappa*c)`` (chain), ``E / ((kappa + 1) + c)`` (parallel),
@@ -257,7 +276,7 @@ def _check(alpha: float, kappa: int) -> None:
 
 
 __all__ = ["DRAFTING", "PlanRow", "asymptotic_speedup", "break_even_batch",
-           "break_even_for_tokens",
+           "break_even_for_tokens", "break_even_linear",
            "conditional_acceptance", "drafting_extra", "fitted_alpha", "plan", "plan_row",
            "round_cost", "speedup", "tie_acceptance", "tokens_per_round",
            "tokens_per_round_positions"]

@@ -17,7 +17,11 @@ The chapter's model (decode/speedup_model.py) needs four numbers; a bench run me
   profile), in ``t_T``; ``c`` (the drafter's ``propose`` time over ``t_T``) is reported too;
 - ``kappa``: the bench's.
 
-Break-even ``B = t_star * (E - extra) / (kappa + 1)``. Next to it, the measured crossing: at
+Break-even ``B = t_star * (E - extra) / (kappa + 1)`` (the chapter's roofline) and, from the
+fitted line itself, where ``E * t(B) = t(B * (kappa + 1)) + extra``
+(:func:`decode.speedup_model.break_even_linear`: on a CPU the forward grows with its tokens
+from the first, so the line, not the roofline, is what was measured). Next to them, the
+measured crossing: at
 each concurrency the served ``kappa`` system's tokens/s over served ``kappa = 0``'s, and the
 concurrency where that ratio crosses 1 (interpolated in log concurrency between the levels
 around it).
@@ -30,6 +34,7 @@ from collections.abc import Sequence
 
 from specmesh.decode.speedup_model import (
     break_even_for_tokens,
+    break_even_linear,
     conditional_acceptance,
     fitted_alpha,
     tokens_per_round_positions,
@@ -115,7 +120,8 @@ def drafter_plan(summary: dict, label: str, fit: dict | None) -> dict:
                      "propose_ms": _phase_ms(spec, "drafter propose"),
                      "speedup_measured": ratio})
     out = {"drafter": label, "systems": kind, "kappa": kappa, "levels": rows,
-           "break_even_batch": None, "extra": None, "c": None,
+           "break_even_batch": None, "break_even_batch_linear": None, "extra": None,
+           "c": None,
            "measured": measured_crossing([(r["concurrency"], r["speedup_measured"])
                                           for r in rows if r["speedup_measured"] is not None])}
     if not rows:
@@ -128,6 +134,9 @@ def drafter_plan(summary: dict, label: str, fit: dict | None) -> dict:
         if fit["t_star"] is not None:
             out["break_even_batch"] = break_even_for_tokens(
                 first["tokens_per_round"], kappa, fit["t_star"], out["extra"])
+        out["break_even_batch_linear"] = break_even_linear(
+            first["tokens_per_round"], kappa, fit["fixed_ms"], fit["per_token_ms"],
+            first["tail_wait_ms"] or 0.0)
     return out
 
 

@@ -63,6 +63,9 @@ def test_machine_break_even_per_drafter():
     assert d["extra"] == pytest.approx(0.05)  # 0.505 ms of tail wait over a 10.1 ms step
     # T* (E - extra) / (kappa + 1) = 100 * (2.533 - 0.05) / 4
     assert d["break_even_batch"] == pytest.approx(62.075, abs=1e-6)
+    # the fitted line: (10 * (E - 1) - 0.505) / (0.1 * (4 - E))
+    assert d["break_even_batch_linear"] == pytest.approx(
+        (10 * 1.533 - 0.505) / (0.1 * (4 - 2.533)), rel=1e-9)
     m = d["measured"]
     assert m["bound"] == "crossed" and m["pays_at"] == [1, 4]
     assert 4 < m["batch"] < 16
@@ -104,7 +107,8 @@ def test_cli_plan_from_bench(tmp_path, capsys):
     assert report["drafters"][0]["break_even_batch"] == pytest.approx(62.075, abs=1e-6)
     assert main(["plan", "--from-bench", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "drafter ngram" in text and "break-even batch, model: 62" in text
+    assert "drafter ngram" in text and "break-even batch, model (roofline, T*): 62" in text
+    assert "break-even batch, model (the fitted line): 101" in text
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     with pytest.raises(SystemExit, match="not a `specmesh bench"):

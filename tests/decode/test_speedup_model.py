@@ -12,6 +12,7 @@ from specmesh.decode.goodput import expected_tokens
 from specmesh.decode.speedup_model import (
     asymptotic_speedup,
     break_even_batch,
+    break_even_linear,
     conditional_acceptance,
     fitted_alpha,
     plan,
@@ -70,6 +71,19 @@ def test_break_even_is_where_the_batch_speedup_crosses_one():
     # speculation that does not pay at batch 1 has no break-even batch
     assert break_even_batch(0.05, KAPPA, C, T_STAR, "chain") == 0.0
     assert break_even_batch(0.9, 3, 2.0, T_STAR, "decoupled") == 0.0  # drafter too slow
+
+
+def test_break_even_under_a_linear_cost():
+    """t(N) = 10 + N (ms): at the break-even batch plain decode and speculation commit tokens
+    at the same rate."""
+    e, kappa, extra = 2.5, 3, 1.0
+    b = break_even_linear(e, kappa, 10.0, 1.0, extra)
+    assert b == pytest.approx((10 * 1.5 - 1) / (1 * 1.5))
+    plain_rate = b / (10 + b)
+    spec_rate = b * e / (10 + b * (kappa + 1) + extra)
+    assert spec_rate == pytest.approx(plain_rate)
+    assert break_even_linear(1.05, kappa, 10.0, 1.0, extra=1.0) == 0.0  # never pays
+    assert break_even_linear(4.0, kappa, 10.0, 1.0) is None  # every draft accepted
 
 
 @given(st.floats(0.0, 1.0), st.integers(0, 12))
