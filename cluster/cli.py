@@ -25,6 +25,12 @@ from specmesh.cluster.drafter_option import (  # noqa: E402
     drafter_help,
 )
 from specmesh.cluster.loopback import use_loopback  # noqa: E402
+from specmesh.cluster.plan_command import (  # noqa: E402
+    add_plan_options,
+    plan_report,
+    render_machine,
+    render_plan,
+)
 from specmesh.cluster.options import (  # noqa: E402
     CLI_DTYPES,
     add_cluster_options,
@@ -190,6 +196,25 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The chapter's speedup economics for the given figures, or this machine's break-even
+    batch per drafter from a bench JSON (cluster/plan_command.py)."""
+    if args.from_bench:
+        # the bench's JSON is the harness's format (benchmarks/, a layer above cluster/)
+        from specmesh.benchmarks.harness.bench_plan import machine_plan
+
+        try:
+            with open(args.from_bench) as f:
+                report = machine_plan(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise SystemExit(f"specmesh plan --from-bench {args.from_bench}: {err}") from None
+        print(json.dumps(report, indent=2) if args.json else render_machine(report))
+        return 0
+    report = plan_report(args)
+    print(json.dumps(report, indent=2) if args.json else render_plan(report))
+    return 0
+
+
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from specmesh.drafter.training.eagle import train_drafter  # torch, the training stack
 
@@ -261,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "picks here)")
     add_cpu_backend_option(e)
     e.set_defaults(func=cmd_env)
+
+    pl = sub.add_parser("plan", help="when speculation pays: speedup, break-even batch and "
+                                     "S_inf per drafting mode, or this machine's from a bench")
+    add_plan_options(pl)
+    pl.set_defaults(func=cmd_plan)
 
     # torch, the training stack: out of the module's import (the parser imports it to build)
     from specmesh.drafter.training.eagle import add_train_drafter_options

@@ -126,7 +126,8 @@ class ClusterConfig:
             raise ValueError(f"drafter method {self.drafter.method!r} != the verifier's "
                              f"draft_method {self.verifier.draft_method!r}")
         if self.drafter.window <= 0:  # derived from kappa (frozen: set through object)
-            w = DrafterConfig.default_window(self.verifier.num_speculative_tokens)
+            # (under the schedule policy, from the schedule's largest kappa)
+            w = DrafterConfig.default_window(self.verifier.widest_kappa)
             object.__setattr__(self, "drafter", replace(self.drafter, window=w, max_segment=w))
         if self.drafter.prediction_window <= 0:  # derived from num_prediction_tokens
             w = max(DrafterConfig.default_window(self.verifier.num_prediction_tokens),

@@ -115,7 +115,8 @@ class InProcessCluster:
                            **verifier_options),
             self.hub.mailbox(VERIFIER), v_runner, v_bm,
             prefill_peers=["prefill-0"], drafter_peers=["drafter-0"])
-        w = window or DrafterConfig.default_window(num_speculative_tokens)
+        # (under the schedule policy, from the schedule's largest kappa)
+        w = window or DrafterConfig.default_window(self.verifier.config.widest_kappa)
         # branches hide drafting latency from a verifier that runs meanwhile; stepped in turn
         # here, the drafter's whole window is ready before every verify step: off by default
         # prediction drafts run two verify steps of num_prediction_tokens ahead, as served

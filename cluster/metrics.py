@@ -118,6 +118,13 @@ class RoleCollector:
             for pos, rate in enumerate(cfg.synthetic_acceptance):
                 rates.add_metric([*labels.values(), str(pos)], float(rate))
             yield rates
+        sched = h.worker.scheduler
+        yield _gauge("specmesh:spec_decode_kappa", "Kappa (most drafts per request) of the "
+                     "latest verify step: the adaptive schedule's under --speculative-policy "
+                     "schedule, else the configured one", sched.current_kappa, labels)
+        if sched.kappa_schedule is not None:
+            yield _counter("specmesh:spec_decode_kappa_changes", "Moves of the adaptive "
+                           "schedule's kappa", len(sched.kappa_schedule.changes), labels)
         yield _counter("specmesh:stale_tail_tokens", "Draft tail tokens discarded as stale",
                        st.num_stale_tail_tokens, labels)
         kv = h.worker.kv.stats

@@ -9,7 +9,8 @@ import os
 from specmesh.cluster.config import ROLES, ClusterConfig, default_threads
 from specmesh.cluster.corpus_files import check_corpus_option
 from specmesh.cluster.drafter_option import add_drafter_options
-from specmesh.decode.config import DEFAULT_NUM_PREDICTION_TOKENS
+from specmesh.decode.config import DEFAULT_NUM_PREDICTION_TOKENS, SPECULATIVE_POLICIES
+from specmesh.decode.kappa_schedule import load_schedule
 from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
 from specmesh.drafter.registry import runs_a_model, supports_corpus
 from specmesh.engine.backend import CHOICES, BackendOverrides, read_overrides
@@ -84,6 +85,17 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "measured cost of verify forwards (decode/goodput.py, SmartSpec arXiv "
                         "2406.14066; none where verifying them costs more than they bring); "
                         "off: every usable draft up to kappa")
+    p.add_argument("--speculative-policy", default=None, choices=SPECULATIVE_POLICIES,
+                   help="how many drafts each verify step carries, within kappa: goodput "
+                        "(default: the per-request caps, --goodput-drafts), schedule (SGLang's "
+                        "adaptive schedule for every drafter: kappa per batch-size slot, moved "
+                        "by an EMA of accepted drafts; docs/operations.md, 'Adaptive kappa') "
+                        "or fixed (every usable draft up to kappa)")
+    p.add_argument("--speculative-schedule", default=None, metavar="FILE.json",
+                   help="the schedule policy's slots, SGLang's --speculative-adaptive-config "
+                        "format ({\"1\": {\"candidate_steps\": [1, 3, 7], ...}, ...}; "
+                        "default 1: [1, 3, 7], 8: [0, 1, 3], 32: [0, 1], 64: [0]); implies "
+                        "--speculative-policy schedule")
     p.add_argument("--synthetic-acceptance", default=None, metavar="RATES",
                    help="with --verify-rule synthetic: per-position acceptance, a comma list "
                         "(e.g. 0.8,0.6,0.4: the share of steps accepting at least 1, 2, 3 "
@@ -167,6 +179,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               draft_method=method, drafter_method_kwargs=dict(method_kwargs),
               verify_rule=getattr(args, "verify_rule", "auto"),
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
+              **policy_settings(args),
               **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0),
               max_prefill_pause_s=getattr(args, "max_prefill_pause_s", 1.0),
@@ -234,6 +247,29 @@ def parse_thread_plan(text: str) -> dict[str, int]:
                              f"ROLE one of {', '.join(ROLES)}; got {item!r}")
         plan[role] = int(count)
     return plan
+
+
+def policy_settings(args: argparse.Namespace) -> dict:
+    """The verifier settings of ``--speculative-policy`` / ``--speculative-schedule``: the
+    policy (a schedule file alone implies ``schedule``; neither: ``goodput``) and the
+    schedule read from its file here, where the command runs (every role gets it in the
+    config).
+
+    Raises:
+        SystemExit: an unreadable or malformed schedule file, or one given with another
+            policy.
+    """
+    policy = getattr(args, "speculative_policy", None)
+    path = getattr(args, "speculative_schedule", None)
+    if path is None:
+        return {"speculative_policy": policy or "goodput"}
+    if policy not in (None, "schedule"):
+        raise SystemExit(f"--speculative-schedule goes with --speculative-policy schedule, "
+                         f"not {policy}")
+    try:
+        return {"speculative_policy": "schedule", "speculative_schedule": load_schedule(path)}
+    except ValueError as err:
+        raise SystemExit(f"--speculative-schedule: {err}") from None
 
 
 def synthetic_settings(args: argparse.Namespace) -> dict:

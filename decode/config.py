@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specmesh.decode.kappa_schedule import DEFAULT_SCHEDULE, ScheduleConfig
 from specmesh.decode.rules import AUTO as AUTO_VERIFY_RULE
 from specmesh.decode.rules import check_rule_settings
 from specmesh.engine.hidden_layers import check_seed_state
@@ -22,6 +23,8 @@ STEP_TIME_EMA_WEIGHT = 0.2
 #: Default for ``max_num_batched_tokens``: large enough that a full batch of ``max_num_seqs``
 #: requests with kappa drafts each always fits (the budget only bites when set lower).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+#: ``speculative_policy`` values: how kappa follows the batch and the acceptance.
+SPECULATIVE_POLICIES = ("goodput", "schedule", "fixed")
 #: Hidden-state rows the verifier keeps per request for a re-sync (DraftSync after DraftNeedSync
 #: or a drafter change): the latest ones, ending at the last committed token's predecessor.
 MAX_SEED_ROWS = 64
@@ -78,6 +81,14 @@ class VerifierConfig:
     costs no forward, so a method's accept history says nothing about it); at most kappa:
     prediction drafts get kappa like any other (decode/scheduler.py,
     Scheduler.prediction_drafts).
+    ``speculative_policy``: how many drafts a step verifies, within kappa: ``"goodput"``
+    (the default, the caps ``adaptive_drafts`` and ``goodput_drafts`` turn on), ``"schedule"``
+    (SGLang's adaptive schedule, decode/kappa_schedule.py: one kappa per step from the running
+    batch's slot and an EMA of accepted drafts; a request that sets no kappa of its own gets
+    the schedule's largest candidate, so the step's kappa is what caps it; the two caps off)
+    or ``"fixed"`` (every usable draft up to kappa; the two caps off).
+    ``speculative_schedule``: the schedule's slots (None: the chapter's default,
+    :data:`decode.kappa_schedule.DEFAULT_SCHEDULE`); with ``"schedule"`` only.
     ``max_prefill_pause_s``: where a prefill worker shares this verifier's CPU cores, the
     verifier pauses its verify steps while a prefill it waits on is in flight, for windows of
     at most this long with one verify step between them, so the prompt runs on every core
@@ -110,6 +121,8 @@ class VerifierConfig:
     max_tree_nodes: int = 0
     num_prediction_tokens: int = DEFAULT_NUM_PREDICTION_TOKENS
     max_prefill_pause_s: float = 1.0
+    speculative_policy: str = "goodput"
+    speculative_schedule: ScheduleConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
@@ -136,3 +149,46 @@ class VerifierConfig:
         if not self.max_prefill_pause_s >= 0:
             raise ValueError(f"max_prefill_pause_s must be >= 0 (0: never pause), got "
                              f"{self.max_prefill_pause_s}")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        """``speculative_policy`` is known; a schedule goes with the schedule policy and its
+        candidates stay within ``max_num_speculative_tokens``."""
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_policy must be one of "
+                             f"{', '.join(SPECULATIVE_POLICIES)}, got {self.speculative_policy!r}")
+        if self.speculative_policy != "schedule":
+            if self.speculative_schedule is not None:
+                raise ValueError(f"a speculative schedule is used by speculative_policy "
+                                 f"'schedule' only, not {self.speculative_policy!r}")
+            return
+        if self.schedule.max_kappa > self.max_num_speculative_tokens:
+            raise ValueError(f"the speculative schedule's largest kappa "
+                             f"{self.schedule.max_kappa} exceeds "
+                             f"max_num_speculative_tokens {self.max_num_speculative_tokens}")
+
+    @property
+    def schedule(self) -> ScheduleConfig:
+        """The schedule of the schedule policy: ``speculative_schedule`` or the default."""
+        return self.speculative_schedule or DEFAULT_SCHEDULE
+
+    @property
+    def widest_kappa(self) -> int:
+        """The most drafts a request that sets no kappa of its own may verify in a step:
+        kappa, or under the schedule policy (and kappa > 0) the schedule's largest candidate
+        (the drafter's run-ahead is sized from it)."""
+        if self.speculative_policy == "schedule" and self.num_speculative_tokens > 0:
+            return self.schedule.max_kappa
+        return self.num_speculative_tokens
+
+    @property
+    def accept_len_caps(self) -> bool:
+        """Whether each request's drafts are capped by its accept-length EMA
+        (``adaptive_drafts`` under the goodput policy)."""
+        return self.adaptive_drafts and self.speculative_policy == "goodput"
+
+    @property
+    def goodput_caps(self) -> bool:
+        """Whether each step's drafts are capped for goodput (``goodput_drafts`` under the
+        goodput policy, decode/goodput.py)."""
+        return self.goodput_drafts and self.speculative_policy == "goodput"

@@ -7,7 +7,9 @@ out of that reservation, so a running request never runs out of KV. Each step th
 plans, per running request, the drafts to verify: its usable tail, capped by kappa
 (``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
 more than its recent accept length, (``goodput_drafts``) by its goodput-maximising cap this step
-(decode/goodput.py), and the whole batch by ``max_num_batched_tokens``. A run of drafts
+(decode/goodput.py) -- both under ``speculative_policy`` goodput only --, (the schedule policy)
+by the step's kappa from SGLang's schedule (decode/kappa_schedule.py), and the whole batch by
+``max_num_batched_tokens``. A run of drafts
 copied from the request's prediction (OpenAI Predicted Outputs) at the head of its tail has a
 width of its own instead: kappa after a rejected prediction draft, doubled after each run
 accepted whole, up to ``num_prediction_tokens`` (:meth:`Scheduler.prediction_drafts`); its
@@ -33,6 +35,7 @@ from typing import Protocol
 
 from specmesh.decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
 from specmesh.decode.goodput import DraftBudget, DraftCaps, expected_tokens
+from specmesh.decode.kappa_schedule import KappaSchedule
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.protocol.messages import SamplingParams
 
@@ -98,6 +101,13 @@ class Scheduler:
         #: whether a request's drafts may be verified as a tree (the verifier sets it from its
         #: verification rules, decode/rules.py RuleSet.judges_trees); default: always
         self.tree_verifiable: Callable[[SamplingParams], bool] = lambda sampling: True
+        #: the schedule policy's controller (None under the other policies), the kappa it
+        #: gave the current step (None: no step kappa) and what the step is fed back with
+        self.kappa_schedule = KappaSchedule(config.schedule, config.num_speculative_tokens) \
+            if config.speculative_policy == "schedule" else None
+        self.step_kappa: int | None = None
+        self._step_batch = 0
+        self._step_accepts: list[int] = []
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -149,8 +159,13 @@ class Scheduler:
             self.waiting.remove(req)
 
     def speculative_tokens_for(self, requested: int | None) -> int:
-        """Kappa of a new request: its own (capped) or the current default."""
+        """Kappa of a new request: its own (capped) or the current default; under the
+        schedule policy the default is the schedule's largest candidate (while the default
+        is not 0: speculation off), so the step's kappa (:meth:`begin_step`) is what caps
+        it and a change reaches it at its next step."""
         k = self.num_speculative_tokens if requested is None else requested
+        if requested is None and self.kappa_schedule is not None and k > 0:
+            k = self.kappa_schedule.config.max_kappa
         return min(k, self.config.max_num_speculative_tokens)
 
     # -- admission and KV ------------------------------------------------------------------
@@ -224,7 +239,9 @@ class Scheduler:
         if not (req.spec_enabled and req.drafter is not None):
             return 0
         k = min(req.num_speculative_tokens, req.num_remaining - 1)
-        if self.config.adaptive_drafts:
+        if self.step_kappa is not None:  # the schedule policy's kappa of this step
+            k = min(k, self.step_kappa)
+        if self.config.accept_len_caps:
             k = min(k, int(req.accept_len_ema + 0.5) + 1)  # all accepted -> may grow
         return max(k, 0)
 
@@ -288,7 +305,7 @@ class Scheduler:
         # the draft supply, before the goodput caps choose among it
         self.last_plan_with_tail = sum(n > 0 for n in usable)
         # a step with no tails decides nothing about drafts
-        if self.config.goodput_drafts and any(usable):
+        if self.config.goodput_caps and any(usable):
             rates = [r.acceptance.rate for r in running]
             decision = self.draft_budget.decide(usable, rates)
             caps = [decision.cap(rate, c) for rate, c in zip(rates, caps)]
@@ -353,8 +370,36 @@ class Scheduler:
                 return
             accept_len -= num_predicted
             num_drafts -= num_predicted
+        if self.kappa_schedule is not None:
+            self._step_accepts.append(accept_len)
         req.accept_len_ema += ACCEPT_LEN_EMA_WEIGHT * (accept_len - req.accept_len_ema)
         req.acceptance.observe(accept_len, num_drafts)
+
+    # -- the schedule policy's step kappa (decode/kappa_schedule.py) -----------------------
+
+    def begin_step(self, running: list[Request]) -> None:
+        """A verify step of ``running`` begins: under the schedule policy its kappa is the
+        one of the batch's slot (:attr:`step_kappa`, read by :meth:`num_drafts`, so the tail
+        wait, the plan and the VerifyCommit of this step follow it)."""
+        self._step_batch = len(running)
+        self._step_accepts = []
+        if self.kappa_schedule is not None:
+            self.step_kappa = self.kappa_schedule.kappa_for(len(running))
+
+    def end_step(self) -> None:
+        """The step begun by :meth:`begin_step` committed: the schedule takes the accepted
+        drafts of each request that verified the method's drafts (:meth:`observe_accept`)
+        and may move the slot's kappa (the next step's)."""
+        if self.kappa_schedule is not None and self._step_batch:
+            self.kappa_schedule.observe(self._step_batch, self._step_accepts)
+        self._step_accepts = []
+
+    @property
+    def current_kappa(self) -> int:
+        """Kappa now: the schedule's latest step kappa, else the default one."""
+        if self.kappa_schedule is not None:
+            return self.kappa_schedule.current_kappa
+        return self.num_speculative_tokens
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         """A verify forward over ``num_tokens`` query tokens took ``seconds`` (the cost model
@@ -386,7 +431,7 @@ class Scheduler:
         ``waiting``: the requests whose tails may still come (default: ``running``).
         """
         cap = self.config.tail_wait_fraction * self.step_time_ema_s
-        if not self.config.goodput_drafts or running is None:
+        if not self.config.goodput_caps or running is None:
             return cap
         awaited = self.awaiting_tail(running if waiting is None else waiting)
         if not awaited:

@@ -478,6 +478,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         if running and self._pause_for_prefill(timeout_s):
             return 0
         if running:
+            self.scheduler.begin_step(running)  # the schedule policy's kappa of this step
             with prof.phase("tail_wait"):
                 self._wait_for_tails(running)
             running = self.lifecycle.running()
@@ -499,6 +500,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             self._ingest_drafts_before_commit()
             for p, out in zip(plan, outputs):
                 self.lifecycle.apply(p.request, out, p.from_prediction)
+        self.scheduler.end_step()  # the schedule policy sees the step's accepted drafts
         self._count_step(plan, eligible, with_tail)
         self.scheduler.observe_step_time(time.monotonic() - t0)
         self.stats.num_steps += 1

@@ -246,7 +246,11 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                                        if not d.served_only},
                               verifier_options={"verify_rule": cfg.verifier.verify_rule,
                                                 "synthetic_acceptance": synthetic,
-                                                "goodput_drafts": cfg.verifier.goodput_drafts},
+                                                "goodput_drafts": cfg.verifier.goodput_drafts,
+                                                "speculative_policy":
+                                                    cfg.verifier.speculative_policy,
+                                                "speculative_schedule":
+                                                    cfg.verifier.speculative_schedule},
                               kv_cache_dtype=cfg.kv_cache_dtype)
     forward_cost: dict[str, dict] = {}  # per concurrency: its batch's forward cost ratio
     if opts.profile and kappa > 0:

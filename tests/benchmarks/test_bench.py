@@ -119,6 +119,12 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "| served k=3 ngram |" in out and "| served k=3 eagle:tiny-head |" in out
+    # `specmesh plan --from-bench` reads the file: a knee and a break-even per drafter
+    assert main(["plan", "--from-bench", str(out_json), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["knee"]["points"] and report["kappa"] == 3
+    assert [d["drafter"] for d in report["drafters"]] == ["ngram", "eagle:tiny-head"]
+    assert all(len(d["levels"]) == 2 for d in report["drafters"])
 
 
 def test_bench_bad_prompts_line_fails_before_starting(tmp_path):
