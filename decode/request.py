@@ -77,6 +77,14 @@ class Request:
     first_token_time: float | None = None
     prediction_token_ids: list[int] | None = None
     prediction: PredictionUsage = field(default_factory=PredictionUsage)
+    #: the ``n`` choices of one prompt (decode/siblings.py): its group, the group's size (a
+    #: leader's), the leader it waits to be forked from, a leader's waiting siblings and those
+    #: its current prefill samples first tokens for
+    group: str = ""
+    group_size: int = 1
+    leader: Request | None = field(default=None, repr=False)
+    followers: list[Request] = field(default_factory=list, repr=False)
+    fork_targets: list[Request] = field(default_factory=list, repr=False)
 
     @property
     def prompt_len(self) -> int:

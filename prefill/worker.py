@@ -193,9 +193,10 @@ class PrefillWorker(MailboxWorker):
             return f"prompt of {n} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}"
         if any(t < 0 or t >= cfg.vocab_size for t in req.prompt_token_ids):
             return f"prompt token id outside [0, {cfg.vocab_size})"
-        why = req.sampling.invalid_reason()
-        if why:
-            return why
+        for sampling in [req.sampling] + list(req.sibling_sampling or []):
+            why = sampling.invalid_reason()
+            if why:
+                return why
         if not req.block_table:
             return "no destination blocks"
         if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
@@ -324,7 +325,7 @@ class PrefillWorker(MailboxWorker):
         try:
             t0 = time.monotonic()
             with self.profile.phase("forward"):
-                firsts, seeds = self._forward(reqs, tables, starts)
+                firsts, seeds, siblings = self._forward(reqs, tables, starts)
             if len(reqs) > 1 or computed[0] <= self.config.chunk_size:  # one forward: a point
                 self.cost_models.setdefault(threads, PrefillCost()).observe(
                     sum(computed), time.monotonic() - t0)
@@ -332,12 +333,13 @@ class PrefillWorker(MailboxWorker):
             self.profile.count("num_batch_prompts", len(reqs))
             with self.profile.phase("send_kv"):
                 frames = [self._kv_frames(r, t, n) for r, t, n in zip(reqs, tables, sizes)]
-                for item, first, seed, fs in zip(batch, firsts, seeds, frames):
+                for item, first, seed, sib, fs in zip(batch, firsts, seeds, siblings, frames):
                     req = item.req
                     self.send(item.peer, PrefillDone(
                         request_id=req.request_id, transfer_id=req.transfer_id,
                         first_token_id=first, num_frames=len(fs),
-                        num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed))
+                        num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed,
+                        sibling_first_token_ids=sib))
                 for item, fs in zip(batch, frames):
                     self._send_frames(item.peer, fs)
             done = True
@@ -353,11 +355,13 @@ class PrefillWorker(MailboxWorker):
             self.stats.prefix_cache_hits += sum(starts)
             self.profile.count("prefix_cache_hit_tokens", sum(starts))
 
-    def _forward(self, reqs: list[PrefillRequest], tables: list[list[int]],
-                 starts: list[int]) -> tuple[list[int], list[Buffer | None]]:
+    def _forward(self, reqs: list[PrefillRequest], tables: list[list[int]], starts: list[int],
+                 ) -> tuple[list[int], list[Buffer | None], list[list[int] | None]]:
         """Run the prompts, each from ``starts[i]`` (its KV before that is cached); returns
-        per request its first token (output position 0, by its sampling mode) and the seed
-        state PrefillDone carries (None: its method has none)."""
+        per request its first token (output position 0, by its sampling mode), the seed
+        state PrefillDone carries (None: its method has none) and its siblings' first tokens
+        (PrefillRequest.sibling_sampling, each by its own sampling from the same row; None:
+        it has none)."""
         kinds = [self.config.seed_states.get(r.draft_method, "") for r in reqs]
         # hidden states once per batch: the widest layer set any request's method asks for
         hidden_kinds = sorted({k for k in kinds if is_hidden_seed(k)})
@@ -368,7 +372,8 @@ class PrefillWorker(MailboxWorker):
         if layers == ():  # methods of one batch that want different layers: one at a time
             out = [self._forward(reqs[i:i + 1], tables[i:i + 1], starts[i:i + 1])
                    for i in range(len(reqs))]
-            return [f for o in out for f in o[0]], [s for o in out for s in o[1]]
+            return ([f for o in out for f in o[0]], [s for o in out for s in o[1]],
+                    [s for o in out for s in o[2]])
         want_hidden = bool(hidden_kinds)
         prompts = [r.prompt_token_ids[s:] for r, s in zip(reqs, starts)]
         paged = self.prefix_cache is not None  # chunk invariant: cached or not, the same bits
@@ -387,11 +392,16 @@ class PrefillWorker(MailboxWorker):
         # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
         firsts = sample_tokens(last, [r.sampling for r in reqs], [0] * len(reqs),
                                self._generator(last.device))
+        siblings: list[list[int] | None] = []
+        for i, r in enumerate(reqs):
+            m = len(r.sibling_sampling or [])
+            siblings.append(sample_tokens(last[i:i + 1].expand(m, -1).contiguous(), r.sibling_sampling,
+                                          [0] * m, self._generator(last.device)) if m else None)
         seeds: list[Buffer | None] = []
         for i, kind in enumerate(kinds):  # EAGLE family: f_{p-1}, the state that predicted 0
             seeds.append(tensor_to_buffer(hidden[i][-1:].clone()) if is_hidden_seed(kind)
                          else None)
-        return list(firsts), seeds
+        return list(firsts), seeds, siblings
 
     def _kv_frames(self, req: PrefillRequest, block_table: list[int], n: int) -> list[KVFrame]:
         """The KVFrames of ``req``'s prompt KV: at most ``frame_tokens`` tokens x

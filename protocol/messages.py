@@ -43,12 +43,14 @@ from msgspec import Meta
 # DraftTailStream.from_prediction, TokenStream.num_{accepted,rejected}_prediction_tokens
 # 12: DrafterCorpus, DrafterCorpusRelayed, DrafterCorpusResult (corpora and the drafters'
 # cross-request history, controlled at run time)
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 PLACEHOLDER_TOKEN_ID = -1
 
 
 #: a count, length or output position (never negative)
 NonNegInt = Annotated[int, Meta(ge=0)]
+#: a count that is at least one
+PositiveInt = Annotated[int, Meta(ge=1)]
 #: a token id (vocabulary bounds are the receiver's to check: the wire layer has no vocabulary)
 TokenId = Annotated[int, Meta(ge=0)]
 
@@ -321,6 +323,11 @@ class GenerateRequest(Message, tag=20, kw_only=True):
     ``prediction_token_ids`` (OpenAI Predicted Outputs): the client's predicted output,
     tokenized without a chat template; the verifier forwards it to the drafter, which drafts
     from it first (drafter/prediction.py). None: no prediction.
+
+    ``group`` / ``group_size`` (OpenAI's ``n``, vLLM's ``best_of``): the gateway sends each of
+    a prompt's ``group_size`` choices as its own request with the same ``group`` (and the same
+    prompt), all to one verifier; the verifier prefills the prompt once and forks the others
+    from the first one's KV (decode/siblings.py). ``group`` empty: a request of its own.
     """
 
     request_id: str
@@ -328,6 +335,8 @@ class GenerateRequest(Message, tag=20, kw_only=True):
     sampling: SamplingParams
     num_speculative_tokens: int | None = None  # this request's kappa; None = the verifier's
     prediction_token_ids: list[TokenId] | None = None
+    group: str = ""
+    group_size: PositiveInt = 1
 
     @classmethod
     def example(cls) -> GenerateRequest:
@@ -413,6 +422,9 @@ class PrefillRequest(Message, tag=30, kw_only=True):
     #: this prompt runs (it pauses its verify steps for prefills in flight, or has nothing to
     #: do): the prefill worker may then run the prompt on them all (cluster/hosts/prefill.py)
     verifier_idle: bool = False
+    #: the sampling of each sibling of this request (same prompt, decode/siblings.py) whose
+    #: first token the prefill worker samples from the same last-position logits
+    sibling_sampling: list[SamplingParams] | None = None
 
     @classmethod
     def example(cls) -> PrefillRequest:
@@ -465,6 +477,8 @@ class PrefillDone(Message, tag=32, kw_only=True):
     num_bytes: int
     seed_state: Buffer | None = None
     error: str = ""
+    #: output position 0 of each sibling, in PrefillRequest.sibling_sampling's order
+    sibling_first_token_ids: list[TokenId] | None = None
 
     @classmethod
     def example(cls) -> PrefillDone:
