@@ -130,10 +130,13 @@ class InProcessCluster:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                  num_speculative_tokens: int | None = None, timeout_s: float = 3600.0,
-                 predictions: list[list[int] | None] | None = None) -> list[Completion]:
+                 predictions: list[list[int] | None] | None = None,
+                 groups: list[str] | None = None) -> list[Completion]:
         """Submit all prompts at once (continuous batching) and step the workers until every
         request finished. Returns completions in prompt order. ``predictions``: each prompt's
-        predicted output token ids (OpenAI Predicted Outputs; None: none).
+        predicted output token ids (OpenAI Predicted Outputs; None: none). ``groups``: each
+        prompt's sibling group (the ``n`` choices of one prompt, decode/siblings.py; "": none),
+        its size the number of prompts that name it.
 
         Raises:
             TimeoutError: not finished within ``timeout_s`` seconds.
@@ -141,12 +144,14 @@ class InProcessCluster:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"req-{next(self._ids)}" for _ in prompts]
         results = {rid: Completion(rid) for rid in ids}
-        for rid, prompt, sp, pred in zip(ids, prompts, params,
-                                         predictions or [None] * len(prompts)):
+        groups = groups or [""] * len(prompts)
+        for rid, prompt, sp, pred, group in zip(ids, prompts, params,
+                                                predictions or [None] * len(prompts), groups):
             self.client.send(VERIFIER, GenerateRequest(
                 request_id=rid, prompt_token_ids=list(prompt), sampling=sp,
                 num_speculative_tokens=num_speculative_tokens,
-                prediction_token_ids=None if pred is None else list(pred)))
+                prediction_token_ids=None if pred is None else list(pred),
+                group=group, group_size=groups.count(group) if group else 1))
         pending = set(ids)
         # the gateway's flag, from the configuration: drafts accepted by a rule that is not
         # exact (synthetic acceptance)

@@ -86,6 +86,8 @@ class RoleCollector:
         if h.role == "drafter":
             yield from drafter_corpus_families(h.worker, labels)
         if h.role == "prefill":
+            yield _counter("specmesh:prefill_requests", "Prompts prefilled", st.num_requests,
+                           labels)
             yield _counter("specmesh:prefix_cache_queries",
                            "Prompt tokens looked up in the prefill's prefix cache",
                            st.prefix_cache_queries, labels)
@@ -125,6 +127,9 @@ class RoleCollector:
         if sched.kappa_schedule is not None:
             yield _counter("specmesh:spec_decode_kappa_changes", "Moves of the adaptive "
                            "schedule's kappa", len(sched.kappa_schedule.changes), labels)
+        yield _counter("specmesh:sibling_forks",
+                       "Requests started on a sibling's prompt KV (the n choices of a prompt)",
+                       st.num_sibling_forks, labels)
         yield _counter("specmesh:stale_tail_tokens", "Draft tail tokens discarded as stale",
                        st.num_stale_tail_tokens, labels)
         kv = h.worker.kv.stats

@@ -18,6 +18,7 @@ from specmesh.decode.kv_receiver import KVReceiver, Transfer
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.decode.scheduler import Scheduler
 from specmesh.decode.seed_state import SeedWindow, commit_buffer, sync_buffer, window_from_prefill
+from specmesh.decode.siblings import SiblingGroups
 from specmesh.decode.stats import VerifierStats
 from specmesh.decode.verify_step import VerifyOutput
 from specmesh.protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
@@ -30,6 +31,7 @@ from specmesh.protocol.messages import (
     DraftSync,
     DraftTailStream,
     PrefillCancel,
+    PrefillDone,
     TokenStream,
     VerifyCommit,
 )
@@ -68,6 +70,10 @@ class RequestLifecycle:
         self.requests: dict[str, Request] = {}
         self.drafter_peers: list[str] = []
         self.lost_drafters: set[str] = set()  # sends to them failed: no new requests there
+        #: the ``n`` choices of a prompt (decode/siblings.py): groups forming, and the fork of a
+        #: leader's waiting siblings once its KV is complete (set by the verifier worker)
+        self.siblings = SiblingGroups()
+        self.fork_siblings: Callable[[Request, PrefillDone], None] | None = None
 
     def get(self, request_id: str | None) -> Request | None:
         return self.requests.get(request_id) if request_id is not None else None
@@ -254,6 +260,8 @@ class RequestLifecycle:
             if self.profile is not None:
                 self.profile.observe("kv_transfer", time.monotonic() - t.started_at)
                 self.profile.observe("kv_ingest", t.ingest_s)
+            if req.fork_targets and self.fork_siblings is not None:
+                self.fork_siblings(req, done)  # before the leader can finish and free its KV
             self.start(req, done.first_token_id, done.num_bytes, done.seed_state, t)
 
     def on_prefill_done(self, t: Transfer) -> None:
@@ -410,6 +418,7 @@ class RequestLifecycle:
         for _, _, num_draft_tokens, accept_len in req.spec_steps:
             self.stats.observe_verify(num_draft_tokens, accept_len)
         self.scheduler.dequeue(req)
+        self.siblings.unlink(req)  # waiting siblings of a leader are prefilled on their own
         if req.drafter is not None:
             close = DRAFT_CLOSE_FINISHED if FinishReason(reason).is_success else DRAFT_CLOSE_ABORT
             self.send(req.drafter, DraftClose(request_id=req.request_id, reason=close))

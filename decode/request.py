@@ -111,6 +111,14 @@ class Request:
         parts, self.unstreamed_logprobs = self.unstreamed_logprobs, []
         out = TokenLogprobs.concat(parts)
         return out if len(out.token_logprobs) == num_tokens else None
+    #: the ``n`` choices of one prompt (decode/siblings.py): its group, the group's size (a
+    #: leader's), the leader it waits to be forked from, a leader's waiting siblings and those
+    #: its current prefill samples first tokens for
+    group: str = ""
+    group_size: int = 1
+    leader: Request | None = field(default=None, repr=False)
+    followers: list[Request] = field(default_factory=list, repr=False)
+    fork_targets: list[Request] = field(default_factory=list, repr=False)
 
     @property
     def prompt_len(self) -> int:

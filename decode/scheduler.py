@@ -57,6 +57,8 @@ class BlockAllocator(Protocol):
 
     def free(self, block_ids: list[int]) -> None: ...
 
+    def share(self, block_ids: list[int]) -> list[int]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class PlannedRequest:
@@ -171,8 +173,11 @@ class Scheduler:
     # -- admission and KV ------------------------------------------------------------------
 
     def admit(self, requests: Iterable[Request], prefill_peers: list[str],
-              prefill_load: Callable[[str], int]) -> list[Request]:
-        """Move waiting requests that fit into PREFILLING, in arrival order.
+              prefill_load: Callable[[str], int],
+              hold: Callable[[Request], bool] = lambda req: False) -> list[Request]:
+        """Move waiting requests that fit into PREFILLING, in arrival order, passing over those
+        ``hold`` keeps waiting (siblings to be forked from their leader's KV, a leader whose
+        group is still arriving: decode/siblings.py).
 
         ``requests`` are all live requests (to count admitted ones and outstanding KV). An
         admitted request gets the blocks of its prompt plus kappa + 1 look-ahead slots now, the
@@ -187,12 +192,15 @@ class Scheduler:
         out: list[Request] = []
         bm = self.block_manager
         given = dict.fromkeys(prefill_peers, 0)  # transfers this call starts, per peer
-        while self.waiting and admitted_now < self.config.max_num_seqs and prefill_peers:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if admitted_now >= self.config.max_num_seqs or not prefill_peers:
+                break
+            if hold(req):
+                continue
             reserve = bm.blocks_for(req.prompt_len + req.sampling.max_tokens)
             if free < reserve:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             first = bm.blocks_for(req.prompt_len + req.num_speculative_tokens + 1)
             req.block_table = bm.allocate(min(first, reserve))
             req.num_reserved_blocks = reserve
@@ -215,6 +223,33 @@ class Scheduler:
     def num_free_blocks(self, requests: Iterable[Request]) -> int:
         """Blocks neither allocated nor promised: room for new admissions."""
         return self.block_manager.num_free_blocks - self.outstanding_blocks(requests)
+
+    def fork(self, leader: Request, sibling: Request, requests: Iterable[Request],
+             num_shared_blocks: int) -> list[int] | None:
+        """Admit waiting ``sibling`` onto ``leader``'s prompt KV (decode/siblings.py): its block
+        table holds the leader's first ``num_shared_blocks`` blocks (shared) and its own blocks
+        for the rest of its prompt plus kappa + 1 look-ahead slots; its reservation is its own
+        request's, less the shared blocks. Returns the pairs to copy as ``[leader's partial
+        block, sibling's copy]`` (empty: the prompt ends on a block boundary), or None when
+        there is no sequence slot or KV room (nothing changes: it stays waiting)."""
+        live = list(requests)
+        if sum(r.status is not RequestStatus.WAITING for r in live) >= self.config.max_num_seqs:
+            return None
+        bm = self.block_manager
+        reserve = bm.blocks_for(sibling.prompt_len + sibling.sampling.max_tokens)
+        first = min(bm.blocks_for(sibling.prompt_len + sibling.num_speculative_tokens + 1),
+                    reserve)
+        if self.num_free_blocks(live) < reserve - num_shared_blocks:
+            return None
+        self.dequeue(sibling)
+        own = bm.allocate(first - num_shared_blocks)
+        sibling.block_table = bm.share(leader.block_table[:num_shared_blocks]) + own
+        sibling.num_reserved_blocks = reserve
+        sibling.prefill_peer = leader.prefill_peer
+        sibling.status = RequestStatus.PREFILLING
+        if sibling.prompt_len % bm.block_size:
+            return [leader.block_table[num_shared_blocks], own[0]]
+        return []
 
     def ensure_blocks(self, req: Request, num_tokens: int) -> None:
         """Grow ``req.block_table`` to hold ``num_tokens`` positions (out of its reservation)."""

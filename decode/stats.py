@@ -26,6 +26,7 @@ class VerifierStats(SpecStats):
     num_protocol_errors: int = 0
     num_ignored_messages: int = 0
     num_rejected_queue_full: int = 0
+    num_sibling_forks: int = 0  # requests started on a sibling's prompt KV (decode/siblings.py)
     num_tail_waits: int = 0  # steps that waited for a tail in flight
     num_drafter_closes: int = 0  # requests a drafter closed (full): plain decode from then
     num_drafters_lost: int = 0  # sends to a drafter that failed (not draining, unreachable)

@@ -105,6 +105,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self.prefill_pause = PrefillPause(config.max_prefill_pause_s)
         #: relays corpus operations from gateways to the drafters (decode/corpus_relay.py)
         self.corpus_relay = CorpusRelay(self.send, lambda: list(self.lifecycle.drafter_peers))
+        self.siblings = self.lifecycle.siblings  # the n choices of a prompt (decode/siblings.py)
+        self.lifecycle.fork_siblings = self._fork_siblings
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -326,14 +328,47 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         req = Request(msg.request_id, peer, list(msg.prompt_token_ids), sampling, kappa,
                       prediction_token_ids=list(msg.prediction_token_ids or []) or None)
         self.requests[req.request_id] = req
+        if msg.group and req.leader is None:
+            self.siblings.join(req, msg.group, msg.group_size)
+            if req.leader is not None and req.leader.prompt_token_ids != req.prompt_token_ids:
+                self.siblings.unlink(req)  # a group is one prompt: this one runs on its own
         self.scheduler.enqueue(req)
 
     # -- the loop --------------------------------------------------------------------------
 
     def _admit(self) -> None:
         for req in self.scheduler.admit(self.requests.values(), self._reachable_prefill(),
-                                        self._prefill_load):
+                                        self._prefill_load, hold=self.siblings.holds):
             self._start_transfer(req)
+
+    def _fork_siblings(self, leader: Request, done: PrefillDone) -> None:
+        """``leader``'s prompt KV is complete: start each sibling its prefill sampled a first
+        token for on that KV (shared full blocks, its own copy of the partial one; decode/
+        siblings.py). One that cannot be forked stays waiting as an ordinary request."""
+        tokens = list(done.sibling_first_token_ids or [])
+        shared = self.siblings.num_shared_blocks(leader.prompt_len,
+                                                 self.verify_step.runner.kv_cache.block_size)
+        now = time.monotonic()
+        for i, sib in enumerate(leader.fork_targets):
+            if sib.status is not RequestStatus.WAITING or sib.leader is not leader:
+                continue
+            self.siblings.unlink(sib)
+            if i >= len(tokens) or not 0 <= tokens[i] < self.vocab_size:
+                continue
+            copy = self.scheduler.fork(leader, sib, self.requests.values(), shared)
+            if copy is None:
+                continue
+            if copy:
+                self.verify_step.runner.kv_cache.copy_blocks(copy[:1], copy[1:])
+            sib.admitted_time = now
+            self.profile.observe("ttft_admission_wait", now - sib.arrival_time)
+            self.stats.num_sibling_forks += 1
+            if i < len(done.sibling_logprobs or []):  # its first token's, when it asked
+                sib.add_logprobs(done.sibling_logprobs[i], 1)
+            if sib.sampling.prompt_logprobs is not None:
+                sib.prompt_logprobs = done.prompt_logprobs
+            self.lifecycle.start(sib, tokens[i], 0, done.seed_state)
+        self.siblings.unlink(leader)
 
     def _start_transfer(self, req: Request) -> None:
         """A new transfer (a fresh id) of ``req``'s prompt KV from ``req.prefill_peer``."""
@@ -342,6 +377,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         if req.admitted_time is None:  # (a re-issued transfer was admitted before)
             req.admitted_time = time.monotonic()
             self.profile.observe("ttft_admission_wait", req.admitted_time - req.arrival_time)
+            self.siblings.admitted(req)  # its transfers sample its waiting siblings' first tokens
         self.kv.start(req.request_id, req.transfer_id, req.prefill_peer, req.block_table,
                       req.prompt_len)
         req.prefill_alone = self._prefill_alone(req)
@@ -353,7 +389,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             request_id=req.request_id, transfer_id=req.transfer_id,
             prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
             block_table=req.block_table, draft_method=self.config.draft_method,
-            verifier_idle=req.prefill_paused))
+            verifier_idle=req.prefill_paused,
+            sibling_sampling=[f.sampling for f in req.fork_targets] or None))
 
     def _idle_without(self, req: Request) -> bool:
         """Whether this verifier shares its cores with prefill (decode/core_sharing.py) and

@@ -10,6 +10,10 @@ class KVCacheExhausted(RuntimeError):
 class BlockManager:
     """Hands out KV block ids ``0 .. num_blocks-1``; each block holds ``block_size`` tokens.
 
+    A block may be held by several block tables at once (:meth:`share`: the full prompt blocks
+    of sibling requests, decode/siblings.py, which never write them again); it returns to the
+    pool when the last holder frees it (a reference count per block).
+
     Raises:
         ValueError: ``num_blocks < 0`` or ``block_size < 1``.
     """
@@ -24,6 +28,7 @@ class BlockManager:
         # Pop from the end: the lowest ids go out first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._is_free: list[bool] = [True] * num_blocks
+        self._refs: dict[int, int] = {}  # holders beyond the first, of shared blocks only
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,20 +72,48 @@ class BlockManager:
             self._is_free[i] = False
         return ids
 
-    def free(self, block_ids: list[int]) -> None:
-        """Return blocks to the pool. Validates all ids before freeing any.
+    def share(self, block_ids: list[int]) -> list[int]:
+        """One more holder for each of ``block_ids`` (allocated blocks); returns them, for the
+        new holder's block table. Each holder frees them once.
 
         Raises:
-            ValueError: an unknown id, an id that is already free, or an id given twice.
+            ValueError: an unknown or free id (nothing is shared then).
         """
-        seen: set[int] = set()
+        self._check(block_ids)
+        for i in block_ids:
+            self._refs[i] = self._refs.get(i, 0) + 1
+        return list(block_ids)
+
+    def num_holders(self, block_id: int) -> int:
+        """Block tables holding ``block_id`` (0: free)."""
+        return 0 if self._is_free[block_id] else 1 + self._refs.get(block_id, 0)
+
+    def _check(self, block_ids: list[int]) -> None:
+        seen: dict[int, int] = {}
         for i in block_ids:
             if not isinstance(i, int) or not 0 <= i < self.num_blocks:
                 raise ValueError(f"unknown KV block id {i!r} (pool has {self.num_blocks})")
-            if self._is_free[i] or i in seen:
+            seen[i] = seen.get(i, 0) + 1
+            if self._is_free[i] or seen[i] > 1 + self._refs.get(i, 0):
                 raise ValueError(f"double free of KV block {i}")
-            seen.add(i)
+
+    def free(self, block_ids: list[int]) -> None:
+        """Give up one hold on each block; a block no table holds any more returns to the pool.
+        Validates all ids before freeing any.
+
+        Raises:
+            ValueError: an unknown id, an id that is already free, or an id given more times
+                than it has holders.
+        """
+        self._check(block_ids)
         for i in reversed(block_ids):
+            refs = self._refs.get(i, 0)
+            if refs:
+                if refs == 1:
+                    del self._refs[i]
+                else:
+                    self._refs[i] = refs - 1
+                continue
             self._is_free[i] = True
             self._free.append(i)
 

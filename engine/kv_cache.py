@@ -130,6 +130,32 @@ class KVCache:
         rows = self.data.index_select(2, slots(src_positions))
         self.data.index_copy_(2, slots(dst_positions), rows)
 
+    def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Copy every layer's keys and values of whole blocks ``src_blocks[i]`` into
+        ``dst_blocks[i]`` (a sibling request's own copy of a prompt block it will write past,
+        decode/siblings.py). Sources and destinations must not overlap.
+
+        Raises:
+            ValueError: lists of different lengths, a block id out of range, or a block in
+                both lists (nothing is copied then).
+        """
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"{len(src_blocks)} source and {len(dst_blocks)} destination blocks")
+        for b in list(src_blocks) + list(dst_blocks):
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
+        if set(src_blocks) & set(dst_blocks):
+            raise ValueError("a block is both a source and a destination")
+        if not src_blocks:
+            return
+        bs = self.block_size
+
+        def slots(blocks: list[int]) -> torch.Tensor:
+            return torch.tensor([b * bs + j for b in blocks for j in range(bs)],
+                                dtype=torch.long, device=self.device)
+
+        self.data.index_copy_(2, slots(dst_blocks), self.data.index_select(2, slots(src_blocks)))
+
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (no copy) of one layer's keys and values as [num_blocks, block_size, H, D]:
         the layout :func:`kernels.paged_attention.paged_attention` reads through block tables."""

@@ -127,6 +127,9 @@ class MailboxBackend:
         self._incarnations: dict[str, int] = {}  # verifier -> newest incarnation seen
         self._lost: dict[str, float] = {}  # verifier -> when its connection dropped
         self._gone: set[str] = set()  # lost past the grace period, not back yet
+        #: sibling group -> (its verifier, requests of it sent so far): the n choices of a
+        #: prompt go to one verifier (:meth:`_group_verifier`)
+        self._groups: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
@@ -374,7 +377,8 @@ class MailboxBackend:
         finished = False
         try:
             try:
-                verifier = await self._wait_for_verifier()
+                verifier = self._group_verifier(req) or await self._wait_for_verifier()
+                self._join_group(req, verifier)
                 if not pending.closed:  # not aborted while it waited
                     pending.verifier = verifier
                     self._send(verifier, req)
@@ -407,6 +411,26 @@ class MailboxBackend:
         finally:
             if not finished:
                 self.abort(rid, ABANDONED_REASON)
+
+    def _group_verifier(self, req: GenerateRequest) -> str | None:
+        """The verifier the other requests of ``req``'s sibling group (the ``n`` choices of a
+        prompt, decode/siblings.py) went to: one verifier prefills the prompt once for all."""
+        if not req.group:
+            return None
+        with self._lock:
+            entry = self._groups.get(req.group)
+        return entry[0] if entry is not None and entry[0] not in self._gone else None
+
+    def _join_group(self, req: GenerateRequest, verifier: str) -> None:
+        """Remember ``req``'s group's verifier until all ``group_size`` requests were sent."""
+        if not req.group or req.group_size < 2:
+            return
+        with self._lock:
+            _, sent = self._groups.get(req.group, (verifier, 0))
+            if sent + 1 >= req.group_size:
+                self._groups.pop(req.group, None)
+            else:
+                self._groups[req.group] = (verifier, sent + 1)
 
     async def _wait_for_verifier(self) -> str:
         """``pick_verifier()``, asked again every VERIFIER_POLL_S while it raises, for at most

@@ -196,9 +196,10 @@ class PrefillWorker(MailboxWorker):
             return f"prompt of {n} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}"
         if any(t < 0 or t >= cfg.vocab_size for t in req.prompt_token_ids):
             return f"prompt token id outside [0, {cfg.vocab_size})"
-        why = req.sampling.invalid_reason() or req.sampling.vocab_reason(cfg.vocab_size)
-        if why:
-            return why
+        for sampling in [req.sampling] + list(req.sibling_sampling or []):
+            why = sampling.invalid_reason() or sampling.vocab_reason(cfg.vocab_size)
+            if why:
+                return why
         if not req.block_table:
             return "no destination blocks"
         if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
@@ -329,7 +330,7 @@ class PrefillWorker(MailboxWorker):
         try:
             t0 = time.monotonic()
             with self.profile.phase("forward"):
-                firsts, seeds, logprobs = self._forward(reqs, tables, starts)
+                firsts, seeds, logprobs, siblings = self._forward(reqs, tables, starts)
             if len(reqs) > 1 or computed[0] <= self.config.chunk_size:  # one forward: a point
                 self.cost_models.setdefault(threads, PrefillCost()).observe(
                     sum(computed), time.monotonic() - t0)
@@ -337,14 +338,15 @@ class PrefillWorker(MailboxWorker):
             self.profile.count("num_batch_prompts", len(reqs))
             with self.profile.phase("send_kv"):
                 frames = [self._kv_frames(r, t, n) for r, t, n in zip(reqs, tables, sizes)]
-                for item, first, seed, fs, (lp, prompt_lp) in zip(batch, firsts, seeds, frames,
-                                                                  logprobs):
+                for item, first, seed, fs, (lp, prompt_lp), (sib, sib_lps) in zip(
+                        batch, firsts, seeds, frames, logprobs, siblings):
                     req = item.req
                     self.send(item.peer, PrefillDone(
                         request_id=req.request_id, transfer_id=req.transfer_id,
                         first_token_id=first, num_frames=len(fs),
                         num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed,
-                        logprobs=lp, prompt_logprobs=prompt_lp))
+                        logprobs=lp, prompt_logprobs=prompt_lp,
+                        sibling_first_token_ids=sib, sibling_logprobs=sib_lps))
                 for item, fs in zip(batch, frames):
                     self._send_frames(item.peer, fs)
             done = True
@@ -361,11 +363,14 @@ class PrefillWorker(MailboxWorker):
             self.profile.count("prefix_cache_hit_tokens", sum(starts))
 
     def _forward(self, reqs: list[PrefillRequest], tables: list[list[int]], starts: list[int]
-                 ) -> tuple[list[int], list[Buffer | None], list[tuple[TokenLogprobs | None, ...]]]:
+                 ) -> tuple[list[int], list[Buffer | None], list[tuple[TokenLogprobs | None, ...]],
+                            list[tuple[list[int] | None, list[TokenLogprobs] | None]]]:
         """Run the prompts, each from ``starts[i]`` (its KV before that is cached); returns
         per request its first token (output position 0, by its sampling mode), the seed
-        state PrefillDone carries (None: its method has none) and its (first token, prompt)
-        logprobs when asked (SamplingParams.logprobs / prompt_logprobs)."""
+        state PrefillDone carries (None: its method has none), its (first token, prompt)
+        logprobs when asked (SamplingParams.logprobs / prompt_logprobs) and its siblings'
+        first tokens with their logprobs when asked (PrefillRequest.sibling_sampling, each by
+        its own sampling from the same row; None: it has none)."""
         kinds = [self.config.seed_states.get(r.draft_method, "") for r in reqs]
         # hidden states once per batch: the widest layer set any request's method asks for
         hidden_kinds = sorted({k for k in kinds if is_hidden_seed(k)})
@@ -377,7 +382,7 @@ class PrefillWorker(MailboxWorker):
             out = [self._forward(reqs[i:i + 1], tables[i:i + 1], starts[i:i + 1])
                    for i in range(len(reqs))]
             return ([f for o in out for f in o[0]], [s for o in out for s in o[1]],
-                    [x for o in out for x in o[2]])
+                    [x for o in out for x in o[2]], [x for o in out for x in o[3]])
         want_hidden = bool(hidden_kinds)
         prompts = [r.prompt_token_ids[s:] for r, s in zip(reqs, starts)]
         paged = self.prefix_cache is not None  # chunk invariant: cached or not, the same bits
@@ -412,6 +417,12 @@ class PrefillWorker(MailboxWorker):
         # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
         firsts = sample_tokens(last, [r.sampling for r in reqs], [0] * len(reqs),
                                self._generator(last.device))
+        siblings: list[list[int] | None] = []
+        for i, r in enumerate(reqs):
+            m = len(r.sibling_sampling or [])
+            rows = last[i:i + 1].expand(m, -1).contiguous()
+            siblings.append(sample_tokens(rows, r.sibling_sampling, [0] * m,
+                                          self._generator(last.device)) if m else None)
         seeds: list[Buffer | None] = []
         for i, kind in enumerate(kinds):  # EAGLE family: f_{p-1}, the state that predicted 0
             seeds.append(tensor_to_buffer(hidden[i][-1:].clone()) if is_hidden_seed(kind)
@@ -421,7 +432,14 @@ class PrefillWorker(MailboxWorker):
                      token_logprobs(last[i:i + 1], [firsts[i]],
                                     min(r.sampling.logprobs, last.shape[-1]))
                      for i, r in enumerate(reqs)]
-        return firsts, seeds, list(zip(first_lps, prompt_lps))
+        sibling_parts = []
+        for i, (r, toks) in enumerate(zip(reqs, siblings)):
+            lps = None
+            if toks is not None and any(sp.logprobs is not None for sp in r.sibling_sampling):
+                lps = [token_logprobs(last[i:i + 1], [t], min(sp.logprobs or 0, last.shape[-1]))
+                       for sp, t in zip(r.sibling_sampling, toks)]
+            sibling_parts.append((toks, lps))
+        return firsts, seeds, list(zip(first_lps, prompt_lps)), sibling_parts
 
     def _prefill_with_prompt_logprobs(self, req: PrefillRequest, table: list[int],
                                       want_hidden: bool, layers, paged: bool):  # noqa: ANN001

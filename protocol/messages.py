@@ -44,8 +44,11 @@ from msgspec import Meta
 # 12: DrafterCorpus, DrafterCorpusRelayed, DrafterCorpusResult (corpora and the drafters'
 # cross-request history, controlled at run time)
 # 13: logprobs: SamplingParams.logprobs / prompt_logprobs, TokenLogprobs, PrefillDone.logprobs /
-# prompt_logprobs, TokenStream.logprobs / prompt_logprobs; SamplingParams penalties and token constraints (frequency / presence / repetition
-# penalties, logit bias, min_tokens, bad words, allowed token ids, the verifier's EOS ids)
+# prompt_logprobs, TokenStream.logprobs / prompt_logprobs; SamplingParams penalties and token
+# constraints (frequency / presence / repetition penalties, logit bias, min_tokens, bad words,
+# allowed token ids, the verifier's EOS ids); the n choices of a prompt: GenerateRequest.group /
+# group_size, PrefillRequest.sibling_sampling, PrefillDone.sibling_first_token_ids /
+# sibling_logprobs
 PROTOCOL_VERSION = 13
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
@@ -55,6 +58,8 @@ MAX_LOGPROBS = 20
 
 #: a count, length or output position (never negative)
 NonNegInt = Annotated[int, Meta(ge=0)]
+#: a count that is at least one
+PositiveInt = Annotated[int, Meta(ge=1)]
 #: a token id (vocabulary bounds are the receiver's to check: the wire layer has no vocabulary)
 TokenId = Annotated[int, Meta(ge=0)]
 
@@ -443,6 +448,11 @@ class GenerateRequest(Message, tag=20, kw_only=True):
     ``prediction_token_ids`` (OpenAI Predicted Outputs): the client's predicted output,
     tokenized without a chat template; the verifier forwards it to the drafter, which drafts
     from it first (drafter/prediction.py). None: no prediction.
+
+    ``group`` / ``group_size`` (OpenAI's ``n``, vLLM's ``best_of``): the gateway sends each of
+    a prompt's ``group_size`` choices as its own request with the same ``group`` (and the same
+    prompt), all to one verifier; the verifier prefills the prompt once and forks the others
+    from the first one's KV (decode/siblings.py). ``group`` empty: a request of its own.
     """
 
     request_id: str
@@ -450,6 +460,8 @@ class GenerateRequest(Message, tag=20, kw_only=True):
     sampling: SamplingParams
     num_speculative_tokens: int | None = None  # this request's kappa; None = the verifier's
     prediction_token_ids: list[TokenId] | None = None
+    group: str = ""
+    group_size: PositiveInt = 1
 
     @classmethod
     def example(cls) -> GenerateRequest:
@@ -539,6 +551,9 @@ class PrefillRequest(Message, tag=30, kw_only=True):
     #: this prompt runs (it pauses its verify steps for prefills in flight, or has nothing to
     #: do): the prefill worker may then run the prompt on them all (cluster/hosts/prefill.py)
     verifier_idle: bool = False
+    #: the sampling of each sibling of this request (same prompt, decode/siblings.py) whose
+    #: first token the prefill worker samples from the same last-position logits
+    sibling_sampling: list[SamplingParams] | None = None
 
     @classmethod
     def example(cls) -> PrefillRequest:
@@ -596,6 +611,10 @@ class PrefillDone(Message, tag=32, kw_only=True):
     #: the prompt's logprobs, positions 1 .. n-1 (position 0 has none), when asked
     #: (SamplingParams.prompt_logprobs)
     prompt_logprobs: TokenLogprobs | None = None
+    #: output position 0 of each sibling, in PrefillRequest.sibling_sampling's order, and its
+    #: logprobs (one entry each) when any sibling asked
+    sibling_first_token_ids: list[TokenId] | None = None
+    sibling_logprobs: list[TokenLogprobs] | None = None
 
     @classmethod
     def example(cls) -> PrefillDone:
