@@ -467,7 +467,7 @@ class GenerateRequest(Message, tag=20, kw_only=True):
     def example(cls) -> GenerateRequest:
         return cls(request_id="req-1", prompt_token_ids=[1, 2, 3, 4],
                    sampling=SamplingParams.example(), num_speculative_tokens=4,
-                   prediction_token_ids=[5, 6, 7])
+                   prediction_token_ids=[5, 6, 7], group="cmpl-1", group_size=2)
 
 
 @register
@@ -559,7 +559,7 @@ class PrefillRequest(Message, tag=30, kw_only=True):
     def example(cls) -> PrefillRequest:
         return cls(request_id="req-1", transfer_id=11, prompt_token_ids=[1, 2, 3],
                    sampling=SamplingParams.example(), block_table=[4, 7],
-                   draft_method="ngram")
+                   draft_method="ngram", sibling_sampling=[SamplingParams.example()])
 
 
 @register
@@ -621,7 +621,8 @@ class PrefillDone(Message, tag=32, kw_only=True):
         return cls(request_id="req-1", transfer_id=11, first_token_id=42, num_frames=2,
                    num_bytes=384, seed_state=Buffer("bfloat16", (1, 4), bytes(8)),
                    logprobs=TokenLogprobs.example().slice(0, 1),
-                   prompt_logprobs=TokenLogprobs.example())
+                   prompt_logprobs=TokenLogprobs.example(), sibling_first_token_ids=[7],
+                   sibling_logprobs=[TokenLogprobs.example().slice(0, 1)])
 
 
 @register
