@@ -33,6 +33,7 @@ from specmesh.gateway.prompt_batch import (
 )
 from specmesh.gateway.tokenize_api import add_tokenize_routes
 from specmesh.gateway.metrics import GatewayMetrics
+from specmesh.gateway.n_choices import MAX_CHOICES, choice_request
 from specmesh.gateway.penalties import penalty_sampling_fields
 from specmesh.gateway.schemas import (
     MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
@@ -312,7 +313,12 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
             echo_only = not chat and body.echo and body.max_tokens == 0
             prompts = [None] if chat else completion_prompts(body.prompt)
-            runs, fmts = [], []
+            n, best_of = body.choice_counts()  # OpenAI n / best_of (gateway/n_choices.py)
+            if len(prompts) * best_of > MAX_CHOICES:
+                raise bad_request(f"{len(prompts)} prompts x {best_of} choices is more than "
+                                  f"{MAX_CHOICES}", param="n")
+            total = len(prompts) * best_of
+            runs, fmts, prompt_of = [], [], []
             for i, prompt in enumerate(prompts):
                 with metrics.profile.phase("tokenize"):
                     if chat:
@@ -324,19 +330,25 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                         limit = 1 if echo_only else body.max_tokens
                     prediction = body.prediction_text()
                     pred_ids = None if prediction is None else gw.prediction_ids(prediction)
-                req = gw.build(body, prompt_ids, limit, rid if len(prompts) == 1 else
-                               f"{rid}-{i}", pred_ids)
-                runs.append(RequestRun(backend, tokenizer, req, body.stop_list(), metrics,
-                                       request, arrival,
-                                       synthetic_acceptance=gw.synthetic_acceptance))
-                fmts.append(ChoiceFormat(
-                    chat=chat, index=i, logprobs=req.sampling.logprobs is not None,
-                    echo=prompt_text(tokenizer, prompt) if not chat and body.echo else None,
-                    echo_only=echo_only, return_token_ids=body.return_token_ids,
-                    include_usage=body.include_usage, continuous_usage=body.continuous_usage))
-            if len(runs) > 1:
-                batch = stream_batch if body.stream else complete_batch
-                resp = await batch(gw, runs, fmts, rid)
+                base = gw.build(body, prompt_ids, limit, rid, pred_ids)
+                for j in range(best_of):
+                    k = i * best_of + j
+                    req = choice_request(base, rid if total == 1 else f"{rid}-{k}", j,
+                                         f"{rid}/{i}", best_of, want_logprobs=best_of > n)
+                    runs.append(RequestRun(backend, tokenizer, req, body.stop_list(), metrics,
+                                           request, arrival,
+                                           synthetic_acceptance=gw.synthetic_acceptance))
+                    prompt_of.append(i)
+                    fmts.append(ChoiceFormat(
+                        chat=chat, index=k, logprobs=base.sampling.logprobs is not None,
+                        echo=prompt_text(tokenizer, prompt) if not chat and body.echo else None,
+                        echo_only=echo_only, return_token_ids=body.return_token_ids,
+                        include_usage=body.include_usage,
+                        continuous_usage=body.continuous_usage))
+            if len(runs) > 1 and body.stream:
+                resp = await stream_batch(gw, runs, fmts, rid, prompt_of)
+            elif len(runs) > 1:
+                resp = await complete_batch(gw, runs, fmts, rid, prompt_of, n)
             elif body.stream:
                 resp = await gw.stream(runs[0], fmts[0])
             else:

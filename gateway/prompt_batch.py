@@ -1,12 +1,14 @@
-"""A completions request with a list of prompts (issue 33, item 2): one choice per prompt.
+"""Requests that fan out to several choices (issue 33, item 2): a completions request with a
+list of prompts (one choice per prompt), and ``n`` / ``best_of`` choices of each prompt
+(gateway/n_choices.py), on completions and chat.
 
 ``prompt`` may be a string, a list of token ids, a list of strings or a list of token-id
-lists (OpenAI). Each prompt is served as a request of its own (request id
-``<response id>-<i>``), all concurrently, and the response has one choice per prompt with
-``index`` = the prompt's index (vLLM, for n = 1), ``usage`` and ``spec_stats`` summed over the
-prompts. A stream interleaves the prompts' chunks as they come, each chunk naming its choice
-by ``index``; every chunk carries the response id. A prompt refused by the verifier (queue
-full, invalid) or failing fails the whole request, as vLLM does.
+lists (OpenAI). Each choice is served as a request of its own (request id
+``<response id>-<k>``), all concurrently, and the response has one choice per prompt and ``n``
+with ``index`` = ``prompt * n + choice`` (vLLM), ``usage`` summed (each prompt's tokens once)
+and ``spec_stats`` summed. A stream interleaves the choices' chunks as they come, each chunk
+naming its choice by ``index``; every chunk carries the response id. A choice refused by the
+verifier (queue full, invalid) or failing fails the whole request, as vLLM does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +26,7 @@ from specmesh.gateway.choices import (
     ChoiceFormat, ChunkWriter, choice_chunks, sse, sse_response, sum_usage, usage_of,
 )
 from specmesh.gateway.generation import Finish, RequestRun, spec_stats_headers
+from specmesh.gateway.n_choices import best_indices, mean_logprob
 from specmesh.gateway.schemas import bad_request
 from specmesh.protocol.spec_stats import SpecStats
 
@@ -61,23 +65,66 @@ def summed_stats(runs: list[RequestRun]) -> SpecStats:
     return total
 
 
+def batch_usage(runs: list[RequestRun], prompt_of: list[int]) -> dict:
+    """The response's usage: every run's completion tokens, each prompt's tokens once (the
+    ``n`` choices of a prompt share it, as OpenAI counts)."""
+    seen: set[int] = set()
+    usages = []
+    for run, p in zip(runs, prompt_of):
+        u = usage_of(run)
+        if p in seen:
+            u["total_tokens"] -= u["prompt_tokens"]
+            u["prompt_tokens"] = 0
+        seen.add(p)
+        usages.append(u)
+    return sum_usage(usages)
+
+
+def _ranked(gw, runs, fmts, got, prompt_of: list[int], n: int):
+    """(run, format, collected) of the choices to return: all of them, or with ``best_of``
+    the ``n`` of each prompt with the highest log probability per token (gateway/n_choices.py),
+    re-indexed ``prompt * n + rank``."""
+    by_prompt: dict[int, list[int]] = {}
+    for k, p in enumerate(prompt_of):
+        by_prompt.setdefault(p, []).append(k)
+    out = []
+    for p, ks in by_prompt.items():
+        if len(ks) > n:
+            scores = [mean_logprob([x for part in got[k].logprobs if part is not None
+                                    for x in part.token_logprobs]) for k in ks]
+            ks = [ks[i] for i in best_indices(scores, n)]
+            out.extend((runs[k], replace(fmts[k], index=p * n + rank), got[k])
+                       for rank, k in enumerate(ks))
+        else:
+            out.extend((runs[k], fmts[k], got[k]) for k in ks)
+    return out
+
+
 async def complete_batch(gw, runs: list[RequestRun], fmts: list[ChoiceFormat],
-                         response_id: str) -> Response:
-    """Non-streaming: every prompt's choice in one body (``gw``: the app's _Gateway)."""
+                         response_id: str, prompt_of: list[int] | None = None,
+                         n: int | None = None) -> Response:
+    """Non-streaming: every choice in one body (``gw``: the app's _Gateway). ``prompt_of``:
+    each run's prompt index (default: one run per prompt); ``n``: the choices returned per
+    prompt (fewer than its runs: ``best_of``, the best ``n`` by log probability per token)."""
+    prompt_of = prompt_of if prompt_of is not None else list(range(len(runs)))
     got = await asyncio.gather(*(gw.collect(r) for r in runs))
     for g in got:
         if g.finish is None or g.finish.is_error:
             return gw.error_response(g.finish or Finish("error", "no result", 500))
-    choices = [gw.choice(r, f, g)[0] for r, f, g in zip(runs, fmts, got)]
+    chosen = _ranked(gw, runs, fmts, got, prompt_of, n or len(runs))
+    choices = [gw.choice(r, f, g)[0] for r, f, g in chosen]
     stats = summed_stats(runs)
-    body = {"id": response_id, "object": "text_completion", "created": int(time.time()),
-            "model": gw.model_name, "choices": choices,
-            "usage": sum_usage([usage_of(r) for r in runs]), "spec_stats": stats.as_dict()}
+    chat = fmts[0].chat
+    body = {"id": response_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": gw.model_name, "choices": choices,
+            "usage": batch_usage(runs, prompt_of), "spec_stats": stats.as_dict()}
+    if chat and fmts[0].return_token_ids:
+        body["prompt_token_ids"] = list(runs[0].req.prompt_token_ids)
     return JSONResponse(body, headers=spec_stats_headers(stats))
 
 
 async def stream_batch(gw, runs: list[RequestRun], fmts: list[ChoiceFormat],
-                       response_id: str) -> Response:
+                       response_id: str, prompt_of: list[int] | None = None) -> Response:
     """Streaming: the prompts' chunks interleaved (each names its choice by ``index``)."""
     streams = [r.events() for r in runs]
     firsts = []
@@ -91,7 +138,8 @@ async def stream_batch(gw, runs: list[RequestRun], fmts: list[ChoiceFormat],
         if isinstance(first, Finish) and first.is_error:
             await _close(streams)
             return gw.error_response(first)
-    return sse_response(_merged(gw, runs, fmts, streams, firsts, response_id))
+    prompt_of = prompt_of if prompt_of is not None else list(range(len(runs)))
+    return sse_response(_merged(gw, runs, fmts, streams, firsts, response_id, prompt_of))
 
 
 async def _close(streams: list[AsyncIterator]) -> None:
@@ -99,7 +147,8 @@ async def _close(streams: list[AsyncIterator]) -> None:
         await events.aclose()
 
 
-async def _merged(gw, runs, fmts, streams, firsts, response_id: str) -> AsyncIterator[str]:
+async def _merged(gw, runs, fmts, streams, firsts, response_id: str,
+                  prompt_of: list[int]) -> AsyncIterator[str]:
     created = int(time.time())
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -128,9 +177,10 @@ async def _merged(gw, runs, fmts, streams, firsts, response_id: str) -> AsyncIte
                 break
             yield sse(item)
         if not failed and fmts[0].include_usage:
-            yield sse({"id": response_id, "object": "text_completion", "created": created,
+            obj = "chat.completion.chunk" if fmts[0].chat else "text_completion"
+            yield sse({"id": response_id, "object": obj, "created": created,
                         "model": gw.model_name, "choices": [],
-                        "usage": sum_usage([usage_of(r) for r in runs]),
+                        "usage": batch_usage(runs, prompt_of),
                         "spec_stats": summed_stats(runs).as_dict()})
         yield "data: [DONE]\n\n"
     finally:

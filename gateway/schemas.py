@@ -274,14 +274,33 @@ class _CommonRequest(BaseModel):
                                   + (" > 1" if name == "n" else ""), param=name)
         self.prediction_text()
 
+    def choice_counts(self) -> tuple[int, int]:
+        """``(n, best_of)``: choices returned per prompt and generated per prompt (``best_of``
+        on completions only; else ``n``; gateway/n_choices.py).
+
+        Raises:
+            GatewayError: 400 for ``n`` < 1, ``best_of`` < ``n``, or ``best_of`` > ``n`` with
+                ``stream`` (OpenAI refuses that too).
+        """
+        if self.n < 1:
+            raise bad_request(f"n must be at least 1, got {self.n}", param="n")
+        best_of = getattr(self, "best_of", None)
+        if best_of is None:
+            return self.n, self.n
+        if best_of < self.n:
+            raise bad_request(f"best_of ({best_of}) must be at least n ({self.n})",
+                              param="best_of")
+        if best_of > self.n and self.stream:
+            raise bad_request("best_of > n cannot be streamed", param="best_of")
+        return self.n, best_of
+
     def check_supported(self) -> None:
         """Refuse options this gateway does not implement (HTTP 400 naming the field): what
         a ``prediction`` cannot be combined with (:meth:`check_prediction`), ``n != 1`` and
         every field of the endpoint's refused table with a value that would change the
         output."""
         self.check_prediction()
-        if self.n != 1:
-            raise bad_request("only n=1 is supported", param="n")
+        self.choice_counts()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
@@ -294,6 +313,8 @@ class CompletionRequest(_CommonRequest):
     refused: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_REFUSED
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    #: candidates generated per prompt, the best ``n`` returned (OpenAI; gateway/n_choices.py)
+    best_of: StrictInt | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     # --- logprobs and echo (issue 33; OpenAI / vLLM semantics, gateway/logprobs.py)
     #: 0 allowed with ``echo`` only: the prompt (and its logprobs) without generated text
     max_tokens: NonNegInt64 | None = None

@@ -377,3 +377,80 @@ def test_a_stop_string_cuts_the_logprobs_with_the_tokens(served, stream):
     assert 0 < n < len(full["token_ids"]) and cut["token_ids"] == full["token_ids"][:n]
     assert len(cut["logprobs"]["token_logprobs"]) == n
     _close(cut["logprobs"]["token_logprobs"], full["logprobs"]["token_logprobs"][:n], 0.0)
+
+
+# -- n and best_of (gateway/n_choices.py, decode/siblings.py) -----------------------------
+
+
+def _counts(served) -> tuple[int, int]:
+    c = served.cluster
+    return c.prefill.stats.num_requests, c.verifier.stats.num_sibling_forks
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_n_choices_greedy_prefill_once_and_equal_n1(served, k):
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "num_speculative_tokens": k, "return_token_ids": True}
+    one = served.post("/v1/completions", body)
+    prefills, forks = _counts(served)
+    out = served.post("/v1/completions", {**body, "n": 3})
+    assert [ch["index"] for ch in out["choices"]] == [0, 1, 2]
+    assert all(ch["token_ids"] == one["choices"][0]["token_ids"] for ch in out["choices"])
+    assert _counts(served) == (prefills + 1, forks + 2)  # one prompt prefilled, two forked
+    assert out["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]  # counted once
+    assert out["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    if k:
+        assert out["spec_stats"]["num_accepted_tokens"] > 0
+
+
+def test_n_seeded_choices_are_the_derived_seeds_alone(served):
+    from specmesh.gateway.n_choices import choice_seed
+
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 5,
+            "num_speculative_tokens": 4, "return_token_ids": True}
+    out = served.post("/v1/completions", {**body, "n": 3})
+    alone = [served.post("/v1/completions", {**body, "seed": choice_seed(5, j)})
+             for j in range(3)]
+    got = [ch["token_ids"] for ch in out["choices"]]
+    assert got == [a["choices"][0]["token_ids"] for a in alone]
+    assert len({tuple(g) for g in got}) > 1  # the seeds made the choices differ
+
+
+def test_chat_n_streamed(served):
+    body = {"messages": MESSAGES, "max_tokens": 10, "temperature": 0.0, "n": 2}
+    whole = served.post("/v1/chat/completions", body)
+    assert whole["object"] == "chat.completion" and len(whole["choices"]) == 2
+    texts = {0: "", 1: ""}
+    for e in served.events("/v1/chat/completions", body):
+        for ch in e["choices"]:
+            texts[ch["index"]] += ch["delta"].get("content") or ""
+    assert texts[0] == texts[1] == whole["choices"][0]["message"]["content"]
+
+
+def test_best_of_returns_the_best_per_token(served):
+    from specmesh.gateway.n_choices import choice_seed
+
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.5, "seed": 11,
+            "num_speculative_tokens": 4, "return_token_ids": True}
+    out = served.post("/v1/completions", {**body, "best_of": 3, "n": 1, "logprobs": 0})
+    cands = [served.post("/v1/completions", {**body, "seed": choice_seed(11, j),
+                                             "logprobs": 0})["choices"][0] for j in range(3)]
+    means = [sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["token_logprobs"])
+             for c in cands]
+    best = cands[max(range(3), key=lambda j: (means[j], -j))]
+    assert len(out["choices"]) == 1 and out["choices"][0]["index"] == 0
+    assert out["choices"][0]["token_ids"] == best["token_ids"]
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in cands)
+
+
+@pytest.mark.parametrize("url,body,param", [
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": ["x"] * 600, "n": 2}, "n"),
+])
+def test_bad_n_or_best_of_is_a_400(served, url, body, param):
+    r = served.client.post(url, json={"max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
