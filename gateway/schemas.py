@@ -57,7 +57,7 @@ NO_OUTPUT_EFFECT = frozenset({
 #: (absent and null always pass); anything else is HTTP 400 naming the field
 COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "response_format": ({"type": "text"},), "best_of": (1,),
+    "response_format": ({"type": "text"},),
     "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
@@ -80,7 +80,7 @@ COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
 #: /v1/chat/completions only (the chat template with the generation prompt,
 #: docs/architecture.md, 'Life of a request')
 CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
-    **COMMON_REFUSED, "echo": (False,), "add_special_tokens": (False,),
+    **COMMON_REFUSED, "echo": (False,), "add_special_tokens": (False,), "best_of": (1,),
     "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
 }

@@ -321,7 +321,7 @@ def test_bad_requests(cluster):
     long_prompt = list(range(100, 100 + MAX_MODEL_LEN))
     assert err(c.post("/v1/completions", json={"prompt": long_prompt}))["param"] == "prompt"
     err(c.post("/v1/completions", json={"prompt": list(range(100, 300)), "max_tokens": 100}))
-    assert err(c.post("/v1/completions", json={"prompt": "hi", "n": 2}))["param"] == "n"
+    assert err(c.post("/v1/completions", json={"prompt": "hi", "n": 0}))["param"] == "n"
     err(c.post("/v1/completions", content=b"{not json", headers={
         "content-type": "application/json"}))
     err(c.post("/v1/completions", json={"max_tokens": 3}))  # no prompt

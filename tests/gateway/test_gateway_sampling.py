@@ -149,7 +149,8 @@ NON_NEUTRAL = {
 HONOURED = {
     "max_tokens": 5, "max_completion_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
     "min_p": 0.05, "seed": 3, "stop": ["zzz"], "stop_token_ids": [2], "ignore_eos": True,
-    "num_speculative_tokens": 2, "n": 1, "request_id": None, "stream_options": None,
+    "num_speculative_tokens": 2, "n": 2, "best_of": 3, "request_id": None,
+    "stream_options": None,
     "return_token_ids": True, "prediction": {"type": "content", "content": "a predicted answer"},
     "logprobs": 2, "echo": True,
     "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2,
@@ -207,7 +208,7 @@ def test_every_openai_request_field_is_honoured_or_refused(ngram, chat):
     ("seed", 2**70), ("seed", -2**64), ("seed", "7"), ("seed", True), ("seed", 1.5),
     ("top_k", 2**70), ("top_k", -2), ("stop_token_ids", [2**70]), ("stop_token_ids", [-1]),
     ("max_tokens", 2**70), ("max_tokens", 0), ("num_speculative_tokens", 2**64),
-    ("num_speculative_tokens", -1), ("n", 2**70), ("n", 2), ("temperature", 2.5),
+    ("num_speculative_tokens", -1), ("n", 2**70), ("n", 0), ("temperature", 2.5),
     ("temperature", -0.1), ("temperature", "1"), ("top_p", 0), ("top_p", 1.5),
     ("min_p", -0.1), ("min_p", 1.01), ("ignore_eos", "yes"), ("stream", 1),
 ])
