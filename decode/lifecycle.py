@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from specmesh.decode.draft_probs import checked_draft_probs
+from specmesh.decode.grammar import VerifierGrammars
 from specmesh.decode.kv_receiver import KVReceiver, Transfer
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.decode.scheduler import Scheduler
@@ -68,6 +69,8 @@ class RequestLifecycle:
         self.requests: dict[str, Request] = {}
         self.drafter_peers: list[str] = []
         self.lost_drafters: set[str] = set()  # sends to them failed: no new requests there
+        #: structured output: commits advance each constrained request's matcher
+        self.grammars = VerifierGrammars()
 
     def get(self, request_id: str | None) -> Request | None:
         return self.requests.get(request_id) if request_id is not None else None
@@ -286,7 +289,7 @@ class RequestLifecycle:
                 self.profile.observe("ttft_prefill", now - t.started_at)
         if t is not None and self.on_prefill_time is not None:
             self.on_prefill_time(req, now - t.started_at)
-        req.commit([first_token_id], self.eos_token_ids)
+        self.grammars.commit(req, [first_token_id], self.eos_token_ids)
         req.tail.reset(req.committed_len)
         return True
 
@@ -320,7 +323,7 @@ class RequestLifecycle:
         spec stats count only the drafts up to the cut, and so do its prediction counts
         (``from_prediction``: the step's PlannedRequest.from_prediction)."""
         start = req.committed_len
-        committed = req.commit(out.token_ids, self.eos_token_ids)
+        committed = self.grammars.commit(req, out.token_ids, self.eos_token_ids)
         if out.accepted_node_ids is not None:
             self.stats.num_tree_verify_steps += 1
             self.stats.num_tree_side_branch_accepts += out.side_branch
@@ -354,7 +357,7 @@ class RequestLifecycle:
                       notify_drafter: bool = True, seed_rows=None) -> None:  # noqa: ANN001
         self.stats.num_generated_tokens += len(committed)
         if req.finish_reason is not None:
-            self.finish(req, req.finish_reason)
+            self.finish(req, req.finish_reason, req.error)
             return
         hits = req.tail.stats.num_branch_hits
         req.tail.on_commit(req.output_token_ids)

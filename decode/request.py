@@ -38,7 +38,8 @@ class Request:
     ``num_reserved_blocks`` the blocks promised at admission (allocated lazily out of that
     promise). ``prediction_token_ids``: the client's prediction (OpenAI Predicted Outputs),
     sent on with every DraftSync; ``prediction`` counts its drafts accepted and rejected
-    (decode/prediction_usage.py).
+    (decode/prediction_usage.py). ``grammar``: the matcher of a request with structured
+    output, at its committed tokens (decode/grammar.py).
     """
 
     request_id: str
@@ -77,6 +78,9 @@ class Request:
     first_token_time: float | None = None
     prediction_token_ids: list[int] | None = None
     prediction: PredictionUsage = field(default_factory=PredictionUsage)
+    #: structured output: its matcher (engine.grammar.RequestGrammar), a Future of it while
+    #: it compiles, None when unconstrained (decode/grammar.py)
+    grammar: object | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -98,6 +98,10 @@ class Scheduler:
         #: whether a request's drafts may be verified as a tree (the verifier sets it from its
         #: verification rules, decode/rules.py RuleSet.judges_trees); default: always
         self.tree_verifiable: Callable[[SamplingParams], bool] = lambda sampling: True
+        #: how many leading drafts of a request are worth verifying (the verifier sets it to
+        #: its grammars' check, decode/grammar.py: drafts a request's grammar refuses are cut
+        #: here, before the forward); default: all
+        self.draft_limit: Callable[[Request, list[int]], int] = lambda req, drafts: len(drafts)
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -300,6 +304,8 @@ class Scheduler:
                 k = max(k, self._prediction_run(req, width))
             k = min(k, budget - 1)
             drafts = req.tail.usable(k)
+            if drafts:
+                drafts = drafts[:self.draft_limit(req, drafts)]
             probs = req.tail.usable_probs(len(drafts))
             predicted = req.tail.usable_predicted(len(drafts))
             predicted = predicted if any(predicted) else None

@@ -17,6 +17,7 @@ or grammar is an HTTP 400 that says why; the roles compile it again for their ow
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,8 @@ import torch
 from llguidance import LLMatcher
 
 from specmesh.protocol.messages import GrammarSpec
+
+log = logging.getLogger(__name__)
 
 #: spec kinds (GrammarSpec.kind) and what their value is
 GRAMMAR_KINDS = ("json_schema", "regex", "lark")
@@ -248,6 +251,22 @@ class GrammarCompiler:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         return self._pool.submit(self.matcher, spec)
+
+
+def compiler_for(tokenizer: Any, eos_token_ids: tuple[int, ...] | list[int] = (),
+                 vocab_size: int | None = None) -> GrammarCompiler | None:
+    """A role's compiler for the target's ``tokenizer``, or None (logged) when there is no
+    tokenizer or llguidance cannot read it (a slow tokenizer): that role then refuses
+    constrained requests with a message that says so."""
+    if tokenizer is None:
+        log.warning("no tokenizer: structured output is refused")
+        return None
+    try:
+        return GrammarCompiler(tokenizer, eos_token_ids, vocab_size)
+    except (ValueError, TypeError) as err:
+        log.warning("structured output is refused: llguidance cannot read the tokenizer: %s",
+                    err)
+        return None
 
 
 def first_token_masks(compiler: GrammarCompiler | None, specs: list[GrammarSpec | None],

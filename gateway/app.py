@@ -29,6 +29,9 @@ from specmesh.gateway.schemas import (
     MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
     GatewayError, bad_request, error_body,
 )
+from specmesh.gateway.structured import (
+    GrammarCompiler, Structured, read_structured, tool_calls,
+)
 from specmesh.gateway.tokens import chat_prompt_ids, completion_prompt_ids, prediction_ids
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import GenerateRequest, SamplingParams
@@ -87,6 +90,18 @@ class _Gateway:
         self.vocab_size = vocab_size
         self.synthetic_acceptance = synthetic_acceptance
         self.created = int(time.time())
+        self._grammars = None  # engine.grammar.GrammarCompiler, built on first use
+
+    def structured(self, body) -> Structured:
+        """The request's output constraint (gateway/structured.py), compiled with this
+        gateway's tokenizer (the compiler is built on the first request that needs it)."""
+        fields = body.structured_fields()
+        if all(v is None for v in fields.values()):
+            return Structured()
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return read_structured(fields, self._grammars,
+                               getattr(self.tokenizer, "chat_template", None))
 
     # ---------------------------------------------------------------- request -> GenerateRequest
 
@@ -109,10 +124,10 @@ class _Gateway:
         return ids
 
     def build(self, body, prompt_ids: list[int], max_tokens: int | None,
-              request_id: str, prediction_token_ids: list[int] | None = None
-              ) -> GenerateRequest:
+              request_id: str, prediction_token_ids: list[int] | None = None,
+              structured: Structured | None = None) -> GenerateRequest:
         """Validate lengths and build the wire request (``prediction_token_ids``: the
-        request's prediction, tokenized; None: none)."""
+        request's prediction, tokenized; None: none; ``structured``: its output constraint)."""
         n = len(prompt_ids)
         if n == 0:
             raise bad_request("the prompt is empty", param="prompt")
@@ -135,7 +150,8 @@ class _Gateway:
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=max(0, body.top_k or 0), seed=body.seed,
             min_p=0.0 if body.min_p is None else float(body.min_p),
-            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
+            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos,
+            grammar=structured.grammar if structured is not None else None)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                sampling=sampling,
                                num_speculative_tokens=body.num_speculative_tokens,
@@ -169,8 +185,8 @@ class _Gateway:
         code = finish.code or (finish.reason if finish.reason in refused else None)
         return JSONResponse(error_body(finish.error, kind, None, code), status_code=finish.status)
 
-    async def complete(self, run: RequestRun, chat: bool, return_token_ids: bool = False
-                       ) -> Response:
+    async def complete(self, run: RequestRun, chat: bool, return_token_ids: bool = False,
+                       structured: Structured | None = None) -> Response:
         """Non-streaming: gather all text, answer one JSON object. ``return_token_ids`` (vLLM's
         extension): the choice carries the output ids (``token_ids``) and the prompt's
         (``prompt_token_ids``: in the choice for completions, top level for chat)."""
@@ -189,6 +205,10 @@ class _Gateway:
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": finish.reason}
+            calls = forced_tool_calls(structured, text, finish.reason)
+            if calls is not None:  # a forced tool call (gateway/structured.py)
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
         else:
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": finish.reason}
@@ -201,7 +221,8 @@ class _Gateway:
         return JSONResponse(body, headers=spec_stats_headers(run.stats))
 
     async def stream(self, run: RequestRun, chat: bool, include_usage: bool,
-                     return_token_ids: bool = False) -> Response:
+                     return_token_ids: bool = False, structured: Structured | None = None
+                     ) -> Response:
         """Streaming: wait for the first event (so a 429 / 400 is a real status), then SSE.
         ``return_token_ids``: each chunk's choice carries the delta's ``token_ids``; the first
         chunk carries ``prompt_token_ids`` (in the choice for completions, top level for
@@ -216,14 +237,16 @@ class _Gateway:
             await events.aclose()
             return self.error_response(first)
         return StreamingResponse(self._sse_body(run, events, first, chat, include_usage,
-                                                return_token_ids),
+                                                return_token_ids, structured),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _sse_body(self, run: RequestRun, events: AsyncIterator, first, chat: bool,
-                        include_usage: bool, return_token_ids: bool = False
-                        ) -> AsyncIterator[str]:
+                        include_usage: bool, return_token_ids: bool = False,
+                        structured: Structured | None = None) -> AsyncIterator[str]:
         created = int(time.time())
+        # a forced tool call streams as one tool_calls delta once its JSON is complete
+        tool_text: list[str] | None = [] if structured and structured.tool_mode else None
         obj = "chat.completion.chunk" if chat else "text_completion"
         prompt_ids_sent = False
 
@@ -255,7 +278,9 @@ class _Gateway:
                 yield _sse(chunk(None, None, role=True))
             ev = first
             while True:
-                if isinstance(ev, TextDelta):
+                if isinstance(ev, TextDelta) and tool_text is not None:
+                    tool_text.append(ev.text)
+                elif isinstance(ev, TextDelta):
                     if ev.text or (return_token_ids and ev.token_ids):
                         t0 = time.perf_counter()
                         data = _sse(chunk(ev.text, None, token_ids=ev.token_ids))
@@ -265,7 +290,17 @@ class _Gateway:
                     if ev.is_error:
                         yield _sse(error_body(ev.error, "server_error", None, ev.reason))
                     else:
-                        final = chunk(None, ev.reason)
+                        reason = ev.reason
+                        if tool_text is not None:
+                            text = "".join(tool_text)
+                            calls = forced_tool_calls(structured, text, reason)
+                            out = chunk(text, None)
+                            if calls is not None:
+                                reason = "tool_calls"
+                                out["choices"][0]["delta"] = {"tool_calls": [
+                                    {"index": i, **c} for i, c in enumerate(calls)]}
+                            yield _sse(out)
+                        final = chunk(None, reason)
                         final["spec_stats"] = run.stats.as_dict()
                         yield _sse(final)
                         if include_usage:
@@ -278,6 +313,14 @@ class _Gateway:
             yield "data: [DONE]\n\n"
         finally:
             await events.aclose()
+
+
+def forced_tool_calls(structured: Structured | None, text: str, reason: str) -> list | None:
+    """The tool calls of a forced-tool output that ended by its grammar (finish reason
+    ``stop``), None otherwise (no tools forced, or an output cut short: plain content)."""
+    if structured is None or not structured.tool_mode or reason != FinishReason.STOP.value:
+        return None
+    return tool_calls(structured, text)
 
 
 def create_app(backend, tokenizer, model_name: str, max_model_len: int,
@@ -351,13 +394,15 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                 prediction = body.prediction_text()
                 pred_ids = None if prediction is None else gw.prediction_ids(prediction)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
-            req = gw.build(body, prompt_ids, limit, rid, pred_ids)
+            structured = gw.structured(body)
+            req = gw.build(body, prompt_ids, limit, rid, pred_ids, structured)
             run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,
                              arrival, synthetic_acceptance=gw.synthetic_acceptance)
             if body.stream:
-                resp = await gw.stream(run, chat, body.include_usage, body.return_token_ids)
+                resp = await gw.stream(run, chat, body.include_usage, body.return_token_ids,
+                                       structured)
             else:
-                resp = await gw.complete(run, chat, body.return_token_ids)
+                resp = await gw.complete(run, chat, body.return_token_ids, structured)
         except GatewayError as err:
             resp = err.response()
         metrics.requests.labels(endpoint=endpoint, status=str(resp.status_code)).inc()

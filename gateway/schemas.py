@@ -11,7 +11,10 @@ OpenAI client's own field lists):
   ``stream_options``, ``n`` (1 only), ``num_speculative_tokens``, ``request_id``,
   ``return_token_ids`` (vLLM: output ids in each choice's ``token_ids``, prompt ids in
   ``prompt_token_ids``), ``prediction`` (OpenAI Predicted Outputs, :data:`PREDICTION_REFUSED`
-  for the fields it cannot be combined with);
+  for the fields it cannot be combined with); structured output ``response_format``,
+  ``structured_outputs``, ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+  ``guided_grammar`` and (chat) ``tools`` / ``tool_choice``, read and checked by
+  gateway/structured.py;
 - without effect on the output, accepted and ignored: :data:`NO_OUTPUT_EFFECT` (``user``,
   ``metadata``, ``store``, ...);
 - changing the output and not honoured: :data:`COMMON_REFUSED` plus the endpoint's own
@@ -51,17 +54,16 @@ NO_OUTPUT_EFFECT = frozenset({
 COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "top_logprobs": (), "best_of": (1,),
-    "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "top_logprobs": (), "best_of": (1,),
+    "echo": (False,), "suffix": ("",),
     "functions": ([],), "function_call": ("none",), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "moderation": (),
     # vLLM extensions
     "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,),
     "length_penalty": (1,), "early_stopping": (False,), "bad_words": ([],),
-    "allowed_token_ids": (), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "structured_outputs": (),
+    "allowed_token_ids": (), "prompt_logprobs": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
@@ -70,7 +72,7 @@ COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
 #: /v1/completions only (prompts are tokenized with the tokenizer's special tokens)
 COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
     **COMMON_REFUSED, "logprobs": (), "add_special_tokens": (True,),
-    "max_completion_tokens": (),
+    "max_completion_tokens": (), "tools": ([],), "tool_choice": ("none",),
 }
 #: /v1/chat/completions only (the chat template with the generation prompt,
 #: docs/architecture.md, 'Life of a request')
@@ -190,6 +192,19 @@ class _CommonRequest(BaseModel):
     # OpenAI Predicted Outputs: {"type": "content", "content": text or text parts}; checked
     # by prediction_text (clear 400s rather than pydantic's union errors)
     prediction: Any = None
+    # structured output (vLLM / OpenAI), read and checked by gateway/structured.py
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    def structured_fields(self) -> dict[str, Any]:
+        """The structured-output and tool fields by name (gateway/structured.py reads them)."""
+        names = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar", "tools", "tool_choice")
+        return {n: getattr(self, n, None) for n in names}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -242,6 +257,8 @@ class _CommonRequest(BaseModel):
         fields = {**(self.model_extra or {}), "n": self.n}
         if "max_completion_tokens" in type(self).model_fields:  # else in model_extra
             fields["max_completion_tokens"] = self.max_completion_tokens
+        if "tools" in type(self).model_fields:  # chat declares it (gateway/structured.py)
+            fields["tools"] = self.tools
         for name, refused in PREDICTION_REFUSED.items():
             value = fields.get(name)
             if value is not None and refused(value):
@@ -278,6 +295,10 @@ class ChatCompletionRequest(_CommonRequest):
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: PositiveInt64 | None = None
+    # OpenAI function tools; "required" / a named function are forced by a grammar
+    # (gateway/structured.py)
+    tools: Any = None
+    tool_choice: Any = None
 
     def output_limit(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""

@@ -151,6 +151,7 @@ HONOURED = {
     "min_p": 0.05, "seed": 3, "stop": ["zzz"], "stop_token_ids": [2], "ignore_eos": True,
     "num_speculative_tokens": 2, "n": 1, "request_id": None, "stream_options": None,
     "return_token_ids": True, "prediction": {"type": "content", "content": "a predicted answer"},
+    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
 }
 
 
