@@ -204,7 +204,10 @@ class _CommonRequest(BaseModel):
         """The structured-output and tool fields by name (gateway/structured.py reads them)."""
         names = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                  "guided_choice", "guided_grammar", "tools", "tool_choice")
-        return {n: getattr(self, n, None) for n in names}
+        out = {n: getattr(self, n, None) for n in names}
+        # OpenAI: false = at most one call (NO_OUTPUT_EFFECT otherwise: it only shapes tools)
+        out["parallel_tool_calls"] = (self.model_extra or {}).get("parallel_tool_calls")
+        return out
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -56,7 +56,7 @@ def _schema_text(schema: Any, param: str) -> str:
             raise bad_request(f"{param} is not valid JSON: {err}", param=param) from err
     if not isinstance(schema, dict):
         raise bad_request(f"{param} must be a JSON schema object", param=param)
-    return json.dumps(schema, ensure_ascii=False, sort_keys=True)
+    return json.dumps(schema, ensure_ascii=False)  # key order kept: it is the output order
 
 
 def _response_format(value: Any) -> GrammarSpec | None:
@@ -151,16 +151,22 @@ def _tools(tools: Any) -> dict[str, dict]:
     return out
 
 
-def required_tools_schema(tools: dict[str, dict]) -> dict:
-    """The JSON schema of ``tool_choice: "required"`` (vLLM's): an array of one or more calls,
-    each ``{"name": <a tool's name>, "parameters": <that tool's parameters>}``."""
+def required_tools_schema(tools: dict[str, dict], parallel: bool = True) -> dict:
+    """The JSON schema of ``tool_choice: "required"`` (vLLM's): an array of one or more calls
+    (exactly one when not ``parallel``: OpenAI's ``parallel_tool_calls: false``),
+    each ``{"name": <a tool's name>, "parameters": <that tool's parameters>}`` and nothing
+    else (vLLM's schema allows other keys, which a call has no use for)."""
     calls = [{"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-              "required": ["name", "parameters"]} for name, params in tools.items()]
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, params in tools.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
-def _tool_choice(tools: dict[str, dict] | None, choice: Any, template: str | None
-                 ) -> Structured:
+def _tool_choice(tools: dict[str, dict] | None, choice: Any, template: str | None,
+                 parallel: bool = True) -> Structured:
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
@@ -174,7 +180,7 @@ def _tool_choice(tools: dict[str, dict] | None, choice: Any, template: str | Non
                           'tool_choice "required", a named function, or "none"',
                           param="tool_choice")
     if choice == "required":
-        schema = required_tools_schema(tools)
+        schema = required_tools_schema(tools, parallel)
         return Structured(GrammarSpec(kind="json_schema", value=json.dumps(schema)), "required")
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" \
@@ -219,7 +225,8 @@ def read_structured(fields: dict[str, Any], compiler: GrammarCompiler | None,
         if spec is not None:
             found.append((name, spec))
     tools = None if fields.get("tools") in (None, []) else _tools(fields["tools"])
-    out = _tool_choice(tools, fields.get("tool_choice"), chat_template)
+    out = _tool_choice(tools, fields.get("tool_choice"), chat_template,
+                       fields.get("parallel_tool_calls") is not False)
     if out.grammar is not None:
         found.append(("tool_choice", out.grammar))
     if len(found) > 1:
