@@ -384,9 +384,11 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         try:
             gw.check_model(body)
             body.check_supported()
+            structured = gw.structured(body)
             with metrics.profile.phase("tokenize"):
                 if chat:
-                    prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())
+                    tools = body.tools if structured.tool_mode else None
+                    prompt_ids = chat_prompt_ids(tokenizer, body.template_messages(), tools)
                     limit = body.output_limit()
                 else:
                     prompt_ids = completion_prompt_ids(tokenizer, body.prompt)
@@ -394,7 +396,6 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                 prediction = body.prediction_text()
                 pred_ids = None if prediction is None else gw.prediction_ids(prediction)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
-            structured = gw.structured(body)
             req = gw.build(body, prompt_ids, limit, rid, pred_ids, structured)
             run = RequestRun(backend, tokenizer, req, body.stop_list(), metrics, request,
                              arrival, synthetic_acceptance=gw.synthetic_acceptance)
