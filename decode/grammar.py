@@ -25,6 +25,7 @@ import torch
 from specmesh.decode.request import Request
 from specmesh.engine.grammar import GrammarCompiler, RequestGrammar, apply_masks
 from specmesh.protocol.enums import FinishReason
+from specmesh.protocol.messages import SamplingParams
 
 
 class VerifierGrammars:
@@ -35,9 +36,9 @@ class VerifierGrammars:
     def __init__(self, compiler: GrammarCompiler | None = None) -> None:
         self.compiler = compiler
 
-    def refuse_reason(self, req_sampling) -> str:  # noqa: ANN001 - protocol SamplingParams
+    def refuse_reason(self, sampling: SamplingParams) -> str:
         """Why a request with this sampling cannot be served here ("" when it can)."""
-        if req_sampling.grammar is not None and self.compiler is None:
+        if sampling.grammar is not None and self.compiler is None:
             return "structured output needs the model's tokenizer on the verifier"
         return ""
 
@@ -78,7 +79,10 @@ class VerifierGrammars:
         for req, d in zip(requests, drafts):
             rows = len(d) + 1
             if req.sampling.grammar is not None:
-                g = self.matcher(req)
+                try:
+                    g = self.matcher(req)
+                except ValueError:
+                    g = None  # did not compile: its commit ends it with the error
                 if g is not None:
                     apply_masks(target_logits[offset:offset + rows],
                                 g.masks(d, target_logits.device))
