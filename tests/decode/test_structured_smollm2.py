@@ -83,7 +83,10 @@ def test_fifty_json_schema_requests_validate_and_match_with_speculation(smollm2)
     for k in (0, 4, 8):
         c = InProcessCluster(smollm2.model, smollm2.config, num_speculative_tokens=k,
                              eos_token_ids=tuple(smollm2.config.eos_token_ids),
-                             tokenizer=smollm2.tokenizer, num_kv_blocks=2048)
+                             tokenizer=smollm2.tokenizer, num_kv_blocks=2048,
+                             # the roles take turns in one thread here: 50 prompts' transfers
+                             # wait for the verify steps in between
+                             prefill_timeout_s=3600.0)
         t0 = time.perf_counter()
         res = c.generate(prompts, params)
         secs = time.perf_counter() - t0
