@@ -247,6 +247,7 @@ class _Gateway:
         created = int(time.time())
         # a forced tool call streams as one tool_calls delta once its JSON is complete
         tool_text: list[str] | None = [] if structured and structured.tool_mode else None
+        tool_ids: list[int] = []
         obj = "chat.completion.chunk" if chat else "text_completion"
         prompt_ids_sent = False
 
@@ -280,6 +281,7 @@ class _Gateway:
             while True:
                 if isinstance(ev, TextDelta) and tool_text is not None:
                     tool_text.append(ev.text)
+                    tool_ids.extend(ev.token_ids)
                 elif isinstance(ev, TextDelta):
                     if ev.text or (return_token_ids and ev.token_ids):
                         t0 = time.perf_counter()
@@ -294,7 +296,7 @@ class _Gateway:
                         if tool_text is not None:
                             text = "".join(tool_text)
                             calls = forced_tool_calls(structured, text, reason)
-                            out = chunk(text, None)
+                            out = chunk(text, None, token_ids=tuple(tool_ids))
                             if calls is not None:
                                 reason = "tool_calls"
                                 out["choices"][0]["delta"] = {"tool_calls": [

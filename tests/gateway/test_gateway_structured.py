@@ -255,3 +255,24 @@ def test_bad_constraints_are_400_saying_why(served, chat, fields, param, words):
     assert err["param"] == param and words in err["message"], err
     # the roles are still serving
     assert served.post(chat, max_tokens=2).status_code == 200
+
+
+def test_required_tool_calls_parse_every_call_and_cut_output_is_content():
+    from specmesh.gateway.structured import Structured, required_tools_schema, tool_calls
+
+    required = Structured(None, "required")
+    text = json.dumps([{"name": "get_time", "parameters": {"zone": "UTC"}},
+                       {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}])
+    calls = tool_calls(required, text)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "C"})]
+    assert len({c["id"] for c in calls}) == 2
+    assert tool_calls(required, text[:-3]) is None  # cut by max_tokens: plain content
+    named = Structured(None, "named", "get_time")
+    assert tool_calls(named, '{"zone":"CET"}')[0]["function"] == {
+        "name": "get_time", "arguments": '{"zone": "CET"}'}
+    schema = required_tools_schema({"f": {"type": "object"}}, parallel=False)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    jsonschema.validate([{"name": "f", "parameters": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "g", "parameters": {}}], schema)
