@@ -752,7 +752,8 @@ class DrafterCorpusResult(Message, tag=52, kw_only=True):
 __all__ = [
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
     "Message", "NonNegInt", "TokenId", "buffer_nbytes",
-    "Buffer", "ModelIdentity", "GrammarSpec", "SamplingParams", "Hello", "HelloAck", "GenerateRequest",
+    "Buffer", "ModelIdentity", "GrammarSpec", "SamplingParams", "Hello", "HelloAck",
+    "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
     "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftBranches",
     "DraftClose",
