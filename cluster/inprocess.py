@@ -18,6 +18,7 @@ from specmesh.drafter.worker import DrafterWorker
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.config import ModelConfig
 from specmesh.engine.dtypes import resolve_kv_cache_dtype
+from specmesh.engine.grammar import GrammarCompiler
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.runner import ModelRunner
 from specmesh.prefill.config import PrefillConfig
@@ -75,6 +76,8 @@ class InProcessCluster:
     ``prefill_options`` further ``PrefillConfig`` fields (e.g. ``max_batch_tokens``);
     ``verifier_options`` are further ``VerifierConfig`` fields (e.g. ``max_queue_len``).
     ``kv_cache_dtype``: both KV caches' dtype (``--kv-cache-dtype``; ``auto``: the model's).
+    ``tokenizer``: the target's Hugging Face tokenizer, for structured output (requests with
+    a ``SamplingParams.grammar``); None: such requests are refused.
 
     Raises:
         ValueError: a KV cache dtype the model cannot have (engine/dtypes.py), or a setting
@@ -88,7 +91,7 @@ class InProcessCluster:
                  window: int | None = None, prefill_chunk_size: int = 512,
                  max_num_seqs: int = 64, drafter_options: dict | None = None,
                  prefill_options: dict | None = None, kv_cache_dtype: str = "auto",
-                 **verifier_options) -> None:
+                 tokenizer=None, **verifier_options) -> None:  # noqa: ANN001
         self.hub = InProcHub()
         dtype = resolve_kv_cache_dtype(kv_cache_dtype, model.dtype)
 
@@ -125,6 +128,10 @@ class InProcessCluster:
         self.drafter = DrafterWorker(DrafterConfig(method=draft_method, window=w, max_segment=w,
                                                    **d_opts),
                                      self.hub.mailbox("drafter-0"), proposer)
+        if tokenizer is not None:  # structured output: both roles mask (engine/grammar.py)
+            grammars = GrammarCompiler(tokenizer, tuple(eos_token_ids), config.vocab_size)
+            self.verifier.set_grammar_compiler(grammars)
+            self.prefill.grammars = grammars
         self.client = self.hub.mailbox("gateway-0")
         self._ids = itertools.count()
 

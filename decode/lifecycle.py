@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from specmesh.decode.draft_probs import checked_draft_probs
+from specmesh.decode.grammar import VerifierGrammars
 from specmesh.decode.kv_receiver import KVReceiver, Transfer
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.decode.scheduler import Scheduler
@@ -74,6 +75,8 @@ class RequestLifecycle:
         #: leader's waiting siblings once its KV is complete (set by the verifier worker)
         self.siblings = SiblingGroups()
         self.fork_siblings: Callable[[Request, PrefillDone], None] | None = None
+        #: structured output: commits advance each constrained request's matcher
+        self.grammars = VerifierGrammars()
 
     def get(self, request_id: str | None) -> Request | None:
         return self.requests.get(request_id) if request_id is not None else None
@@ -294,7 +297,7 @@ class RequestLifecycle:
                 self.profile.observe("ttft_prefill", now - t.started_at)
         if t is not None and self.on_prefill_time is not None:
             self.on_prefill_time(req, now - t.started_at)
-        req.commit([first_token_id], self.eos_token_ids)
+        self.grammars.commit(req, [first_token_id], self.eos_token_ids)
         if t is not None and t.done is not None:  # the prefill role's logprobs, when asked
             req.add_logprobs(t.done.logprobs, 1)
             req.prompt_logprobs = t.done.prompt_logprobs
@@ -331,7 +334,7 @@ class RequestLifecycle:
         spec stats count only the drafts up to the cut, and so do its prediction counts
         (``from_prediction``: the step's PlannedRequest.from_prediction)."""
         start = req.committed_len
-        committed = req.commit(out.token_ids, self.eos_token_ids)
+        committed = self.grammars.commit(req, out.token_ids, self.eos_token_ids)
         req.add_logprobs(out.logprobs, len(committed))
         if out.accepted_node_ids is not None:
             self.stats.num_tree_verify_steps += 1
@@ -366,7 +369,7 @@ class RequestLifecycle:
                       notify_drafter: bool = True, seed_rows=None) -> None:  # noqa: ANN001
         self.stats.num_generated_tokens += len(committed)
         if req.finish_reason is not None:
-            self.finish(req, req.finish_reason)
+            self.finish(req, req.finish_reason, req.error)
             return
         hits = req.tail.stats.num_branch_hits
         req.tail.on_commit(req.output_token_ids)

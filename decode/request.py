@@ -51,7 +51,8 @@ class Request:
     ``num_reserved_blocks`` the blocks promised at admission (allocated lazily out of that
     promise). ``prediction_token_ids``: the client's prediction (OpenAI Predicted Outputs),
     sent on with every DraftSync; ``prediction`` counts its drafts accepted and rejected
-    (decode/prediction_usage.py).
+    (decode/prediction_usage.py). ``grammar``: the matcher of a request with structured
+    output, at its committed tokens (decode/grammar.py).
     """
 
     request_id: str
@@ -119,6 +120,9 @@ class Request:
     leader: Request | None = field(default=None, repr=False)
     followers: list[Request] = field(default_factory=list, repr=False)
     fork_targets: list[Request] = field(default_factory=list, repr=False)
+    #: structured output: its matcher (engine.grammar.RequestGrammar), a Future of it while
+    #: it compiles, None when unconstrained (decode/grammar.py)
+    grammar: object | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -110,6 +110,10 @@ class Scheduler:
         self.step_kappa: int | None = None
         self._step_batch = 0
         self._step_accepts: list[int] = []
+        #: how many leading drafts of a request are worth verifying (the verifier sets it to
+        #: its grammars' check, decode/grammar.py: drafts a request's grammar refuses are cut
+        #: here, before the forward); default: all
+        self.draft_limit: Callable[[Request, list[int]], int] = lambda req, drafts: len(drafts)
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -353,6 +357,8 @@ class Scheduler:
                 k = max(k, self._prediction_run(req, width))
             k = min(k, budget - 1)
             drafts = req.tail.usable(k)
+            if drafts:
+                drafts = drafts[:self.draft_limit(req, drafts)]
             probs = req.tail.usable_probs(len(drafts))
             predicted = req.tail.usable_predicted(len(drafts))
             predicted = predicted if any(predicted) else None

@@ -11,6 +11,7 @@ import torch
 
 from specmesh.decode.config import AUTO_VERIFY_RULE, VerifierConfig
 from specmesh.decode.draft_probs import batch_draft_probs
+from specmesh.decode.grammar import VerifierGrammars
 from specmesh.decode.rules import RuleSet, VerificationRule
 from specmesh.decode.scheduler import PlannedRequest
 from specmesh.decode.verification import RuleBatch
@@ -78,6 +79,9 @@ class VerifyStep:
             verify_rule=verify_rule, synthetic_acceptance=tuple(synthetic_acceptance)))
         self.verify_rule = self.rules.verify_rule
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: structured output: masks constrained requests' rows (decode/grammar.py; the
+        #: verifier sets it)
+        self.grammars: VerifierGrammars | None = None
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The verifier's generator on ``device`` (created on first use)."""
@@ -196,12 +200,22 @@ class VerifyStep:
                                    device=device)
         target_logits = torch.cat(logits)
         _apply_penalties(plan, target_logits)
+        self._grammar_masks(plan, target_logits)
         return RuleBatch(draft_token_ids=torch.tensor(drafts, dtype=torch.long, device=device),
                          cu_num_draft_tokens=counts.cumsum(0).to(device),
                          target_logits=target_logits,
                          sampling=[p.request.sampling for p in plan],
                          positions=positions, draft_probs=draft_probs,
                          generator=self.generator(device), parents=parents)
+
+    def _grammar_masks(self, plan: list[PlannedRequest], target_logits: torch.Tensor) -> None:
+        """Structured output: each constrained request's rows get its grammar's token mask
+        (row i: the state after its drafts ``d_0 .. d_{i-1}``), disallowed logits -inf in
+        place, before the verification rule sees them (decode/grammar.py)."""
+        if self.grammars is None or all(p.request.sampling.grammar is None for p in plan):
+            return
+        self.grammars.mask_logits([p.request for p in plan], [p.draft_token_ids for p in plan],
+                                  target_logits)
 
 
 def _logprob_rows(batch: RuleBatch) -> dict[int, torch.Tensor]:

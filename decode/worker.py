@@ -18,6 +18,7 @@ from specmesh.decode.config import VerifierConfig
 from specmesh.decode.core_sharing import CoreSharing
 from specmesh.decode.corpus_relay import CorpusRelay
 from specmesh.decode.drafter_loss import DrafterLoss
+from specmesh.decode.grammar import VerifierGrammars
 from specmesh.decode.kv_receiver import KVReceiver
 from specmesh.decode.lifecycle import RequestLifecycle
 from specmesh.decode.prefill_loss import PrefillLoss
@@ -26,6 +27,7 @@ from specmesh.decode.request import Request, RequestStatus, sampling_with_eos
 from specmesh.decode.scheduler import BlockAllocator, Scheduler
 from specmesh.decode.stats import VerifierStats
 from specmesh.decode.verify_step import VerifyStep
+from specmesh.engine.grammar import GrammarCompiler
 from specmesh.engine.hidden_layers import seed_state_width
 from specmesh.engine.runner import ModelRunner
 from specmesh.protocol.enums import FinishReason
@@ -71,8 +73,10 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self._deferred: list[Envelope] = []
         self.verify_step = VerifyStep(runner, self.profile, seed_state=config.seed_state,
                                       config=config)
-        # a draft tree is planned only where the rules would verify it as one
-        self.scheduler.tree_verifiable = self.verify_step.rules.judges_trees
+        # a draft tree is planned only where the rules would verify it as one (never for a
+        # request with structured output: its masks follow one chain, decode/grammar.py)
+        judges_trees = self.verify_step.rules.judges_trees
+        self.scheduler.tree_verifiable = lambda s: s.grammar is None and judges_trees(s)
         self.stats = VerifierStats(max_num_speculative_tokens=config.max_num_speculative_tokens)
         self.lifecycle = RequestLifecycle(self.scheduler, self.kv, self.stats, self.vocab_size,
                                           frozenset(config.eos_token_ids), self.send,
@@ -103,10 +107,21 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         self.core_sharing: CoreSharing | None = None
         #: pauses verify steps for a prefill in flight on shared cores (decode/prefill_pause.py)
         self.prefill_pause = PrefillPause(config.max_prefill_pause_s)
+        #: structured output (decode/grammar.py): one object for the plan's draft cut, the
+        #: verify step's masks and the commits; its compiler is set by the role host
+        #: (:meth:`set_grammar_compiler`)
+        self.grammars = VerifierGrammars()
+        self.lifecycle.grammars = self.verify_step.grammars = self.grammars
+        self.scheduler.draft_limit = self.grammars.valid_drafts
         #: relays corpus operations from gateways to the drafters (decode/corpus_relay.py)
         self.corpus_relay = CorpusRelay(self.send, lambda: list(self.lifecycle.drafter_peers))
         self.siblings = self.lifecycle.siblings  # the n choices of a prompt (decode/siblings.py)
         self.lifecycle.fork_siblings = self._fork_siblings
+
+    def set_grammar_compiler(self, compiler: GrammarCompiler | None) -> None:
+        """Serve structured output with ``compiler`` (engine/grammar.py, the target's
+        tokenizer); None: constrained requests are refused."""
+        self.grammars.compiler = compiler
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -312,6 +327,8 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
         error = self.scheduler.validate(msg.prompt_token_ids, msg.sampling,
                                         msg.num_speculative_tokens, self.vocab_size,
                                         msg.prediction_token_ids)
+        if not error:
+            error = self.grammars.refuse_reason(msg.sampling)
         if not error and live is not None:
             error = (f"duplicate request id {msg.request_id!r}: a request with this id is "
                      "live on this verifier")
@@ -332,6 +349,7 @@ class VerifierWorker(PrefillLoss, DrafterLoss, MailboxWorker):
             self.siblings.join(req, msg.group, msg.group_size)
             if req.leader is not None and req.leader.prompt_token_ids != req.prompt_token_ids:
                 self.siblings.unlink(req)  # a group is one prompt: this one runs on its own
+        self.grammars.open(req)  # its grammar compiles while it waits and prefills
         self.scheduler.enqueue(req)
 
     # -- the loop --------------------------------------------------------------------------

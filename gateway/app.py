@@ -39,6 +39,9 @@ from specmesh.gateway.schemas import (
     MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
     GatewayError, bad_request, error_body,
 )
+from specmesh.gateway.structured import (
+    GrammarCompiler, Structured, read_structured,
+)
 from specmesh.gateway.tokens import chat_prompt_ids, completion_prompt_ids, prediction_ids
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import GenerateRequest, SamplingParams
@@ -94,6 +97,18 @@ class _Gateway:
         self.synthetic_acceptance = synthetic_acceptance
         self.created = int(time.time())
         self.texts = TokenTexts(tokenizer)  # logprobs' token strings (gateway/logprobs.py)
+        self._grammars = None  # engine.grammar.GrammarCompiler, built on first use
+
+    def structured(self, body) -> Structured:
+        """The request's output constraint (gateway/structured.py), compiled with this
+        gateway's tokenizer (the compiler is built on the first request that needs it)."""
+        fields = body.structured_fields()
+        if all(v is None for v in fields.values()):
+            return Structured()
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return read_structured(fields, self._grammars,
+                               getattr(self.tokenizer, "chat_template", None))
 
     # ---------------------------------------------------------------- request -> GenerateRequest
 
@@ -116,10 +131,10 @@ class _Gateway:
         return ids
 
     def build(self, body, prompt_ids: list[int], max_tokens: int | None,
-              request_id: str, prediction_token_ids: list[int] | None = None
-              ) -> GenerateRequest:
+              request_id: str, prediction_token_ids: list[int] | None = None,
+              structured: Structured | None = None) -> GenerateRequest:
         """Validate lengths and build the wire request (``prediction_token_ids``: the
-        request's prediction, tokenized; None: none)."""
+        request's prediction, tokenized; None: none; ``structured``: its output constraint)."""
         n = len(prompt_ids)
         if n == 0:
             raise bad_request("the prompt is empty", param="prompt")
@@ -146,7 +161,8 @@ class _Gateway:
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=max(0, body.top_k or 0), seed=body.seed,
             min_p=0.0 if body.min_p is None else float(body.min_p),
-            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, **penalties)
+            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, **penalties,
+            grammar=structured.grammar if structured is not None else None)
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                sampling=sampling,
                                num_speculative_tokens=body.num_speculative_tokens,
@@ -310,6 +326,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         try:
             gw.check_model(body)
             body.check_supported()
+            structured = gw.structured(body)  # response_format, guided_*, tools
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
             echo_only = not chat and body.echo and body.max_tokens == 0
             prompts = [None] if chat else completion_prompts(body.prompt)
@@ -322,7 +339,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
             for i, prompt in enumerate(prompts):
                 with metrics.profile.phase("tokenize"):
                     if chat:
-                        prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())
+                        tools = body.tools if structured.tool_mode else None
+                        prompt_ids = chat_prompt_ids(tokenizer, body.template_messages(), tools)
                         limit = body.output_limit()
                     else:
                         prompt_ids = completion_prompt_ids(tokenizer, prompt)
@@ -330,7 +348,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                         limit = 1 if echo_only else body.max_tokens
                     prediction = body.prediction_text()
                     pred_ids = None if prediction is None else gw.prediction_ids(prediction)
-                base = gw.build(body, prompt_ids, limit, rid, pred_ids)
+                base = gw.build(body, prompt_ids, limit, rid, pred_ids, structured)
                 for j in range(best_of):
                     k = i * best_of + j
                     req = choice_request(base, rid if total == 1 else f"{rid}-{k}", j,
@@ -344,7 +362,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                         echo=prompt_text(tokenizer, prompt) if not chat and body.echo else None,
                         echo_only=echo_only, return_token_ids=body.return_token_ids,
                         include_usage=body.include_usage,
-                        continuous_usage=body.continuous_usage))
+                        continuous_usage=body.continuous_usage,
+                        tools=structured if structured.tool_mode else None))
             if len(runs) > 1 and body.stream:
                 resp = await stream_batch(gw, runs, fmts, rid, prompt_of)
             elif len(runs) > 1:

@@ -27,6 +27,7 @@ from specmesh.gateway.logprobs import (
     TokenTexts, chat_logprobs, completion_logprobs, completion_text_length,
 )
 from specmesh.gateway.schemas import error_body
+from specmesh.gateway.structured import Structured, forced_tool_calls
 from specmesh.protocol.messages import TokenLogprobs
 
 
@@ -56,6 +57,9 @@ class ChoiceFormat:
     return_token_ids: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    #: forced tool calls (chat ``tools`` with ``tool_choice`` "required" or a function,
+    #: gateway/structured.py): the output is answered as ``tool_calls``; None: plain content
+    tools: Structured | None = None
 
 
 def usage_of(run: RequestRun) -> dict[str, Any]:
@@ -119,6 +123,10 @@ def full_choice(fmt: ChoiceFormat, texts: TokenTexts, run: RequestRun, text: str
             "index": fmt.index, "message": {"role": "assistant", "content": text},
             "logprobs": _logprobs_or_none(fmt, texts, token_ids, logprobs),
             "finish_reason": finish_reason}
+        calls = forced_tool_calls(fmt.tools, text, finish_reason)
+        if calls is not None:  # a forced tool call (gateway/structured.py)
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice["finish_reason"] = "tool_calls"
     else:
         prompt = list(run.req.prompt_token_ids)
         ids = prompt + token_ids if fmt.echo is not None else token_ids
@@ -200,6 +208,7 @@ async def choice_chunks(writer: ChunkWriter, events: AsyncIterator, first
         yield writer.chunk(None, None, role=True)
     ev = first
     echoed = fmt.echo is None
+    held: list[TextDelta] = []  # a forced tool call goes out as one delta once complete
     while True:
         if not echoed and not (isinstance(ev, Finish) and ev.is_error):
             echoed = True
@@ -207,13 +216,26 @@ async def choice_chunks(writer: ChunkWriter, events: AsyncIterator, first
         if isinstance(ev, TextDelta):
             if fmt.echo_only:
                 pass
+            elif fmt.tools is not None:
+                held.append(ev)
             elif ev.text or ((fmt.return_token_ids or fmt.logprobs) and ev.token_ids):
                 yield writer.chunk(ev.text, None, token_ids=ev.token_ids, logprobs=[ev.logprobs])
         elif ev.is_error:
             yield error_body(ev.error, "server_error", None, ev.reason)
             return
         else:
-            final = writer.chunk(None, ev.reason)
+            reason = ev.reason
+            if fmt.tools is not None:
+                text = "".join(d.text for d in held)
+                out = writer.chunk(text, None, token_ids=[t for d in held for t in d.token_ids],
+                                   logprobs=[d.logprobs for d in held])
+                calls = forced_tool_calls(fmt.tools, text, reason)
+                if calls is not None:
+                    reason = "tool_calls"
+                    out["choices"][0]["delta"] = {"tool_calls": [
+                        {"index": i, **c} for i, c in enumerate(calls)]}
+                yield out
+            final = writer.chunk(None, reason)
             final["spec_stats"] = run.stats.as_dict()
             yield final
             return

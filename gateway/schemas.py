@@ -16,7 +16,10 @@ OpenAI client's own field lists):
   ``top_logprobs`` (0..20), ``stream_options.continuous_usage_stats``; the penalties and token
   constraints ``frequency_penalty``, ``presence_penalty``, ``logit_bias``,
   ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``
-  (gateway/penalties.py);
+  (gateway/penalties.py); ``n`` and (completions) ``best_of`` (gateway/n_choices.py);
+  structured output ``response_format``, ``structured_outputs``, ``guided_json`` /
+  ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and (chat) ``tools`` /
+  ``tool_choice``, read and checked by gateway/structured.py;
 - without effect on the output, accepted and ignored: :data:`NO_OUTPUT_EFFECT` (``user``,
   ``metadata``, ``store``, ...);
 - changing the output and not honoured: :data:`COMMON_REFUSED` plus the endpoint's own
@@ -57,16 +60,13 @@ NO_OUTPUT_EFFECT = frozenset({
 #: (absent and null always pass); anything else is HTTP 400 naming the field
 COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "response_format": ({"type": "text"},),
-    "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "suffix": ("",),
     "functions": ([],), "function_call": ("none",), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "moderation": (),
     # vLLM extensions
     "use_beam_search": (False,), "length_penalty": (1,), "early_stopping": (False,),
-    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "structured_outputs": (),
+    "prompt_logprobs": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
@@ -76,6 +76,7 @@ COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
 COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
     **COMMON_REFUSED, "add_special_tokens": (True,),
     "max_completion_tokens": (), "top_logprobs": (),  # chat's; completions say logprobs: k
+    "tools": ([],), "tool_choice": ("none",),
 }
 #: /v1/chat/completions only (the chat template with the generation prompt,
 #: docs/architecture.md, 'Life of a request')
@@ -206,6 +207,22 @@ class _CommonRequest(BaseModel):
     min_tokens: NonNegInt64 | None = None  # vLLM
     bad_words: str | list[str] | None = None  # vLLM
     allowed_token_ids: list[NonNegInt64] | None = None  # vLLM
+    # structured output (vLLM / OpenAI), read and checked by gateway/structured.py
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    def structured_fields(self) -> dict[str, Any]:
+        """The structured-output and tool fields by name (gateway/structured.py reads them)."""
+        names = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar", "tools", "tool_choice")
+        out = {n: getattr(self, n, None) for n in names}
+        # OpenAI: false = at most one call (NO_OUTPUT_EFFECT otherwise: it only shapes tools)
+        out["parallel_tool_calls"] = (self.model_extra or {}).get("parallel_tool_calls")
+        return out
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -264,7 +281,7 @@ class _CommonRequest(BaseModel):
         fields = {**(self.model_extra or {}), "n": self.n,
                   "presence_penalty": self.presence_penalty,
                   "frequency_penalty": self.frequency_penalty}
-        for name in ("max_completion_tokens", "logprobs", "top_logprobs"):
+        for name in ("max_completion_tokens", "logprobs", "top_logprobs", "tools"):
             if name in type(self).model_fields:  # else in model_extra
                 fields[name] = getattr(self, name)
         for name, refused in PREDICTION_REFUSED.items():
@@ -355,6 +372,10 @@ class ChatCompletionRequest(_CommonRequest):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
+    # OpenAI function tools; "required" / a named function are forced by a grammar
+    # (gateway/structured.py)
+    tools: Any = None
+    tool_choice: Any = None
 
     def output_limit(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""

@@ -41,10 +41,15 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
     return ids
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` as ids."""
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None
+                    ) -> list[int]:
+    """``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` as ids;
+    ``tools`` (a request's forced tools, gateway/structured.py) go to the template too, as
+    vLLM passes them (a template without tool calling ignores them)."""
+    extra = {"tools": tools} if tools else {}
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **extra)
     except GatewayError:
         raise
     except Exception as err:  # noqa: BLE001 - jinja raises for roles/orders a template refuses

@@ -35,6 +35,7 @@ import torch
 
 from specmesh.engine.block_manager import BlockManager, KVCacheExhausted
 from specmesh.engine.frames import tensor_to_buffer
+from specmesh.engine.grammar import GrammarCompiler, apply_masks, first_token_masks
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
 from specmesh.engine.logprobs import token_logprobs
 from specmesh.engine.logits_processors import RowsHistory, apply_logits_processors
@@ -127,6 +128,10 @@ class PrefillWorker(MailboxWorker):
         #: the KV blocks of past prompts (None: prefix caching off)
         self.prefix_cache = (PrefixCache(block_manager.block_size)
                              if config.enable_prefix_caching else None)
+        #: structured output: compiles a constrained request's grammar to mask its first
+        #: token (engine/grammar.py; set by the role host from the target's tokenizer; None:
+        #: constrained requests are refused)
+        self.grammars: GrammarCompiler | None = None
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This worker's randomness for unseeded sampled first tokens (freshly seeded)."""
@@ -200,10 +205,27 @@ class PrefillWorker(MailboxWorker):
             why = sampling.invalid_reason() or sampling.vocab_reason(cfg.vocab_size)
             if why:
                 return why
+        why = self._grammar_reason(req)
+        if why:
+            return why
         if not req.block_table:
             return "no destination blocks"
         if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
             return f"prompt of {n} tokens does not fit this prefill worker's KV cache"
+        return ""
+
+    def _grammar_reason(self, req: PrefillRequest) -> str:
+        """Why ``req``'s grammar cannot mask its first token ("" when it can, or it has
+        none); compiling it here caches it for :meth:`_forward`."""
+        spec = req.sampling.grammar
+        if spec is None:
+            return ""
+        if self.grammars is None:
+            return "structured output needs the model's tokenizer on the prefill worker"
+        try:
+            self.grammars.matcher(spec)
+        except ValueError as err:
+            return f"grammar: {err}"
         return ""
 
     def _fail(self, peer: str, req: PrefillRequest, error: str) -> None:
@@ -413,6 +435,11 @@ class PrefillWorker(MailboxWorker):
         # penalties and token constraints at output position 0: history = the prompt
         apply_logits_processors(last, [RowsHistory(r.sampling, r.prompt_token_ids, (), i)
                                        for i, r in enumerate(reqs)])
+        # structured output: output position 0 under the grammar's initial mask
+        rows, allowed = first_token_masks(self.grammars, [r.sampling.grammar for r in reqs],
+                                          last.device)
+        for j, i in enumerate(rows):
+            apply_masks(last[i:i + 1], allowed[j:j + 1])
         # output position 0, by each request's mode (engine/sampling.py): greedy argmax,
         # coupled Gumbel-max keyed by (seed, 0), or a draw from this worker's generator
         firsts = sample_tokens(last, [r.sampling for r in reqs], [0] * len(reqs),

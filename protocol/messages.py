@@ -48,7 +48,8 @@ from msgspec import Meta
 # constraints (frequency / presence / repetition penalties, logit bias, min_tokens, bad words,
 # allowed token ids, the verifier's EOS ids); the n choices of a prompt: GenerateRequest.group /
 # group_size, PrefillRequest.sibling_sampling, PrefillDone.sibling_first_token_ids /
-# sibling_logprobs
+# sibling_logprobs; GrammarSpec,
+# SamplingParams.grammar (structured output: response_format, guided_*, tools)
 PROTOCOL_VERSION = 13
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
@@ -234,6 +235,27 @@ class ModelIdentity(Message, tag=1, kw_only=True):
 
 
 @register
+class GrammarSpec(Message, tag=3, kw_only=True):
+    """A request's structured-output constraint, normalized by the gateway (vLLM's
+    ``structured_outputs`` / ``guided_*`` and OpenAI's ``response_format`` and forced tool
+    calls all become one of these; engine/grammar.py compiles it).
+
+    ``kind``: ``"json_schema"`` (``value``: the schema as JSON text; OpenAI's ``json_object``
+    is the schema ``{"type": "object"}``), ``"regex"`` (``value``: the pattern, matched whole),
+    ``"lark"`` (``value``: a Lark grammar, llguidance's dialect; ``guided_choice`` and GBNF
+    grammars arrive converted to it). Every output token is then drawn under the grammar's
+    token mask, and the request ends (finish reason ``stop``) when the grammar is complete.
+    """
+
+    kind: str
+    value: str
+
+    @classmethod
+    def example(cls) -> GrammarSpec:
+        return cls(kind="json_schema", value='{"type": "object"}')
+
+
+@register
 class SamplingParams(Message, tag=2, kw_only=True):
     """Per-request sampling (vLLM's semantics, kernels/logits_processing.py): ``temperature``
     below 1e-5 is greedy (top-p/k and min-p then ignored); ``top_k <= 0`` (or ``>= vocab``),
@@ -278,6 +300,8 @@ class SamplingParams(Message, tag=2, kw_only=True):
     #: the deployment's EOS ids, filled in by the verifier at admission (the gateway leaves it
     #: empty) so that every role masks them for ``min_tokens`` (unless ``ignore_eos``)
     eos_token_ids: list[TokenId] = msgspec.field(default_factory=list)
+    #: structured output (None: unconstrained); see GrammarSpec
+    grammar: GrammarSpec | None = None
 
     def invalid_reason(self) -> str:
         """Why these parameters can never be sampled ("" when they can): a temperature that is
@@ -881,7 +905,8 @@ class DrafterCorpusResult(Message, tag=52, kw_only=True):
 __all__ = [
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
     "Message", "NonNegInt", "TokenId", "buffer_nbytes",
-    "Buffer", "ModelIdentity", "SamplingParams", "TokenLogprobs", "MAX_LOGPROBS", "Hello", "HelloAck", "GenerateRequest",
+    "Buffer", "ModelIdentity", "GrammarSpec", "SamplingParams", "TokenLogprobs", "MAX_LOGPROBS",
+    "Hello", "HelloAck", "GenerateRequest",
     "TokenStream", "Abort", "PrefillRequest", "KVFrame", "PrefillDone", "PrefillCancel",
     "PrefillCancelAck", "DraftSync", "VerifyCommit", "DraftTailStream", "DraftBranches",
     "DraftClose",

@@ -18,14 +18,17 @@ class PrefillHost(RoleHost):
         # built in the role process only: the prefill worker brings torch and the triton kernels
         from specmesh.cluster.hosts.drafter import cluster_seed_state
         from specmesh.drafter.registry import seed_state_kinds
+        from specmesh.engine.grammar import compiler_for
         from specmesh.prefill.worker import PrefillWorker
 
-        _, runner, bm = loaded_runner(self.cfg)
+        loaded, runner, bm = loaded_runner(self.cfg)
         # which seed state PrefillDone carries per draft method (prefill/ cannot ask drafter/)
         seeds = {**seed_state_kinds(), self.cfg.drafter.method: cluster_seed_state(self.cfg),
                  **self.cfg.prefill.seed_states}
         config = replace(self.cfg.prefill, instance_id=self.instance_id, seed_states=seeds)
         worker = PrefillWorker(config, self.mailbox, runner, bm)
+        worker.grammars = compiler_for(loaded.tokenizer, loaded.config.eos_token_ids,
+                                       loaded.config.vocab_size)
         if runner.device.type == "cpu":  # the verifier's cores, while it pauses for a prompt
             import torch  # torch: only a role that has loaded its model gets here
 

@@ -21,6 +21,7 @@ class VerifierHost(RoleHost):
 
         from specmesh.decode.core_sharing import CoreSharing
         from specmesh.decode.worker import VerifierWorker
+        from specmesh.engine.grammar import compiler_for
         from specmesh.cluster.hosts.drafter import cluster_seed_state
 
         loaded, runner, bm = loaded_runner(self.cfg)
@@ -32,6 +33,8 @@ class VerifierHost(RoleHost):
                          eos_token_ids=tuple(loaded.config.eos_token_ids),
                          seed_state=v.seed_state or cluster_seed_state(self.cfg))
         worker = VerifierWorker(config, self.mailbox, runner, bm)
+        worker.set_grammar_compiler(compiler_for(loaded.tokenizer, config.eos_token_ids,
+                                                 loaded.config.vocab_size))
         self._on_cpu = loaded.model.device.type == "cpu"
         worker.core_sharing = CoreSharing(self.cfg.threads.get(self.role.value, 1),
                                           torch.set_num_threads)

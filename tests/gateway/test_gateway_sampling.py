@@ -156,6 +156,7 @@ HONOURED = {
     "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2,
     "logit_bias": {"19556": -100}, "min_tokens": 1, "bad_words": ["zzz"],
     "allowed_token_ids": [2, 30, 19556],
+    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
 }
 #: chat's own values where the endpoints differ (logprobs is a flag there, the count apart)
 HONOURED_CHAT = {"logprobs": True, "top_logprobs": 2}
