@@ -216,9 +216,10 @@ async def choice_chunks(writer: ChunkWriter, events: AsyncIterator, first
             echoed = True
             yield writer.echo_chunk()
         if isinstance(ev, TextDelta):
-            if fmt.echo_only:
-                pass
-            elif ev.text or ((fmt.return_token_ids or fmt.logprobs) and ev.token_ids):
+            # echo with max_tokens 0 drops the generated token; an empty delta is not sent
+            # unless its token ids or logprobs are asked for
+            wanted = ev.text or ((fmt.return_token_ids or fmt.logprobs) and ev.token_ids)
+            if wanted and not fmt.echo_only:
                 yield writer.chunk(ev.text, None, token_ids=ev.token_ids, logprobs=[ev.logprobs])
         elif ev.is_error:
             yield error_body(ev.error, "server_error", None, ev.reason)
