@@ -411,3 +411,13 @@ def test_vllm_prompt_logprobs(served, reference):
     r = served.client.post("/v1/chat/completions", json={"messages": MESSAGES,
                                                          "prompt_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_without_generation_streamed(served):
+    events = served.events("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 1,
+                                               "max_tokens": 0})
+    chunks = [ch for e in events for ch in e["choices"]]
+    assert "".join(ch["text"] for ch in chunks) == PROMPT
+    n = len(served.tok(PROMPT)["input_ids"])
+    assert sum(len(ch["logprobs"]["tokens"]) for ch in chunks if ch["logprobs"]) == n
+    assert chunks[-1]["finish_reason"] == "length"
