@@ -31,7 +31,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> To
         k: top logprobs per row (0: none), at most the vocabulary.
 
     Returns:
-        n entries; ``top_*`` empty lists when ``k`` is 0.
+        n entries; ``top_*`` empty lists when ``k`` is 0; ``ranks`` the chosen tokens' ranks
+        (1 + the tokens strictly more likely).
 
     Raises:
         ValueError: a row count that is not ``len(token_ids)``, or ``k`` out of ``[0, vocab]``.
@@ -42,13 +43,14 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> To
     if not 0 <= k <= vocab:
         raise ValueError(f"k must be in [0, {vocab}], got {k}")
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)
-    out = TokenLogprobs(token_logprobs=[], top_token_ids=[], top_logprobs=[])
+    out = TokenLogprobs(token_logprobs=[], top_token_ids=[], top_logprobs=[], ranks=[])
     # a block of rows at a time: a long prompt's log_softmax never doubles its logits' memory
     for lo in range(0, n, ROWS_PER_BLOCK):
         lp = torch.log_softmax(logits[lo:lo + ROWS_PER_BLOCK].float(), dim=-1)
         rows = lp.shape[0]
-        out.token_logprobs.extend(
-            lp.gather(1, ids[lo:lo + rows, None])[:, 0].cpu().tolist())
+        chosen = lp.gather(1, ids[lo:lo + rows, None])
+        out.token_logprobs.extend(chosen[:, 0].cpu().tolist())
+        out.ranks.extend(((lp > chosen).sum(dim=-1) + 1).cpu().tolist())
         if k == 0:
             out.top_token_ids.extend([] for _ in range(rows))
             out.top_logprobs.extend([] for _ in range(rows))

@@ -359,6 +359,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                     prompt_of.append(i)
                     fmts.append(ChoiceFormat(
                         chat=chat, index=k, logprobs=base.sampling.logprobs is not None,
+                        top=base.sampling.logprobs or 0,
+                        prompt_logprobs=None if chat else body.prompt_logprobs,
                         echo=prompt_text(tokenizer, prompt) if not chat and body.echo else None,
                         echo_only=echo_only, return_token_ids=body.return_token_ids,
                         include_usage=body.include_usage,

@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta
 from specmesh.gateway.logprobs import (
-    TokenTexts, chat_logprobs, completion_logprobs, completion_text_length,
+    TokenTexts, chat_logprobs, completion_logprobs, completion_text_length, vllm_prompt_logprobs,
 )
 from specmesh.gateway.schemas import error_body
 from specmesh.gateway.structured import Structured, forced_tool_calls
@@ -47,11 +47,15 @@ class ChoiceFormat:
     """How one choice is written. ``index``: its place in ``choices`` (the prompt's index for
     a list of prompts, vLLM); ``logprobs``: the request asked for logprobs; ``echo``: the
     prompt's text to put first (completions ``echo``; None: no echo); ``echo_only``: the
-    generated tokens are dropped (``max_tokens: 0`` with echo)."""
+    generated tokens are dropped (``max_tokens: 0`` with echo); ``top``: the top logprobs
+    per token the request asked (the prompt's may carry more, for ``prompt_logprobs``);
+    ``prompt_logprobs``: vLLM's completions ``prompt_logprobs`` k (None: not asked)."""
 
     chat: bool
     index: int = 0
     logprobs: bool = False
+    top: int = 0
+    prompt_logprobs: int | None = None
     echo: str | None = None
     echo_only: bool = False
     return_token_ids: bool = False
@@ -91,11 +95,15 @@ def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _prompt_parts(run: RequestRun) -> list[TokenLogprobs | None]:
-    """The echoed prompt's logprob parts: None for the first token, then the prefill's."""
+def _prompt_parts(run: RequestRun, top: int) -> list[TokenLogprobs | None]:
+    """The echoed prompt's logprob parts: None for the first token, then the prefill's (their
+    top lists cut to ``top``)."""
     parts: list[TokenLogprobs | None] = [None]
-    if run.prompt_logprobs is not None:
-        parts.append(run.prompt_logprobs)
+    lp = run.prompt_logprobs
+    if lp is not None:
+        parts.append(TokenLogprobs(token_logprobs=lp.token_logprobs,
+                                   top_token_ids=[t[:top] for t in lp.top_token_ids],
+                                   top_logprobs=[t[:top] for t in lp.top_logprobs]))
     return parts
 
 
@@ -130,10 +138,13 @@ def full_choice(fmt: ChoiceFormat, texts: TokenTexts, run: RequestRun, text: str
     else:
         prompt = list(run.req.prompt_token_ids)
         ids = prompt + token_ids if fmt.echo is not None else token_ids
-        parts = _prompt_parts(run) + logprobs if fmt.echo is not None else logprobs
+        parts = _prompt_parts(run, fmt.top) + logprobs if fmt.echo is not None else logprobs
         choice = {"index": fmt.index, "text": (fmt.echo or "") + text,
                   "logprobs": _logprobs_or_none(fmt, texts, ids, parts),
                   "finish_reason": finish_reason}
+        if fmt.prompt_logprobs is not None:  # vLLM's extension
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt, run.prompt_logprobs, texts,
+                                                             fmt.prompt_logprobs)
     top_prompt_ids = None
     if fmt.return_token_ids:
         choice["token_ids"] = token_ids
@@ -194,7 +205,7 @@ class ChunkWriter:
         """The first chunk of an echoed completion: the prompt's text (and logprobs)."""
         prompt = list(self.run.req.prompt_token_ids)
         return self.chunk(self.fmt.echo, None, token_ids=prompt,
-                          logprobs=_prompt_parts(self.run), echo=True)
+                          logprobs=_prompt_parts(self.run, self.fmt.top), echo=True)
 
 
 async def choice_chunks(writer: ChunkWriter, events: AsyncIterator, first
@@ -214,11 +225,12 @@ async def choice_chunks(writer: ChunkWriter, events: AsyncIterator, first
             echoed = True
             yield writer.echo_chunk()
         if isinstance(ev, TextDelta):
-            if fmt.echo_only:
-                pass
-            elif fmt.tools is not None:
+            # echo with max_tokens 0 drops the generated token; an empty delta is not sent
+            # unless its token ids or logprobs are asked for
+            wanted = ev.text or ((fmt.return_token_ids or fmt.logprobs) and ev.token_ids)
+            if fmt.tools is not None:
                 held.append(ev)
-            elif ev.text or ((fmt.return_token_ids or fmt.logprobs) and ev.token_ids):
+            elif wanted and not fmt.echo_only:
                 yield writer.chunk(ev.text, None, token_ids=ev.token_ids, logprobs=[ev.logprobs])
         elif ev.is_error:
             yield error_body(ev.error, "server_error", None, ev.reason)

@@ -105,6 +105,29 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[TokenLogpro
     return out
 
 
+def vllm_prompt_logprobs(prompt_ids: Sequence[int], logprobs: TokenLogprobs | None,
+                         texts: TokenTexts, k: int) -> list[dict[str, dict] | None]:
+    """vLLM's ``prompt_logprobs`` of a completions choice: per prompt token None (the first:
+    nothing predicts it) or ``{token_id: {"logprob", "rank", "decoded_token"}}`` with the
+    token itself first, then the ``k`` most likely tokens there (ranks 1..k).
+
+    Raises:
+        ValueError: ``logprobs`` do not cover prompt positions 1 .. n-1.
+    """
+    if logprobs is None or len(logprobs.token_logprobs) != len(prompt_ids) - 1:
+        raise ValueError("the prompt's logprobs do not cover the prompt")
+    out: list[dict[str, dict] | None] = [None]
+    ranks = logprobs.ranks or [None] * len(prompt_ids)
+    for tok, (chosen, top_ids, top_lps), rank in zip(prompt_ids[1:], _entries(logprobs), ranks):
+        entry = {str(tok): {"logprob": _floor(chosen), "rank": rank,
+                            "decoded_token": texts(tok)}}
+        for i, (t, v) in enumerate(zip(top_ids[:k], top_lps[:k])):
+            entry.setdefault(str(t), {"logprob": _floor(v), "rank": i + 1,
+                                      "decoded_token": texts(t)})
+        out.append(entry)
+    return out
+
+
 def completion_text_length(token_ids: Sequence[int], texts: TokenTexts) -> int:
     """The characters ``text_offset`` advances over ``token_ids`` (the next chunk's
     ``initial_offset``)."""

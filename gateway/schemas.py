@@ -12,8 +12,9 @@ OpenAI client's own field lists):
   ``return_token_ids`` (vLLM: output ids in each choice's ``token_ids``, prompt ids in
   ``prompt_token_ids``), ``prediction`` (OpenAI Predicted Outputs, :data:`PREDICTION_REFUSED`
   for the fields it cannot be combined with); logprobs (issue 33): completions ``logprobs``
-  (0..20) and ``echo`` (``max_tokens: 0`` with it: the prompt alone), chat ``logprobs`` and
-  ``top_logprobs`` (0..20), ``stream_options.continuous_usage_stats``; the penalties and token
+  (0..20) and ``echo`` (``max_tokens: 0`` with it: the prompt alone), vLLM's completions
+  ``prompt_logprobs`` (0..20, not streamed), chat ``logprobs`` and ``top_logprobs`` (0..20),
+  ``stream_options.continuous_usage_stats``; the penalties and token
   constraints ``frequency_penalty``, ``presence_penalty``, ``logit_bias``,
   ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``
   (gateway/penalties.py); ``n`` and (completions) ``best_of`` (gateway/n_choices.py);
@@ -74,7 +75,8 @@ COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
 }
 #: /v1/completions only (prompts are tokenized with the tokenizer's special tokens)
 COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
-    **COMMON_REFUSED, "add_special_tokens": (True,),
+    **{k: v for k, v in COMMON_REFUSED.items() if k != "prompt_logprobs"},
+    "add_special_tokens": (True,),
     "max_completion_tokens": (), "top_logprobs": (),  # chat's; completions say logprobs: k
     "tools": ([],), "tool_choice": ("none",),
 }
@@ -337,18 +339,27 @@ class CompletionRequest(_CommonRequest):
     max_tokens: NonNegInt64 | None = None
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
+    #: vLLM: the prompt's logprobs in the choice's ``prompt_logprobs`` (gateway/logprobs.py)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(SamplingParams.logprobs, SamplingParams.prompt_logprobs): ``logprobs`` for the
-        output, and for the prompt too with ``echo`` (vLLM)."""
-        return self.logprobs, (self.logprobs if self.echo else None)
+        output, and for the prompt with ``echo`` (vLLM) or ``prompt_logprobs`` (the larger
+        k of the two; each is cut to its own when formatted)."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                  if k is not None]
+        return self.logprobs, max(wanted) if wanted else None
 
     def check_supported(self) -> None:
-        """As the common checks, and ``max_tokens: 0`` only with ``echo`` (vLLM)."""
+        """As the common checks, ``max_tokens: 0`` only with ``echo`` and
+        ``prompt_logprobs`` not streamed (vLLM's rules)."""
         super().check_supported()
         if self.max_tokens == 0 and not self.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo)",
                               param="max_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true",
+                              param="prompt_logprobs")
 
 
 class ChatCompletionRequest(_CommonRequest):

@@ -140,6 +140,8 @@ def token_logprobs_error(lp: TokenLogprobs | None, num_tokens: int | None = None
                 f"logprob lists for {n} entries")
     if any(len(a) != len(b) for a, b in zip(lp.top_token_ids, lp.top_logprobs)):
         return "a top token list and its logprobs differ in length"
+    if lp.ranks and len(lp.ranks) != n:
+        return f"{len(lp.ranks)} ranks for {n} entries"
     return ""
 
 

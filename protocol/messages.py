@@ -431,12 +431,14 @@ class TokenLogprobs(Message, tag=23, kw_only=True):
     distribution there (float32 ``log_softmax`` of the logits the verification rule saw, before
     temperature / top-k / top-p: vLLM's default, raw-model logprobs); ``top_token_ids[i]`` and
     ``top_logprobs[i]``: the request's k most likely tokens there, most likely first (empty
-    lists when k = 0). A masked-out token has ``-inf``.
+    lists when k = 0). ``ranks[i]``: the token's rank there (1 = the most likely; vLLM's
+    ``rank``). A masked-out token has ``-inf``.
     """
 
     token_logprobs: list[float]
     top_token_ids: list[list[TokenId]] = msgspec.field(default_factory=list)
     top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
+    ranks: list[NonNegInt] = msgspec.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_logprobs)
@@ -445,19 +447,21 @@ class TokenLogprobs(Message, tag=23, kw_only=True):
         """Entries ``[start, stop)``."""
         return TokenLogprobs(token_logprobs=self.token_logprobs[start:stop],
                              top_token_ids=self.top_token_ids[start:stop],
-                             top_logprobs=self.top_logprobs[start:stop])
+                             top_logprobs=self.top_logprobs[start:stop],
+                             ranks=self.ranks[start:stop])
 
     @staticmethod
     def concat(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
         """The entries of ``parts`` back to back."""
         return TokenLogprobs(token_logprobs=[x for p in parts for x in p.token_logprobs],
                              top_token_ids=[x for p in parts for x in p.top_token_ids],
-                             top_logprobs=[x for p in parts for x in p.top_logprobs])
+                             top_logprobs=[x for p in parts for x in p.top_logprobs],
+                             ranks=[x for p in parts for x in p.ranks])
 
     @classmethod
     def example(cls) -> TokenLogprobs:
         return cls(token_logprobs=[-0.25, -1.5], top_token_ids=[[9, 4], [3, 10]],
-                   top_logprobs=[[-0.25, -2.0], [-0.75, -1.5]])
+                   top_logprobs=[[-0.25, -2.0], [-0.75, -1.5]], ranks=[1, 2])
 
 
 # --------------------------------------------------------------------------------------------

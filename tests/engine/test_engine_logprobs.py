@@ -22,6 +22,9 @@ def test_token_logprobs_against_log_softmax(dtype):
     top = ref.topk(4, dim=-1)
     assert out.top_token_ids == top.indices.tolist()
     torch.testing.assert_close(torch.tensor(out.top_logprobs), top.values, atol=1e-6, rtol=0)
+    chosen = ref[torch.arange(n), torch.tensor(ids)]
+    assert out.ranks == ((ref > chosen[:, None]).sum(-1) + 1).tolist()
+    assert all(r == 1 for r, t, top in zip(out.ranks, ids, out.top_token_ids) if t == top[0])
     none = token_logprobs(logits, ids, 0)
     assert none.token_logprobs == out.token_logprobs and none.top_token_ids == [[]] * n
 

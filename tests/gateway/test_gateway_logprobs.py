@@ -454,3 +454,45 @@ def test_bad_n_or_best_of_is_a_400(served, url, body, param):
     r = served.client.post(url, json={"max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+def test_vllm_prompt_logprobs(served, reference):
+    """vLLM's ``prompt_logprobs: k`` on completions: per prompt token None (the first) or
+    ``{id: {logprob, rank, decoded_token}}``, the token first then the top k, equal to the
+    reference forward; with ``echo`` and a smaller ``logprobs`` the echoed top lists keep
+    their own k."""
+    ids = served.tok(PROMPT)["input_ids"]
+    out = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2,
+                                          "temperature": 0.0, "prompt_logprobs": 3,
+                                          "echo": True, "logprobs": 1})
+    choice = out["choices"][0]
+    pl = choice["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    ref = reference(ids)
+    for i, (tok, entry) in enumerate(zip(ids[1:], pl[1:]), start=1):
+        first = next(iter(entry))
+        assert first == str(tok)
+        row = ref[i - 1]
+        assert abs(entry[first]["logprob"] - row[tok].item()) <= 1e-4
+        assert entry[first]["rank"] == int((row > row[tok]).sum()) + 1
+        assert entry[first]["decoded_token"] == served.tok.decode([tok])
+        top = row.topk(3)
+        for rank, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            assert abs(entry[str(t)]["logprob"] - v) <= 1e-4 and entry[str(t)]["rank"] == rank
+        assert len(entry) in (3, 4)
+    # the echoed logprobs keep logprobs: 1 (top 1 plus the token itself)
+    assert all(len(t) <= 2 for t in choice["logprobs"]["top_logprobs"][1:])
+    r = served.client.post("/v1/completions", json={"prompt": PROMPT, "prompt_logprobs": 1,
+                                                    "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    r = served.client.post("/v1/chat/completions", json={"messages": MESSAGES,
+                                                         "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_without_generation_streamed(served):
+    events = served.events("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 1,
+                                               "max_tokens": 0})
+    chunks = [ch for e in events for ch in e["choices"]]
+    assert "".join(ch["text"] for ch in chunks) == PROMPT
+    n = len(served.tok(PROMPT)["input_ids"])
+    assert sum(len(ch["logprobs"]["tokens"]) for ch in chunks if ch["logprobs"]) == n
+    assert chunks[-1]["finish_reason"] == "length"
