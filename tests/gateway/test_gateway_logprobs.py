@@ -496,3 +496,15 @@ def test_echo_without_generation_streamed(served):
     n = len(served.tok(PROMPT)["input_ids"])
     assert sum(len(ch["logprobs"]["tokens"]) for ch in chunks if ch["logprobs"]) == n
     assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_n_choices_carry_logprobs_and_echo_like_one(served):
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "logprobs": 2, "echo": True,
+            "num_speculative_tokens": 4}
+    one = served.post("/v1/completions", body)["choices"][0]
+    out = served.post("/v1/completions", {**body, "n": 3})
+    for ch in out["choices"]:  # the forked choices' first token and prompt logprobs too
+        assert ch["text"] == one["text"]
+        assert ch["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+        assert ch["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            one["logprobs"]["token_logprobs"][1:], abs=1e-5)
