@@ -200,8 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The chapter's speedup economics for the given figures, or this machine's break-even
     batch per drafter from a bench JSON (cluster/plan_command.py)."""
     if args.from_bench:
-        # the bench's JSON is the harness's format (benchmarks/, a layer above cluster/)
-        from specmesh.benchmarks.harness.bench_plan import machine_plan
+        from specmesh.cluster.plan_bench import machine_plan  # (only this command needs it)
 
         try:
             with open(args.from_bench) as f:

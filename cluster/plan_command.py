@@ -2,7 +2,7 @@
 (decode/speedup_model.py) for the acceptance, draft cost, kappa and forward-cost knee given on
 the command line, as a table or ``--json``; with ``--from-bench`` the same break-even from a
 ``specmesh bench --profile`` JSON, per drafter, for the machine the bench ran on
-(benchmarks/harness/bench_plan.py, read by the CLI: cluster/ does not import the harness)."""
+(cluster/plan_bench.py)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def render_plan(report: dict) -> str:
 
 
 def render_machine(report: dict) -> str:
-    """The report of :func:`benchmarks.harness.bench_plan.machine_plan` as text."""
+    """The report of :func:`cluster.plan_bench.machine_plan` as text."""
     fit = report["knee"]
     lines = [f"{report['model']} ({report['dtype']}), kappa {report['kappa']}"]
     if fit is not None:

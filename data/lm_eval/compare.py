@@ -3,7 +3,7 @@
 difference, and whether the argmax answer differs), generate_until tasks by the generated text
 (identical or not).
 
-Usage: ``python benchmarks/lm_eval_compare.py DIR_A DIR_B [TASK ...]`` where each DIR is an
+Usage: ``python data/lm_eval/compare.py DIR_A DIR_B [TASK ...]`` where each DIR is an
 ``--output_path`` of ``lm_eval ... --log_samples`` (the newest ``samples_<task>_*.jsonl`` under
 it is read). Prints one line per task; exits 1 when a loglikelihood differs by more than
 ``--atol`` (default 1e-4), an answer differs, or a generation differs.

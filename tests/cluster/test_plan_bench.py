@@ -1,6 +1,6 @@
 """``specmesh plan`` (cluster/plan_command.py): the table and ``--json`` of the chapter's
 figures, and ``--from-bench``: this machine's break-even batch per drafter from a bench JSON
-(benchmarks/harness/bench_plan.py), on a summary shaped as ``specmesh bench --profile``
+(cluster/plan_bench.py), on a summary shaped as ``specmesh bench --profile``
 writes it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from specmesh.benchmarks.harness.bench_plan import knee, machine_plan, measured_crossing
+from specmesh.cluster.plan_bench import knee, machine_plan, measured_crossing
 from specmesh.cluster.cli import main
 
 
