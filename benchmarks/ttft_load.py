@@ -79,7 +79,9 @@ def run_load(url: str, concurrency: int, num_requests: int, prompt_tokens: int,
     """Warm up with one request, then run ``num_requests`` from ``concurrency`` threads."""
     from openai import OpenAI  # openai: a client-side extra, needed only to send load
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
+    # a specmesh server started with --api-key takes its key from the same variable
+    client = OpenAI(base_url=f"{url}/v1", api_key=os.environ.get("SPECMESH_API_KEY") or "none",
+                    timeout=600, max_retries=0)
     model = model_name(client)
     one_request(client, model, prompt_ids(seed - 1, prompt_tokens), max_tokens)
     results: list[dict] = []
@@ -116,7 +118,9 @@ def run_load(url: str, concurrency: int, num_requests: int, prompt_tokens: int,
 
 def scrape(url: str) -> dict[str, float]:
     """``name{labels}`` -> value of every sample at a Prometheus text endpoint."""
-    with urllib.request.urlopen(url, timeout=30) as resp:
+    key = os.environ.get("SPECMESH_API_KEY")  # a server with --protect-metrics needs it
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=30) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():

@@ -22,8 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specmesh.gateway.auth import add_api_key
 from specmesh.gateway.corpus_api import add_corpus_routes
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
+from specmesh.gateway.limits import add_input_bounds, check_stop_bounds
 from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.gateway.schemas import (
     MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
@@ -284,7 +286,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                default_max_tokens: int = 256, metrics_registry: CollectorRegistry | None = None,
                default_temperature: float = 1.0, vocab_size: int | None = None,
                readiness: Callable[[], str] | None = None,
-               synthetic_acceptance: bool = False, corpus=None) -> FastAPI:
+               synthetic_acceptance: bool = False, corpus=None, api_key: str | None = None,
+               protect_metrics: bool = False, max_requests_per_client: int = 0) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -305,6 +308,11 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         corpus: the drafters' corpora and history (a :class:`gateway.corpora.CorpusControl`),
             served under ``/v1/specmesh/`` (gateway/corpus_api.py); None: those endpoints
             answer 501.
+        api_key: every route but ``/health`` and ``/metrics`` requires ``Authorization:
+            Bearer <api_key>`` (401 otherwise, gateway/auth.py); None: open.
+        protect_metrics: with ``api_key``, ``/health`` and ``/metrics`` require it too.
+        max_requests_per_client: generation requests one client address may have in flight
+            (429 past it; 0: no limit); request bodies are bounded too (gateway/limits.py).
     """
     metrics = GatewayMetrics(metrics_registry, backend=backend)
     gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
@@ -312,6 +320,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
     app = FastAPI(title="specmesh gateway")
     app.state.gateway = gw
     app.state.metrics = metrics
+    add_input_bounds(app, max_model_len, max_requests_per_client)
+    add_api_key(app, api_key, protect_metrics, metrics.registry)  # outermost: before bounds
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
@@ -341,6 +351,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         try:
             gw.check_model(body)
             body.check_supported()
+            check_stop_bounds(body)
             with metrics.profile.phase("tokenize"):
                 if chat:
                     prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())

@@ -85,7 +85,9 @@ class GatewayHost(RoleHost):
                               self.cfg.max_model_len, default_temperature=0.0,
                               vocab_size=self.vocab_size, readiness=self.not_ready_reason,
                               synthetic_acceptance=synthetic_outputs(self.cfg),
-                              corpus=self.corpus)
+                              corpus=self.corpus, api_key=self.cfg.api_key,
+                              protect_metrics=self.cfg.protect_metrics,
+                              max_requests_per_client=self.cfg.max_requests_per_client)
         self.server, self._server_thread, self.port = serve_gateway(self.app, self.bind_host,
                                                                     self._port)
 
