@@ -132,7 +132,8 @@ class GatewayHost(RoleHost):
         return {"instance_id": self.instance_id, "role": self.role.value,
                 "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
                 "pid": os.getpid(), "port": self.port,
-                "url": f"http://{self.advertise_host}:{self.port}"}
+                "url": f"http://{self.advertise_host}:{self.port}",
+                **self.mailbox.security_entry()}
 
     def apply_roster(self, roster: list[dict]) -> None:
         verifiers = peers_of(roster, Role.VERIFIER)
@@ -152,6 +153,8 @@ class GatewayHost(RoleHost):
         self.num_calls += 1
         return {"num_in_flight": self.backend.num_in_flight, "pid": os.getpid(),
                 "num_protocol_errors": self.backend.num_protocol_errors,
+                "num_refused_peers": self.mailbox.num_refused_peers,
+                "curve": self.mailbox.curve,
                 "num_ray_calls": self.num_calls,
                 "ready_verifiers": [v for v in self.verifiers if self.mailbox.ready(v)],
                 "verifier_loads": {v: self.loads.get(v, {}) for v in self.verifiers},
