@@ -97,6 +97,7 @@ class ZmqMailbox(Mailbox):
         self._dial_keys: dict[str, bytes | None] = {}  # dialled peer -> the key it was dialled with
         self._redial: dict[str, float] = {}  # peer whose handshake failed -> when to dial again
         self.num_failed_handshakes = 0
+        self._failing: set[str] = set()  # peers whose handshake failed since their last ack
         self.hwm = hwm
         self.on_disconnect = on_disconnect
         self.heartbeat_ivl_ms, self.heartbeat_timeout_ms = heartbeat_ivl_ms, heartbeat_timeout_ms
@@ -216,8 +217,13 @@ class ZmqMailbox(Mailbox):
         self.poller.register(s, zmq.POLLIN)
         self.poller.register(mon, zmq.POLLIN)
         self.refused.pop(peer, None)
-        # ZMQ queues this until the TCP connection is up: Hello is the first message.
-        s.send_multipart(encode(self.hello()))
+        # ZMQ queues this until the TCP connection is up: Hello is the first message. Never
+        # blocking: a handshake that failed already (CurveZMQ: our key not yet allowed there)
+        # has dropped the pipe, and a blocking send would wait forever; dial anew instead
+        try:
+            s.send_multipart(encode(self.hello()), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._redial.setdefault(peer, time.monotonic() + REDIAL_AFTER_S)
 
     def disconnect(self, peer: str) -> None:
         s = self.dealers.pop(peer, None)
@@ -351,10 +357,11 @@ class ZmqMailbox(Mailbox):
                 # our key from a newer roster meanwhile)
                 self.num_failed_handshakes += 1
                 info.acked = False
-                if peer not in self._redial:
-                    log.warning("%s: handshake with %s at %s failed (%s); dialling again in "
-                                "%.1f s", self.name, peer, info.endpoint,
-                                zmq.Event(event).name, REDIAL_AFTER_S)
+                # logged once until the peer takes us (a new peer may refuse us for a while)
+                (log.debug if peer in self._failing else log.warning)(
+                    "%s: handshake with %s at %s failed (%s); dialling again every %.1f s",
+                    self.name, peer, info.endpoint, zmq.Event(event).name, REDIAL_AFTER_S)
+                self._failing.add(peer)
                 self._redial[peer] = time.monotonic() + REDIAL_AFTER_S
                 return
             if event == zmq.EVENT_DISCONNECTED:
@@ -463,6 +470,7 @@ class ZmqMailbox(Mailbox):
                 self._error(peer, f"HelloAck refused: {why}")
                 return
             self.refused.pop(peer, None)
+            self._failing.discard(peer)
             is_new = info.incarnation != msg.incarnation
             info.role, info.incarnation, info.acked = msg.role, msg.incarnation, True
             if self.on_hello:

@@ -238,6 +238,7 @@ class RoleHost(ABC):
                if isinstance(v, (int, float, list))}
         out["num_protocol_errors_transport"] = self.mailbox.num_protocol_errors
         out["num_refused_peers"] = self.mailbox.num_refused_peers
+        out["num_failed_handshakes"] = self.mailbox.num_failed_handshakes
         out["curve"] = self.mailbox.curve
         out["num_ray_calls"] = self.num_calls
         out["ready_peers"] = [p for p in list(self.mailbox.dealers) if self.mailbox.ready(p)]

@@ -154,6 +154,7 @@ class GatewayHost(RoleHost):
         return {"num_in_flight": self.backend.num_in_flight, "pid": os.getpid(),
                 "num_protocol_errors": self.backend.num_protocol_errors,
                 "num_refused_peers": self.mailbox.num_refused_peers,
+                "num_failed_handshakes": self.mailbox.num_failed_handshakes,
                 "curve": self.mailbox.curve,
                 "num_ray_calls": self.num_calls,
                 "ready_verifiers": [v for v in self.verifiers if self.mailbox.ready(v)],
