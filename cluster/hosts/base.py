@@ -51,6 +51,8 @@ class RoleHost(ABC):
     :meth:`build_worker` (and, for roles that dial peers, :meth:`apply_roster`)."""
 
     role: Role
+    #: (controller epoch, roster version) of the roster whose keys this role admits
+    _keys_version: tuple[int, int] | None = None
 
     def __init__(self, instance_id: str, cfg: ClusterConfig) -> None:
         self.instance_id, self.cfg = instance_id, cfg
@@ -59,7 +61,6 @@ class RoleHost(ABC):
         self._error = ""
         self._roster_version: tuple[int, int] | None = None
         self._roster_lock = threading.Lock()
-        self._keys_version: tuple[int, int] | None = None  # of the roster keys allowed
         self.loop_turns = 0  # bumped by the loop thread every turn: the heartbeat's progress
         self._beating = threading.Event()  # set: heartbeats stop
         self.set_threads()
