@@ -1,5 +1,5 @@
-"""The gateway's API key (``--api-key`` / ``SPECMESH_API_KEY``, cluster/security_options.py; as
-vLLM's and SGLang's ``--api-key``): every route but ``/health`` and ``/metrics`` (those too with
+"""The gateway's API key (``--api-key`` or its environment variable, cluster/security_options.py;
+as vLLM's and SGLang's ``--api-key``): every route but ``/health`` and ``/metrics`` (those too with
 ``--protect-metrics``) requires ``Authorization: Bearer <key>``; anything else is answered 401
 in OpenAI's error shape (``{"error": {"type": "invalid_request_error", "code":
 "invalid_api_key", ...}}``, with ``WWW-Authenticate: Bearer``) before the request reaches a
