@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
@@ -26,6 +27,8 @@ from specmesh.gateway.schemas import error_body
 
 log = logging.getLogger(__name__)
 
+#: refusals are logged at most this often, seconds (the rest are counted, then summed up)
+LOG_EVERY_S = 1.0
 #: routes open without the key unless ``protect_metrics`` (probes and scrapers carry none)
 OPEN_PATHS = ("/health", "/metrics")
 
@@ -60,6 +63,8 @@ class ApiKeyMiddleware:
         self._key = api_key.encode()
         self.open_paths = () if protect_metrics else OPEN_PATHS
         self.refusals = refusals
+        self._logged_at = -LOG_EVERY_S  # monotonic time of the last refusal logged
+        self._unlogged = 0
 
     def allowed(self, token: bytes | None) -> bool:
         """Whether ``token`` is the key (constant-time in the token's content)."""
@@ -74,9 +79,7 @@ class ApiKeyMiddleware:
             return
         if self.refusals is not None:
             self.refusals.inc()
-        client = scope.get("client") or ("?", 0)
-        log.warning("gateway: 401 for %s %s from %s:%s (no or a wrong API key)",
-                    scope.get("method", "WEBSOCKET"), scope.get("path"), client[0], client[1])
+        self._log_refusal(scope)
         if scope["type"] == "websocket":  # no route takes one; refused like HTTP all the same
             await send({"type": "websocket.close", "code": 1008})
             return
@@ -85,6 +88,21 @@ class ApiKeyMiddleware:
                           None, "invalid_api_key")
         resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)
+
+
+    def _log_refusal(self, scope) -> None:
+        """Log a refusal with the client's address (never the token), at most once a
+        second: a client hammering the port cannot flood the log."""
+        now = time.monotonic()
+        if now - self._logged_at < LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        client = scope.get("client") or ("?", 0)
+        more = f" ({self._unlogged} more since the last one logged)" if self._unlogged else ""
+        self._logged_at, self._unlogged = now, 0
+        log.warning("gateway: 401 for %s %s from %s:%s (no or a wrong API key)%s",
+                    scope.get("method", "WEBSOCKET"), scope.get("path"), client[0], client[1],
+                    more)
 
 
 def add_api_key(app, api_key: str | None, protect_metrics: bool = False,

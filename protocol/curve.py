@@ -49,6 +49,11 @@ class CurveKeys:
     public: bytes
     secret: bytes = field(repr=False)
 
+    @staticmethod
+    def available() -> bool:
+        """Whether this libzmq has CURVE (pyzmq's wheels do)."""
+        return bool(zmq.has("curve"))
+
     @classmethod
     def generate(cls) -> CurveKeys:
         """A fresh key pair (libzmq's ``zmq_curve_keypair``).
@@ -56,7 +61,7 @@ class CurveKeys:
         Raises:
             RuntimeError: this libzmq was built without CURVE.
         """
-        if not zmq.has("curve"):
+        if not cls.available():
             raise RuntimeError("this libzmq has no CURVE support (pyzmq wheels have it): "
                                "run the roles with --insecure-transport or install pyzmq "
                                "from its wheels")

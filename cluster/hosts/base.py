@@ -67,9 +67,10 @@ class RoleHost(ABC):
         identity = self.model_identity()
         # resolved here, where the role runs (Ray may restart it on another node)
         self.bind_host, self.advertise_host = role_address(cfg.host)
-        # a key pair of this incarnation (protocol/curve.py); its public key goes in the roster
-        self.curve_keys = CurveKeys.generate()
+        # a key pair of this incarnation (protocol/curve.py), its public key in the roster;
+        # needed to dial a Curve peer even when this role's own ROUTER takes plain TCP
         curve = curve_enabled(cfg.transport, self.bind_host)
+        self.curve_keys = CurveKeys.generate() if curve or CurveKeys.available() else None
         cap = max_message_bytes(identity, cfg.prefill.frame_tokens, cfg.prefill.frame_layers,
                                 max(cfg.drafter.window, cfg.drafter.max_segment))
         self.mailbox = ZmqMailbox(instance_id, self.role.value, host=self.bind_host,
