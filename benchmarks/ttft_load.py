@@ -37,6 +37,8 @@ import threading
 import time
 import urllib.request
 
+from specmesh.cluster.security_options import API_KEY_ENV
+
 #: token ids prompts are drawn from: ordinary vocabulary of SmolLM2 (no special tokens)
 TOKEN_RANGE = (1000, 20000)
 
@@ -79,7 +81,9 @@ def run_load(url: str, concurrency: int, num_requests: int, prompt_tokens: int,
     """Warm up with one request, then run ``num_requests`` from ``concurrency`` threads."""
     from openai import OpenAI  # openai: a client-side extra, needed only to send load
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
+    # a specmesh server started with --api-key: the key from the variable it reads too
+    client = OpenAI(base_url=f"{url}/v1", api_key=os.environ.get(API_KEY_ENV) or "none",
+                    timeout=600, max_retries=0)
     model = model_name(client)
     one_request(client, model, prompt_ids(seed - 1, prompt_tokens), max_tokens)
     results: list[dict] = []
@@ -116,7 +120,9 @@ def run_load(url: str, concurrency: int, num_requests: int, prompt_tokens: int,
 
 def scrape(url: str) -> dict[str, float]:
     """``name{labels}`` -> value of every sample at a Prometheus text endpoint."""
-    with urllib.request.urlopen(url, timeout=30) as resp:
+    key = os.environ.get(API_KEY_ENV)  # a server with --protect-metrics needs it
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=30) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():

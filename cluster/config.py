@@ -22,6 +22,8 @@ from specmesh.prefill.config import PrefillConfig
 from specmesh.protocol.enums import Role
 
 ROLES = tuple(r.value for r in Role)
+#: ``ClusterConfig.transport`` values (protocol/curve.py resolves ``auto`` where a role runs)
+TRANSPORTS = ("auto", "curve", "insecure")
 #: Ray namespace of a cluster's named actors (controller, roles) unless its config names another.
 DEFAULT_NAMESPACE = "specmesh"
 
@@ -76,6 +78,14 @@ class ClusterConfig:
     ``corpus_files``: ``--corpus [NAME=]FILE`` items (cluster/corpus_files.py): text files the
     gateway tokenizes at start and loads into every drafter as corpora (docs/drafters.md,
     'Corpora'); read where the gateway runs.
+    ``api_key``: the key the gateway requires on every route but ``/health`` / ``/metrics``
+    (gateway/auth.py; None: open); kept out of the repr so no log or dump shows it.
+    ``protect_metrics``: those two need the key as well.
+    ``transport``: role-to-role ZMQ security (protocol/curve.py): ``curve`` (CurveZMQ, only
+    roster keys admitted), ``insecure`` (plain TCP, a trusted single host), ``auto`` (curve
+    for a role bound to an address other hosts can reach, plain on the loopback).
+    ``max_requests_per_client``: generation requests one client address may have in flight at
+    the gateway (429 past it; 0: no limit; gateway/limits.py).
 
     Raises:
         ValueError: an unsupported dtype, a KV cache dtype the model dtype cannot have (or a
@@ -98,6 +108,10 @@ class ClusterConfig:
     namespace: str = DEFAULT_NAMESPACE
     backend: BackendOverrides = BackendOverrides()
     corpus_files: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
+    protect_metrics: bool = False
+    transport: str = "auto"
+    max_requests_per_client: int = 256
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
         max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
@@ -118,6 +132,10 @@ class ClusterConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} runs on the CPU only (the "
                              f"Triton attention reads the model's dtype), got device "
                              f"{self.device}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.max_requests_per_client < 0:
+            raise ValueError("max_requests_per_client must be >= 0 (0: no limit)")
         if self.block_size < 1 or self.kv_cache_mb < 1:
             raise ValueError("block_size and kv_cache_mb must be >= 1")
         if self.stream_idle_timeout_s is not None and not self.stream_idle_timeout_s > 0:

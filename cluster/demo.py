@@ -72,7 +72,7 @@ def demo(cfg: ClusterConfig, num_prompts: int | None = None, max_tokens: int = 9
     print(f"[specmesh] cluster up in {time.perf_counter() - t0:.1f} s; gateway {handle.url}",
           flush=True)
     try:
-        client = openai_client(handle.url)
+        client = openai_client(handle.url, handle.api_key)
         warm_up(client, model, prompts, handle, kappa)
         spec, plain = interleaved(client, model, prompts, max_tokens, handle, kappa)
     finally:

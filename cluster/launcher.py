@@ -77,6 +77,12 @@ class ClusterHandle:
     actors: dict[str, object] = field(default_factory=dict)
     url: str = ""
 
+    @property
+    def api_key(self) -> str | None:
+        """The key its gateway requires (``--api-key``; None: open): what a client of this
+        cluster sends."""
+        return self.cfg.api_key
+
     def verifiers(self) -> list:
         return [a for iid, a in self.actors.items() if iid.startswith(Role.VERIFIER.value)]
 

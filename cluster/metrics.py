@@ -82,6 +82,11 @@ class RoleCollector:
         st = h.worker.stats
         yield _counter("specmesh:protocol_errors", "Malformed or out-of-turn messages received",
                        st.num_protocol_errors, labels)
+        mailbox = getattr(h, "mailbox", None)  # none: a worker driven in process, no socket
+        if mailbox is not None:
+            yield _counter("specmesh:transport_refused_peers",
+                           "Connections refused at the CurveZMQ handshake: a key not in the "
+                           "roster", mailbox.num_refused_peers, labels)
         yield from profile_families(h.worker.profile, labels)
         if h.role == "drafter":
             yield from drafter_corpus_families(h.worker, labels)

@@ -9,6 +9,7 @@ import os
 from specmesh.cluster.config import ROLES, ClusterConfig, default_threads
 from specmesh.cluster.corpus_files import check_corpus_option
 from specmesh.cluster.drafter_option import add_drafter_options
+from specmesh.cluster.security_options import add_security_options, security_settings
 from specmesh.decode.config import DEFAULT_NUM_PREDICTION_TOKENS, SPECULATIVE_POLICIES
 from specmesh.decode.kappa_schedule import load_schedule
 from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
@@ -119,6 +120,7 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="the gateway fails a request that gets no output from its verifier for "
                         "this long (a verifier alive but silent; 0: never)")
+    add_security_options(p)
 
 
 def add_corpus_option(p: argparse.ArgumentParser) -> None:
@@ -192,6 +194,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
         kw["host"] = args.host
     if getattr(args, "stream_idle_timeout", None) is not None:
         kw["stream_idle_timeout_s"] = args.stream_idle_timeout or None
+    kw.update(security_settings(args))
     corpus = getattr(args, "corpus", None) or []
     if corpus:  # checked here, before any role starts
         check_corpus_option(corpus, method, supports_corpus(method))

@@ -165,12 +165,13 @@ class RunResult:
                 "history_cleared": self.history_cleared}
 
 
-def openai_client(url: str):
-    """An ``openai.OpenAI`` client for the gateway at ``url`` (no retries)."""
+def openai_client(url: str, api_key: str | None = None):
+    """An ``openai.OpenAI`` client for the gateway at ``url`` (no retries), sending
+    ``api_key`` (the cluster's ``--api-key``; None: a placeholder, the server has none)."""
     from openai import OpenAI  # openai: slow to import, only the drivers' HTTP runs
 
-    return OpenAI(base_url=f"{url}/v1", api_key="specmesh", timeout=CLIENT_TIMEOUT_S,
-                  max_retries=0)
+    return OpenAI(base_url=f"{url}/v1", api_key=api_key or "specmesh",
+                  timeout=CLIENT_TIMEOUT_S, max_retries=0)
 
 
 #: The gateway's endpoint that empties its drafters' cross-request memory (a drafter's global
@@ -179,17 +180,22 @@ def openai_client(url: str):
 CLEAR_HISTORY_PATH = "/v1/specmesh/drafters/clear_history"
 
 
-def clear_drafter_history(url: str, timeout_s: float = CLIENT_TIMEOUT_S) -> bool:
+def clear_drafter_history(url: str, timeout_s: float = CLIENT_TIMEOUT_S,
+                          api_key: str | None = None) -> bool:
     """``POST {url}`` :data:`CLEAR_HISTORY_PATH` on the gateway at ``url`` (an empty JSON
     body, proxies bypassed: the gateway is local). True when it answered 2xx (cleared);
     False when it answered 404 (a server without the endpoint: nothing was cleared, which the
-    caller must say).
+    caller must say). ``api_key``: sent as ``Authorization: Bearer`` (the cluster's
+    ``--api-key``; None: none sent).
 
     Raises:
         RuntimeError: any other status, or no answer (naming the URL and the reason).
     """
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url.rstrip("/") + CLEAR_HISTORY_PATH, data=b"{}",
-                                 headers={"Content-Type": "application/json"}, method="POST")
+                                 headers=headers, method="POST")
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(req, timeout=timeout_s) as resp:

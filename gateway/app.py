@@ -22,11 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specmesh.gateway.auth import add_api_key
 from specmesh.gateway.choices import (
     ChoiceFormat, ChunkWriter, choice_chunks, full_choice, sse as _sse, sse_response, usage_of,
 )
 from specmesh.gateway.corpus_api import add_corpus_routes
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
+from specmesh.gateway.limits import add_input_bounds, check_stop_bounds
 from specmesh.gateway.logprobs import TokenTexts
 from specmesh.gateway.prompt_batch import (
     complete_batch, completion_prompts, prompt_text, stream_batch,
@@ -269,7 +271,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                default_max_tokens: int = 256, metrics_registry: CollectorRegistry | None = None,
                default_temperature: float = 1.0, vocab_size: int | None = None,
                readiness: Callable[[], str] | None = None,
-               synthetic_acceptance: bool = False, corpus=None) -> FastAPI:
+               synthetic_acceptance: bool = False, corpus=None, api_key: str | None = None,
+               protect_metrics: bool = False, max_requests_per_client: int = 0) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -290,6 +293,11 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         corpus: the drafters' corpora and history (a :class:`gateway.corpora.CorpusControl`),
             served under ``/v1/specmesh/`` (gateway/corpus_api.py); None: those endpoints
             answer 501.
+        api_key: every route but ``/health`` and ``/metrics`` requires ``Authorization:
+            Bearer <api_key>`` (401 otherwise, gateway/auth.py); None: open.
+        protect_metrics: with ``api_key``, ``/health`` and ``/metrics`` require it too.
+        max_requests_per_client: generation requests one client address may have in flight
+            (429 past it; 0: no limit); request bodies are bounded too (gateway/limits.py).
     """
     metrics = GatewayMetrics(metrics_registry, backend=backend)
     gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
@@ -297,6 +305,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
     app = FastAPI(title="specmesh gateway")
     app.state.gateway = gw
     app.state.metrics = metrics
+    add_input_bounds(app, max_model_len, max_requests_per_client)
+    add_api_key(app, api_key, protect_metrics, metrics.registry)  # outermost: before bounds
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
@@ -326,6 +336,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         try:
             gw.check_model(body)
             body.check_supported()
+            check_stop_bounds(body)
             structured = gw.structured(body)  # response_format, guided_*, tools
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_request_id(body, request)}"
             echo_only = not chat and body.echo and body.max_tokens == 0

@@ -18,6 +18,12 @@ closing its socket is seen as gone too. When a DEALER's connection drops, the pe
 
 A socket belongs to the thread that calls ``recv``; ``send`` from any other thread is queued and
 handed to that thread through a pipe the poller watches, so sockets are never shared.
+
+With CurveZMQ (protocol/curve.py; ``curve=True``, ``keys`` the role's key pair) the ROUTER
+admits only clients whose public key :meth:`ZmqMailbox.allow` lists (the roster's), and a
+DEALER dialling a peer whose server key :meth:`ZmqMailbox.set_peer_keys` gave is a CURVE
+client of it. Every socket refuses a message part larger than ``max_message_bytes``
+(``ZMQ_MAXMSGSIZE``: the peer is disconnected; protocol/socket_caps.py sizes it).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from specmesh.protocol.codec import encode
+from specmesh.protocol.curve import CurveKeys, RosterAuthenticator, make_client, make_server
 from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.handshake import PeerInfo, ack_refusal, hello_refusal
 from specmesh.protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
@@ -42,12 +49,21 @@ from specmesh.protocol.transport import Envelope, Mailbox, PeerUnavailable, deco
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 512 * 1024 * 1024  # a KV frame is at most a few MB; refuse anything absurd
+#: ZMQ_MAXMSGSIZE of a mailbox not given one (a role's is sized from its model and frame
+#: settings: protocol/socket_caps.py); a KV frame is at most a few MB
+MAX_FRAME_BYTES = 512 * 1024 * 1024
 HIGH_WATER_MARK = 100_000  # messages; KV streams are bursty
 #: DEALER heartbeat: a PING this often, and the connection dropped after this long without any
 #: traffic from the peer (its ZMQ I/O thread answers even while its Python loop is busy).
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 4000
+#: a DEALER whose handshake failed (e.g. CurveZMQ: the peer does not know our key yet, its
+#: roster is older than ours) is given up by ZMQ; it is dialled anew after this long
+REDIAL_AFTER_S = 0.5
+#: a DEALER whose connection dropped and did not come back within this long is dialled anew
+REDIAL_IF_LOST_S = 2.0
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class ZmqMailbox(Mailbox):
@@ -56,7 +72,10 @@ class ZmqMailbox(Mailbox):
     ``on_disconnect(peer)`` is called (in the recv thread) when the connection to a peer we
     dialled drops. ``hwm``: messages queued per peer before ``send`` fails with PeerUnavailable
     (a send never blocks). ``advertise_host``: the address peers are told to dial (``endpoint``)
-    when it is not the bound ``host`` (a wildcard bind); None: the bound one."""
+    when it is not the bound ``host`` (a wildcard bind); None: the bound one. ``keys``: this
+    mailbox's CurveZMQ key pair (needed to dial a Curve peer); ``curve``: the ROUTER requires
+    CurveZMQ from its clients (only keys given to :meth:`allow`; needs ``keys``).
+    ``max_message_bytes``: the largest message part any of its sockets takes."""
 
     def __init__(self, name: str, role: str, *, host: str = "127.0.0.1", port: int = 0,
                  model: ModelIdentity | None = None, draft_method: str = "",
@@ -66,8 +85,19 @@ class ZmqMailbox(Mailbox):
                  on_disconnect: Callable[[str], None] | None = None,
                  heartbeat_ivl_ms: int = HEARTBEAT_IVL_MS,
                  heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, keys: CurveKeys | None = None,
+                 curve: bool = False, max_message_bytes: int = MAX_FRAME_BYTES) -> None:
+        if curve and keys is None:
+            raise ValueError("a CurveZMQ mailbox needs its key pair (keys)")
         self.name = name
+        self.keys, self.curve = keys, curve
+        self.max_message_bytes = max_message_bytes
+        #: server public keys (Z85) of the peers to dial with CurveZMQ (the roster's)
+        self.peer_keys: dict[str, bytes] = {}
+        self._dial_keys: dict[str, bytes | None] = {}  # dialled peer -> the key it was dialled with
+        self._redial: dict[str, float] = {}  # peer whose handshake failed -> when to dial again
+        self.num_failed_handshakes = 0
+        self._failing: set[str] = set()  # peers whose handshake failed since their last ack
         self.hwm = hwm
         self.on_disconnect = on_disconnect
         self.heartbeat_ivl_ms, self.heartbeat_timeout_ms = heartbeat_ivl_ms, heartbeat_timeout_ms
@@ -76,8 +106,15 @@ class ZmqMailbox(Mailbox):
         self.draft_method = draft_method
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self.on_hello = on_hello
-        self.ctx = zmq.Context.instance()
+        # the ZAP handler binds per context: a Curve mailbox owns one
+        self.ctx = zmq.Context() if curve else zmq.Context.instance()
+        self.auth: RosterAuthenticator | None = None
+        if curve:
+            self.auth = RosterAuthenticator(self.ctx, name)
+            self.auth.start()
         self.router = self._socket(zmq.ROUTER)
+        if curve:
+            make_server(self.router, keys)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A restarted peer reconnects under its old identity before the old connection is
         # seen to close: it takes the identity over (else its Hello would be lost).
@@ -107,10 +144,35 @@ class ZmqMailbox(Mailbox):
     def _socket(self, kind: int) -> zmq.Socket:
         s = self.ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         s.setsockopt(zmq.SNDHWM, self.hwm)
         s.setsockopt(zmq.RCVHWM, self.hwm)
         return s
+
+    # -- CurveZMQ (protocol/curve.py) ------------------------------------------------------
+
+    def allow(self, keys: frozenset[bytes]) -> None:
+        """Admit CURVE clients with these public keys (Z85) from now on, and no others (a
+        connection already made stays); a no-op without Curve. Any thread."""
+        if self.auth is not None:
+            self.auth.allowed = frozenset(keys)
+
+    def set_peer_keys(self, keys: dict[str, bytes]) -> None:
+        """The server public key (Z85) of each peer that requires CurveZMQ (a peer absent is
+        dialled in plain TCP); a peer dialled with another key is re-dialled at its next
+        :meth:`connect`."""
+        self.peer_keys = dict(keys)
+
+    @property
+    def num_refused_peers(self) -> int:
+        """Connections refused at the CurveZMQ handshake for a key not allowed."""
+        return self.auth.num_refused if self.auth is not None else 0
+
+    def security_entry(self) -> dict:
+        """What the roster says of this mailbox's transport: ``curve`` (its ROUTER requires
+        CurveZMQ) and ``curve_key`` (its public key, Z85; None without a key pair)."""
+        return {"curve": self.curve,
+                "curve_key": self.keys.public.decode() if self.keys is not None else None}
 
     def hello(self) -> Hello:
         return Hello(protocol_version=PROTOCOL_VERSION, role=self.role, instance_id=self.name,
@@ -123,19 +185,30 @@ class ZmqMailbox(Mailbox):
         """Open (or re-open, when the endpoint changed) the channel to ``peer`` and say Hello.
         ``role``: what the roster says ``peer`` is (its HelloAck must say the same); "" when
         unknown."""
+        server_key = self.peer_keys.get(peer)
         old = self.dealers.get(peer)
         if old is not None:
-            if self.dealer_peers[peer].endpoint == endpoint:
+            if self.dealer_peers[peer].endpoint == endpoint \
+                    and self._dial_keys.get(peer) == server_key:
                 return
             self.disconnect(peer)
         s = self._socket(zmq.DEALER)
         s.setsockopt_string(zmq.IDENTITY, self.name)
+        if server_key is not None:
+            if self.keys is None:
+                s.close(0)
+                self.refused[peer] = "it requires CurveZMQ and this mailbox has no key pair"
+                log.error("%s: cannot dial %s: %s", self.name, peer, self.refused[peer])
+                return
+            make_client(s, self.keys, server_key)
+        self._dial_keys[peer] = server_key
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         if self.heartbeat_ivl_ms > 0:
             s.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ivl_ms)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
             s.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_timeout_ms)
-        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                   | _HANDSHAKE_FAILED)
         s.connect(endpoint)
         self.dealers[peer] = s
         self.dealer_peers[peer] = PeerInfo(peer, "", -1, endpoint)
@@ -144,12 +217,19 @@ class ZmqMailbox(Mailbox):
         self.poller.register(s, zmq.POLLIN)
         self.poller.register(mon, zmq.POLLIN)
         self.refused.pop(peer, None)
-        # ZMQ queues this until the TCP connection is up: Hello is the first message.
-        s.send_multipart(encode(self.hello()))
+        # ZMQ queues this until the TCP connection is up: Hello is the first message. Never
+        # blocking: a handshake that failed already (CurveZMQ: our key not yet allowed there)
+        # has dropped the pipe, and a blocking send would wait forever; dial anew instead
+        try:
+            s.send_multipart(encode(self.hello()), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._redial.setdefault(peer, time.monotonic() + REDIAL_AFTER_S)
 
     def disconnect(self, peer: str) -> None:
         s = self.dealers.pop(peer, None)
         self.dealer_peers.pop(peer, None)
+        self._dial_keys.pop(peer, None)
+        self._redial.pop(peer, None)
         self._expected_roles.pop(peer, None)
         if s is None:
             return
@@ -238,11 +318,17 @@ class ZmqMailbox(Mailbox):
         self._owner = threading.get_ident()
         deadline = time.monotonic() + timeout_s
         while True:
+            if self._redial:
+                self._redial_due()
             if self._pending:
                 return self._pending.pop(0)
             left = max(deadline - time.monotonic(), 0.0)
+            if self._redial:
+                left = min(left, max(min(self._redial.values()) - time.monotonic(), 0.0))
             events = dict(self.poller.poll(math.ceil(left * 1000)))  # never spin below 1 ms
             if not events and time.monotonic() >= deadline:
+                if self._redial:
+                    self._redial_due()
                 return None
             for sock in events:
                 self._service(sock)
@@ -266,11 +352,28 @@ class ZmqMailbox(Mailbox):
             info = self.dealer_peers.get(peer)
             if info is None:
                 return
+            if event & _HANDSHAKE_FAILED:
+                # ZMQ drops this connection for good: dial it anew soon (the peer may learn
+                # our key from a newer roster meanwhile)
+                self.num_failed_handshakes += 1
+                info.acked = False
+                # logged once until the peer takes us (a new peer may refuse us for a while)
+                (log.debug if peer in self._failing else log.warning)(
+                    "%s: handshake with %s at %s failed (%s); dialling again every %.1f s",
+                    self.name, peer, info.endpoint, zmq.Event(event).name, REDIAL_AFTER_S)
+                self._failing.add(peer)
+                self._redial[peer] = time.monotonic() + REDIAL_AFTER_S
+                return
             if event == zmq.EVENT_DISCONNECTED:
                 info.acked = False  # not ready until the peer acknowledges Hello again
+                # ZMQ reconnects by itself after a lost connection, but not after a protocol
+                # error (e.g. a message part over ZMQ_MAXMSGSIZE): dialled anew unless it has
+                # reconnected by then
+                self._redial.setdefault(peer, time.monotonic() + REDIAL_IF_LOST_S)
                 if self.on_disconnect:
                     self.on_disconnect(peer)
                 return
+            self._redial.pop(peer, None)  # connected again
             info.num_connects += 1
             if info.num_connects > 1:  # a reconnect: the peer may be new, say Hello again
                 info.acked = False
@@ -288,6 +391,20 @@ class ZmqMailbox(Mailbox):
                 except zmq.Again:
                     return
                 self._on_dealer(peer, parts)
+
+    def _redial_due(self) -> None:
+        """Dial anew every peer whose handshake failed and whose wait is over."""
+        now = time.monotonic()
+        for peer, when in list(self._redial.items()):
+            if when > now:
+                continue
+            del self._redial[peer]
+            info = self.dealer_peers.get(peer)
+            if info is None:
+                continue
+            endpoint, role = info.endpoint, self._expected_roles.get(peer, "")
+            self.disconnect(peer)
+            self.connect(peer, endpoint, role)
 
     def _error(self, peer: str, text: str) -> None:
         self.num_protocol_errors += 1
@@ -353,6 +470,7 @@ class ZmqMailbox(Mailbox):
                 self._error(peer, f"HelloAck refused: {why}")
                 return
             self.refused.pop(peer, None)
+            self._failing.discard(peer)
             is_new = info.incarnation != msg.incarnation
             info.role, info.incarnation, info.acked = msg.role, msg.incarnation, True
             if self.on_hello:
@@ -374,3 +492,6 @@ class ZmqMailbox(Mailbox):
         self.router.close(0)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self.auth is not None:  # the ZAP thread, then the context this mailbox owns
+            self.auth.stop()
+            self.ctx.destroy(linger=0)

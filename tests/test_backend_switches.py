@@ -1,8 +1,9 @@
 """The CPU compute switches are read in one place (engine/backend.py ``read_overrides``) and
 reach every module through the frozen backend it builds, checked on the source (ast):
 
-- a ``SPECMESH_*`` name other than the two cache locations appears nowhere in the project's
-  code but inside ``read_overrides`` (no module reads a switch, at import time or per call);
+- a ``SPECMESH_*`` name other than the two cache locations and the settings that are no compute
+  switch (the API key) appears nowhere in the project's code but inside ``read_overrides`` (no
+  module reads a switch, at import time or per call); a setting only in its one module;
 - each cache location is read (``os.environ.get`` / ``os.getenv`` / ``os.environ[...]``) in its
   one module only: ``SPECMESH_CACHE_DIR`` in engine/weights_cache.py, ``SPECMESH_KERNEL_CACHE``
   in kernels/cpu_build.py;
@@ -24,6 +25,8 @@ PROJECT = ("protocol", "kernels", "engine", "prefill", "decode", "drafter", "clu
 #: cache location -> the one module that reads it
 CACHE_VARS = {"SPECMESH_CACHE_DIR": "engine/weights_cache.py",
               "SPECMESH_KERNEL_CACHE": "kernels/cpu_build.py"}
+#: settings that are no compute switch -> the one module that names them
+SETTING_VARS = {"SPECMESH_API_KEY": "cluster/security_options.py"}
 SWITCH_HOME = ("engine/backend.py", "read_overrides")
 #: packages whose environment reads are all listed here: module -> what it may read
 ENV_PACKAGES = ("engine", "kernels", "prefill", "decode", "drafter", "protocol")
@@ -51,7 +54,7 @@ def switch_violations(relpath: str, source: str) -> list[str]:
     home = spans.get(SWITCH_HOME[1]) if relpath == SWITCH_HOME[0] else None
     for lineno, line in enumerate(source.splitlines(), 1):
         for name in NAME.findall(line):
-            if name in CACHE_VARS:
+            if name in CACHE_VARS or SETTING_VARS.get(name) == relpath:
                 continue
             if home is None or not home[0] <= lineno <= home[1]:
                 bad.append(f"{relpath}:{lineno}: names {name} (read it through the CPU "

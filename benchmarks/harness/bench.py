@@ -275,7 +275,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     cleared: dict[str, list[bool]] = {}  # served cluster -> per pass: its history cleared
     with sigterm_unwinds():  # after the clusters started: Ray's handler replaced
         try:
-            clients = {label: openai_client(h.url) for label, h in handles.items()}
+            clients = {label: openai_client(h.url, h.api_key) for label, h in handles.items()}
             for label in labels:
                 handles[label].set_num_speculative_tokens(kappa)
                 run_openai(clients[label], model, prompts[:1], 4, "warmup")

@@ -293,7 +293,8 @@ def run_served(handle, client, model: str, prompts: list[dict], max_tokens: int,
         RuntimeError: the gateway answered the clear with an error other than 404.
     """
     handle.set_num_speculative_tokens(kappa)
-    cleared = clear_drafter_history(handle.url) if clear_history else None
+    cleared = clear_drafter_history(handle.url, api_key=handle.api_key) if clear_history \
+        else None
     before = served_snapshot(handle)
     res = run_openai_concurrent(client, model, prompts, max_tokens, system, concurrency,
                                 stream=stream, predictions=predictions and kappa > 0)

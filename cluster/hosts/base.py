@@ -33,8 +33,10 @@ from specmesh.engine.devices import resolve_device
 from specmesh.engine.dtypes import resolve_kv_cache_dtype
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
 from specmesh.engine.openmp import run_in_released_thread
+from specmesh.protocol.curve import CurveKeys, curve_enabled, roster_keys
 from specmesh.protocol.enums import Role
 from specmesh.protocol.messages import ModelIdentity
+from specmesh.protocol.socket_caps import max_message_bytes
 from specmesh.protocol.transport import IDLE_TIMEOUT_S, run_loop
 from specmesh.protocol.zmq_transport import PeerInfo, ZmqMailbox
 
@@ -49,6 +51,8 @@ class RoleHost(ABC):
     :meth:`build_worker` (and, for roles that dial peers, :meth:`apply_roster`)."""
 
     role: Role
+    #: (controller epoch, roster version) of the roster whose keys this role admits
+    _keys_version: tuple[int, int] | None = None
 
     def __init__(self, instance_id: str, cfg: ClusterConfig) -> None:
         self.instance_id, self.cfg = instance_id, cfg
@@ -63,10 +67,20 @@ class RoleHost(ABC):
         identity = self.model_identity()
         # resolved here, where the role runs (Ray may restart it on another node)
         self.bind_host, self.advertise_host = role_address(cfg.host)
+        # a key pair of this incarnation (protocol/curve.py), its public key in the roster;
+        # needed to dial a Curve peer even when this role's own ROUTER takes plain TCP
+        curve = curve_enabled(cfg.transport, self.bind_host)
+        self.curve_keys = CurveKeys.generate() if curve or CurveKeys.available() else None
+        cap = max_message_bytes(identity, cfg.prefill.frame_tokens, cfg.prefill.frame_layers,
+                                max(cfg.drafter.window, cfg.drafter.max_segment))
         self.mailbox = ZmqMailbox(instance_id, self.role.value, host=self.bind_host,
                                   advertise_host=self.advertise_host, model=identity,
                                   draft_method=cfg.verifier.draft_method,
-                                  incarnation=self.incarnation, on_hello=self.on_hello)
+                                  incarnation=self.incarnation, on_hello=self.on_hello,
+                                  keys=self.curve_keys, curve=curve, max_message_bytes=cap)
+        log.info("%s: role-to-role transport %s", instance_id,
+                 "CurveZMQ (roster keys only)" if curve else "plain TCP (--insecure-transport "
+                 "or the loopback)")
         # model loading's torch ops run in a thread that exits, so the loop thread's OpenMP
         # team is the process's only one (engine/openmp.py: a second halves forward speed)
         self.worker = run_in_released_thread(self.build_worker, f"{instance_id}-init")
@@ -167,7 +181,8 @@ class RoleHost(ABC):
         return {"instance_id": self.instance_id, "role": self.role.value,
                 "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
                 "pid": os.getpid(),
-                "metrics_url": f"http://{self.advertise_host}:{self.metrics_port}/metrics"}
+                "metrics_url": f"http://{self.advertise_host}:{self.metrics_port}/metrics",
+                **self.mailbox.security_entry()}
 
     def info(self) -> dict:
         self.num_calls += 1
@@ -180,6 +195,7 @@ class RoleHost(ABC):
         controller (``version`` = (controller epoch, roster version)) is dropped, else a late
         push would undo a newer one (seen: a gateway left with a roster without its verifier)."""
         self.num_calls += 1
+        self._allow_roster_keys(roster, version)
 
         def apply() -> None:
             with self._roster_lock:
@@ -189,9 +205,25 @@ class RoleHost(ABC):
                     return
                 if version is not None:
                     self._roster_version = version
+                self.mailbox.set_peer_keys({r["instance_id"]: r["curve_key"].encode()
+                                            for r in roster if r.get("curve")})
                 self.apply_roster(roster)
 
         self.mailbox.call_soon(apply)
+
+    def _allow_roster_keys(self, roster: list[dict],
+                           version: tuple[int, int] | None) -> None:
+        """Admit exactly the roster's public keys at this role's ROUTER (CurveZMQ), at once
+        (not in the loop thread: a peer of the new roster may dial before the loop turns);
+        an older roster than the newest applied is dropped, as in :meth:`update_roster`."""
+        with self._roster_lock:
+            last = self._keys_version
+            if version is not None and last is not None and version[0] == last[0] \
+                    and version[1] <= last[1]:
+                return
+            if version is not None:
+                self._keys_version = version
+            self.mailbox.allow(roster_keys(roster))
 
     def connect_only(self, peers: list[dict]) -> None:
         """Keep dealer connections to exactly ``peers`` (loop thread only)."""
@@ -207,6 +239,9 @@ class RoleHost(ABC):
         out = {k: v for k, v in vars(self.worker.stats).items()
                if isinstance(v, (int, float, list))}
         out["num_protocol_errors_transport"] = self.mailbox.num_protocol_errors
+        out["num_refused_peers"] = self.mailbox.num_refused_peers
+        out["num_failed_handshakes"] = self.mailbox.num_failed_handshakes
+        out["curve"] = self.mailbox.curve
         out["num_ray_calls"] = self.num_calls
         out["ready_peers"] = [p for p in list(self.mailbox.dealers) if self.mailbox.ready(p)]
         out["peer_incarnations"] = {p: i.incarnation for p, i in

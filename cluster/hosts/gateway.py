@@ -85,7 +85,9 @@ class GatewayHost(RoleHost):
                               self.cfg.max_model_len, default_temperature=0.0,
                               vocab_size=self.vocab_size, readiness=self.not_ready_reason,
                               synthetic_acceptance=synthetic_outputs(self.cfg),
-                              corpus=self.corpus)
+                              corpus=self.corpus, api_key=self.cfg.api_key,
+                              protect_metrics=self.cfg.protect_metrics,
+                              max_requests_per_client=self.cfg.max_requests_per_client)
         self.server, self._server_thread, self.port = serve_gateway(self.app, self.bind_host,
                                                                     self._port)
 
@@ -130,7 +132,8 @@ class GatewayHost(RoleHost):
         return {"instance_id": self.instance_id, "role": self.role.value,
                 "endpoint": self.mailbox.endpoint, "incarnation": self.incarnation,
                 "pid": os.getpid(), "port": self.port,
-                "url": f"http://{self.advertise_host}:{self.port}"}
+                "url": f"http://{self.advertise_host}:{self.port}",
+                **self.mailbox.security_entry()}
 
     def apply_roster(self, roster: list[dict]) -> None:
         verifiers = peers_of(roster, Role.VERIFIER)
@@ -150,6 +153,9 @@ class GatewayHost(RoleHost):
         self.num_calls += 1
         return {"num_in_flight": self.backend.num_in_flight, "pid": os.getpid(),
                 "num_protocol_errors": self.backend.num_protocol_errors,
+                "num_refused_peers": self.mailbox.num_refused_peers,
+                "num_failed_handshakes": self.mailbox.num_failed_handshakes,
+                "curve": self.mailbox.curve,
                 "num_ray_calls": self.num_calls,
                 "ready_verifiers": [v for v in self.verifiers if self.mailbox.ready(v)],
                 "verifier_loads": {v: self.loads.get(v, {}) for v in self.verifiers},

@@ -79,10 +79,11 @@ def test_clear_history_answers():
 
 
 class _Handle:
-    """What run_served uses of a ClusterHandle: its gateway's URL and the kappa switch."""
+    """What run_served uses of a ClusterHandle: its gateway's URL and key, the kappa switch."""
 
     def __init__(self, gw: FakeGateway) -> None:
         self.url, self.gw = gw.url, gw
+        self.api_key = None  # the fake gateway takes any request
         self.kappas: list[int] = []
 
     def set_num_speculative_tokens(self, kappa: int) -> None:

@@ -344,7 +344,8 @@ def test_gateway_health_turns_503_when_the_only_prefill_worker_is_deregistered(m
     gw.num_calls, gw.verifiers, gw.prefills = 0, [], []
     gw._roster_version, gw._roster_lock = None, threading.Lock()
     gw.mailbox = SimpleNamespace(call_soon=lambda fn: fn(), connect=lambda *a: None,
-                                 ready=lambda peer: True)
+                                 ready=lambda peer: True, allow=lambda keys: None,
+                                 set_peer_keys=lambda keys: None)
     gw.backend = SimpleNamespace(set_verifiers=lambda verifiers: None)
     c.register(_info("gateway-1", "gateway"), gw)
     assert gw.not_ready_reason() == ""

@@ -14,6 +14,7 @@ from specmesh.cluster.cli import build_parser
 from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.hosts.base import RoleHost
 from specmesh.cluster.loopback import node_ip_address, role_address
+from specmesh.protocol.curve import CurveKeys
 from specmesh.protocol.enums import Role
 from specmesh.protocol.messages import ModelIdentity
 from specmesh.protocol.step_profile import StepProfile
@@ -65,16 +66,22 @@ class TinyRoleHost(RoleHost):
         return _IdleWorker(self.mailbox)
 
 
-def _dial(endpoint: str) -> None:
-    """Handshake with the role at ``endpoint``: it is really bound there."""
+def _dial(host: RoleHost) -> None:
+    """Handshake with ``host`` at its advertised endpoint: it is really bound there. A role
+    with CurveZMQ (``curve`` in its entry) is dialled with its key, the probe's admitted."""
+    entry = host.describe()
     mb = ZmqMailbox("probe", "verifier", host="127.0.0.1",  # the role's own identity
                     model=TinyRoleHost.model_identity(None),
-                    draft_method=ClusterConfig().verifier.draft_method)
+                    draft_method=ClusterConfig().verifier.draft_method,
+                    keys=CurveKeys.generate())
+    if entry["curve"]:
+        host.mailbox.allow(frozenset({mb.keys.public}))
+        mb.set_peer_keys({"drafter-0": entry["curve_key"].encode()})
     try:
-        mb.connect("drafter-0", endpoint)
+        mb.connect("drafter-0", entry["endpoint"])
         deadline = time.monotonic() + 5
         while not mb.ready("drafter-0"):
-            assert time.monotonic() < deadline, f"nothing answers at {endpoint}"
+            assert time.monotonic() < deadline, f"nothing answers at {entry['endpoint']}"
             mb.recv(0.02)
     finally:
         mb.close()
@@ -91,7 +98,8 @@ def test_a_role_restarted_on_another_node_advertises_that_node(monkeypatch):
             entry = host.describe()
             assert entry["endpoint"].startswith(f"tcp://{node_ip}:"), entry
             assert entry["metrics_url"].startswith(f"http://{node_ip}:"), entry
-            _dial(entry["endpoint"])
+            assert not entry["curve"]  # a loopback bind: plain TCP unless asked
+            _dial(host)
         finally:
             host.stop()
 
@@ -127,7 +135,9 @@ def test_a_wildcard_bind_advertises_the_node_ip(monkeypatch):
     try:
         entry = host.describe()
         assert entry["endpoint"].startswith("tcp://127.0.0.1:") and "0.0.0.0" not in str(entry)
-        _dial(entry["endpoint"])
+        # every interface: other hosts can reach it, so CurveZMQ by default
+        assert entry["curve"] and len(entry["curve_key"]) == 40
+        _dial(host)
     finally:
         host.stop()
 

@@ -11,8 +11,17 @@ from helpers.hosts import BareRoleHost
 
 
 class _InlineMailbox:
+    allowed: frozenset = frozenset()
+    peer_keys: dict = {}
+
     def call_soon(self, fn):
         fn()
+
+    def allow(self, keys):
+        self.allowed = keys
+
+    def set_peer_keys(self, keys):
+        self.peer_keys = keys
 
 
 def _host():
@@ -37,6 +46,21 @@ def test_an_older_roster_arriving_late_is_dropped():
     assert host.applied == [["p", "v"], ["v"], ["x"]]
     host.update_roster([{"instance_id": "y"}])  # unversioned (a direct call): taken
     assert host.applied[-1] == ["y"]
+
+
+def test_the_curve_keys_follow_the_newest_roster_only():
+    """The public keys a role admits (CurveZMQ) are the newest roster's, applied at once; a
+    late older roster neither adds its keys back nor drops the newer ones."""
+    host = _host()
+    a = {"instance_id": "a", "curve": True, "curve_key": "A" * 40}
+    b = {"instance_id": "b", "curve": False, "curve_key": "B" * 40}
+    host.update_roster([a, b], (7, 2))
+    assert host.mailbox.allowed == {b"A" * 40, b"B" * 40}
+    assert host.mailbox.peer_keys == {"a": b"A" * 40}  # b's ROUTER takes plain TCP
+    host.update_roster([a], (7, 1))  # late
+    assert host.mailbox.allowed == {b"A" * 40, b"B" * 40}
+    host.update_roster([b], (7, 3))
+    assert host.mailbox.allowed == {b"B" * 40} and host.mailbox.peer_keys == {}
 
 
 def test_controller_pushes_increasing_versions_of_one_epoch():

@@ -1,7 +1,8 @@
 """Two Ray nodes on 127.0.0.1, roles joined with deploy/launch_roles.sh (``specmesh launch``):
 the head node offers the ``prefill``, ``verifier`` and ``gateway`` resources, a second node only
 ``drafter``. The output token ids through the gateway (``return_token_ids``) equal plain greedy
-decode's with drafts accepted, and the drafter runs on the second node.
+decode's with drafts accepted, and the drafter runs on the second node. Every role-to-role link
+runs CurveZMQ (``--secure-transport``; protocol/curve.py), the keys handed out with the roster.
 
 The roles are launched as deploy/README.md's flow had them fail: prefill, drafter and verifier
 with ``--dtype float32``, the gateway afterwards without ``--dtype``; it follows the dtype the
@@ -44,8 +45,11 @@ RAY_START = HERE / "_ray_start.py"
 #: plain greedy on the tiny model repeats itself after the second and third (drafts accepted)
 PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Count: 1, 2, 3, 4, 5,"]
 MAX_TOKENS = 24
+#: ``--secure-transport``: CurveZMQ between the roles although they bind 127.0.0.1 (``auto``
+#: would leave loopback links plain), as on a real multi-node cluster
 ROLE_ARGS = ["--model", None, "--dtype", "float32", "--num-speculative-tokens", "3",
-             "--kv-cache-mb", "32", "--max-model-len", "1024", "--threads", "1"]
+             "--kv-cache-mb", "32", "--max-model-len", "1024", "--threads", "1",
+             "--secure-transport"]
 
 
 def _free_port() -> int:
@@ -316,6 +320,8 @@ def test_drafter_runs_on_the_second_node(multinode):
     assert set(roster) == {"prefill-0", "drafter-0", "verifier-0", "gateway-0"}
     assert {i["instance_id"]: i["pid"] for i in multinode["launched"]} == pids
     assert all(r["endpoint"].startswith("tcp://127.0.0.1:") for r in roster.values())
+    # every link is CurveZMQ: each role's ROUTER requires it, with its key in the roster
+    assert all(r["curve"] and len(r["curve_key"]) == 40 for r in roster.values()), roster
     assert all(h["alive"] and not h["last_error"] for h in ready["health"].values())
 
 
