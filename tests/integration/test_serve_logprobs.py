@@ -99,3 +99,31 @@ def test_served_loglikelihood_request(cluster, plain):
     assert info["tokenizer_class"] and info["eos_token"]
     r = httpx.post(f"{cluster.url}/tokenize", json={"prompt": PROMPTS[0]}, timeout=30).json()
     assert r["tokens"] == prompts[0] and r["count"] == len(prompts[0])
+
+
+def _counter(url: str, name: str) -> float:
+    """The sum of a counter over every role's series in the gateway's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_served_n_choices_prefill_once_and_equal_n1(cluster, plain):
+    """``n`` through the Ray cluster: the four choices are siblings on one verifier, the prompt
+    prefilled once (the prefill role's counter) and three forked from its KV, each equal to
+    plain greedy decode, drafts accepted."""
+    tok, run = plain
+    prompt = PROMPTS[0]
+    want = run(list(tok(prompt)["input_ids"]))
+    prefills = _counter(cluster.url, "specmesh:prefill_requests_total")
+    forks = _counter(cluster.url, "specmesh:sibling_forks_total")
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "n": 4,
+            "return_token_ids": True}
+    r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [ch["index"] for ch in out["choices"]] == [0, 1, 2, 3]
+    assert all(ch["token_ids"] == want.token_ids for ch in out["choices"])
+    assert out["spec_stats"]["num_accepted_tokens"] > 0
+    assert _counter(cluster.url, "specmesh:prefill_requests_total") == prefills + 1
+    assert _counter(cluster.url, "specmesh:sibling_forks_total") == forks + 3
