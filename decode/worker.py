@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from specmesh.decode.admission import BlockAllocator
 from specmesh.decode.config import VerifierConfig
 from specmesh.decode.core_sharing import CoreSharing
 from specmesh.decode.corpus_relay import CorpusRelay
@@ -28,7 +29,7 @@ from specmesh.decode.prefill_loss import PrefillLoss
 from specmesh.decode.prefill_pause import PrefillPause
 from specmesh.decode.prefill_start import PrefillStart
 from specmesh.decode.request import Request, RequestStatus
-from specmesh.decode.scheduler import BlockAllocator, Scheduler
+from specmesh.decode.scheduler import Scheduler
 from specmesh.decode.sibling_fork import SiblingFork
 from specmesh.decode.stats import VerifierStats
 from specmesh.decode.verify_step import VerifyStep
