@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specmesh.gateway.api_errors import GatewayError, bad_request, error_body
 from specmesh.gateway.auth import add_api_key
 from specmesh.gateway.choices import (
     ChoiceFormat, ChunkWriter, choice_chunks, full_choice, sse as _sse, sse_response, usage_of,
@@ -37,10 +38,8 @@ from specmesh.gateway.tokenize_api import add_tokenize_routes
 from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.gateway.n_choices import MAX_CHOICES, choice_request
 from specmesh.gateway.penalties import penalty_sampling_fields
-from specmesh.gateway.schemas import (
-    MAX_PREDICTION_CHARS_PER_TOKEN, MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest,
-    GatewayError, bad_request, error_body,
-)
+from specmesh.gateway.prediction_field import MAX_PREDICTION_CHARS_PER_TOKEN
+from specmesh.gateway.schemas import MAX_REQUEST_ID_LEN, ChatCompletionRequest, CompletionRequest
 from specmesh.gateway.structured import (
     GrammarCompiler, Structured, read_structured,
 )

@@ -30,7 +30,7 @@ from collections import Counter as Tally
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from specmesh.gateway.schemas import bad_request, error_body
+from specmesh.gateway.api_errors import bad_request, error_body
 from specmesh.protocol.messages import MAX_CORPUS_TOKENS
 
 log = logging.getLogger(__name__)
