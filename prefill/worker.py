@@ -11,12 +11,10 @@ verifier can stream the first token while the KV is still on its way; then each 
 as KVFrames (prefill/kv_frames.py). KV frames and PrefillDone go on the same ordered channel.
 A PrefillCancel is acknowledged once no frame of that transfer can follow.
 
-With ``enable_prefix_caching`` the full KV blocks of the prompts prefilled stay in this worker's
-cache (prefill/prefix_cache.py): a prompt whose leading full blocks were prefilled before
-reuses them and computes only the rest, then ships the KV of all its blocks as usual.
-
-A batch whose verifier shares this worker's cores and computes nothing meanwhile
-(``PrefillRequest.verifier_idle``) runs on the verifier's thread count too (``idle_threads``).
+With ``enable_prefix_caching`` a prompt reuses the cached KV of its leading full blocks
+(prefill/prefix_cache.py) and ships the KV of all its blocks as usual. A batch whose verifier
+shares these cores and idles meanwhile (``PrefillRequest.verifier_idle``) runs on the
+verifier's threads too (``idle_threads``).
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from specmesh.prefill.claims import can_allocate, claim_blocks, unclaim
 from specmesh.prefill.config import PrefillConfig
 from specmesh.prefill.forward import prefill_forward
 from specmesh.prefill.kv_frames import kv_frames, send_frames
+from specmesh.prefill.prefill_stats import PrefillStats
 from specmesh.prefill.prefix_cache import PrefixCache
 from specmesh.prefill.validation import invalid_reason
 from specmesh.protocol.errors import ProtocolError
@@ -61,22 +60,6 @@ class Queued:
     peer: str
     req: PrefillRequest
     received: float
-
-
-@dataclass
-class PrefillStats:
-    num_requests: int = 0
-    num_prompt_tokens: int = 0
-    num_frames_sent: int = 0
-    num_bytes_sent: int = 0
-    num_cancelled: int = 0
-    num_failed: int = 0
-    num_protocol_errors: int = 0
-    num_dropped_backlog: int = 0  # queued requests of a verifier that went away or restarted
-    num_dropped_messages: int = 0  # an Abort for no queued request, a kind prefill does not take
-    num_computed_tokens: int = 0  # prompt tokens run through a forward (cache hits are not)
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's name)
-    prefix_cache_hits: int = 0  # of those, tokens whose KV was cached (not computed)
 
 
 class PrefillWorker(MailboxWorker):
