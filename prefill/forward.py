@@ -32,12 +32,12 @@ def prefill_forward(runner: ModelRunner, config: PrefillConfig, paged: bool,
     """Run the prompts through ``runner``, each from ``starts[i]`` (its KV before that is
     cached; ``paged``: prefix caching is on, so chunks run paged whether cached or not, for the
     same bits), and sample output position 0 (prefill/first_token.py; ``generator`` gives the
-    worker's randomness per device for unseeded requests). Returns
-    per request its first token (output position 0, by its sampling mode), the seed
-    state PrefillDone carries (None: its method has none), its (first token, prompt)
-    logprobs when asked (SamplingParams.logprobs / prompt_logprobs) and its siblings'
-    first tokens with their logprobs when asked (PrefillRequest.sibling_sampling, each by
-    its own sampling from the same row; None: it has none)."""
+    worker's randomness per device for unseeded requests). Returns per request its first token
+    (output position 0, by its sampling mode), the seed state PrefillDone carries (None: its
+    method has none), its (first token, prompt) logprobs when asked (SamplingParams.logprobs /
+    prompt_logprobs) and its siblings' first tokens with their logprobs when asked
+    (PrefillRequest.sibling_sampling, each by its own sampling from the same row; None: it has
+    none)."""
     kinds = [config.seed_states.get(r.draft_method, "") for r in reqs]
     # hidden states once per batch: the widest layer set any request's method asks for
     hidden_kinds = sorted({k for k in kinds if is_hidden_seed(k)})
@@ -56,20 +56,19 @@ def prefill_forward(runner: ModelRunner, config: PrefillConfig, paged: bool,
     prompt_lps: list[TokenLogprobs | None] = [None] * len(reqs)
     if len(reqs) == 1 and reqs[0].sampling.prompt_logprobs is not None:
         out, prompt_lps[0] = prefill_with_prompt_logprobs(
-            runner, config.chunk_size, reqs[0], tables[0], want_hidden, layers,
-            paged)
+            runner, config.chunk_size, reqs[0], tables[0], want_hidden, layers, paged)
         logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
     elif len(reqs) == 1:
         out = runner.prefill(prompts[0], tables[0], chunk_size=config.chunk_size,
-                                  start_pos=starts[0], return_hidden=want_hidden,
-                                  hidden_layers=layers, paged=paged)
+                             start_pos=starts[0], return_hidden=want_hidden,
+                             hidden_layers=layers, paged=paged)
         logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
     else:  # whole prompts (bounded by the batch's token budget): every row's logits only
         # when a request asks for prompt logprobs (whose prompt then starts at 0: no cache)
         rows = "all" if any(r.sampling.prompt_logprobs is not None for r in reqs) else "last"
         out = runner.prefill_batch(prompts, tables, return_hidden=want_hidden,
-                                        hidden_layers=layers, start_positions=starts,
-                                        paged=paged, logits=rows)
+                                   hidden_layers=layers, start_positions=starts,
+                                   paged=paged, logits=rows)
         logits, hidden = out if want_hidden else (out, None)
         for i, r in enumerate(reqs):
             k = r.sampling.prompt_logprobs
