@@ -1,9 +1,7 @@
 """The verifier's scheduler: who runs, with how many drafts, and where (pure Python, no torch).
 
-Modelled on nano-vllm's and vLLM's schedulers: requests wait in a FIFO queue until the KV they
-can ever need (prompt + ``max_tokens``) fits next to what earlier admissions were promised and
-fewer than ``max_num_seqs`` are admitted; blocks are then allocated lazily as the request grows,
-out of that reservation, so a running request never runs out of KV. Each step the scheduler
+Admission, KV reservation and peer choice live in :mod:`decode.admission`, the tail-wait
+budget in :mod:`decode.tail_wait` (mixins of :class:`Scheduler`). Each step the scheduler
 plans, per running request, the drafts to verify: its usable tail, capped by kappa
 (``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
 more than its recent accept length, (``goodput_drafts``) by its goodput-maximising cap this step
@@ -17,9 +15,7 @@ steps do not move the accept history the method's caps read (:meth:`Scheduler.ob
 A
 request whose tail holds a draft tree (one-hot drafts) gets a tree instead: its depth capped
 like a chain's length, its nodes by ``max_tree_nodes`` (default twice kappa, as vLLM / SGLang
-give trees a node budget of their own). It also
-decides whether a step may wait for a draft tail in flight, and picks the prefill worker and the
-drafter of a request (least loaded).
+give trees a node budget of their own).
 
 The block manager is any object with ``num_blocks``, ``num_free_blocks``, ``blocks_for``,
 ``allocate`` and ``free`` (``engine.block_manager.BlockManager``); tests hand-build requests and
@@ -29,35 +25,21 @@ use the real one, no model needed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from specmesh.decode.config import ACCEPT_LEN_EMA_WEIGHT, STEP_TIME_EMA_WEIGHT, VerifierConfig
-from specmesh.decode.goodput import DraftBudget, DraftCaps, expected_tokens
+from specmesh.decode.admission import Admission, BlockAllocator
+from specmesh.decode.config import ACCEPT_LEN_EMA_WEIGHT, VerifierConfig
+from specmesh.decode.goodput import DraftBudget, DraftCaps
 from specmesh.decode.kappa_schedule import KappaSchedule
-from specmesh.decode.request import Request, RequestStatus
+from specmesh.decode.request import Request
+from specmesh.decode.tail_wait import TailWait
 from specmesh.protocol.messages import SamplingParams
 
 
 #: Factor a request's prediction width grows by after a step that accepted its whole
 #: prediction run (Scheduler.prediction_drafts).
 PREDICTION_WIDTH_GROWTH = 2
-
-
-class BlockAllocator(Protocol):
-    num_blocks: int
-
-    @property
-    def num_free_blocks(self) -> int: ...
-
-    def blocks_for(self, num_tokens: int) -> int: ...
-
-    def allocate(self, num_blocks: int) -> list[int]: ...
-
-    def free(self, block_ids: list[int]) -> None: ...
-
-    def share(self, block_ids: list[int]) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +64,7 @@ class PlannedRequest:
         return 1 + len(self.draft_token_ids)
 
 
-class Scheduler:
+class Scheduler(Admission, TailWait):
     """Admission, KV reservation, draft plans, tail-wait decisions and peer choice.
 
     ``num_speculative_tokens`` starts at the config's value; the controller may change it.
@@ -114,159 +96,6 @@ class Scheduler:
         #: its grammars' check, decode/grammar.py: drafts a request's grammar refuses are cut
         #: here, before the forward); default: all
         self.draft_limit: Callable[[Request, list[int]], int] = lambda req, drafts: len(drafts)
-
-    # -- queue -----------------------------------------------------------------------------
-
-    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                 num_speculative_tokens: int | None, vocab_size: int,
-                 prediction_token_ids: list[int] | None = None) -> str:
-        """Why a GenerateRequest of this shape can never run here ("" when it can): an empty
-        prompt, token ids outside ``[0, vocab_size)`` (prompt or prediction), ``max_tokens <
-        1``, sampling no rule verifies (SamplingParams.invalid_reason), a negative kappa, more
-        tokens than ``max_model_len`` / the KV cache, or a prediction longer than
-        ``max_model_len`` (the gateway's bound too)."""
-        n, max_tokens = len(prompt_token_ids), sampling.max_tokens
-        if n == 0:
-            return "prompt is empty"
-        if any(t < 0 or t >= vocab_size for t in prompt_token_ids):
-            return f"prompt token ids must lie in [0, {vocab_size})"
-        if max_tokens < 1:
-            return "max_tokens must be >= 1"
-        # greedy, sampled and seeded requests all run
-        why = sampling.invalid_reason() or sampling.vocab_reason(vocab_size)
-        if why:
-            return why
-        if num_speculative_tokens is not None and num_speculative_tokens < 0:
-            return "num_speculative_tokens must be >= 0"
-        if prediction_token_ids is not None:
-            if len(prediction_token_ids) > self.config.max_model_len:
-                return (f"the prediction has {len(prediction_token_ids)} tokens, more than the "
-                        f"maximum model length {self.config.max_model_len}")
-            if any(t < 0 or t >= vocab_size for t in prediction_token_ids):
-                return f"prediction token ids must lie in [0, {vocab_size})"
-        if n + max_tokens > self.config.max_model_len:
-            return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
-                    f"maximum model length {self.config.max_model_len}")
-        need = self.block_manager.blocks_for(n + max_tokens)
-        if need > self.block_manager.num_blocks:
-            return f"request needs {need} KV blocks, the verifier has {self.block_manager.num_blocks}"
-        return ""
-
-    def queue_full(self) -> bool:
-        """True when one more waiting request must be refused (HTTP 429 at the gateway)."""
-        return len(self.waiting) >= self.config.max_queue_len
-
-    def enqueue(self, req: Request) -> None:
-        self.waiting.append(req)
-
-    def dequeue(self, req: Request) -> None:
-        """Forget a waiting request (aborted before admission); no-op if it is not waiting."""
-        if req in self.waiting:
-            self.waiting.remove(req)
-
-    def speculative_tokens_for(self, requested: int | None) -> int:
-        """Kappa of a new request: its own (capped) or the current default; under the
-        schedule policy the default is the schedule's largest candidate (while the default
-        is not 0: speculation off), so the step's kappa (:meth:`begin_step`) is what caps
-        it and a change reaches it at its next step."""
-        k = self.num_speculative_tokens if requested is None else requested
-        if requested is None and self.kappa_schedule is not None and k > 0:
-            k = self.kappa_schedule.config.max_kappa
-        return min(k, self.config.max_num_speculative_tokens)
-
-    # -- admission and KV ------------------------------------------------------------------
-
-    def admit(self, requests: Iterable[Request], prefill_peers: list[str],
-              prefill_load: Callable[[str], int],
-              hold: Callable[[Request], bool] = lambda req: False) -> list[Request]:
-        """Move waiting requests that fit into PREFILLING, in arrival order, passing over those
-        ``hold`` keeps waiting (siblings to be forked from their leader's KV, a leader whose
-        group is still arriving: decode/siblings.py).
-
-        ``requests`` are all live requests (to count admitted ones and outstanding KV). An
-        admitted request gets the blocks of its prompt plus kappa + 1 look-ahead slots now, the
-        rest of its reservation later (:meth:`ensure_blocks`), and a prefill peer (least
-        ``prefill_load`` plus the requests this call gave it; ties rotate, so idle workers, one
-        that just joined too, share the requests). Nothing is admitted while no prefill worker
-        is known.
-        """
-        live = list(requests)
-        admitted_now = sum(r.status is not RequestStatus.WAITING for r in live)
-        free = self.block_manager.num_free_blocks - self.outstanding_blocks(live)
-        out: list[Request] = []
-        bm = self.block_manager
-        given = dict.fromkeys(prefill_peers, 0)  # transfers this call starts, per peer
-        for req in list(self.waiting):
-            if admitted_now >= self.config.max_num_seqs or not prefill_peers:
-                break
-            if hold(req):
-                continue
-            reserve = bm.blocks_for(req.prompt_len + req.sampling.max_tokens)
-            if free < reserve:
-                break
-            self.waiting.remove(req)
-            first = bm.blocks_for(req.prompt_len + req.num_speculative_tokens + 1)
-            req.block_table = bm.allocate(min(first, reserve))
-            req.num_reserved_blocks = reserve
-            free -= reserve
-            turn = self._prefill_turn % len(prefill_peers)
-            self._prefill_turn += 1
-            order = prefill_peers[turn:] + prefill_peers[:turn]
-            req.prefill_peer = min(order, key=lambda p: prefill_load(p) + given[p])
-            given[req.prefill_peer] += 1
-            req.status = RequestStatus.PREFILLING
-            admitted_now += 1
-            out.append(req)
-        return out
-
-    def outstanding_blocks(self, requests: Iterable[Request]) -> int:
-        """Blocks promised to admitted requests but not allocated yet."""
-        return sum(max(r.num_reserved_blocks - len(r.block_table), 0)
-                   for r in requests if r.status is not RequestStatus.WAITING)
-
-    def num_free_blocks(self, requests: Iterable[Request]) -> int:
-        """Blocks neither allocated nor promised: room for new admissions."""
-        return self.block_manager.num_free_blocks - self.outstanding_blocks(requests)
-
-    def fork(self, leader: Request, sibling: Request, requests: Iterable[Request],
-             num_shared_blocks: int) -> list[int] | None:
-        """Admit waiting ``sibling`` onto ``leader``'s prompt KV (decode/siblings.py): its block
-        table holds the leader's first ``num_shared_blocks`` blocks (shared) and its own blocks
-        for the rest of its prompt plus kappa + 1 look-ahead slots; its reservation is its own
-        request's, less the shared blocks. Returns the pairs to copy as ``[leader's partial
-        block, sibling's copy]`` (empty: the prompt ends on a block boundary), or None when
-        there is no sequence slot or KV room (nothing changes: it stays waiting)."""
-        live = list(requests)
-        if sum(r.status is not RequestStatus.WAITING for r in live) >= self.config.max_num_seqs:
-            return None
-        bm = self.block_manager
-        reserve = bm.blocks_for(sibling.prompt_len + sibling.sampling.max_tokens)
-        first = min(bm.blocks_for(sibling.prompt_len + sibling.num_speculative_tokens + 1),
-                    reserve)
-        if self.num_free_blocks(live) < reserve - num_shared_blocks:
-            return None
-        self.dequeue(sibling)
-        own = bm.allocate(first - num_shared_blocks)
-        sibling.block_table = bm.share(leader.block_table[:num_shared_blocks]) + own
-        sibling.num_reserved_blocks = reserve
-        sibling.prefill_peer = leader.prefill_peer
-        sibling.status = RequestStatus.PREFILLING
-        if sibling.prompt_len % bm.block_size:
-            return [leader.block_table[num_shared_blocks], own[0]]
-        return []
-
-    def ensure_blocks(self, req: Request, num_tokens: int) -> None:
-        """Grow ``req.block_table`` to hold ``num_tokens`` positions (out of its reservation)."""
-        need = self.block_manager.blocks_for(num_tokens) - len(req.block_table)
-        if need > 0:
-            req.block_table.extend(self.block_manager.allocate(need))
-
-    def release(self, req: Request) -> None:
-        """Free every block of ``req`` and drop its reservation."""
-        if req.block_table:
-            self.block_manager.free(req.block_table)
-        req.block_table = []
-        req.num_reserved_blocks = 0
 
     # -- the per-step draft plan -----------------------------------------------------------
 
@@ -446,60 +275,3 @@ class Scheduler:
         """A verify forward over ``num_tokens`` query tokens took ``seconds`` (the cost model
         of ``goodput_drafts``)."""
         self.draft_budget.observe_forward(num_tokens, seconds)
-
-    # -- waiting for tails -----------------------------------------------------------------
-
-    def observe_step_time(self, seconds: float) -> None:
-        """Feed the verify-step time EMA (sizes the tail-wait budget)."""
-        if self.step_time_ema_s == 0:
-            self.step_time_ema_s = seconds
-        else:
-            self.step_time_ema_s += STEP_TIME_EMA_WEIGHT * (seconds - self.step_time_ema_s)
-
-    def tail_wait_budget_s(self, running: list[Request] | None = None,
-                           waiting: list[Request] | None = None) -> float:
-        """Longest a step may wait (from its start) for tails in flight: a fraction
-        (``tail_wait_fraction``) of one verify step and, with ``goodput_drafts``, no longer
-        than the next draft is worth.
-
-        Waiting ``w`` for a draft of expected gain ``g`` (``rate ** j`` for the request's j-th
-        draft) pays while ``(E + g) / (T + w) > E / T``, i.e. ``w < T * g / E``: ``T`` the
-        step time, ``E`` the tokens the step already expects (one per running request plus
-        the gains of the drafts already there). So a step waits long for a request's first
-        draft, briefly for its second and hardly at all in a large batch, where every
-        request waits with it. (A model drafter streams its drafts one forward apart: a fixed
-        budget spent much of a step waiting for second drafts that came too late.)
-        ``waiting``: the requests whose tails may still come (default: ``running``).
-        """
-        cap = self.config.tail_wait_fraction * self.step_time_ema_s
-        if not self.config.goodput_caps or running is None:
-            return cap
-        awaited = self.awaiting_tail(running if waiting is None else waiting)
-        if not awaited:
-            return 0.0
-        have = {id(r): len(r.tail.usable(self.drafts_wanted(r))) for r in running}
-        expected = len(running) + sum(expected_tokens(r.acceptance.rate, have[id(r)]) - 1
-                                      for r in running)
-        gain = max(r.acceptance.rate ** (have[id(r)] + 1) for r in awaited)
-        return min(cap, self.step_time_ema_s * gain / expected)
-
-    def awaiting_tail(self, running: list[Request]) -> list[Request]:
-        """Running requests whose drafter owes them a tail that would add drafts this step
-        (drafts it would verify: :meth:`drafts_wanted`, so no step waits for drafts the
-        goodput caps hold back)."""
-        return [r for r in running if r.tail_in_flight and r.drafter is not None
-                and len(r.tail) < self.drafts_wanted(r)]
-
-    # -- peer choice -----------------------------------------------------------------------
-
-    def pick_drafter(self, req: Request, requests: Iterable[Request],
-                     drafter_peers: list[str]) -> str | None:
-        """The least loaded drafter for ``req``, or None when it should run without drafts
-        (speculation off for it, quarantined, or no drafter known)."""
-        if not (req.spec_enabled and req.num_speculative_tokens > 0 and drafter_peers):
-            return None
-        load = dict.fromkeys(drafter_peers, 0)
-        for r in requests:
-            if r.drafter in load:
-                load[r.drafter] += 1
-        return min(drafter_peers, key=lambda p: load[p])

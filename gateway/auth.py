@@ -23,7 +23,7 @@ import time
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
 
-from specmesh.gateway.schemas import error_body
+from specmesh.gateway.api_errors import error_body
 
 log = logging.getLogger(__name__)
 

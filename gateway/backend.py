@@ -15,7 +15,9 @@ not come back within ``verifier_lost_grace_s`` fails with an error naming the ve
 request that gets no TokenStream for ``stream_timeout_s`` (a verifier alive but silent) fails
 too; either way its pending entry is gone. A TokenStream whose ``offset`` is not the number of
 tokens already delivered (a lost or repeated delta) fails the request
-(docs/architecture.md, 'Messages').
+(docs/architecture.md, 'Messages'). The reader thread is in gateway/stream_reader.py, the
+verifiers' liveness in gateway/verifier_liveness.py and the choice of a request's verifier in
+gateway/verifier_choice.py (mixins of :class:`MailboxBackend`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from specmesh.protocol.errors import ProtocolError
+from specmesh.gateway.pending import Pending
+from specmesh.gateway.stream_reader import StreamReader
+from specmesh.gateway.verifier_choice import VERIFIER_WAIT_S, VerifierChoice
+from specmesh.gateway.verifier_liveness import VerifierLiveness
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import Abort, GenerateRequest, TokenStream
 
@@ -39,10 +43,6 @@ log = logging.getLogger(__name__)
 
 #: Abort reason when a stream is closed or cancelled before its finished TokenStream
 ABANDONED_REASON = "client disconnected"
-#: How long a new request waits for a verifier to be connected (a cluster still starting, a
-#: verifier restarting) before it fails, seconds; and how often it looks again.
-VERIFIER_WAIT_S = 30.0
-VERIFIER_POLL_S = 0.05
 #: Default stream idle timeout, seconds: a request that gets no TokenStream for this long (its
 #: verifier alive but silent: a hung loop, a lost final delta) fails. A request queued on a
 #: busy verifier or prefilling a long prompt is silent too, so this is well above the KV
@@ -79,19 +79,7 @@ def finished_stream(request_id: str, reason: str, error: str = "") -> TokenStrea
                        finish_reason=reason, error=error)
 
 
-@dataclass
-class _Pending:
-    """Gateway-side state of one in-flight request."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    verifier: str = ""
-    last: TokenStream | None = None  # latest real stats, for a local terminal message
-    closed: bool = field(default=False)
-    num_tokens: int = 0  # output tokens delivered: the offset the next TokenStream must carry
-
-
-class MailboxBackend:
+class MailboxBackend(StreamReader, VerifierLiveness, VerifierChoice):
     """Backend over a :class:`protocol.transport.Mailbox` (in-process hub or ZMQ).
 
     Args:
@@ -123,7 +111,7 @@ class MailboxBackend:
         self.verifier_wait_s = verifier_wait_s
         self.verifier_lost_grace_s = verifier_lost_grace_s
         self.clock = clock
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self._incarnations: dict[str, int] = {}  # verifier -> newest incarnation seen
         self._lost: dict[str, float] = {}  # verifier -> when its connection dropped
         self._gone: set[str] = set()  # lost past the grace period, not back yet
@@ -189,155 +177,6 @@ class MailboxBackend:
             return False
         return True
 
-    # ------------------------------------------------------------------ reader thread
-
-    def _reader(self) -> None:
-        while not self._stop.is_set():
-            self.num_reader_turns += 1
-            try:
-                env = self.mailbox.recv(self._recv_timeout())
-                if env is not None:
-                    self._handle(env.peer, env.msg)
-                self._check_lost()
-            except Exception:  # noqa: BLE001 - the reader must survive anything
-                log.exception("gateway backend reader: unexpected error")
-                self._stop.wait(self.recv_timeout_s)
-
-    def _handle(self, peer: str, msg: object) -> None:
-        if isinstance(msg, ProtocolError):
-            self.num_protocol_errors += 1
-            log.warning("protocol error from %s (request %s): %s", peer, msg.request_id, msg)
-            if msg.request_id is not None and msg.request_id in self._pending:
-                # A lost delta would corrupt the text: fail that request only.
-                self._send_abort(msg.request_id, "protocol error")
-                self._fail(msg.request_id, FinishReason.ERROR,
-                           f"protocol error from {peer}: {msg}")
-            return
-        if isinstance(msg, TokenStream):
-            pending = self._pending.get(msg.request_id)
-            if pending is not None and not pending.closed:
-                if msg.offset != pending.num_tokens:
-                    self._stream_gap(peer, pending, msg)
-                    return
-                pending.num_tokens += len(msg.token_ids)
-            if pending is not None and not msg.finished:
-                pending.last = msg
-            if not self._deliver(msg.request_id, msg, final=msg.finished):
-                self.num_dropped_streams += 1
-                log.debug("dropped TokenStream for unknown request %s", msg.request_id)
-            return
-        handler = self.control_handlers.get(type(msg))
-        if handler is not None:
-            handler(peer, msg)
-            return
-        self.num_ignored_messages += 1
-        log.debug("gateway ignores %s from %s", type(msg).__name__, peer)
-
-    def _stream_gap(self, peer: str, pending: _Pending, msg: TokenStream) -> None:
-        """``msg`` does not start where the delivered output ends: a delta was lost (gap) or
-        repeated (overlap). Nothing of it reaches the client; the request fails and the
-        verifier is told to drop it."""
-        have, rid = pending.num_tokens, msg.request_id
-        if msg.offset > have:
-            what = (f"a gap: output tokens {have}..{msg.offset - 1} never arrived (a lost "
-                    "TokenStream)")
-        else:
-            what = (f"an overlap: output tokens {msg.offset}..{have - 1} arrived twice")
-        self.num_stream_gaps += 1
-        error = (f"the token stream of request {rid} from {peer} has {what}; the request is "
-                 "failed rather than return output with a hole")
-        log.warning("%s", error)
-        self._send_abort(rid, "token stream gap")
-        self._fail(rid, FinishReason.ERROR, error)
-
-    # ------------------------------------------------------------------ verifier liveness
-
-    def verifier_hello(self, peer: str, incarnation: int | None) -> None:
-        """``peer`` (a verifier) acknowledged our Hello, or the roster lists it, as
-        ``incarnation``. A newer incarnation than the one known is a restarted process: the
-        requests its previous life held fail at once. Thread-safe."""
-        if incarnation is None or incarnation < 0:
-            return
-        with self._lock:
-            old = self._incarnations.get(peer)
-            if old is not None and incarnation < old:
-                return  # a late, stale report
-            self._incarnations[peer] = incarnation
-            self._lost.pop(peer, None)
-            self._gone.discard(peer)
-            if old is not None and incarnation == old:
-                return  # the same process is back: nothing was lost
-        if old is not None:
-            self._fail_verifier(peer, f"verifier {peer} restarted (incarnation {old} -> "
-                                      f"{incarnation}); the requests its previous life held "
-                                      "are lost")
-
-    def verifier_disconnected(self, peer: str) -> None:
-        """The connection to ``peer`` dropped (closed, reset, or its heartbeat timed out). Its
-        requests fail unless it comes back as the same incarnation within
-        ``verifier_lost_grace_s``. Thread-safe."""
-        with self._lock:
-            self._lost.setdefault(peer, self.clock())
-            self._gone.discard(peer)
-
-    def set_verifiers(self, verifiers: dict[str, int | None]) -> None:
-        """The roster's verifiers (instance id -> incarnation): requests held by a verifier
-        that left the roster fail at once, and so do those of a verifier whose roster entry is
-        a newer incarnation. Thread-safe."""
-        with self._lock:
-            gone = {p.verifier for p in self._pending.values()
-                    if p.verifier and p.verifier not in verifiers}
-            for peer in list(self._lost):
-                if peer not in verifiers:
-                    del self._lost[peer]
-            self._gone &= set(verifiers)
-        for peer in sorted(gone):
-            self._fail_verifier(peer, f"verifier {peer} left the roster (it died or was "
-                                      "removed); the requests it held are lost")
-        for peer, incarnation in verifiers.items():
-            self.verifier_hello(peer, incarnation)
-
-    def _recv_timeout(self) -> float:
-        """The reader's next wait: ``recv_timeout_s``, or less when a lost verifier's grace
-        period ends sooner."""
-        with self._lock:
-            if not self._lost:
-                return self.recv_timeout_s
-            first = min(self._lost.values())
-        left = first + self.verifier_lost_grace_s - self.clock()
-        return min(self.recv_timeout_s, max(left, 0.0) + 0.01)
-
-    def _check_lost(self) -> None:
-        """Fail the requests of every verifier lost for longer than the grace period."""
-        if not self._lost:
-            return
-        now = self.clock()
-        with self._lock:
-            expired = [p for p, t in self._lost.items()
-                       if now - t >= self.verifier_lost_grace_s]
-            for peer in expired:
-                del self._lost[peer]
-                self._gone.add(peer)
-        for peer in expired:
-            self._fail_verifier(peer, self._gone_error(peer))
-
-    def _gone_error(self, peer: str) -> str:
-        return (f"lost the connection to verifier {peer} and it did not come back within "
-                f"{self.verifier_lost_grace_s:g} s (it died, or its node did); the request's "
-                "output is lost")
-
-    def _fail_verifier(self, peer: str, error: str) -> None:
-        """End every request held by ``peer`` with ``error`` (no Abort: the process that held
-        them is gone)."""
-        with self._lock:
-            rids = [rid for rid, p in self._pending.items()
-                    if p.verifier == peer and not p.closed]
-        if rids:
-            log.warning("%s (%d requests)", error, len(rids))
-        for rid in rids:
-            self.num_verifier_losses += 1
-            self._fail(rid, FinishReason.ERROR, error)
-
     def _fail(self, request_id: str, reason: str, error: str = "") -> None:
         pending = self._pending.get(request_id)
         last = pending.last if pending is not None else None
@@ -369,7 +208,7 @@ class MailboxBackend:
                 it is left as it is (nothing is sent, nothing aborted).
         """
         rid = req.request_id
-        pending = _Pending(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+        pending = Pending(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
         with self._lock:
             if rid in self._pending:
                 raise DuplicateRequestId(f"request id {rid!r} is already in flight")
@@ -411,43 +250,6 @@ class MailboxBackend:
         finally:
             if not finished:
                 self.abort(rid, ABANDONED_REASON)
-
-    def _group_verifier(self, req: GenerateRequest) -> str | None:
-        """The verifier the other requests of ``req``'s sibling group (the ``n`` choices of a
-        prompt, decode/siblings.py) went to: one verifier prefills the prompt once for all."""
-        if not req.group:
-            return None
-        with self._lock:
-            entry = self._groups.get(req.group)
-        return entry[0] if entry is not None and entry[0] not in self._gone else None
-
-    def _join_group(self, req: GenerateRequest, verifier: str) -> None:
-        """Remember ``req``'s group's verifier until all ``group_size`` requests were sent."""
-        if not req.group or req.group_size < 2:
-            return
-        with self._lock:
-            _, sent = self._groups.get(req.group, (verifier, 0))
-            if sent + 1 >= req.group_size:
-                self._groups.pop(req.group, None)
-            else:
-                self._groups[req.group] = (verifier, sent + 1)
-
-    async def _wait_for_verifier(self) -> str:
-        """``pick_verifier()``, asked again every VERIFIER_POLL_S while it raises, for at most
-        ``verifier_wait_s``.
-
-        Raises:
-            ConnectionError: still no verifier after ``verifier_wait_s`` (the last error says
-                why).
-        """
-        deadline = self.clock() + self.verifier_wait_s
-        while True:
-            try:
-                return self.pick_verifier()
-            except Exception as err:  # noqa: BLE001 - whatever says "not now"
-                if self.clock() >= deadline:
-                    raise ConnectionError(f"{err} (waited {self.verifier_wait_s:g} s)") from err
-            await asyncio.sleep(VERIFIER_POLL_S)
 
     def abort(self, request_id: str, reason: str = "abort",
               num_output_tokens: int | None = None) -> None:

@@ -22,11 +22,11 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from specmesh.gateway.api_errors import error_body
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta
 from specmesh.gateway.logprobs import (
     TokenTexts, chat_logprobs, completion_logprobs, completion_text_length, vllm_prompt_logprobs,
 )
-from specmesh.gateway.schemas import error_body
 from specmesh.gateway.structured import Structured, forced_tool_calls
 from specmesh.protocol.messages import TokenLogprobs
 

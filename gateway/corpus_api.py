@@ -28,8 +28,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
+from specmesh.gateway.api_errors import GatewayError, bad_request, error_body
 from specmesh.gateway.corpora import DEFAULT_WAIT_S, CorpusControl
-from specmesh.gateway.schemas import GatewayError, bad_request, error_body
 from specmesh.protocol.cross_checks import corpus_name_error
 from specmesh.protocol.enums import CorpusStatus
 from specmesh.protocol.messages import MAX_CORPUS_TOKENS

@@ -14,8 +14,9 @@ The bounds of a request, and where each lives:
   ``code: too_many_requests``), released when the response (a stream too) has been sent;
 - stop strings (count, length) and ``stop_token_ids`` (count): :func:`check_stop_bounds` (400);
 - prompt tokens (``max_model_len - 1``), ``max_tokens`` (prompt + max_tokens within
-  max_model_len), the prediction (characters, then tokens): gateway/app.py, ``_Gateway.build``
-  and ``_Gateway.prediction_ids``; request ids: gateway/schemas.py (MAX_REQUEST_ID_LEN);
+  max_model_len), the prediction (characters, then tokens): gateway/request_build.py,
+  ``RequestBuilder.build`` and ``RequestBuilder.prediction_ids``; request ids:
+  gateway/schemas.py (MAX_REQUEST_ID_LEN);
 - corpora (tokens, name): gateway/corpus_api.py and protocol/messages.py (MAX_CORPUS_TOKENS,
   MAX_CORPUS_NAME_LEN);
 - one message on a role-to-role socket: protocol/zmq_transport.py (ZMQ_MAXMSGSIZE, sized from
@@ -30,7 +31,7 @@ from collections import Counter as Tally
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from specmesh.gateway.schemas import bad_request, error_body
+from specmesh.gateway.api_errors import bad_request, error_body
 from specmesh.protocol.messages import MAX_CORPUS_TOKENS
 
 log = logging.getLogger(__name__)

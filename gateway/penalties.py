@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specmesh.gateway.schemas import bad_request
+from specmesh.gateway.api_errors import bad_request
 from specmesh.gateway.tokens import prediction_ids
 
 #: most logit_bias entries / bad words / allowed ids a request may carry (a bound on the work

@@ -22,12 +22,12 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from specmesh.gateway.api_errors import bad_request
 from specmesh.gateway.choices import (
     ChoiceFormat, ChunkWriter, choice_chunks, sse, sse_response, sum_usage, usage_of,
 )
 from specmesh.gateway.generation import Finish, RequestRun, spec_stats_headers
 from specmesh.gateway.n_choices import best_indices, mean_logprob
-from specmesh.gateway.schemas import bad_request
 from specmesh.protocol.spec_stats import SpecStats
 
 #: most prompts one request may list (each is a request of its own on the verifiers)

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible endpoints and OpenAI-style errors.
+"""Request bodies of the OpenAI-compatible endpoints (their errors: gateway/api_errors.py).
 
 Every OpenAI and vLLM request field is in exactly one of three groups (a test iterates the
 OpenAI client's own field lists):
@@ -10,19 +10,19 @@ OpenAI client's own field lists):
   ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``stream``,
   ``stream_options``, ``n`` (1 only), ``num_speculative_tokens``, ``request_id``,
   ``return_token_ids`` (vLLM: output ids in each choice's ``token_ids``, prompt ids in
-  ``prompt_token_ids``), ``prediction`` (OpenAI Predicted Outputs, :data:`PREDICTION_REFUSED`
-  for the fields it cannot be combined with); logprobs (issue 33): completions ``logprobs``
-  (0..20) and ``echo`` (``max_tokens: 0`` with it: the prompt alone), vLLM's completions
-  ``prompt_logprobs`` (0..20, not streamed), chat ``logprobs`` and ``top_logprobs`` (0..20),
-  ``stream_options.continuous_usage_stats``; the penalties and token
+  ``prompt_token_ids``), ``prediction`` (OpenAI Predicted Outputs, gateway/prediction_field.py;
+  :data:`PREDICTION_REFUSED` for the fields it cannot be combined with); logprobs (issue
+  33): completions ``logprobs`` (0..20) and ``echo`` (``max_tokens: 0`` with it: the prompt
+  alone), vLLM's completions ``prompt_logprobs`` (0..20, not streamed), chat ``logprobs`` and
+  ``top_logprobs`` (0..20), ``stream_options.continuous_usage_stats``; the penalties and token
   constraints ``frequency_penalty``, ``presence_penalty``, ``logit_bias``,
   ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``
   (gateway/penalties.py); ``n`` and (completions) ``best_of`` (gateway/n_choices.py);
   structured output ``response_format``, ``structured_outputs``, ``guided_json`` /
   ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and (chat) ``tools`` /
   ``tool_choice``, read and checked by gateway/structured.py;
-- without effect on the output, accepted and ignored: :data:`NO_OUTPUT_EFFECT` (``user``,
-  ``metadata``, ``store``, ...);
+- without effect on the output, accepted and ignored: gateway/refusals.py's
+  :data:`NO_OUTPUT_EFFECT` (``user``, ``metadata``, ``store``, ...);
 - changing the output and not honoured: :data:`COMMON_REFUSED` plus the endpoint's own
   table, refused with HTTP 400 naming the field unless the value is absent, null or the
   neutral one listed (``length_penalty: 1`` passes, ``0.5`` does not).
@@ -34,9 +34,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from specmesh.gateway.api_errors import bad_request
+from specmesh.gateway.prediction_field import prediction_text
+from specmesh.gateway.refusals import (
+    CHAT_REFUSED,
+    COMMON_REFUSED,
+    COMPLETION_REFUSED,
+    PREDICTION_REFUSED,
+    refuse_unhonoured,
+)
 from specmesh.protocol.messages import MAX_LOGPROBS
 
 
@@ -49,117 +57,6 @@ PositiveInt64 = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
 NonNegInt64 = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 #: a finite JSON number (StrictFloat takes integers too, never strings or booleans)
 Number = StrictFloat
-
-#: fields without effect on the output tokens: accepted and ignored
-NO_OUTPUT_EFFECT = frozenset({
-    "user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-    "prompt_cache_options", "safety_identifier", "parallel_tool_calls", "priority",
-    "cache_salt", "kv_transfer_params",
-})
-
-#: fields that change the output and are not honoured -> the values that change nothing
-#: (absent and null always pass); anything else is HTTP 400 naming the field
-COMMON_REFUSED: dict[str, tuple[Any, ...]] = {
-    # OpenAI
-    "suffix": ("",),
-    "functions": ([],), "function_call": ("none",), "audio": (),
-    "modalities": (["text"],), "reasoning_effort": (), "verbosity": (),
-    "web_search_options": (), "moderation": (),
-    # vLLM extensions
-    "use_beam_search": (False,), "length_penalty": (1,), "early_stopping": (False,),
-    "prompt_logprobs": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
-    "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
-    "mm_processor_kwargs": (), "vllm_xargs": (),
-}
-#: /v1/completions only (prompts are tokenized with the tokenizer's special tokens)
-COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
-    **{k: v for k, v in COMMON_REFUSED.items() if k != "prompt_logprobs"},
-    "add_special_tokens": (True,),
-    "max_completion_tokens": (), "top_logprobs": (),  # chat's; completions say logprobs: k
-    "tools": ([],), "tool_choice": ("none",),
-}
-#: /v1/chat/completions only (the chat template with the generation prompt,
-#: docs/architecture.md, 'Life of a request')
-CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
-    **COMMON_REFUSED, "echo": (False,), "add_special_tokens": (False,), "best_of": (1,),
-    "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
-}
-
-
-#: fields OpenAI documents as not combinable with ``prediction`` -> whether a value is refused
-#: with one (absent and null always pass); a 400 names the field
-PREDICTION_REFUSED: dict[str, Any] = {
-    "n": lambda v: v > 1,
-    "logprobs": lambda v: v is not False,
-    "top_logprobs": lambda v: True,
-    "presence_penalty": lambda v: isinstance(v, (int, float)) and v > 0,
-    "frequency_penalty": lambda v: isinstance(v, (int, float)) and v > 0,
-    "tools": lambda v: v != [],
-    "functions": lambda v: v != [],
-    "audio": lambda v: True,
-    "modalities": lambda v: v != ["text"],
-    "max_completion_tokens": lambda v: True,
-}
-#: characters a prediction may have per token of max_model_len (refused before tokenizing:
-#: a bound on the gateway's work; a token is rarely more than a few characters)
-MAX_PREDICTION_CHARS_PER_TOKEN = 32
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    """``value == neutral`` with JSON types kept apart (``false`` is not ``0``)."""
-    if isinstance(neutral, bool) or isinstance(value, bool):
-        return value is neutral
-    if isinstance(neutral, (int, float)):
-        return isinstance(value, (int, float)) and value == neutral
-    return type(value) is type(neutral) and value == neutral
-
-
-def refuse_unhonoured(fields: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
-    """HTTP 400 naming the first field of ``table`` whose value would change the output.
-
-    Raises:
-        GatewayError: 400 with ``param`` = the field.
-    """
-    for name, value in fields.items():
-        neutrals = table.get(name)
-        if neutrals is None or value is None or any(_same(value, n) for n in neutrals):
-            continue
-        allowed = " or ".join(repr(n) for n in neutrals)
-        raise bad_request(f"{name} is not supported by this server"
-                          + (f" (only {allowed})" if allowed else ""), param=name)
-
-
-class GatewayError(Exception):
-    """An error answered as ``{"error": {...}}`` with ``status_code``."""
-
-    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None) -> GatewayError:
-    return GatewayError(400, message, param=param, code="invalid_value" if param else None)
-
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -248,30 +145,7 @@ class _CommonRequest(BaseModel):
             GatewayError: 400 (param ``prediction``) for anything but ``{"type": "content",
                 "content": <string or list of text parts>}``.
         """
-        p = self.prediction
-        if p is None:
-            return None
-        if not isinstance(p, dict) or p.get("type") != "content" or "content" not in p:
-            raise bad_request('prediction must be {"type": "content", "content": ...}',
-                              param="prediction")
-        extra = set(p) - {"type", "content"}
-        if extra:
-            raise bad_request(f"prediction has unknown fields {sorted(extra)}",
-                              param="prediction")
-        content = p["content"]
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise bad_request("prediction.content parts must be "
-                                      '{"type": "text", "text": <string>}', param="prediction")
-                texts.append(part["text"])
-            return "".join(texts)
-        raise bad_request("prediction.content must be a string or a list of text parts",
-                          param="prediction")
+        return prediction_text(self.prediction)
 
     def check_prediction(self) -> None:
         """With a ``prediction``: refuse (HTTP 400 naming the field) what OpenAI documents as

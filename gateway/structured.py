@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specmesh.engine.grammar import GrammarCompiler, gbnf_to_lark, lark_choice
-from specmesh.gateway.schemas import bad_request
+from specmesh.gateway.api_errors import bad_request
 from specmesh.protocol.messages import GrammarSpec
 
 #: the request fields read here (the schemas' refused tables leave them out)

@@ -25,7 +25,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from specmesh import __version__
-from specmesh.gateway.schemas import ChatCompletionRequest, GatewayError, bad_request
+from specmesh.gateway.api_errors import GatewayError, bad_request
+from specmesh.gateway.schemas import ChatCompletionRequest
 from specmesh.gateway.tokens import template_ids, text_ids
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from specmesh.gateway.schemas import GatewayError, bad_request
+from specmesh.gateway.api_errors import GatewayError, bad_request
 
 
 def _plain_ids(value: Any) -> list[int]:

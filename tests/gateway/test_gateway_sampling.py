@@ -23,13 +23,8 @@ import pytest
 from specmesh.gateway.app import create_app
 from specmesh.gateway.backend import MailboxBackend
 from specmesh.gateway.server import serve_gateway
-from specmesh.gateway.schemas import (
-    CHAT_REFUSED,
-    COMPLETION_REFUSED,
-    NO_OUTPUT_EFFECT,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from specmesh.gateway.refusals import CHAT_REFUSED, COMPLETION_REFUSED, NO_OUTPUT_EFFECT
+from specmesh.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
 from helpers.proposers import GarbageProposer
 from specmesh.protocol.messages import GenerateRequest

@@ -356,8 +356,10 @@ async def _generate(backend, rid: str, prompt: list[int]):
 
 
 #: loggers that log every protocol error with its peer (60,000 warnings, silenced here)
-NOISY_LOGGERS = ("specmesh.protocol.transport", "specmesh.protocol.zmq_transport", "specmesh.decode.worker",
-                 "specmesh.prefill.worker", "specmesh.drafter.worker", "specmesh.gateway.backend")
+NOISY_LOGGERS = ("specmesh.protocol.transport", "specmesh.protocol.zmq_transport",
+                 "specmesh.decode.dispatch",
+                 "specmesh.prefill.worker", "specmesh.drafter.worker", "specmesh.gateway.backend",
+                 "specmesh.gateway.stream_reader")
 
 
 @pytest.fixture(scope="module")

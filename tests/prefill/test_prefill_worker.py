@@ -149,7 +149,7 @@ def test_garbage_is_counted_and_does_not_stop_the_worker(tiny):
 
 
 class _FakeClock:
-    """``time.monotonic`` / ``time.sleep`` of prefill.worker: sleeping advances the clock; each
+    """``time.monotonic`` / ``time.sleep`` of prefill.kv_frames: sleeping advances the clock; each
     send is stamped with the clock's time."""
 
     def __init__(self) -> None:
@@ -167,14 +167,14 @@ class _FakeClock:
 def test_kv_send_cap_paces_the_frames(tiny, monkeypatch):
     """``max_kv_send_mb_s``: frame k leaves no earlier than (bytes of frames 0..k-1) / cap after
     the first, which leaves at once; the KV and the first token are those of an uncapped run."""
-    import specmesh.prefill.worker as prefill_worker
+    import specmesh.prefill.kv_frames as prefill_kv_frames
 
     prompt = [5, 17, 3, 44, 9, 12, 70, 8, 21, 33]
     verifier, worker = make_worker(tiny, frame_tokens=3, frame_layers=2)
     verifier.send("prefill-0", request("r", prompt))
     uncapped = run(verifier, worker)
     clock = _FakeClock()
-    monkeypatch.setattr(prefill_worker, "time", clock)
+    monkeypatch.setattr(prefill_kv_frames, "time", clock)
     cap = 0.001  # MiB/s: ~1 KiB/s
     verifier, worker = make_worker(tiny, frame_tokens=3, frame_layers=2, max_kv_send_mb_s=cap)
     sent_at = []

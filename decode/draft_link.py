@@ -1,0 +1,180 @@
+"""A request's link to its drafter, on the verifier (docs/architecture.md, 'Draft tails and
+staleness'): which drafter drafts for it, opening and re-opening it there (DraftSync with the
+committed prefix), the tails and branches it streams back, and what happens when a drafter
+closes a request, goes away, comes back or sends something bad (the request runs as plain
+decode meanwhile: the verifier alone decides every committed token). A mixin of
+:class:`decode.lifecycle.RequestLifecycle` (its ``requests``, ``scheduler``, ``stats``,
+``drafter_peers``, ``lost_drafters``, ``vocab_size`` and ``send``)."""
+
+from __future__ import annotations
+
+from specmesh.decode.draft_probs import checked_draft_probs
+from specmesh.decode.request import Request, RequestStatus
+from specmesh.decode.seed_state import sync_buffer
+from specmesh.protocol.enums import DRAFT_CLOSE_ABORT
+from specmesh.protocol.errors import ProtocolError
+from specmesh.protocol.messages import DraftBranches, DraftClose, DraftSync, DraftTailStream
+
+
+class DraftLink:
+    """Opens requests on drafters and applies what drafters send (see the module docstring)."""
+
+    def open_draft(self, req: Request) -> None:
+        """Assign ``req`` a drafter (least loaded) and open it there with DraftSync; without
+        one (speculation off, quarantined, none known) the request runs as plain decode."""
+        usable = [p for p in self.drafter_peers if p not in self.lost_drafters]
+        req.drafter = self.scheduler.pick_drafter(req, self.requests.values(), usable)
+        if req.drafter is not None:
+            self.sync_draft(req)
+
+    def sync_draft(self, req: Request) -> None:
+        """(Re-)open ``req`` on its drafter: the committed prefix is the truth it aligns to."""
+        req.tail.reset(req.committed_len)
+        seed = sync_buffer(req.seed_window, req.prompt_len + req.committed_len)
+        if self.send(req.drafter, DraftSync(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                committed_token_ids=list(req.output_token_ids), sampling=req.sampling,
+                seed_state=seed, prediction_token_ids=req.prediction_token_ids)):
+            req.num_draft_syncs += 1
+            req.tail_in_flight = True  # (a failed send put the request on plain decode)
+
+    def set_drafters(self, drafter_peers: list[str]) -> None:
+        """Replace the known drafters; a running request whose drafter vanished is re-opened
+        on another (or runs without drafts), and one that runs without a drafter (none was
+        left, or its drafter closed it) is opened on one that joined."""
+        joined = set(drafter_peers) - set(self.drafter_peers)
+        self.drafter_peers = list(drafter_peers)
+        self.lost_drafters &= set(drafter_peers)
+        for req in list(self.requests.values()):
+            if req.lost_drafter is not None and req.lost_drafter not in drafter_peers:
+                req.lost_drafter = None
+                if req.status is RequestStatus.RUNNING and req.drafter is None:
+                    self.open_draft(req)
+            if req.drafter is not None and req.drafter not in drafter_peers:
+                req.drafter = None
+                req.tail.reset(req.committed_len)
+                if req.status is RequestStatus.RUNNING:
+                    self.open_draft(req)
+            elif joined and req.drafter is None and req.lost_drafter is None \
+                    and req.status is RequestStatus.RUNNING:
+                self.open_draft(req)  # (pick_drafter keeps quarantined ones plain)
+
+    def add_tail(self, peer: str, msg: DraftTailStream) -> None:
+        """Merge a DraftTailStream into its request's tail buffer
+        (docs/architecture.md, 'Draft tails and staleness'); a tail for
+        an unknown, not running or reassigned request is counted and dropped.
+
+        Raises:
+            ProtocolError: a segment no drafter could have sent: a tree with draft_probs
+                (trees are kept as in decode/tail_buffer.py), a draft token
+                outside the vocabulary, ``draft_probs`` that are not distributions over the
+                vocabulary giving each draft a positive probability (checked_draft_probs), a
+                ``base_committed_len`` past what the verifier has committed, or positions out
+                of range (decoding refuses negative ones; the caller counts the error and
+                quarantines the request's drafter), or prediction drafts for a request without
+                a prediction.
+        """
+        req = self.requests.get(msg.request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or req.drafter != peer:
+            self.stats.num_dropped_tails += 1
+            return
+        rid = req.request_id
+        tree = msg.parents is not None and any(p != j - 1 for j, p in enumerate(msg.parents))
+        if tree and msg.draft_probs is not None:
+            raise ProtocolError("tree drafts with draft_probs are not verified (one-hot trees "
+                                "only)", request_id=rid)
+        if any(t < 0 or t >= self.vocab_size for t in msg.draft_token_ids):
+            raise ProtocolError("draft token id out of vocabulary", request_id=rid)
+        if msg.base_committed_len > req.committed_len:
+            raise ProtocolError(f"tail drafted on {msg.base_committed_len} committed tokens, "
+                                f"the verifier committed {req.committed_len}", request_id=rid)
+        if msg.from_prediction and not req.prediction_token_ids:
+            raise ProtocolError("prediction drafts for a request without a prediction",
+                                request_id=rid)
+        before = req.tail.stats.num_stale_tokens
+        try:
+            probs = None if msg.draft_probs is None else checked_draft_probs(
+                msg.draft_probs, msg.draft_token_ids, self.vocab_size)
+            if tree:
+                req.tail.add_tree(msg.start_pos, list(msg.draft_token_ids), list(msg.parents),
+                                  req.output_token_ids, base_committed_len=msg.base_committed_len)
+            else:
+                req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids,
+                             base_committed_len=msg.base_committed_len, draft_probs=probs,
+                             from_prediction=msg.from_prediction)
+        except ValueError as err:  # the buffer's (and rows') own checks: still the peer's fault
+            raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
+        self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before
+        if msg.base_committed_len >= req.committed_len:
+            # the drafter's answer to the latest commit (or sync); a segment drafted on an
+            # older prefix (run-ahead sent before that commit reached it) is not: with it the
+            # wait would end just before the useful tail arrives
+            req.tail_in_flight = False
+
+    def add_branches(self, peer: str, msg: DraftBranches) -> None:
+        """Keep a DraftBranches message with its request's tail (decode/tail_buffer.py); for
+        an unknown, not running or reassigned request it is counted and dropped. Branches are
+        not the drafter's answer to a commit: a wait for its tail goes on.
+
+        Raises:
+            ProtocolError: a candidate or continuation token outside the vocabulary, or a
+                ``base_committed_len`` past what the verifier has committed.
+        """
+        req = self.requests.get(msg.request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or req.drafter != peer:
+            self.stats.num_dropped_tails += 1
+            return
+        rid = req.request_id
+        if any(t < 0 or t >= self.vocab_size
+               for t in [*msg.token_ids, *(x for c in msg.continuations for x in c)]):
+            raise ProtocolError("branch token id out of vocabulary", request_id=rid)
+        if msg.base_committed_len > req.committed_len:
+            raise ProtocolError(f"branches made on {msg.base_committed_len} committed tokens, "
+                                f"the verifier committed {req.committed_len}", request_id=rid)
+        try:
+            self.stats.num_branch_candidates += req.tail.add_branches(
+                msg.position, list(msg.token_ids), [list(c) for c in msg.continuations],
+                req.output_token_ids, base_committed_len=msg.base_committed_len)
+        except ValueError as err:
+            raise ProtocolError(f"bad branches: {err}", request_id=rid) from None
+
+    def drop_draft(self, req: Request) -> None:
+        """``req`` runs without its drafter from now on (the drafter closed it): no tail is
+        owed, none is waited for."""
+        req.drafter = None
+        req.tail_in_flight = False
+        req.tail.reset(req.committed_len)
+
+    def lose_drafter(self, peer: str) -> None:
+        """Drafter ``peer`` cannot be reached (a send failed, its connection is gone): its
+        running requests are re-opened with DraftSync on another drafter, or, with none left,
+        run as plain decode and are re-synced when it is back (:meth:`restore_drafter`); new
+        requests go elsewhere."""
+        self.lost_drafters.add(peer)
+        for req in list(self.requests.values()):
+            if req.drafter == peer:
+                self.drop_draft(req)
+                req.lost_drafter = peer
+                if req.status is RequestStatus.RUNNING:
+                    self.open_draft(req)
+                    if req.drafter is not None:
+                        req.lost_drafter = None
+
+    def restore_drafter(self, peer: str) -> None:
+        """Drafter ``peer`` is heard from again (or restarted): re-open its lost requests."""
+        self.lost_drafters.discard(peer)
+        for req in self.requests.values():
+            if req.lost_drafter == peer:
+                req.lost_drafter = None
+                if req.status is RequestStatus.RUNNING and req.drafter is None \
+                        and req.spec_enabled:
+                    req.drafter = peer
+                    self.sync_draft(req)
+
+    def quarantine(self, req: Request) -> None:
+        """Drop ``req``'s drafter state after a bad message from it; it continues without
+        drafts (docs/architecture.md, 'Draft tails and staleness')."""
+        self.send(req.drafter, DraftClose(request_id=req.request_id, reason=DRAFT_CLOSE_ABORT))
+        req.drafter = None
+        req.spec_enabled = False
+        req.tail.reset(req.committed_len)
