@@ -79,7 +79,12 @@ def test_each_parameter_speculation_on_equals_off(cluster, tiny_model_dir, mode)
             assert len(off) == MAX_TOKENS and plain[3] not in off
         accepted[name] = 0
         for k in (4, 8):
-            on, stats = _complete(cluster.url, k, **fields)
-            assert on == off, (name, k)
-            accepted[name] += stats["num_accepted_tokens"]
+            # the drafter runs ahead on its own: on a loaded host its tails may miss every step
+            # of one request; another try (each one exact) gives it the chance to be verified
+            for _ in range(3):
+                on, stats = _complete(cluster.url, k, **fields)
+                assert on == off, (name, k)
+                accepted[name] += stats["num_accepted_tokens"]
+                if stats["num_accepted_tokens"]:
+                    break
     assert all(accepted.values()), accepted
