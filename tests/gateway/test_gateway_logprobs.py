@@ -18,17 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-import time
 
-import httpx
 import pytest
 import torch
 
-from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
-from specmesh.gateway.app import create_app
-from specmesh.gateway.backend import MailboxBackend
-from specmesh.gateway.server import serve_gateway
+from helpers.served_gateway import ServedGateway
 from helpers.models import hf_greedy
 from helpers.proposers import OracleProposer
 
@@ -38,7 +32,7 @@ MAX_TOKENS = 24
 MAX_MODEL_LEN = 1024
 
 
-class Served:
+class Served(ServedGateway):
     """One in-process cluster (kappa 8) driven by a thread, behind a real gateway on
     127.0.0.1; a request picks its own kappa (0: speculation off). The drafter is an oracle
     that drafts the known greedy continuation of the tests' prompts (``oracle.seqs``), so
@@ -46,31 +40,8 @@ class Served:
 
     def __init__(self, loaded, oracle: OracleProposer) -> None:
         self.tok = loaded.tokenizer
-        self.cluster = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=8,
-                                        eos_token_ids=(), proposer=oracle)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._drive, daemon=True)
-        self._thread.start()
-        self.backend = MailboxBackend(self.cluster.client, lambda: VERIFIER, recv_timeout_s=0.1)
-        app = create_app(self.backend, loaded.tokenizer, "tiny", MAX_MODEL_LEN,
-                         default_max_tokens=MAX_TOKENS)
-        self.server, _, port = serve_gateway(app)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-
-    def _drive(self) -> None:
-        c = self.cluster
-        while not self._stop.is_set():
-            c.drafter.step()
-            c.prefill.step()
-            c.verifier.step()
-            time.sleep(0.001)
-
-    def close(self) -> None:
-        self.client.close()
-        self.server.stop()
-        self.backend.close()
-        self._stop.set()
-        self._thread.join(5)
+        super().__init__(loaded, num_speculative_tokens=8, proposer=oracle,
+                         max_model_len=MAX_MODEL_LEN, default_max_tokens=MAX_TOKENS)
 
     def post(self, url: str, body: dict) -> dict:
         r = self.client.post(url, json=body)

@@ -13,65 +13,26 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
 
+from helpers.served_gateway import ServedGateway
 from helpers.proposers import OracleProposer
-from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
-from specmesh.gateway.app import create_app
-from specmesh.gateway.backend import MailboxBackend
 from specmesh.gateway.penalties import bad_words_token_ids
-from specmesh.gateway.server import serve_gateway
-from specmesh.protocol.messages import GenerateRequest
 
 PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
 MAX_TOKENS = 16
 
 
-class Served:
+class Served(ServedGateway):
     """An in-process cluster driven by a thread behind a real gateway, drafting with an
     oracle whose sequences the test adds (the speculation-off outputs)."""
 
     def __init__(self, loaded) -> None:
         self.oracle = OracleProposer([], [])
-        self.cluster = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=4,
-                                        eos_token_ids=(), proposer=self.oracle)
-        self.sent: list[GenerateRequest] = []
-        send = self.cluster.client.send
-
-        def record(peer, msg):
-            if isinstance(msg, GenerateRequest):
-                self.sent.append(msg)
-            return send(peer, msg)
-
-        self.cluster.client.send = record  # type: ignore[method-assign]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._drive, daemon=True)
-        self._thread.start()
-        self.backend = MailboxBackend(self.cluster.client, lambda: VERIFIER, recv_timeout_s=0.1)
-        app = create_app(self.backend, loaded.tokenizer, "tiny", 1024,
-                         default_max_tokens=MAX_TOKENS)
-        self.server, _, port = serve_gateway(app)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-
-    def _drive(self) -> None:
-        c = self.cluster
-        while not self._stop.is_set():
-            c.drafter.step()
-            c.prefill.step()
-            c.verifier.step()
-            time.sleep(0.001)
-
-    def close(self) -> None:
-        self.client.close()
-        self.server.stop()
-        self.backend.close()
-        self._stop.set()
-        self._thread.join(5)
+        super().__init__(loaded, proposer=self.oracle, default_max_tokens=MAX_TOKENS)
 
     def post(self, chat: bool, **fields) -> httpx.Response:
         body = {"max_tokens": MAX_TOKENS, **fields}

@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 
 import httpx
 import jsonschema
 import pytest
 
-from specmesh.cluster.inprocess import VERIFIER, InProcessCluster
-from specmesh.gateway.app import create_app
-from specmesh.gateway.backend import MailboxBackend
-from specmesh.gateway.server import serve_gateway
+from helpers.served_gateway import ServedGateway
 
 #: a few-shot prompt: the n-gram drafter finds the repeated keys in it
 PROMPT = ('{"name":"rex","kind":"dog","tags":["a","b"],"age":3,"owner":{"id":7,"ok":true}}\n'
@@ -47,35 +42,13 @@ def _pet(text: str) -> bool:
     return True
 
 
-class Served:
+class Served(ServedGateway):
     """An in-process cluster (with the tokenizer: structured output on) driven by a thread,
     behind a real gateway on 127.0.0.1."""
 
     def __init__(self, loaded) -> None:
-        self.cluster = InProcessCluster(loaded.model, loaded.config, num_speculative_tokens=8,
-                                        eos_token_ids=(), tokenizer=loaded.tokenizer)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._drive, daemon=True)
-        self._thread.start()
-        self.backend = MailboxBackend(self.cluster.client, lambda: VERIFIER, recv_timeout_s=0.1)
-        app = create_app(self.backend, loaded.tokenizer, "tiny", 1024, default_max_tokens=96)
-        self.server, _, port = serve_gateway(app)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-
-    def _drive(self) -> None:
-        c = self.cluster
-        while not self._stop.is_set():
-            c.drafter.step()
-            c.prefill.step()
-            c.verifier.step()
-            time.sleep(0.001)
-
-    def close(self) -> None:
-        self.client.close()
-        self.server.stop()
-        self.backend.close()
-        self._stop.set()
-        self._thread.join(5)
+        super().__init__(loaded, num_speculative_tokens=8, tokenizer=loaded.tokenizer,
+                         default_max_tokens=96)
 
     def post(self, chat: bool, **fields) -> httpx.Response:
         body = {"max_tokens": 96, "temperature": 0, "return_token_ids": True, **fields}
