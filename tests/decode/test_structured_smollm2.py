@@ -2,7 +2,7 @@
 must-show: 50 JSON-schema requests (nested objects, enums, arrays, integers and numbers)
 all parse and validate against their schema, the output is identical with speculation off
 and on (k = 4 and 8), and drafts are accepted. Prints its numbers (``pytest -s``). And a
-regex, a choice and a forced tool call, each identical with speculation off and on."""
+regex, a choice, a forced tool call and a GBNF grammar, each identical with speculation off and on."""
 
 from __future__ import annotations
 
@@ -121,21 +121,26 @@ TOOLS = [
         "type": "object", "additionalProperties": False, "required": ["timezone"],
         "properties": {"timezone": {"type": "string", "maxLength": 20}}}}},
 ]
+#: llama.cpp's GBNF (the gateway converts it to Lark)
+GBNF = 'root ::= "Answer: " [0-9] [0-9]? " legs, " word "."\nword ::= [a-z]+'
+GBNF_OUTPUT = r"Answer: \d\d? legs, [a-z]+\."
 #: (what, the request's structured fields as a client sends them, the user message)
 KINDS = [
     ("regex", {"guided_regex": PHONE}, "Write a US phone number for a pizza shop."),
     ("choice", {"guided_choice": CHOICES}, "Is the sky blue? Say why in one sentence."),
     ("tool", {"tools": TOOLS, "tool_choice": "required"},
      "What is the weather in Paris, in celsius? Call a tool."),
+    ("grammar", {"guided_grammar": GBNF}, "How many legs does a spider have?"),
 ]
 KINDS_MAX_TOKENS = 48
 PLAIN_MAX_TOKENS = 12
 
 
-def test_regex_choice_and_forced_tool_call_match_with_speculation(smollm2):
-    """guided_regex, guided_choice and a ``tool_choice: "required"`` call, read by the gateway
-    (gateway/structured.py) as a client sends them, greedy: each output satisfies its constraint
-    (full regex match, one of the choices, a parsed tool call of a listed tool) and differs from
+def test_regex_choice_tool_call_and_grammar_match_with_speculation(smollm2):
+    """guided_regex, guided_choice, a ``tool_choice: "required"`` call and a GBNF
+    guided_grammar, read by the gateway (gateway/structured.py) as a client sends them, greedy:
+    each output satisfies its constraint (full regex match, one of the choices, a parsed tool
+    call of a listed tool, the grammar's language) and differs from
     the unconstrained output of its prompt, and speculation at k = 4 and 8 (the oracle drafter
     of the speculation-off output, drafts of every request accepted) equals speculation off."""
     from specmesh.engine.grammar import GrammarCompiler  # llguidance: only when these run
@@ -175,3 +180,4 @@ def test_regex_choice_and_forced_tool_call_match_with_speculation(smollm2):
     assert calls and all(call["function"]["name"] in ("get_weather", "get_time")
                          for call in calls)
     assert all(isinstance(json.loads(call["function"]["arguments"]), dict) for call in calls)
+    assert re.fullmatch(GBNF_OUTPUT, texts[3])
