@@ -2,7 +2,8 @@
 must-show: 50 JSON-schema requests (nested objects, enums, arrays, integers and numbers)
 all parse and validate against their schema, the output is identical with speculation off
 and on (k = 4 and 8), and drafts are accepted. Prints its numbers (``pytest -s``). And a
-regex, a choice, a forced tool call and a GBNF grammar, each identical with speculation off and on."""
+regex, a choice, a forced tool call and a GBNF grammar (oracle drafter), each identical with
+speculation off and on."""
 
 from __future__ import annotations
 
