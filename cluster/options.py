@@ -108,7 +108,7 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="cap on the KV bandwidth each prefill worker sends at, MiB/s (frames "
                         "paced; 0: no cap)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=False,
+                   default=True,
                    help="the prefill role keeps the KV of the prompts it prefilled and reuses "
                         "a new prompt's cached leading blocks instead of computing them "
                         "(vLLM's option; docs/operations.md, 'Prefix caching')")
@@ -185,7 +185,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0),
               max_prefill_pause_s=getattr(args, "max_prefill_pause_s", 1.0),
-              enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
               num_branches=getattr(args, "draft_branches", 4),
               backend=backend_overrides(args))
     if getattr(args, "port", None) is not None:

@@ -35,7 +35,7 @@ class PrefillConfig:
     seed_states: dict[str, str] = field(default_factory=dict)
     max_kv_send_mb_s: float = 0.0
     max_batch_tokens: int = 512
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for method, kind in self.seed_states.items():

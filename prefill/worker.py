@@ -93,6 +93,13 @@ class PrefillWorker(MailboxWorker):
         #: constrained requests are refused)
         self.grammars: GrammarCompiler | None = None
 
+    @property
+    def num_unused_blocks(self) -> int:
+        """KV blocks no prompt holds: the free ones plus the cached ones no prompt uses (handed
+        back on demand), so a leak check reads the same with prefix caching on or off."""
+        evictable = 0 if self.prefix_cache is None else self.prefix_cache.num_evictable_blocks
+        return self.block_manager.num_free_blocks + evictable
+
     def _generator(self, device: torch.device) -> torch.Generator:
         """This worker's randomness for unseeded sampled first tokens (freshly seeded)."""
         gen = self._generators.get(device)

@@ -65,7 +65,7 @@ def test_cached_prefixes_give_the_outputs_of_plain_decode(tiny, sampling):
                    "specmesh:prefix_cache_hits_total": st.prefix_cache_hits}
 
 
-@pytest.mark.parametrize("flag, want", [([], False), (["--enable-prefix-caching"], True),
+@pytest.mark.parametrize("flag, want", [([], True), (["--enable-prefix-caching"], True),
                                         (["--no-enable-prefix-caching"], False)])
 def test_the_option_reaches_the_prefill_config(flag, want):
     args = build_parser().parse_args(["serve", "--dtype", "float32", "--device", "cpu",

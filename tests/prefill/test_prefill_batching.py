@@ -104,7 +104,7 @@ def test_a_batch_gives_each_request_what_one_at_a_time_gives(tiny, sampling, met
         assert (seed is None) == (method == "ngram") == (b_seed is None)
         if seed is not None:
             assert torch.equal(b_seed, seed)
-    assert wb.block_manager.num_free_blocks == NUM_BLOCKS
+    assert wb.num_unused_blocks == NUM_BLOCKS
 
 
 def test_a_prompt_longer_than_a_chunk_runs_alone_in_chunks(tiny):

@@ -120,7 +120,7 @@ def test_prompts_sharing_a_prefix_reuse_it_alone_and_in_one_batch(tiny):
 
 def test_with_caching_off_nothing_is_cached_or_counted(tiny):
     prompts = prompts_sharing(20, [1, 1])
-    verifier, worker = make_worker(tiny)
+    verifier, worker = make_worker(tiny, enable_prefix_caching=False)
     prefill(verifier, worker, prompts[:1])
     prefill(verifier, worker, prompts[1:])
     assert worker.prefix_cache is None

@@ -85,7 +85,7 @@ def test_frames_carry_the_prompt_kv_and_done_the_argmax(tiny):
         kv = buffer_to_tensor(f.kv)
         got[f.layer_start:f.layer_end, :, f.token_start:f.token_start + f.num_tokens] = kv
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert worker.block_manager.num_free_blocks == NUM_BLOCKS  # its own blocks are freed
+    assert worker.num_unused_blocks == NUM_BLOCKS  # its own blocks are freed
     assert worker.stats.num_requests == 1 and worker.stats.num_prompt_tokens == len(prompt)
 
 
@@ -111,7 +111,7 @@ def test_bad_requests_fail_clearly_and_the_worker_goes_on(tiny, prompt, sampling
     assert not any(isinstance(m, KVFrame) and m.request_id == "bad" for m in msgs)
     assert dones["good"].error == ""
     assert dones["good"].first_token_id == hf_greedy(hf, [4, 5, 6], 1)[0]
-    assert worker.block_manager.num_free_blocks == NUM_BLOCKS
+    assert worker.num_unused_blocks == NUM_BLOCKS
 
 
 def test_cancel_and_abort_of_queued_requests(tiny):
