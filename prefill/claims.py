@@ -46,6 +46,17 @@ def allocate(bm: BlockManager, cache: PrefixCache | None, num_blocks: int) -> li
     return bm.allocate(num_blocks)
 
 
+def tokens_to_compute(cache: PrefixCache | None, req: PrefillRequest, block_size: int) -> int:
+    """Prompt tokens a prefill of ``req`` would run through the forward if it started now: its
+    length less the cached prefix :func:`claim_blocks` would reuse (the batching decision's
+    size, so a cache hit is counted as the short forward it is)."""
+    n = len(req.prompt_token_ids)
+    if cache is None or req.sampling.prompt_logprobs is not None:
+        return n
+    held = cache.num_matching(block_keys(req.prompt_token_ids, block_size), (n - 1) // block_size)
+    return n - held * block_size
+
+
 def claim_blocks(bm: BlockManager, cache: PrefixCache | None,
                  reqs: list[PrefillRequest]) -> list[Claim]:
     """Per request its blocks: with prefix caching (``cache`` not None), the longest cached run

@@ -80,6 +80,15 @@ class PrefixCache:
         """
         return self._entries[self._key_of[block_id]].ref_count
 
+    def num_matching(self, keys: list[bytes], max_blocks: int) -> int:
+        """How many blocks :meth:`match` would return now, acquiring nothing."""
+        count = 0
+        for key in keys[:max(max_blocks, 0)]:
+            if key not in self._entries:
+                break
+            count += 1
+        return count
+
     def match(self, keys: list[bytes], max_blocks: int) -> list[int]:
         """The block ids of the longest cached run of ``keys`` from the first, at most
         ``max_blocks`` of them, each acquired (its reference count + 1) until :meth:`release`."""

@@ -31,7 +31,7 @@ from specmesh.engine.block_manager import BlockManager, KVCacheExhausted
 from specmesh.engine.grammar import GrammarCompiler
 from specmesh.engine.runner import ModelRunner
 from specmesh.prefill.batching import PrefillCost, batch_length
-from specmesh.prefill.claims import can_allocate, claim_blocks, unclaim
+from specmesh.prefill.claims import can_allocate, claim_blocks, tokens_to_compute, unclaim
 from specmesh.prefill.config import PrefillConfig
 from specmesh.prefill.forward import prefill_forward
 from specmesh.prefill.kv_frames import kv_frames, send_frames
@@ -182,10 +182,10 @@ class PrefillWorker(MailboxWorker):
         bm, chunk = self.block_manager, self.config.chunk_size
         sizes: list[int] = []
         for item in self.queue:  # the head's run of valid prompts that fit in one chunk
-            n = len(item.req.prompt_token_ids)
-            if n > chunk or self._validate(item.req):
+            if len(item.req.prompt_token_ids) > chunk or self._validate(item.req):
                 break
-            sizes.append(n)
+            # sized by the tokens it computes: a cached prefix costs the forward nothing
+            sizes.append(tokens_to_compute(self.prefix_cache, item.req, bm.block_size))
         take = 1
         if len(sizes) > 1:
             cost = self.cost_models.get(self._threads_for(self.queue[0].req))

@@ -15,6 +15,8 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.frames import buffer_to_tensor
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.runner import ModelRunner
+from specmesh.prefill.batching import PrefillCost
+from specmesh.prefill.claims import tokens_to_compute
 from specmesh.prefill.config import PrefillConfig
 from specmesh.prefill.worker import PrefillWorker
 from specmesh.protocol.messages import KVFrame, PrefillDone, PrefillRequest, SamplingParams
@@ -116,6 +118,40 @@ def test_prompts_sharing_a_prefix_reuse_it_alone_and_in_one_batch(tiny):
     assert worker.stats.prefix_cache_hits == 3 * 20
     assert worker.stats.num_computed_tokens == len(a) + 7 + 1 + 5
     assert_same(got, fresh(tiny, [a, b, c, d]))
+
+
+def test_batching_sizes_a_prompt_by_the_tokens_it_computes(tiny):
+    (a, b) = prompts_sharing(20, [3, 6], seed=2)
+    verifier, worker = make_worker(tiny, enable_prefix_caching=True)
+    cache = worker.prefix_cache
+
+    def req(p, **sampling):
+        return PrefillRequest(request_id="q", transfer_id=1, prompt_token_ids=p,
+                              sampling=SamplingParams(**sampling), block_table=[0])
+
+    assert tokens_to_compute(cache, req(b), BLOCK) == len(b)  # cold
+    prefill(verifier, worker, [a])
+    assert tokens_to_compute(cache, req(b), BLOCK) == len(b) - 20  # a's 5 full blocks held
+    assert tokens_to_compute(cache, req(a), BLOCK) == len(a) - 20  # its last token computed
+    assert tokens_to_compute(cache, req(b, prompt_logprobs=1), BLOCK) == len(b)  # every row
+    assert tokens_to_compute(None, req(b), BLOCK) == len(b)
+    assert cache.num_evictable_blocks == cache.num_cached_blocks  # nothing acquired
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_cached_prompts_batch_where_cold_ones_of_their_length_would_not(tiny, caching):
+    a, b, c = prompts_sharing(20, [3, 6, 5], seed=4)
+    verifier, worker = make_worker(tiny, enable_prefix_caching=caching, max_batch_tokens=512)
+    prefill(verifier, worker, [a])
+    cost = worker.cost_models[0] = PrefillCost()
+    for n in (10, 20, 30, 40):  # 10 ms per forward + 1 ms per token: a 26-token prompt
+        cost.observe(n, 0.01 + 0.001 * n)  # waits alone, a 6-token rest joins a batch
+    before = worker.profile.as_dict()["counters"]["num_batches"]
+    got = prefill(verifier, worker, [b, c])
+    batches = worker.profile.as_dict()["counters"]["num_batches"] - before
+    assert batches == (1 if caching else 2)
+    if caching:  # (off, whole prompts attend through SDPA: other rounding than fresh()'s)
+        assert_same(got, fresh(tiny, [b, c]))
 
 
 def test_with_caching_off_nothing_is_cached_or_counted(tiny):

@@ -42,6 +42,17 @@ def test_match_takes_the_longest_cached_run_and_counts_references():
         cache.release([42])
 
 
+def test_num_matching_counts_what_match_would_take_and_acquires_nothing():
+    cache = PrefixCache(4)
+    keys = block_keys(list(range(12)), 4)
+    assert cache.num_matching(keys, 3) == 0
+    cache.release(cache.insert(keys[:2], [7, 8]))
+    assert cache.num_matching(keys, 3) == 2 and cache.num_matching(keys, 1) == 1
+    assert cache.num_matching(keys, 0) == 0 and cache.num_matching(keys, -1) == 0
+    assert cache.ref_count(7) == 0 and cache.num_evictable_blocks == 2  # nothing acquired
+    assert cache.num_matching(keys, 3) == len(cache.match(keys, 3))
+
+
 def test_insert_keeps_the_cached_block_of_a_key_seen_before():
     cache = PrefixCache(2)
     keys = block_keys([1, 2, 3, 4], 2)
