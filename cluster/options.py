@@ -97,6 +97,12 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "format ({\"1\": {\"candidate_steps\": [1, 3, 7], ...}, ...}; "
                         "default 1: [1, 3, 7], 8: [0, 1, 3], 32: [0, 1], 64: [0]); implies "
                         "--speculative-policy schedule")
+    p.add_argument("--verify-cost-table", default="auto", metavar="auto|off|FILE.json",
+                   help="the goodput policy's verify cost by (batch size, tokens per request), "
+                        "a step function over the measured sizes: auto (measured at the "
+                        "verifier's start, a few seconds, cached per model, dtype, KV-cache "
+                        "dtype and CPU), off (an online per-token-count EMA only) or a JSON "
+                        "file (docs/operations.md, 'Verify cost table')")
     p.add_argument("--synthetic-acceptance", default=None, metavar="RATES",
                    help="with --verify-rule synthetic: per-position acceptance, a comma list "
                         "(e.g. 0.8,0.6,0.4: the share of steps accepting at least 1, 2, 3 "
@@ -265,7 +271,7 @@ def policy_settings(args: argparse.Namespace) -> dict:
     policy = getattr(args, "speculative_policy", None)
     path = getattr(args, "speculative_schedule", None)
     if path is None:
-        return {"speculative_policy": policy or "goodput"}
+        return {"speculative_policy": policy or "goodput", **cost_table_settings(args)}
     if policy not in (None, "schedule"):
         raise SystemExit(f"--speculative-schedule goes with --speculative-policy schedule, "
                          f"not {policy}")
@@ -273,6 +279,27 @@ def policy_settings(args: argparse.Namespace) -> dict:
         return {"speculative_policy": "schedule", "speculative_schedule": load_schedule(path)}
     except ValueError as err:
         raise SystemExit(f"--speculative-schedule: {err}") from None
+
+
+def cost_table_settings(args: argparse.Namespace) -> dict:
+    """The verifier settings of ``--verify-cost-table`` (decode/cost_table.py): ``auto``,
+    ``off`` (none) or a file, read and checked here, where the command runs.
+
+    Raises:
+        SystemExit: an unreadable or malformed table file.
+    """
+    from specmesh.decode.cost_table import load_cost_table  # pure Python, keeps --help light
+
+    value = getattr(args, "verify_cost_table", None) or "off"
+    if value == "off":
+        return {}
+    if value == "auto":
+        return {"verify_cost_table": "auto"}
+    try:
+        table = load_cost_table(value)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return {"verify_cost_table": value, "verify_cost_table_data": table.as_dict()}
 
 
 def synthetic_settings(args: argparse.Namespace) -> dict:

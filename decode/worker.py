@@ -223,7 +223,7 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
                                                  for r in self.lifecycle.requests.values()))
         outputs = self.verify_step.run(plan, return_hidden=hidden)
         self.scheduler.observe_forward(sum(1 + len(p.draft_token_ids) for p in plan),
-                                       self.verify_step.last_forward_s)
+                                       self.verify_step.last_forward_s, len(plan))
         with prof.phase("commit"):
             self._ingest_drafts_before_commit()
             for p, out in zip(plan, outputs):
