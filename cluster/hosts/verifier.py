@@ -106,6 +106,14 @@ class VerifierHost(RoleHost):
         out = super().stats()
         out.update(self.worker.load)
         out["num_speculative_tokens"] = self.worker.num_speculative_tokens
+        # the policy's kappa now (the schedule's step kappa, else the configured one) and the
+        # goodput policy's cost table (decode/cost_table.py): what `specmesh bench` samples
+        sched = self.worker.scheduler
+        out["current_kappa"] = sched.current_kappa
+        out["speculative_policy"] = self.worker.config.speculative_policy
+        table = sched.draft_budget.table
+        out["verify_cost_table"] = None if table is None else {
+            "source": table.source, "num_observed": table.num_observed, **table.as_dict()}
         bm = self.worker.block_manager
         out["num_kv_blocks"] = bm.num_blocks
         out["kv_cache_usage"] = 1 - bm.num_free_blocks / bm.num_blocks  # as the metric
