@@ -102,7 +102,7 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "a step function over the measured sizes: auto (measured at the "
                         "verifier's start, a few seconds, cached per model, dtype, KV-cache "
                         "dtype and CPU), off (an online per-token-count EMA only) or a JSON "
-                        "file (docs/operations.md, 'Verify cost table')")
+                        "file (docs/verification.md, 'Verify cost table')")
     p.add_argument("--synthetic-acceptance", default=None, metavar="RATES",
                    help="with --verify-rule synthetic: per-position acceptance, a comma list "
                         "(e.g. 0.8,0.6,0.4: the share of steps accepting at least 1, 2, 3 "

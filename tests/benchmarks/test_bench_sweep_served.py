@@ -22,7 +22,7 @@ def test_bench_sweep_writes_policy_fields(ray_session, tiny_model_dir, tmp_path)
     out_json, out_md, out_png = (tmp_path / n for n in ("s.json", "s.md", "s.png"))
     rc = main(["bench", "--model", tiny_model_dir, "--dtype", "float32", "--kv-cache-mb", "32",
                "--max-model-len", "1024", "--concurrency", "2", "--repeats", "1",
-               "--max-tokens", "24", "--prompts", str(prompts), "--kappas", "0,2",
+               "--max-tokens", "64", "--prompts", str(prompts), "--kappas", "0,2",
                "--policy", "goodput", "--json", str(out_json), "--markdown", str(out_md),
                "--plot", str(out_png), "--no-progress"])
     assert rc == 0  # every system's output identical to k = 0's
