@@ -11,6 +11,7 @@ from specmesh.cluster.corpus_files import check_corpus_option
 from specmesh.cluster.drafter_option import add_drafter_options
 from specmesh.cluster.security_options import add_security_options, security_settings
 from specmesh.decode.config import DEFAULT_NUM_PREDICTION_TOKENS, SPECULATIVE_POLICIES
+from specmesh.decode.cost_table import load_cost_table
 from specmesh.decode.kappa_schedule import load_schedule
 from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
 from specmesh.drafter.registry import runs_a_model, supports_corpus
@@ -188,6 +189,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               verify_rule=getattr(args, "verify_rule", "auto"),
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
               **policy_settings(args),
+              **cost_table_settings(args),
               **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0),
               max_prefill_pause_s=getattr(args, "max_prefill_pause_s", 1.0),
@@ -271,7 +273,7 @@ def policy_settings(args: argparse.Namespace) -> dict:
     policy = getattr(args, "speculative_policy", None)
     path = getattr(args, "speculative_schedule", None)
     if path is None:
-        return {"speculative_policy": policy or "goodput", **cost_table_settings(args)}
+        return {"speculative_policy": policy or "goodput"}
     if policy not in (None, "schedule"):
         raise SystemExit(f"--speculative-schedule goes with --speculative-policy schedule, "
                          f"not {policy}")
@@ -288,8 +290,6 @@ def cost_table_settings(args: argparse.Namespace) -> dict:
     Raises:
         SystemExit: an unreadable or malformed table file.
     """
-    from specmesh.decode.cost_table import load_cost_table  # pure Python, keeps --help light
-
     value = getattr(args, "verify_cost_table", None) or "off"
     if value == "off":
         return {}

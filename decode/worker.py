@@ -246,6 +246,9 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
             prof.count("num_steps_with_tail")
         with_drafts = sum(bool(p.draft_token_ids) for p in plan)
         prof.count("num_request_steps", len(plan))
+        # beside the step count, so a snapshot of the two stays consistent (the bench's kappa
+        # timeline: drafts verified per request step)
+        prof.count("num_request_step_drafts", sum(len(p.draft_token_ids) for p in plan))
         prof.count("num_request_steps_spec_eligible", eligible)
         prof.count("num_request_steps_with_drafts", with_drafts)
         if with_drafts:

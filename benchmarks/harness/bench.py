@@ -379,6 +379,18 @@ def _sweep_schedule(levels: list[int], systems: list[System], repeats: int
     return out
 
 
+def _cost_tables(handles: dict) -> dict[str, dict | None]:
+    """Per served cluster (``"method (policy)"``), its first verifier's verify cost table as
+    its ``stats()`` show it (None: the cluster's policy runs without one)."""
+    import ray  # ray: the served clusters are running
+
+    out = {}
+    for (label, policy), h in handles.items():
+        stats = ray.get([a.stats.remote() for a in h.verifiers()])
+        out[f"{label} ({policy})"] = stats[0].get("verify_cost_table") if stats else None
+    return out
+
+
 def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
     """The adaptive-speculation sweep: per draft method one served cluster under
     ``--speculative-policy fixed`` (every ``opts.kappas`` pass, set per pass; k = 0 once, on
@@ -437,6 +449,7 @@ def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
                            f"{res.num_tokens} tokens in {res.seconds:.2f} s, "
                            f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
             bar.close()
+            tables = _cost_tables(handles)
         finally:
             for h in handles.values():
                 h.stop()
@@ -444,6 +457,7 @@ def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
     config = {"model": model, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
               "kappa": top, "kappas": kappas, "policies": list(policies),
               "verify_cost_table": cfg.verifier.verify_cost_table or "off",
+              "verify_cost_tables": tables,
               "max_tokens": opts.max_tokens, "num_prompts": len(prompts),
               "prompt_names": [p["name"] for p in prompts], "repeats": opts.repeats,
               "concurrency": opts.concurrency, "drafters": [d.as_dict() for d in drafters],

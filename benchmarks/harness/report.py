@@ -342,7 +342,7 @@ def policy_vs_best_fixed(systems: dict[str, dict], level_systems: Sequence[Syste
 
 def kappa_timeline(samples: Sequence[tuple[float, int, int, int]]) -> list[dict]:
     """The chosen kappa through a pass, from the verifier stats sampled during it: each sample
-    ``(t, kappa, num_draft_tokens, num_request_steps)`` (seconds since the pass began, the
+    ``(t, kappa, num_drafts, num_request_steps)`` (seconds since the pass began, the
     policy's kappa then -- the schedule's step kappa, else the configured one -- and the two
     cumulative counters, summed over verifiers) becomes ``{"t", "kappa", "drafts_per_step"}``,
     the last being the drafts verified per request step since the previous sample (what the

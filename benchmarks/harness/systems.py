@@ -280,7 +280,8 @@ def served_snapshot(handle) -> dict:
 class KappaSampler:
     """While open, samples the verifiers of ``handle`` every ``interval_s``: the policy's
     kappa (``current_kappa`` of their stats: the schedule's step kappa, else the configured
-    one) and the draft tokens and request steps verified so far; :attr:`timeline` is
+    one) and the drafts and request steps verified so far (two step-profile counters counted
+    together, so a sample taken mid-step stays consistent); :attr:`timeline` is
     :func:`benchmarks.harness.report.kappa_timeline` of them once closed (one sample before
     the pass, one after it, the rest in a thread)."""
 
@@ -296,11 +297,11 @@ class KappaSampler:
         import ray  # ray: only for the served systems, after use_loopback()
 
         stats = ray.get([a.stats.remote() for a in self.handle.verifiers()])
-        steps = sum((s.get("profile") or {}).get("counters", {}).get("num_request_steps", 0)
-                    for s in stats)
+        counters = [(s.get("profile") or {}).get("counters", {}) for s in stats]
         self.samples.append((time.monotonic() - self._t0,
                              max((int(s.get("current_kappa", 0)) for s in stats), default=0),
-                             sum(s.get("num_draft_tokens", 0) for s in stats), steps))
+                             sum(c.get("num_request_step_drafts", 0) for c in counters),
+                             sum(c.get("num_request_steps", 0) for c in counters)))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

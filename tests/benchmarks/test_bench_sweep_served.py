@@ -30,6 +30,14 @@ def test_bench_sweep_writes_policy_fields(ray_session, tiny_model_dir, tmp_path)
     assert summary["mismatches"] == []
     assert summary["sweep"] == {"kappas": [0, 2], "policies": ["goodput"]}
     assert summary["config"]["verify_cost_table"] == "auto"
+    # the goodput verifier measured its table at start (or found this CPU's in the cache) and
+    # refined it with the verify forwards of the passes; the fixed policy has none
+    tables = summary["config"]["verify_cost_tables"]
+    assert tables["ngram (fixed)"] is None
+    table = tables["ngram (goodput)"]
+    assert table["source"] in ("measured", "cached") and table["num_observed"] > 0
+    assert table["batch_sizes"][0] == 1 and len(table["seconds"]) == \
+        len(table["batch_sizes"]) * len(table["widths"])
     level = summary["levels"]["2"]
     systems = level["systems"]
     assert set(systems) == {"served k=0", "served k=2 ngram", "served goodput ngram"}
