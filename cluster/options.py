@@ -11,6 +11,7 @@ from specmesh.cluster.corpus_files import check_corpus_option
 from specmesh.cluster.drafter_option import add_drafter_options
 from specmesh.cluster.security_options import add_security_options, security_settings
 from specmesh.decode.config import DEFAULT_NUM_PREDICTION_TOKENS, SPECULATIVE_POLICIES
+from specmesh.decode.cost_table import load_cost_table
 from specmesh.decode.kappa_schedule import load_schedule
 from specmesh.decode.rules import AUTO, AUTO_HELP, selectable_rules
 from specmesh.drafter.registry import runs_a_model, supports_corpus
@@ -97,6 +98,12 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "format ({\"1\": {\"candidate_steps\": [1, 3, 7], ...}, ...}; "
                         "default 1: [1, 3, 7], 8: [0, 1, 3], 32: [0, 1], 64: [0]); implies "
                         "--speculative-policy schedule")
+    p.add_argument("--verify-cost-table", default="auto", metavar="auto|off|FILE.json",
+                   help="the goodput policy's verify cost by (batch size, tokens per request), "
+                        "a step function over the measured sizes: auto (measured at the "
+                        "verifier's start, a few seconds, cached per model, dtype, KV-cache "
+                        "dtype and CPU), off (an online per-token-count EMA only) or a JSON "
+                        "file (docs/verification.md, 'Verify cost table')")
     p.add_argument("--synthetic-acceptance", default=None, metavar="RATES",
                    help="with --verify-rule synthetic: per-position acceptance, a comma list "
                         "(e.g. 0.8,0.6,0.4: the share of steps accepting at least 1, 2, 3 "
@@ -182,6 +189,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               verify_rule=getattr(args, "verify_rule", "auto"),
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
               **policy_settings(args),
+              **cost_table_settings(args),
               **synthetic_settings(args),
               max_kv_send_mb_s=getattr(args, "max_kv_send_mb_s", 0.0),
               max_prefill_pause_s=getattr(args, "max_prefill_pause_s", 1.0),
@@ -273,6 +281,25 @@ def policy_settings(args: argparse.Namespace) -> dict:
         return {"speculative_policy": "schedule", "speculative_schedule": load_schedule(path)}
     except ValueError as err:
         raise SystemExit(f"--speculative-schedule: {err}") from None
+
+
+def cost_table_settings(args: argparse.Namespace) -> dict:
+    """The verifier settings of ``--verify-cost-table`` (decode/cost_table.py): ``auto``,
+    ``off`` (none) or a file, read and checked here, where the command runs.
+
+    Raises:
+        SystemExit: an unreadable or malformed table file.
+    """
+    value = getattr(args, "verify_cost_table", None) or "off"
+    if value == "off":
+        return {}
+    if value == "auto":
+        return {"verify_cost_table": "auto"}
+    try:
+        table = load_cost_table(value)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return {"verify_cost_table": value, "verify_cost_table_data": table.as_dict()}
 
 
 def synthetic_settings(args: argparse.Namespace) -> dict:

@@ -138,6 +138,9 @@ class RunResult:
     #: the drafters' cross-request memory cleared before the pass: True, False (the server
     #: cannot: HTTP 404), None (not asked: a system without such memory or control)
     history_cleared: bool | None = None
+    #: the verifier's kappa sampled through the pass (the bench's adaptive-speculation
+    #: sweep): ``[{"t": s since the pass began, "kappa", "drafts_per_step"}, ...]``
+    kappa_timeline: list[dict] | None = None
 
     @property
     def request_tokens(self) -> list[int] | None:

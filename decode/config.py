@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specmesh.decode.kappa_schedule import DEFAULT_SCHEDULE, ScheduleConfig
 from specmesh.decode.rules import AUTO as AUTO_VERIFY_RULE
@@ -123,6 +123,12 @@ class VerifierConfig:
     max_prefill_pause_s: float = 1.0
     speculative_policy: str = "goodput"
     speculative_schedule: ScheduleConfig | None = None
+    #: the goodput policy's profiled verify cost (decode/cost_table.py): ``""`` none (the
+    #: online per-token-count EMA only), ``"auto"`` measured at the verifier's start (cached
+    #: per model, dtype, KV-cache dtype and CPU), or the file it was read from, its table in
+    #: ``verify_cost_table_data`` (read where the command runs)
+    verify_cost_table: str = ""
+    verify_cost_table_data: dict | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
@@ -150,6 +156,9 @@ class VerifierConfig:
             raise ValueError(f"max_prefill_pause_s must be >= 0 (0: never pause), got "
                              f"{self.max_prefill_pause_s}")
         self._check_policy()
+        if self.verify_cost_table not in ("", "auto") and self.verify_cost_table_data is None:
+            raise ValueError(f"verify_cost_table {self.verify_cost_table!r}: a file's table "
+                             f"goes in verify_cost_table_data")
 
     def _check_policy(self) -> None:
         """``speculative_policy`` is known; a schedule goes with the schedule policy and its

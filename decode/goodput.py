@@ -13,7 +13,10 @@ of the step's cost. Here:
   EMA per ``N`` measured, linear between the ``N`` seen and beyond them. Measured, not
   assumed: a 2-row fp32 product can cost several times a one-row one on a CPU without bf16
   (the GEMV / GEMM switch) while a 5-token bf16 forward on a CPU with bf16 products costs
-  about as much as a one-token one (docs/benchmarks.md, 'Forward cost');
+  about as much as a one-token one (docs/benchmarks.md, 'Forward cost'). With a profiled
+  table (decode/cost_table.py: by batch size and tokens per request, measured at start or
+  loaded) the cost is the table's step function instead, the drafter's work included when
+  it shares the verifier's cores;
 - the step's caps, per request (SmartSpec picks one proposal length for the whole batch; a
   batch-wide cap makes requests whose drafts fail hold back a request whose drafts match, or
   verify their own failing drafts beside it). The ``j``-th draft of request ``i`` adds
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from specmesh.decode.cost_table import VerifyCostTable
 
 #: Weight of the past in a request's acceptance counts, per step that carried drafts.
 ACCEPTANCE_DECAY = 0.8
@@ -138,14 +143,34 @@ NO_DRAFTS = DraftCaps(float("inf"))
 
 
 class DraftBudget:
-    """The goodput-maximising draft caps of each verify step (see the module doc)."""
+    """The goodput-maximising draft caps of each verify step (see the module doc).
 
-    def __init__(self) -> None:
+    ``table``: the profiled verify cost by (batch size, tokens per request)
+    (decode/cost_table.py), set by the verifier's host at start; with it a step's cost is the
+    table's step function at the step's batch (no exploration: both ends are known), the
+    drafter's making of the drafts included while ``drafter_shared`` (the drafter runs on
+    the verifier's cores), and every verify forward refines the table's bucket. Without it,
+    the online per-token-count EMA (:class:`ForwardCost`)."""
+
+    def __init__(self, table: VerifyCostTable | None = None) -> None:
         self.cost = ForwardCost()
+        self.table = table
+        self.drafter_shared = False
         self._held_back = 0  # steps in a row that held every draft back while drafts were there
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+    def observe_forward(self, num_tokens: int, seconds: float, batch: int = 0) -> None:
+        """A verify forward of ``batch`` requests (0: not told) over ``num_tokens`` took
+        ``seconds``."""
         self.cost.observe(num_tokens, seconds)
+        if self.table is not None and batch > 0:
+            self.table.observe(batch, num_tokens, seconds)
+
+    def seconds(self, base: int, num_drafts: int) -> float | None:
+        """Predicted seconds of a step of ``base`` requests verifying ``num_drafts`` drafts
+        (None: not predictable yet)."""
+        if self.table is not None:
+            return self.table.step_seconds(base, num_drafts, self.drafter_shared)
+        return self.cost.predict(base + num_drafts)
 
     def decide(self, num_drafts: list[int], rates: list[float]) -> DraftCaps:
         """This step's caps.
@@ -160,9 +185,9 @@ class DraftBudget:
         base = len(num_drafts)
         total = base + sum(num_drafts)
         # explore the two ends first: with both measured every size can be predicted
-        if self.cost.predict(total) is None:
+        if self.seconds(base, total - base) is None:
             return ALL_DRAFTS
-        if self.cost.predict(base) is None:
+        if self.seconds(base, 0) is None:
             return self._held(NO_DRAFTS)
         gains = sorted((r ** j for r, d in zip(rates, num_drafts) for j in range(1, d + 1)),
                        reverse=True)
@@ -170,7 +195,7 @@ class DraftBudget:
         for n in range(len(gains) + 1):
             if n:
                 gain += gains[n - 1]
-            t = self.cost.predict(base + n)
+            t = self.seconds(base, n)
             if t is not None and t > 0 and gain / t > best:
                 best_n, best = n, gain / t
         if not best_n:
@@ -191,7 +216,7 @@ class DraftBudget:
         'Drafting'). The marginal cost is the threshold
         the decision rests on: a draft is dropped only when it no longer pays for itself."""
         taken = base + sum(gains[:n])
-        t_n, t_next = self.cost.predict(base + n), self.cost.predict(base + n + 1)
+        t_n, t_next = self.seconds(base, n), self.seconds(base, n + 1)
         marginal = taken * max(t_next / t_n - 1.0, 0.0) if t_n and t_next else gains[n - 1]
         floor = math.nextafter(gains[n], math.inf) if n < len(gains) else 0.0
         return min(gains[n - 1], max(marginal, floor))

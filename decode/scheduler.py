@@ -271,7 +271,7 @@ class Scheduler(Admission, TailWait):
             return self.kappa_schedule.current_kappa
         return self.num_speculative_tokens
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """A verify forward over ``num_tokens`` query tokens took ``seconds`` (the cost model
-        of ``goodput_drafts``)."""
-        self.draft_budget.observe_forward(num_tokens, seconds)
+    def observe_forward(self, num_tokens: int, seconds: float, batch: int = 0) -> None:
+        """A verify forward of ``batch`` requests (0: not told) over ``num_tokens`` query
+        tokens took ``seconds`` (the cost model of ``goodput_drafts``)."""
+        self.draft_budget.observe_forward(num_tokens, seconds, batch)

@@ -223,7 +223,7 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
                                                  for r in self.lifecycle.requests.values()))
         outputs = self.verify_step.run(plan, return_hidden=hidden)
         self.scheduler.observe_forward(sum(1 + len(p.draft_token_ids) for p in plan),
-                                       self.verify_step.last_forward_s)
+                                       self.verify_step.last_forward_s, len(plan))
         with prof.phase("commit"):
             self._ingest_drafts_before_commit()
             for p, out in zip(plan, outputs):
@@ -246,6 +246,9 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
             prof.count("num_steps_with_tail")
         with_drafts = sum(bool(p.draft_token_ids) for p in plan)
         prof.count("num_request_steps", len(plan))
+        # beside the step count, so a snapshot of the two stays consistent (the bench's kappa
+        # timeline: drafts verified per request step)
+        prof.count("num_request_step_drafts", sum(len(p.draft_token_ids) for p in plan))
         prof.count("num_request_steps_spec_eligible", eligible)
         prof.count("num_request_steps_with_drafts", with_drafts)
         if with_drafts:

@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from specmesh.benchmarks.harness.llama_server import LlamaServers, find_llama_server, llama_configs
 from specmesh.benchmarks.harness.options import (
@@ -51,10 +52,12 @@ from specmesh.benchmarks.harness.report import (
     mismatch_lines,
     run_notes,
     summarize,
+    sweep_systems,
     systems_for,
 )
 from specmesh.benchmarks.harness.systems import (
     InProcessSystems,
+    KappaSampler,
     check_predictions,
     generation_eos_ids,
     load_hf_model,
@@ -202,6 +205,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     from specmesh.engine.devices import resolve_device
     from specmesh.engine.loader import load_model, load_tokenizer, model_name
 
+    if opts.sweep:
+        return sweep(cfg, opts)
     prompts = bench_prompts(opts)
     kappa = cfg.verifier.num_speculative_tokens
     drafters = list(opts.drafters or [cluster_drafter(cfg)])
@@ -341,6 +346,133 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     categories = {c: [p["category"] for p in level_requests(prompts, c)]
                   for c in opts.concurrency}
     summary = summarize(config, runs, level_systems, forward_cost or None, categories)
+    write_outputs(summary, opts)
+    return summary
+
+
+# -- the adaptive-speculation sweep (--kappas / --policy) ----------------------------------
+
+
+def sweep_config(cfg: ClusterConfig, d: BenchDrafter, policy: str, kappa: int,
+                 namespace: str) -> ClusterConfig:
+    """The served cluster of method ``d`` under ``--speculative-policy policy`` with kappa
+    ``kappa`` (the fixed passes set theirs per pass; a policy adapts within it), in
+    ``namespace``; the drafter's windows derived again from its kappa."""
+    out = with_drafter(cfg, d, namespace)
+    verifier = replace(out.verifier, speculative_policy=policy, num_speculative_tokens=kappa,
+                       speculative_schedule=out.verifier.speculative_schedule
+                       if policy == "schedule" else None)
+    return replace(out, verifier=verifier,
+                   drafter=replace(out.drafter, window=0, max_segment=0, prediction_window=0))
+
+
+def _sweep_schedule(levels: list[int], systems: list[System], repeats: int
+                    ) -> list[tuple[int, int, System]]:
+    """(repeat, level, system) in run order: every repeat runs every level and system, the
+    order of levels and of systems rotated per repeat (as :func:`_schedule`)."""
+    out = []
+    for r in range(repeats):
+        lv = levels[r % len(levels):] + levels[:r % len(levels)]
+        for level in lv:
+            k = r % len(systems)
+            out += [(r, level, s) for s in systems[k:] + systems[:k]]
+    return out
+
+
+def _cost_tables(handles: dict) -> dict[str, dict | None]:
+    """Per served cluster (``"method (policy)"``), its first verifier's verify cost table as
+    its ``stats()`` show it (None: the cluster's policy runs without one)."""
+    import ray  # ray: the served clusters are running
+
+    out = {}
+    for (label, policy), h in handles.items():
+        stats = ray.get([a.stats.remote() for a in h.verifiers()])
+        out[f"{label} ({policy})"] = stats[0].get("verify_cost_table") if stats else None
+    return out
+
+
+def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
+    """The adaptive-speculation sweep: per draft method one served cluster under
+    ``--speculative-policy fixed`` (every ``opts.kappas`` pass, set per pass; k = 0 once, on
+    the first method's) and one per adaptive policy of ``opts.policies`` (kappa: the largest
+    fixed one), all started before the runs, each pass's kappa sampled through it
+    (:class:`systems.KappaSampler`); repeats, levels and systems interleaved. Served systems
+    only (no in-process, HF or llama-server passes). Returns the summary: the plain bench's
+    (output identity against k = 0, ``mismatches``), each policy system's ``kappa_timeline``
+    per repeat and each level's ``policy_vs_best_fixed``
+    (:func:`report.policy_vs_best_fixed`)."""
+    # the engine's tokenizer loader: transformers, only when a bench runs
+    from tqdm import tqdm
+
+    from specmesh.cluster.launcher import start_cluster
+    from specmesh.engine.loader import model_name
+
+    prompts = bench_prompts(opts)
+    kappas, policies = list(opts.kappas or [0, cfg.verifier.num_speculative_tokens]), \
+        tuple(opts.policies)
+    top = max(kappas)
+    drafters = list(opts.drafters or [cluster_drafter(cfg)])
+    labels = [d.label for d in drafters]
+    systems = sweep_systems(kappas, policies, labels)
+    model = model_name(cfg.model)
+    clusters = {(d.label, p): sweep_config(cfg, d, p, top, f"{namespace_for(d, i)}-{p}")
+                for i, d in enumerate(drafters) for p in ("fixed", *policies)
+                if top > 0 or p == "fixed"}
+    handles: dict = {}
+    runs: dict[int, dict[str, list[RunResult]]] = {c: {} for c in opts.concurrency}
+    cleared: dict[str, list[bool]] = {}
+    with sigterm_unwinds():
+        try:
+            for (label, policy), c in clusters.items():
+                print(f"[bench] starting the served cluster of {label} under policy {policy} "
+                      f"(namespace {c.namespace})", file=sys.stderr, flush=True)
+                handles[(label, policy)] = start_cluster(c, num_clusters=len(clusters))
+            clients = {key: openai_client(h.url, h.api_key) for key, h in handles.items()}
+            for key, h in handles.items():
+                h.set_num_speculative_tokens(top)
+                run_openai(clients[key], model, prompts[:1], 4, "warmup")
+            schedule = _sweep_schedule(opts.concurrency, systems, opts.repeats)
+            bar = tqdm(schedule, desc="sweep", unit="run", disable=not opts.progress,
+                       file=sys.stderr)
+            for r, level, system in bar:
+                bar.set_postfix_str(f"C={level} {system.name}")
+                key = (system.method or labels[0], system.policy or "fixed")
+                with KappaSampler(handles[key]) as sampler:
+                    res = run_served(handles[key], clients[key], model,
+                                     level_requests(prompts, level), opts.max_tokens,
+                                     system.kappa, level, system.name,
+                                     predictions=opts.predictions)
+                res.kappa_timeline = sampler.timeline
+                cleared.setdefault(f"{key[0]} ({key[1]})", []).append(bool(res.history_cleared))
+                runs[level].setdefault(system.name, []).append(res)
+                tqdm.write(f"[bench] repeat {r + 1}/{opts.repeats} C={level} {system.name}: "
+                           f"{res.num_tokens} tokens in {res.seconds:.2f} s, "
+                           f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
+            bar.close()
+            tables = _cost_tables(handles)
+        finally:
+            for h in handles.values():
+                h.stop()
+    sent = opts.predictions and top > 0
+    config = {"model": model, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
+              "kappa": top, "kappas": kappas, "policies": list(policies),
+              "verify_cost_table": cfg.verifier.verify_cost_table or "off",
+              "verify_cost_tables": tables,
+              "max_tokens": opts.max_tokens, "num_prompts": len(prompts),
+              "prompt_names": [p["name"] for p in prompts], "repeats": opts.repeats,
+              "concurrency": opts.concurrency, "drafters": [d.as_dict() for d in drafters],
+              "draft_method": drafters[0].method, "threads": clusters[
+                  (labels[0], "fixed")].threads, "baselines": [],
+              "served_clusters": f"per draft method one cluster under --speculative-policy "
+                                 f"fixed (k = {', '.join(map(str, kappas))}, set per pass) and "
+                                 f"one per policy ({', '.join(policies) or 'none'}; kappa "
+                                 f"{top}), side by side in one Ray session",
+              "drafter_history_cleared": cleared,
+              "notes": run_notes(prompts, opts.concurrency, cleared, sent)}
+    categories = {c: [p["category"] for p in level_requests(prompts, c)]
+                  for c in opts.concurrency}
+    summary = summarize(config, runs, {c: systems for c in opts.concurrency}, None, categories)
+    summary["sweep"] = {"kappas": kappas, "policies": list(policies)}
     write_outputs(summary, opts)
     return summary
 

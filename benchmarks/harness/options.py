@@ -160,6 +160,68 @@ class BenchOptions:
     llama_keep_spec_state: bool = False
     #: the prompts' ``prediction`` (OpenAI's Predicted Outputs) sent to the served systems
     predictions: bool = True
+    #: the adaptive-speculation sweep (``--kappas`` / ``--policy``; None / empty: the plain
+    #: bench): the fixed kappas served under ``--speculative-policy fixed`` (0: plain decode)
+    #: and the adaptive policies, each a served pass interleaved with the others
+    kappas: list[int] | None = None
+    policies: tuple[str, ...] = ()
+
+    @property
+    def sweep(self) -> bool:
+        """Whether this run is the adaptive-speculation sweep."""
+        return self.kappas is not None or bool(self.policies)
+
+
+#: the adaptive policies ``--policy`` may list (``fixed`` is what ``--kappas`` runs)
+SWEEP_POLICIES = ("schedule", "goodput")
+
+
+def parse_kappas(text: str) -> list[int]:
+    """``"0,1,3,5"`` -> ``[0, 1, 3, 5]`` (order kept, duplicates dropped): the fixed kappas of
+    the sweep; 0 (plain decode, the output reference) is added first when missing.
+
+    Raises:
+        SystemExit: an empty list, a non-integer or a negative kappa.
+    """
+    out: list[int] = []
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            k = int(part)
+        except ValueError:
+            raise SystemExit(f"--kappas: {part!r} is not an integer (e.g. 0,1,3,5)") from None
+        if k < 0:
+            raise SystemExit(f"--kappas: kappa must be >= 0, got {k}")
+        if k not in out:
+            out.append(k)
+    if not out:
+        raise SystemExit("--kappas: no kappa given (e.g. 0,1,3,5)")
+    return out if 0 in out else [0, *out]
+
+
+def parse_policies(text: str) -> tuple[str, ...]:
+    """``"schedule,goodput"`` -> ``("schedule", "goodput")`` (order kept, duplicates
+    dropped): the adaptive policies of the sweep.
+
+    Raises:
+        SystemExit: an empty list or a policy not in :data:`SWEEP_POLICIES` (``fixed`` is
+            named: it is what ``--kappas`` runs).
+    """
+    out: list[str] = []
+    for name in (p.strip() for p in (text or "").split(",")):
+        if not name:
+            continue
+        if name not in SWEEP_POLICIES:
+            hint = " (fixed kappas are --kappas)" if name == "fixed" else ""
+            raise SystemExit(f"--policy: unknown policy {name!r}{hint}; use a comma list of "
+                             f"{', '.join(SWEEP_POLICIES)}")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise SystemExit(f"--policy: no policy given (e.g. {','.join(SWEEP_POLICIES)})")
+    return tuple(out)
 
 
 def parse_baselines(text: str) -> tuple[str, ...]:
@@ -217,6 +279,17 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="plot tokens/s vs concurrency and acceptance per draft position")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--kappas", default=None, metavar="LIST",
+                   help="the adaptive-speculation sweep: comma list of fixed kappas (e.g. "
+                        "0,1,3,5; 0 added when missing), each a served pass under "
+                        "--speculative-policy fixed, interleaved with the --policy passes; "
+                        "served systems only (docs/benchmarks.md, 'Adaptive speculation "
+                        "sweep')")
+    p.add_argument("--policy", default=None, metavar="LIST",
+                   help=f"the sweep's adaptive policies, a comma list of "
+                        f"{', '.join(SWEEP_POLICIES)}: each its own served cluster (kappa: "
+                        f"the largest of --kappas), its chosen kappa sampled over time, its "
+                        f"tokens/s compared with the best fixed kappa per concurrency")
     p.add_argument("--drafters", default=None, metavar="LIST",
                    help="comma list of draft methods to compare, each a --drafter form (e.g. "
                         "ngram,eagle): served and in-process kappa=K systems per method, each "
@@ -267,4 +340,24 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
                         llama_server=args.llama_server, llama_spec_type=args.llama_spec_type,
                         llama_server_args=llama_args,
                         llama_keep_spec_state=args.llama_keep_spec_state,
-                        predictions=args.predictions == "on")
+                        predictions=args.predictions == "on", **sweep_options(args))
+
+
+def sweep_options(args: argparse.Namespace) -> dict:
+    """The :class:`BenchOptions` fields of ``--kappas`` / ``--policy`` (``{}``: neither). A
+    policy without ``--kappas`` is compared with kappa 0 and the cluster's kappa.
+
+    Raises:
+        SystemExit: a malformed list, or a sweep whose largest kappa is 0 with a policy.
+    """
+    kappas_text = getattr(args, "kappas", None)
+    policy_text = getattr(args, "policy", None)
+    if kappas_text is None and policy_text is None:
+        return {}
+    policies = parse_policies(policy_text) if policy_text is not None else ()
+    kappas = parse_kappas(kappas_text) if kappas_text is not None else \
+        parse_kappas(str(args.num_speculative_tokens))
+    if policies and max(kappas) == 0:
+        raise SystemExit("--policy: the policies adapt kappa within the largest of --kappas "
+                         "(or --num-speculative-tokens), which is 0")
+    return {"kappas": kappas, "policies": policies}

@@ -119,6 +119,7 @@ def markdown(summary: dict) -> str:
     loud = mismatch_lines(summary)
     if loud:
         lines += [f"**{m}**" for m in loud] + [""]
+    lines += sweep_markdown(summary)
     for level in summary["levels"].values():
         lines += [f"## concurrency {level['concurrency']} ({level['num_requests']} requests)",
                   "", "| system | tokens/s | x HF | acceptance | mean accept len | "
@@ -245,9 +246,62 @@ def profile_markdown(level: dict) -> list[str]:
     return lines
 
 
+def sweep_markdown(summary: dict) -> list[str]:
+    """The adaptive-speculation sweep's table (empty outside a sweep): per policy system, per
+    concurrency, its tokens/s over the best fixed kappa's (k = 0 included) with that best
+    one named, and the mean drafts per request step it chose over its passes."""
+    levels = list(summary["levels"].values())
+    names: list[str] = []
+    for lv in levels:
+        names += [n for n in (lv.get("policy_vs_best_fixed") or {}) if n not in names]
+    if not names:
+        return []
+    lines = ["## policy tokens/s / best fixed", "",
+             "| system | " + " | ".join(f"C={lv['concurrency']}" for lv in levels) + " |",
+             "|---" * (len(levels) + 1) + "|"]
+    for n in names:
+        cells = []
+        for lv in levels:
+            row = (lv.get("policy_vs_best_fixed") or {}).get(n)
+            if row is None or row["ratio"] is None:
+                cells.append("")
+                continue
+            drafts = [p["drafts_per_step"] for tl in
+                      lv["systems"][n].get("kappa_timeline") or [] for p in tl or []
+                      if p["drafts_per_step"] is not None]
+            chosen = f", {sum(drafts) / len(drafts):.2f} drafts/step" if drafts else ""
+            cells.append(f"{row['ratio']:.2f}x ({row['best_fixed']}{chosen})")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _plot_kappa(ax, levels: list[dict]) -> None:
+    """Drafts per request step (what each policy chose) and the policy's kappa over the first
+    repeat of each policy system at each level."""
+    for lv in levels:
+        for n, s in lv["systems"].items():
+            if s.get("policy") in (None, "fixed") or not s.get("kappa_timeline"):
+                continue
+            tl = s["kappa_timeline"][0] or []
+            pts = [(p["t"], p["drafts_per_step"]) for p in tl if p["drafts_per_step"] is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".",
+                        label=f"{n}, C={lv['concurrency']}")
+            if s["policy"] == "schedule" and tl:
+                ax.step([p["t"] for p in tl], [p["kappa"] for p in tl], where="post",
+                        linestyle="--", label=f"{n} kappa, C={lv['concurrency']}")
+    ax.set_xlabel("seconds into the pass (first repeat)")
+    ax.set_ylabel("drafts per request step / kappa")
+    ax.set_title("chosen kappa over time")
+    if ax.lines:
+        ax.legend(fontsize=7)
+
+
 def write_plot(summary: dict, path: str) -> None:
     """A PNG at ``path``: tokens/s vs concurrency per system (left) and acceptance rate per
-    draft position of every kappa > 0 specmesh system per level (right). Agg backend."""
+    draft position of every kappa > 0 specmesh system per level (middle); in the
+    adaptive-speculation sweep also the kappa each policy chose over time (right). Agg
+    backend."""
     # matplotlib: only with --plot
     import matplotlib
 
@@ -257,7 +311,11 @@ def write_plot(summary: dict, path: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     levels = list(summary["levels"].values())
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sweep = bool(summary.get("sweep"))
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(18 if sweep else 12, 4.5))
+    ax1, ax2 = axes[0], axes[1]
+    if sweep:
+        _plot_kappa(axes[2], levels)
     names: list[str] = []
     for lv in levels:
         names += [n for n in lv["systems"] if n not in names]

@@ -259,6 +259,9 @@ class System:
     kappa: int = 0
     plain: str | None = None
     method: str | None = None
+    #: the sweep's policy of a served system (``fixed`` for its fixed kappas, ``schedule`` /
+    #: ``goodput`` adapting within ``kappa``); None outside the sweep
+    policy: str | None = None
 
 
 SERVED_PLAIN = "served k=0"
@@ -294,6 +297,62 @@ def systems_for(kappa: int, concurrency: int, methods: Sequence[str] = ("ngram",
         if kappa > 0 and llama_spec_type:
             out.append(System(f"{LLAMA_PLAIN} {llama_spec_type}", "llama", kappa, LLAMA_PLAIN,
                               llama_spec_type))
+    return out
+
+
+def sweep_systems(kappas: Sequence[int], policies: Sequence[str],
+                  methods: Sequence[str] = ("ngram",)) -> list[System]:
+    """The served systems of one level of the adaptive-speculation sweep: ``served k=0``, per
+    draft method every fixed kappa > 0 (``served k=3 ngram``, policy ``fixed``) and every
+    adaptive policy within the largest kappa (``served goodput ngram``); each speculative
+    one's output is checked against ``served k=0``."""
+    out = [System(SERVED_PLAIN, "served", 0, policy="fixed")]
+    top = max(kappas)
+    for m in methods:
+        out += [System(f"served k={k} {m}", "served", k, SERVED_PLAIN, m, "fixed")
+                for k in kappas if k > 0]
+        out += [System(f"served {p} {m}", "served", top, SERVED_PLAIN, m, p) for p in policies]
+    return out
+
+
+def policy_vs_best_fixed(systems: dict[str, dict], level_systems: Sequence[System]
+                         ) -> dict[str, dict]:
+    """Per adaptive-policy system of one level (its :func:`summarize_system` dict by name in
+    ``systems``): its median tokens/s over the best fixed kappa's of the same draft method,
+    k = 0 included (the issue's "policy tokens/s / best fixed": at least 0.95 means the
+    policy never makes speculation a loss). ``{name: {"policy", "method", "tokens_per_s",
+    "best_fixed", "best_fixed_tokens_per_s", "ratio"}}``; a policy with no measured fixed
+    system is left out."""
+    out: dict[str, dict] = {}
+    for s in level_systems:
+        if s.policy in (None, "fixed") or s.name not in systems:
+            continue
+        fixed = [f.name for f in level_systems if f.policy == "fixed" and f.name in systems
+                 and (f.kappa == 0 or f.method == s.method)]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda n: systems[n]["median_tokens_per_s"])
+        tps, best_tps = systems[s.name]["median_tokens_per_s"], \
+            systems[best]["median_tokens_per_s"]
+        out[s.name] = {"policy": s.policy, "method": s.method, "tokens_per_s": tps,
+                       "best_fixed": best, "best_fixed_tokens_per_s": best_tps,
+                       "ratio": tps / best_tps if best_tps else None}
+    return out
+
+
+def kappa_timeline(samples: Sequence[tuple[float, int, int, int]]) -> list[dict]:
+    """The chosen kappa through a pass, from the verifier stats sampled during it: each sample
+    ``(t, kappa, num_drafts, num_request_steps)`` (seconds since the pass began, the
+    policy's kappa then -- the schedule's step kappa, else the configured one -- and the two
+    cumulative counters, summed over verifiers) becomes ``{"t", "kappa", "drafts_per_step"}``,
+    the last being the drafts verified per request step since the previous sample (what the
+    goodput policy chose, per request; None when no step ran in between). The first sample
+    is the baseline of the counters."""
+    out = []
+    for prev, cur in zip(samples, samples[1:]):
+        steps = cur[3] - prev[3]
+        out.append({"t": round(cur[0], 3), "kappa": cur[1],
+                    "drafts_per_step": (cur[2] - prev[2]) / steps if steps > 0 else None})
     return out
 
 
@@ -434,6 +493,10 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
            "texts": first.texts, "token_ids": first.token_ids}
     if any(r.history_cleared is not None for r in runs):
         out["history_cleared"] = [r.history_cleared for r in runs]
+    if system.policy is not None:
+        out["policy"] = system.policy
+        # per repeat, the verifier's kappa sampled through the pass (bench.KappaSampler)
+        out["kappa_timeline"] = [r.kappa_timeline for r in runs]
     if categories is not None:
         out["categories"] = category_summary(runs, categories, identical_k0, checked)
     if profile is not None:
@@ -469,6 +532,10 @@ def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[
             ratios[f"{s.name} / {twin}"] = (out[s.name]["median_tokens_per_s"]
                                             / out[twin]["median_tokens_per_s"])
     ratios.update(peer_ratios(out))
+    vs_fixed = policy_vs_best_fixed(out, systems)
+    for name, row in vs_fixed.items():
+        if row["ratio"] is not None:
+            ratios[f"{name} / best fixed ({row['best_fixed']})"] = row["ratio"]
     for s in systems:
         if s.name in out and s.plain in out and categories is not None:
             for cat, row in out[s.name]["categories"].items():
@@ -481,7 +548,8 @@ def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[
                   for name, s in out.items() if s["exact"] is False]
     return {"concurrency": level, "num_requests": len(next(iter(runs.values()))[0].texts)
             if runs else 0, "systems": out, "ratios": ratios, "mismatches": mismatches,
-            "categories": category_order(categories) if categories is not None else None}
+            "categories": category_order(categories) if categories is not None else None,
+            "policy_vs_best_fixed": vs_fixed or None}
 
 
 def peer_ratios(systems: dict[str, dict]) -> dict[str, float]:

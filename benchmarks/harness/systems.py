@@ -20,10 +20,12 @@ accepts and profile. Imports no torch and no Ray at load.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 from specmesh.benchmarks.harness.report import (
+    kappa_timeline,
     merge_snapshots,
     snapshot_delta,
     verifier_snapshot,
@@ -273,6 +275,49 @@ def served_snapshot(handle) -> dict:
     drafted = ray.get([a.stats.remote() for a in handle.drafters()])
     return with_drafter_profiles(merge_snapshots([verifier_snapshot(s) for s in stats]),
                                  [d.get("profile") or {} for d in drafted])
+
+
+class KappaSampler:
+    """While open, samples the verifiers of ``handle`` every ``interval_s``: the policy's
+    kappa (``current_kappa`` of their stats: the schedule's step kappa, else the configured
+    one) and the drafts and request steps verified so far (two step-profile counters counted
+    together, so a sample taken mid-step stays consistent); :attr:`timeline` is
+    :func:`benchmarks.harness.report.kappa_timeline` of them once closed (one sample before
+    the pass, one after it, the rest in a thread)."""
+
+    def __init__(self, handle, interval_s: float = 0.5) -> None:
+        self.handle = handle
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int, int, int]] = []
+        self.timeline: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kappa-sampler")
+
+    def _sample(self) -> None:
+        import ray  # ray: only for the served systems, after use_loopback()
+
+        stats = ray.get([a.stats.remote() for a in self.handle.verifiers()])
+        counters = [(s.get("profile") or {}).get("counters", {}) for s in stats]
+        self.samples.append((time.monotonic() - self._t0,
+                             max((int(s.get("current_kappa", 0)) for s in stats), default=0),
+                             sum(c.get("num_request_step_drafts", 0) for c in counters),
+                             sum(c.get("num_request_steps", 0) for c in counters)))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> KappaSampler:
+        self._t0 = time.monotonic()
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.timeline = kappa_timeline(self.samples)
 
 
 def run_served(handle, client, model: str, prompts: list[dict], max_tokens: int, kappa: int,

@@ -23,6 +23,7 @@ class VerifierHost(RoleHost):
         from specmesh.decode.worker import VerifierWorker
         from specmesh.engine.grammar import compiler_for
         from specmesh.cluster.hosts.drafter import cluster_seed_state
+        from specmesh.cluster.verify_cost import verifier_cost_table
 
         loaded, runner, bm = loaded_runner(self.cfg)
         v = self.cfg.verifier
@@ -38,6 +39,10 @@ class VerifierHost(RoleHost):
         self._on_cpu = loaded.model.device.type == "cpu"
         worker.core_sharing = CoreSharing(self.cfg.threads.get(self.role.value, 1),
                                           torch.set_num_threads)
+        # the goodput policy's profiled verify cost, before any request (cluster/verify_cost.py)
+        worker.scheduler.draft_budget.table = verifier_cost_table(
+            config, runner, self.cfg.model, self.cfg.dtype, self.cfg.kv_cache_dtype,
+            self.cfg.threads.get(self.role.value, 1))
         self.mailbox.on_disconnect = worker.peer_disconnected  # called in the loop thread
         return worker
 
@@ -71,6 +76,9 @@ class VerifierHost(RoleHost):
         if self.worker.core_sharing is not None:  # a prefill on this node's CPU shares its cores
             self.worker.core_sharing.shared = self._on_cpu and any(
                 endpoint_host(r["endpoint"]) == self.advertise_host for r in prefill)
+        # a drafter on this node's CPU: its drafts cost the verifier's cores (goodput policy)
+        self.worker.scheduler.draft_budget.drafter_shared = self._on_cpu and any(
+            endpoint_host(r["endpoint"]) == self.advertise_host for r in drafters)
         self.worker.set_roster([r["instance_id"] for r in prefill],
                                [r["instance_id"] for r in drafters])
 
@@ -98,6 +106,14 @@ class VerifierHost(RoleHost):
         out = super().stats()
         out.update(self.worker.load)
         out["num_speculative_tokens"] = self.worker.num_speculative_tokens
+        # the policy's kappa now (the schedule's step kappa, else the configured one) and the
+        # goodput policy's cost table (decode/cost_table.py): what `specmesh bench` samples
+        sched = self.worker.scheduler
+        out["current_kappa"] = sched.current_kappa
+        out["speculative_policy"] = self.worker.config.speculative_policy
+        table = sched.draft_budget.table
+        out["verify_cost_table"] = None if table is None else {
+            "source": table.source, "num_observed": table.num_observed, **table.as_dict()}
         bm = self.worker.block_manager
         out["num_kv_blocks"] = bm.num_blocks
         out["kv_cache_usage"] = 1 - bm.num_free_blocks / bm.num_blocks  # as the metric

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from specmesh.cluster.hosts.verifier import VerifierHost, endpoint_host
 from specmesh.cluster.inprocess import InProcessCluster
 from specmesh.decode.core_sharing import CoreSharing
+from specmesh.decode.goodput import DraftBudget
 from helpers.models import tiny_llama
 from specmesh.protocol.messages import SamplingParams
 
@@ -118,6 +121,7 @@ def test_with_the_pause_every_prompt_runs_on_the_verifiers_cores():
 class _Worker:
     def __init__(self) -> None:
         self.core_sharing = CoreSharing(2, lambda n: None)
+        self.scheduler = SimpleNamespace(draft_budget=DraftBudget())
 
     def set_roster(self, prefill, drafters) -> None:
         self.roster = (prefill, drafters)
@@ -147,6 +151,24 @@ def test_the_host_marks_cores_shared_by_a_prefill_on_its_node_and_cpu(on_cpu, pr
     host = _host(on_cpu)
     host.apply_roster([_prefill(h) for h in prefill_hosts])
     assert host.worker.core_sharing.shared is shared
+
+
+def _drafter(host: str) -> dict:
+    return {"instance_id": f"drafter-{host}", "role": "drafter", "incarnation": 1,
+            "endpoint": f"tcp://{host}:6666"}
+
+
+@pytest.mark.parametrize("on_cpu, drafter_hosts, shared", [
+    (True, ["10.0.0.5"], True),  # same node, CPU: the drafts cost the verifier's cores
+    (True, ["10.0.0.7"], False),  # drafter on another node
+    (False, ["10.0.0.5"], False),  # the verifier computes on a GPU
+])
+def test_the_host_marks_a_drafter_on_its_cores_for_the_goodput_cost(on_cpu, drafter_hosts,
+                                                                   shared):
+    host = _host(on_cpu)
+    host.apply_roster([_drafter(h) for h in drafter_hosts])
+    assert host.worker.scheduler.draft_budget.drafter_shared is shared
+    assert host.worker.core_sharing.shared is False  # no prefill there
 
 
 def test_endpoint_host():
