@@ -146,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
     ap.add_argument("--kill-every-s", type=float, default=60.0,
                     help="seconds between kills of a random drafter/prefill/verifier (0: none)")
+    ap.add_argument("--kill-roles", default=",".join(KILLABLE),
+                    help="the roles the kills pick from (comma-separated)")
     ap.add_argument("--clients", type=int, default=6, help="client threads")
     ap.add_argument("--model", default="tiny",
                     help="tiny (a random 2-layer Llama, the default), smollm2 (the real model) "
@@ -188,7 +190,8 @@ def soak(args: argparse.Namespace, handle, ref: dict, model: str | None) -> int:
                               daemon=True)
     killer = None
     if args.kill_every_s > 0:
-        targets = [iid for iid in handle.actors if iid.startswith(KILLABLE)]
+        roles = tuple(r for r in args.kill_roles.split(",") if r)
+        targets = [iid for iid in handle.actors if iid.startswith(roles)]
         killer = RoleKiller(targets, lambda iid: ray.kill(handle.actors[iid], no_restart=False),
                             args.kill_every_s, first_after_s=min(args.kill_every_s,
                                                                  args.minutes * 30),
@@ -209,7 +212,8 @@ def soak(args: argparse.Namespace, handle, ref: dict, model: str | None) -> int:
     rss.sample(role_pids(handle), time.monotonic())
     st = handle.stats() if ready else {}
     meta = {"minutes": args.minutes, "model": args.model, "clients": args.clients,
-            "kill_every_s": args.kill_every_s, "max_tokens": args.max_tokens,
+            "kill_every_s": args.kill_every_s, "kill_roles": args.kill_roles,
+            "max_tokens": args.max_tokens,
             "num_speculative_tokens": args.num_speculative_tokens,
             "curve": {iid: s.get("curve") for iid, s in st.items()},
             "ready_after_load": ready, "load_average": round(os.getloadavg()[0], 1),

@@ -95,6 +95,8 @@ class LoadGenerator:
     seeds: tuple[int, ...] = (11, 12)
     kinds: dict[str, int] = field(default_factory=lambda: dict(KINDS))
     hang_s: float = HANG_S
+    #: the HTTP transport (None: httpx's own sockets; a MockTransport in tests)
+    transport: httpx.BaseTransport | None = None
     outcomes: list[Outcome] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
 
@@ -120,7 +122,8 @@ class LoadGenerator:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = httpx.Timeout(self.hang_s, connect=10.0)
         kinds, weights = zip(*self.kinds.items())
-        with httpx.Client(base_url=self.url, timeout=timeout, headers=headers) as client:
+        with httpx.Client(base_url=self.url, timeout=timeout, headers=headers,
+                          transport=self.transport) as client:
             while not stop.is_set():
                 kind = rng.choices(kinds, weights)[0]
                 out = self.one(client, kind, rng)
