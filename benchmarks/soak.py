@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference(model, PROMPTS, args.max_tokens)
     cfg = ClusterConfig.create(
         model=model, dtype="float32", num_speculative_tokens=args.num_speculative_tokens,
-        kv_cache_mb=64, port=0, max_model_len=1024, max_restarts=-1,
+        kv_cache_mb=64, port=0, max_model_len=1024, max_restarts=-1, namespace="specmesh-soak",
         transport="curve" if args.secure_transport else "insecure")
     handle = start_cluster(cfg)
     try:
