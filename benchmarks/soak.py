@@ -219,7 +219,8 @@ def soak(args: argparse.Namespace, handle, ref: dict, model: str | None) -> int:
             "ready_after_load": ready, "load_average": round(os.getloadavg()[0], 1),
             "kills": [vars(k) | {"at": round(k.at - t0, 1)} for k in
                       (killer.kills if killer else [])]}
-    report = build_report(load.outcomes, ref, left, rss.growth(), meta)
+    kill_times = [k.at for k in killer.kills] if killer else []
+    report = build_report(load.outcomes, ref, left, rss.growth(), meta, kill_times)
     report["verdict"]["every role ready again after the load"] = ready
     report["passed"] = all(report["verdict"].values())
     print(render(report))

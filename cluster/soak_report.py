@@ -72,19 +72,33 @@ class Failures:
     examples: list[dict] = field(default_factory=list)
 
 
-def failures(outcomes: list[Outcome], within_s: float = FAIL_WITHIN_S) -> Failures:
-    """Summarise the failed outcomes (causes grouped by their first 80 characters)."""
+def failure_delay(o: Outcome, kill_times: list[float]) -> float:
+    """Seconds from what a failed request last heard or suffered to its error: the latest of
+    its last sign of life (start, latest chunk) and the latest kill before its end (a request
+    in flight when its verifier is killed must fail within the bound of the kill, however long
+    it had run)."""
+    last = o.ended - o.stall_s
+    kills = [t for t in kill_times if t <= o.ended]
+    return o.ended - max([last, *kills])
+
+
+def failures(outcomes: list[Outcome], kill_times: list[float] = (),
+             within_s: float = FAIL_WITHIN_S) -> Failures:
+    """Summarise the failed outcomes (causes grouped by their first 80 characters); a failure
+    is slow when its :func:`failure_delay` exceeds ``within_s``. ``kill_times``: when the soak
+    killed a role (the outcomes' clock)."""
     f = Failures()
     for o in outcomes:
         if o.ok:
             continue
         f.count += 1
         f.without_cause += not o.cause
-        f.slow += o.stall_s > within_s
+        delay = failure_delay(o, list(kill_times))
+        f.slow += delay > within_s
         key = (o.cause or f"(no cause) {o.note}")[:80]
         f.causes[key] = f.causes.get(key, 0) + 1
-        if (not o.cause or o.stall_s > within_s) and len(f.examples) < 10:
-            f.examples.append(o.as_dict())
+        if (not o.cause or delay > within_s) and len(f.examples) < 10:
+            f.examples.append(o.as_dict() | {"delay_s": round(delay, 2)})
     return f
 
 
@@ -175,9 +189,11 @@ def verdict(report: dict) -> dict[str, bool]:
 
 
 def build_report(outcomes: list[Outcome], reference: dict[tuple[str, str], list[int]],
-                 left: dict[str, int], rss: dict[str, dict], meta: dict) -> dict:
+                 left: dict[str, int], rss: dict[str, dict], meta: dict,
+                 kill_times: list[float] = ()) -> dict:
     """The soak's report: ``meta`` (settings, kills, curve, ...) plus requests by kind,
-    greedy and seeded checks, failures, leftovers, RSS growth and the verdict."""
+    greedy and seeded checks, failures (``kill_times``: :func:`failures`), leftovers, RSS
+    growth and the verdict."""
     kinds: dict[str, dict[str, int]] = {}
     for o in outcomes:
         k = kinds.setdefault(o.kind, {"sent": 0, "ok": 0, "failed": 0})
@@ -186,7 +202,7 @@ def build_report(outcomes: list[Outcome], reference: dict[tuple[str, str], list[
     served = sum(o.ok and o.kind not in MALFORMED for o in outcomes)
     checked, wrong = greedy_mismatches(outcomes, reference)
     s_checked, s_wrong = seeded_mismatches(outcomes)
-    f = failures(outcomes)
+    f = failures(outcomes, kill_times)
     report = {**meta, "requests": len(outcomes), "served": served, "failed": f.count,
               "kinds": kinds,
               "accepted_draft_tokens": sum(o.accepted for o in outcomes),

@@ -14,7 +14,7 @@ import pytest
 
 from specmesh.cluster.soak_faults import RoleKiller
 from specmesh.cluster.soak_load import KINDS, LoadGenerator, Outcome
-from specmesh.cluster.soak_report import (RssTracker, build_report, failures,
+from specmesh.cluster.soak_report import (RssTracker, build_report, failure_delay, failures,
                                           greedy_mismatches, leftovers, render,
                                           seeded_mismatches)
 
@@ -136,6 +136,7 @@ def test_checks_count_wrong_outputs_and_bad_failures():
     assert seeded_mismatches(outs) == (2, 1)
     f = failures(outs)
     assert (f.count, f.without_cause, f.slow) == (3, 1, 1)
+
     stats = {"verifier-0": {"kv_cache_usage": 0.25, "num_kv_blocks": 8, "requests": [],
                             "num_waiting": 0},
              "prefill-0": {"num_used_kv_blocks": 5, "num_evictable_kv_blocks": 4},
@@ -150,6 +151,13 @@ def test_checks_count_wrong_outputs_and_bad_failures():
         "0 leaked KV blocks or request states", "every failure names its cause",
         "every failure within 10 s"]
     assert "FAIL  0 wrong greedy outputs" in render(rep)
+
+
+def test_a_failure_is_timed_from_the_latest_kill_before_it():
+    o = Outcome("greedy", "p1", ok=False, cause="verifier lost", ended=100.0, stall_s=30.0)
+    assert failure_delay(o, []) == 30.0  # silent since its start at 70
+    assert failure_delay(o, [60.0, 95.0, 101.0]) == 5.0  # killed at 95, failed at 100
+    assert failures([o], [95.0]).slow == 0 and failures([o], [80.0]).slow == 1
 
 
 def test_clean_report_passes():
