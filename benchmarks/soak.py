@@ -41,7 +41,8 @@ from specmesh.cluster.config import ClusterConfig  # noqa: E402
 from specmesh.cluster.launcher import start_cluster  # noqa: E402
 from specmesh.cluster.soak_faults import KILLABLE, RoleKiller  # noqa: E402
 from specmesh.cluster.soak_load import LoadGenerator  # noqa: E402
-from specmesh.cluster.soak_report import RssTracker, build_report, leftovers, render  # noqa: E402,E501
+from specmesh.cluster.soak_report import (  # noqa: E402
+    RssTracker, build_report, leftovers, render)
 
 #: completion prompts: plain greedy on the tiny model repeats itself after the latter ones, so
 #: drafts are accepted

@@ -47,8 +47,8 @@ class Outcome:
     refusal; for an abort, the first token). ``cause``: the error message the server sent
     when not ok ("" when none came). ``stall_s``: seconds from the request's last sign of
     life (start or latest chunk) to its end. ``note``: what the client itself saw (a timeout, a
-    dropped connection, a stream that stopped short), never counted as a cause. ``token_ids``: the output of a completed
-    generation (None otherwise)."""
+    dropped connection, a stream that stopped short), never counted as a cause.
+    ``token_ids``: the output of a completed generation (None otherwise)."""
 
     kind: str
     prompt: str

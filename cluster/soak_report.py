@@ -105,8 +105,8 @@ def failures(outcomes: list[Outcome], kill_times: list[float] = (),
 def leftovers(stats: dict[str, dict]) -> dict[str, int]:
     """What the roles still hold for requests, from each role's ``stats()`` (instance id ->
     stats); all zero on an idle cluster: verifier KV blocks in use and request states,
-    prefill KV blocks in use beyond its prefix cache's evictable ones, drafter request states, gateway
-    requests in flight (summed over instances of a role)."""
+    prefill KV blocks in use beyond its prefix cache's evictable ones, drafter request
+    states, gateway requests in flight (summed over instances of a role)."""
     out = {"verifier_kv_blocks": 0, "verifier_requests": 0, "prefill_kv_blocks": 0,
            "drafter_requests": 0, "gateway_in_flight": 0}
     for iid, st in stats.items():
