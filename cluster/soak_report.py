@@ -126,7 +126,9 @@ def leftovers(stats: dict[str, dict]) -> dict[str, int]:
 class _Process:
     first_seen: float
     baseline: int | None = None
+    baseline_at: float = 0.0
     last: int = 0
+    last_at: float = 0.0
 
 
 @dataclass
@@ -151,19 +153,21 @@ class RssTracker:
                 continue
             p = self.processes.setdefault((iid, pid), _Process(first_seen=now))
             self.current[iid] = pid
-            p.last = value
+            p.last, p.last_at = value, now
             if p.baseline is None and now - p.first_seen >= self.warmup_s:
-                p.baseline = value
+                p.baseline, p.baseline_at = value, now
 
     def growth(self) -> dict[str, dict]:
-        """Per role instance, its current process's pid, baseline and last RSS (MiB) and
-        growth (fraction; None when the process has not lived past its warm-up)."""
+        """Per role instance, its current process's pid, baseline and last RSS (MiB), growth
+        (fraction; None when the process has not lived past its warm-up) and the seconds
+        between the two samples."""
         out = {}
         for iid, pid in sorted(self.current.items()):
             p = self.processes[(iid, pid)]
             g = None if p.baseline is None else (p.last - p.baseline) / p.baseline
             out[iid] = {"pid": pid, "baseline_mib": _mib(p.baseline), "last_mib": _mib(p.last),
-                        "growth": g}
+                        "growth": g, "window_s": None if g is None else
+                        round(p.last_at - p.baseline_at, 1)}
         return out
 
 
@@ -234,7 +238,7 @@ def render(report: dict) -> str:
     for iid, r in report["rss"].items():
         g = "n/a" if r["growth"] is None else f"{r['growth']:+.1%}"
         lines.append(f"rss {iid:12s} pid {r['pid']:>7d}  {r['baseline_mib']} -> "
-                     f"{r['last_mib']} MiB  {g}")
+                     f"{r['last_mib']} MiB  {g} over {r.get('window_s')} s")
     for bound, ok in report["verdict"].items():
         lines.append(f"{'PASS' if ok else 'FAIL'}  {bound}")
     return "\n".join(lines)

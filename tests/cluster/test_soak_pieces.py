@@ -180,7 +180,7 @@ def test_rss_growth_after_each_processs_warm_up():
     mem[10] = 110
     r.sample({"verifier-0": 10, "drafter-0": 99}, now=20)  # pid 99 gone: skipped
     g = r.growth()
-    assert g["verifier-0"]["growth"] == pytest.approx(0.10)
+    assert g["verifier-0"]["growth"] == pytest.approx(0.10) and g["verifier-0"]["window_s"] == 15
     left = {"verifier_kv_blocks": 0}
     rep = build_report([_o("greedy", "p1", ids=[1])], {("completion", "p1"): [1]}, left, g, {})
     assert not rep["verdict"]["RSS growth < 5% after warm-up"]
