@@ -236,9 +236,10 @@ def render(report: dict) -> str:
                   f["causes"].items(), key=lambda kv: -kv[1])),
               "leftovers: " + ", ".join(f"{k} {v}" for k, v in report["leftovers"].items())]
     for iid, r in report["rss"].items():
-        g = "n/a" if r["growth"] is None else f"{r['growth']:+.1%}"
+        g = ("n/a (younger than its warm-up)" if r["growth"] is None
+             else f"{r['growth']:+.1%} over {r.get('window_s')} s")
         lines.append(f"rss {iid:12s} pid {r['pid']:>7d}  {r['baseline_mib']} -> "
-                     f"{r['last_mib']} MiB  {g} over {r.get('window_s')} s")
+                     f"{r['last_mib']} MiB  {g}")
     for bound, ok in report["verdict"].items():
         lines.append(f"{'PASS' if ok else 'FAIL'}  {bound}")
     return "\n".join(lines)
