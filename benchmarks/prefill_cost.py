@@ -8,9 +8,14 @@ random token ids (logits of the last token only, as prefill asks): min and media
 ``--repeats`` forwards per point, interleaved over the points so a noisy host disturbs them
 alike.
 
+The ``load`` sub-command times what comes before any prefill: the real model's first load
+(GGUF dequantized, then cached as safetensors) against a cached load, side by side in one run
+with a fresh cache directory.
+
 Usage:
     python benchmarks/prefill_cost.py [--dtype float32] [--threads 1,2] \
         [--tokens 4,16,64,128,256] [--batch 4x128,4x16] [--repeats 5]
+    python benchmarks/prefill_cost.py load [--dtype float32] [--model GGUF_OR_DIR]
 """
 
 from __future__ import annotations
@@ -19,10 +24,35 @@ import argparse
 import os
 import random
 import statistics
+import sys
+import tempfile
 import time
 
 
+def model_load(argv: list[str]) -> None:
+    """The ``load`` sub-command: first load against cached load, in a fresh cache directory."""
+    parser = argparse.ArgumentParser(prog="prefill_cost.py load",
+                                     description="first model load vs a cached load")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["SPECMESH_CACHE_DIR"] = cache
+        from specmesh.engine.loader import load_model  # torch, triton: --help without them
+
+        t0 = time.perf_counter()
+        load_model(args.model, dtype=args.dtype)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        load_model(args.model, dtype=args.dtype)
+        cached = time.perf_counter() - t0
+    print(f"first load {first:.2f} s, cached load {cached:.2f} s ({first / cached:.1f}x faster)")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["load"]:
+        model_load(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", default="1,2")

@@ -21,7 +21,8 @@ from specmesh.protocol.enums import Role
 
 CONTROLLER_NAME = "specmesh-controller"
 NAMESPACE = DEFAULT_NAMESPACE
-#: Ray restarts a crashed role this many times before giving up.
+#: Ray restarts a crashed role this many times before giving up (ClusterConfig.max_restarts'
+#: default).
 MAX_RESTARTS = 3
 #: Concurrent Ray method calls per role actor (controller calls and metrics; never per token).
 MAX_CONCURRENCY = 4
@@ -145,5 +146,5 @@ def role_options(role: Role, cfg: ClusterConfig, num_gpus: float = 0) -> dict:
     env = {"OMP_NUM_THREADS": str(cfg.threads.get(role.value, 1)),
            "TOKENIZERS_PARALLELISM": "false"}
     return {"num_cpus": 0, "num_gpus": num_gpus, "resources": {role.value: ROLE_RESOURCE_UNIT},
-            "max_restarts": MAX_RESTARTS, "max_concurrency": MAX_CONCURRENCY,
+            "max_restarts": cfg.max_restarts, "max_concurrency": MAX_CONCURRENCY,
             "runtime_env": {"env_vars": env}, "namespace": cfg.namespace}

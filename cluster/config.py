@@ -112,6 +112,9 @@ class ClusterConfig:
     protect_metrics: bool = False
     transport: str = "auto"
     max_requests_per_client: int = 256
+    #: how many times Ray restarts a crashed role over the cluster's life (-1: always; Ray's
+    #: ``max_restarts``); the soak (benchmarks/soak.py) kills roles more often than that
+    max_restarts: int = 3
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
         max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
@@ -134,6 +137,8 @@ class ClusterConfig:
                              f"{self.device}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.max_restarts < -1:
+            raise ValueError("max_restarts must be >= -1 (-1: restart always)")
         if self.max_requests_per_client < 0:
             raise ValueError("max_requests_per_client must be >= 0 (0: no limit)")
         if self.block_size < 1 or self.kv_cache_mb < 1:

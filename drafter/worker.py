@@ -285,9 +285,18 @@ class DrafterWorker(MailboxWorker):
 
     def on_send_failed(self, peer: str, err: ConnectionError) -> None:
         """The verifier is gone: its requests (and its half-sent corpora) are gone too."""
-        for rid in [r for r, s in self.requests.items() if s.verifier == peer]:
+        self.drop_peer(peer)
+
+    def drop_peer(self, peer: str) -> int:
+        """Forget the requests (and half-sent corpora) of verifier ``peer``: it is gone, or
+        restarted (a new incarnation never asks for its previous life's requests, and no
+        send to the old one fails, so without this they would stay for good). Returns the
+        requests dropped."""
+        rids = [r for r, s in self.requests.items() if s.verifier == peer]
+        for rid in rids:
             self._drop(rid)
         self.corpus.forget_peer(peer)
+        return len(rids)
 
     def _send_corpus_results(self, results: list) -> None:
         """Send corpus answers ((peer, DrafterCorpusResult) pairs) and update the counts."""

@@ -141,7 +141,7 @@ def test_checker_flags_switch_reads(relpath, source):
 @pytest.mark.parametrize("relpath,source", [
     ("engine/backend.py", 'def read_overrides():\n    return {"x": "SPECMESH_LAYER_OPS"}\n'),
     ("engine/weights_cache.py", 'import os\nr = os.environ.get("SPECMESH_CACHE_DIR")\n'),
-    ("benchmarks/model_load.py", 'import os\nos.environ["SPECMESH_CACHE_DIR"] = "/tmp/x"\n'),
+    ("benchmarks/prefill_cost.py", 'import os\nos.environ["SPECMESH_CACHE_DIR"] = "/tmp/x"\n'),
     ("cluster/options.py", '"""the ``SPECMESH_*`` switches"""\n'),
 ])
 def test_checker_accepts_the_backend_and_the_cache_modules(relpath, source):

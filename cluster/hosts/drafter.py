@@ -11,6 +11,7 @@ from specmesh.cluster.hosts.base import RoleHost, role_backend, watch_model
 from specmesh.drafter.proposer import DraftTarget
 from specmesh.drafter.registry import create_proposer, seed_state_for
 from specmesh.protocol.enums import Role
+from specmesh.protocol.zmq_transport import PeerInfo
 
 
 def draft_target(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, ANN201
@@ -54,6 +55,12 @@ class DrafterHost(RoleHost):
         worker = DrafterWorker(self.cfg.drafter, self.mailbox, proposer)
         _watch_models(worker.proposer)
         return worker
+
+    def on_hello(self, peer: PeerInfo, is_new: bool) -> None:
+        # A verifier's new incarnation (Ray restarted it): the draft states of its previous
+        # life's requests are nobody's now (found by benchmarks/soak.py).
+        if peer.role == Role.VERIFIER.value and is_new:
+            self.worker.drop_peer(peer.name)
 
     def stats(self) -> dict:
         out = super().stats()

@@ -50,3 +50,14 @@ class PrefillHost(RoleHost):
         for gone in getattr(self, "_verifiers", set()) - now:
             self.worker.drop_peer(gone)
         self._verifiers = now
+
+    def stats(self) -> dict:
+        """The base stats plus the KV pool: blocks in all, in use, and held by the prefix
+        cache for no prompt (evictable). On an idle prefill every block in use is an evictable
+        cached one; any beyond those leaked (benchmarks/soak.py checks it)."""
+        out = super().stats()
+        bm, cache = self.worker.block_manager, self.worker.prefix_cache
+        out["num_kv_blocks"] = bm.num_blocks
+        out["num_used_kv_blocks"] = bm.num_used_blocks
+        out["num_evictable_kv_blocks"] = 0 if cache is None else cache.num_evictable_blocks
+        return out

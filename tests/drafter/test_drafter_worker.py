@@ -334,3 +334,27 @@ def test_no_branches_while_the_drafter_holds_many_requests():
     d.step()
     d.step()
     assert prop.num_branch_calls == 1
+
+
+def test_a_restarted_verifier_s_old_requests_are_dropped():
+    """Found by the soak (benchmarks/soak.py): the drafter kept the draft states of a killed
+    verifier's requests for good (its new incarnation never closes them, and no send to the old
+    one fails). The host drops them on the new incarnation's Hello; other verifiers' stay."""
+    from types import SimpleNamespace
+
+    from specmesh.cluster.hosts.drafter import DrafterHost
+    from specmesh.protocol.zmq_transport import PeerInfo
+
+    hub = InProcHub()
+    v0, v1 = hub.mailbox("verifier-0"), hub.mailbox("verifier-1")
+    d = DrafterWorker(DrafterConfig(window=3, max_segment=3), hub.mailbox("drafter-0"))
+    for v, rid in ((v0, "a"), (v0, "b"), (v1, "c")):
+        v.send("drafter-0", DraftSync(request_id=rid, prompt_token_ids=[1, 2, 1],
+                                      committed_token_ids=[2], sampling=SamplingParams()))
+    d.step()
+    assert set(d.requests) == {"a", "b", "c"}
+    host = SimpleNamespace(worker=d)
+    DrafterHost.on_hello(host, PeerInfo("verifier-0", "verifier", 7), False)  # same life
+    assert set(d.requests) == {"a", "b", "c"}
+    DrafterHost.on_hello(host, PeerInfo("verifier-0", "verifier", 8), True)  # restarted
+    assert set(d.requests) == {"c"}

@@ -22,7 +22,7 @@ def test_smollm2_load_cache_and_logits(tmp_path, monkeypatch):
     assert cache_dir.parent == tmp_path and (cache_dir / "model.safetensors").is_file()
 
     # The second load reads the safetensors cache and never dequantizes the GGUF again (its
-    # speed is measured by benchmarks/model_load.py, not here).
+    # speed is measured by benchmarks/prefill_cost.py load, not here).
     import transformers
 
     def no_gguf(*args, **kwargs):
