@@ -39,6 +39,7 @@ from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer
 from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.training.pard import train_pard
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.devices import resolve_device
 from specmesh.engine.dtypes import model_dtype
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
 from specmesh.engine.runner import ModelRunner, SeqChunk
@@ -127,8 +128,9 @@ class PardProposer(Proposer):
                                     "`specmesh train-drafter --method pard` and pass "
                                     "--drafter pard:PATH")
         dtype = kwargs.pop("dtype", target.dtype)
-        model, config, meta = build_pard_model(path, files, name, model_dtype(dtype),
-                                               target.device, target.backend)
+        device = resolve_device(kwargs.pop("device", target.device))
+        model, config, meta = build_pard_model(path, files, name, model_dtype(dtype), device,
+                                               target.backend)
         log.info("PARD draft %s for %s: %d layers, block %d, mask id %d", path, name,
                  config.num_layers, meta["block"], meta["mask_token_id"])
         return cls(model, config, int(meta["mask_token_id"]), int(meta["block"]),
