@@ -74,7 +74,7 @@ class PardStats:
 
 def _train(prep: dict, args) -> dict:  # noqa: ANN001
     """``specmesh train-drafter --method pard``: drafter/training/pard.py."""
-    return train_pard(prep, args)
+    return train_pard(prep, args, PardProposer)
 
 
 @register_proposer

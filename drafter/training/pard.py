@@ -23,10 +23,11 @@ DEFAULT_NUM_LAYERS = 2
 DEFAULT_BLOCK = 4
 
 
-def train_pard(prep: dict, args: argparse.Namespace) -> dict:
-    """Train, evaluate and save; returns the evaluation (also in the checkpoint's config)."""
-    # the engine's runner and model (compiled kernels) and transformers only when training;
-    # the proposer module imports this one (a cycle at module level)
+def train_pard(prep: dict, args: argparse.Namespace, proposer_cls: type) -> dict:
+    """Train, evaluate with ``proposer_cls`` (drafter/proposers/pard.py's PardProposer, passed
+    by its module, which imports this one) and save; returns the evaluation (also in the
+    checkpoint's config)."""
+    # the engine's runner and model (compiled kernels) and transformers only when training
     from specmesh.drafter.draft_model_training import init_draft_model
     from specmesh.drafter.pard_training import (
         acceptance,
@@ -34,7 +35,6 @@ def train_pard(prep: dict, args: argparse.Namespace) -> dict:
         serving_state,
         train,
     )
-    from specmesh.drafter.proposers.pard import PardProposer
     from specmesh.engine.config import ModelConfig
     from specmesh.engine.loader import build_model
 
@@ -65,7 +65,7 @@ def train_pard(prep: dict, args: argparse.Namespace) -> dict:
                 p.copy_(p.to(save_dtype).float())
         mask_vec = mask_vec.to(save_dtype).float()
     config = ModelConfig.from_hf(draft.config)
-    evaluator = PardProposer(build_model(config, serving_state(draft, mask_vec, mask_id),
+    evaluator = proposer_cls(build_model(config, serving_state(draft, mask_vec, mask_id),
                                          torch.float32),
                              config, mask_id, block, num_blocks=4096)
     evaluation = {}
