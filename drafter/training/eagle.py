@@ -13,6 +13,8 @@ can be re-run, by either method); then the trainer ``--method`` declares (drafte
 - ``draft-model``: a small Llama with the target's shape and vocabulary
   (drafter/training/draft_model.py, drafter/draft_model_training.py), written as a Hugging Face
   dir for ``--drafter draft-model:PATH``.
+- ``pard``: the same small Llama trained to fill a block of mask tokens (drafter/training/pard.py,
+  drafter/pard_training.py), for ``--drafter pard:PATH``.
 """
 
 from __future__ import annotations
@@ -92,12 +94,19 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-embeddings", action="store_true",
                    help="draft-model: also train the embedding and LM head (default: the "
                         "target's, frozen)")
+    p.add_argument("--block", type=int, default=None,
+                   help="pard: drafts per forward the draft model is trained for (K, default 4)")
+    p.add_argument("--cod-ratio", type=float, default=0.7,
+                   help="pard: COD keeps mask copy i of an anchor with probability "
+                        "max(ratio^(i-1), 0.2)")
+    p.add_argument("--train-minutes", type=float, default=None,
+                   help="pard: stop training after this many minutes (a bounded run)")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--batch-size", type=int, default=16,
                    help="windows (eagle) or whole samples (draft-model) per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--autocast", choices=["none", "bfloat16"], default="none",
-                   help="eagle: run the training products in bfloat16 under torch.autocast "
+                   help="eagle, pard: run the training products in bfloat16 under torch.autocast "
                         "(float32 weights and optimizer; ~2.3x the entries/s on a CPU with "
                         "AVX-512 bf16)")
     p.add_argument("--soft-weight", type=float, default=0.0,
@@ -107,7 +116,7 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                         "(default 0.5; 0 and not allowed with --feature-layers)")
     p.add_argument("--eval-depth", type=int, default=5)
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="eagle: dtype of the stored head weights (bfloat16 halves the file; "
+                   help="eagle, pard: dtype of the stored weights (bfloat16 halves the file; "
                         "the evaluation runs on the rounded weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")

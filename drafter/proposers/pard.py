@@ -1,0 +1,301 @@
+"""PARD: a parallel draft model that drafts a whole block in one forward (An et al., "PARD:
+Accelerating LLM Inference with Low-Cost PARallel Draft Model Adaptation", arXiv 2504.18583;
+AMD-AGI/PARD ``pard_infer.py``; vLLM runs such checkpoints as ``draft_model`` with
+``parallel_drafting``).
+
+The draft is a small LM of the target's shape and vocabulary (its first layers, trained by
+``specmesh train-drafter --method pard``, drafter/pard_training.py) with its own paged KV over
+the request's context. Each ``propose`` is ONE forward over [the context tokens the KV does
+not hold yet, MASK x (k - 1)] (drafter/pard_block.py): the last context token's logits give
+draft 1, mask j's give draft j + 1. A chain drafter pays k forwards for k drafts (step cost
+1 + k c); this one pays one (1 + c), at the price of drafts that never saw each other. The
+same forward extends the KV by the newly committed tokens; the mask rows' K/V lie past the
+cached length afterwards and are overwritten by the next forward. As for ``draft-model``,
+token ids decide what the KV holds (the longest common prefix with the context is kept), so
+correctness never depends on ``rollback`` (which only frees blocks early). Seed state across
+prefill -> decode: none beyond tokens (the first propose prefills the prompt in the draft).
+
+Drafts follow the request's sampling (drafter/draft_sampling.py): argmax for greedy requests,
+the coupled rule's Gumbel-max for seeded ones, a sample of the processed distribution of its
+row, sent as DraftTailStream.draft_probs, for unseeded sampled ones. Each row's distribution
+does not depend on the drafts before it, so rejection sampling against it stays exact. The
+mask id itself is never drafted (its logit is -inf: with tied embeddings its LM-head row is
+the learned mask vector).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
+from specmesh.drafter.options import Option, OptionSchema
+from specmesh.drafter.pard_block import block_input, common_prefix
+from specmesh.drafter.pard_files import build_pard_model, shipped_pard, target_name_and_files
+from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer
+from specmesh.drafter.registry import register_proposer
+from specmesh.drafter.training.pard import train_pard
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.devices import resolve_device
+from specmesh.engine.dtypes import model_dtype
+from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
+from specmesh.engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.sampling import GREEDY
+
+log = logging.getLogger(__name__)
+
+#: default KV memory of the draft, MiB (SmolLM2 2 layers fp32: ~87,000 tokens)
+DEFAULT_KV_CACHE_MB = 128
+#: an uncached tail longer than this is prefilled (chunked, last logits only) before the
+#: block forward, so a prompt's logits over the whole vocabulary are never computed
+CATCH_UP_LIMIT = 32
+
+
+@dataclass
+class _Seq:
+    """``tokens``: the context tokens whose K/V lie at positions 0 .. len-1 of ``block_table``."""
+
+    tokens: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PardStats:
+    num_forwards: int = 0  # block forwards (one per propose_many) + catch-up chunks
+    num_block_forwards: int = 0
+    num_tokens_computed: int = 0  # rows fed: context tails and mask tokens
+    num_tokens_drafted: int = 0
+    num_out_of_blocks: int = 0
+    num_out_of_vocab: int = 0
+
+
+def _train(prep: dict, args) -> dict:  # noqa: ANN001
+    """``specmesh train-drafter --method pard``: drafter/training/pard.py."""
+    return train_pard(prep, args, PardProposer)
+
+
+@register_proposer
+class PardProposer(Proposer):
+    """Drafts a block per forward with a PARD draft model (module docstring).
+
+    Args:
+        model: the draft, an ``engine.model.LlamaForCausalLM`` (:func:`build_pard_model`).
+        config: its ``engine.config.ModelConfig``.
+        mask_token_id: the id whose embedding is the mask vector.
+        block: K, the most drafts one forward makes (what it was trained for).
+        num_blocks, block_size: the KV pool (``num_blocks`` None: ``kv_cache_mb`` MiB).
+        max_model_len: longest context + drafts (default and cap: the model's).
+        prefill_chunk_size: most tokens of one catch-up forward.
+        target_vocab_size: the target's embedding rows (width of a draft row).
+
+    Raises:
+        ValueError: a KV pool of no block, bad sizes, a mask id outside the vocabulary.
+    """
+
+    name = "pard"
+    summary = ("PARD parallel draft model: one forward over [last token, mask x (k-1)] drafts "
+               "k tokens (the draft shipped for the target, or one from specmesh "
+               "train-drafter --method pard)")
+    options = OptionSchema((
+        Option("model", "path", "the PARD checkpoint directory (specmesh train-drafter "
+               "--method pard --out DIR)", "the draft shipped for the target", positional=True),
+        Option("dtype", str, "dtype of the draft model", "the cluster's dtype",
+               choices=("float32", "bfloat16", "float64")),
+        Option("kv_cache_mb", int, "KV memory of the draft model, MiB", DEFAULT_KV_CACHE_MB,
+               minimum=1),
+    ))
+    trainer = staticmethod(_train)
+    returns_draft_probs = True
+    runs_a_model = True
+
+    @classmethod
+    def create(cls, kwargs: dict, target: DraftTarget) -> PardProposer:
+        """The draft at ``kwargs["model"]`` (default: the one shipped for the target) built on
+        the target's embedding and LM head, in ``dtype`` (default the cluster's).
+
+        Raises:
+            FileNotFoundError: no checkpoint given and none shipped for the target.
+            drafter.eagle.checkpoint.HeadMismatch: trained for another target.
+        """
+        kwargs = dict(kwargs)
+        name, files = target_name_and_files(target.model)
+        path = kwargs.pop("model", None) or shipped_pard(name)
+        if path is None:
+            raise FileNotFoundError(f"no PARD draft shipped for {name!r}: train one with "
+                                    "`specmesh train-drafter --method pard` and pass "
+                                    "--drafter pard:PATH")
+        dtype = kwargs.pop("dtype", target.dtype)
+        device = resolve_device(kwargs.pop("device", target.device))
+        model, config, meta = build_pard_model(path, files, name, model_dtype(dtype), device,
+                                               target.backend)
+        log.info("PARD draft %s for %s: %d layers, block %d, mask id %d", path, name,
+                 config.num_layers, meta["block"], meta["mask_token_id"])
+        return cls(model, config, int(meta["mask_token_id"]), int(meta["block"]),
+                   block_size=target.block_size, target_vocab_size=config.vocab_size, **kwargs)
+
+    def __init__(self, model: Any, config: Any, mask_token_id: int, block: int, *,
+                 num_blocks: int | None = None, block_size: int = 16,
+                 kv_cache_mb: int = DEFAULT_KV_CACHE_MB, max_model_len: int | None = None,
+                 prefill_chunk_size: int = 512, target_vocab_size: int | None = None) -> None:
+        if not 0 <= mask_token_id < config.vocab_size:
+            raise ValueError(f"mask token id {mask_token_id} is outside the draft's vocabulary "
+                             f"[0, {config.vocab_size})")
+        if block < 1 or block_size < 1 or prefill_chunk_size < 1:
+            raise ValueError(f"need block, block_size, prefill_chunk_size >= 1; got {block}, "
+                             f"{block_size}, {prefill_chunk_size}")
+        if num_blocks is None:
+            num_blocks = num_blocks_for_memory(config, block_size, model.dtype,
+                                               int(kv_cache_mb) << 20)
+        if num_blocks < 1:
+            raise ValueError(f"the PARD draft's KV pool holds no block of {block_size} tokens")
+        self.model, self.config = model, config
+        self.mask_token_id, self.block = int(mask_token_id), int(block)
+        self.kv_cache = KVCache(config, num_blocks, block_size, model.dtype, model.device)
+        self.runner = ModelRunner(model, config, self.kv_cache)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_size = block_size
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_model_len = min(max_model_len or config.max_position_embeddings,
+                                 config.max_position_embeddings)
+        self.draft_vocab_limit = min(config.vocab_size, target_vocab_size or config.vocab_size)
+        self.target_vocab_size = target_vocab_size or config.vocab_size
+        self.stats = PardStats()
+        self._seqs: dict[str, _Seq] = {}
+        self._warned: set[str] = set()
+
+    # -- interface -------------------------------------------------------------------------
+
+    def open(self, request_id: str, context_token_ids: list[int]) -> None:
+        """(Re-)start a request with an empty KV; the first propose prefills its context."""
+        self.close(request_id)
+        self._seqs[request_id] = _Seq()
+
+    def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
+        """Greedy drafts (at most ``block``) continuing ``context_token_ids``."""
+        return self.propose_many([ProposeCall(request_id, context_token_ids, num_tokens)])[0][0]
+
+    def propose_sampled(self, request_id: str, context_token_ids: list[int], num_tokens: int,
+                        how: DraftSampling) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Drafts for ``how`` and their rows (module docstring)."""
+        return self.propose_many([ProposeCall(request_id, context_token_ids, num_tokens,
+                                              how)])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, calls: list[ProposeCall]
+                     ) -> list[tuple[list[int], list[torch.Tensor | None]]]:
+        """Drafts for several requests with ONE block forward for all of them (plus a chunked
+        catch-up forward for a request whose uncached context is longer than
+        :data:`CATCH_UP_LIMIT`, e.g. its prompt). Each request gets ``min(num_tokens, block)``
+        drafts, fewer where ``max_model_len`` or the free KV blocks leave no room, none for an
+        empty context or one holding an id outside the draft's vocabulary. Afterwards the KV
+        holds each request's context."""
+        out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in calls]
+        chunks, plans = [], []
+        for i, c in enumerate(calls):
+            plan = self._plan(c)
+            if plan is not None:
+                chunk, n = plan
+                chunks.append(chunk)
+                plans.append((i, n))
+        if not chunks:
+            return out
+        logits = self.runner.forward(chunks, logits="all")
+        self.stats.num_forwards += 1
+        self.stats.num_block_forwards += 1
+        self.stats.num_tokens_computed += sum(len(ch.token_ids) for ch in chunks)
+        for (i, n), lg in zip(plans, logits):
+            out[i] = self._pick_block(lg[-n:], calls[i].how)
+            self.stats.num_tokens_drafted += n
+        return out
+
+    def rollback(self, request_id: str, num_context_tokens: int) -> None:
+        """Keep the K/V of the first ``num_context_tokens`` context tokens; free blocks past
+        them."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._truncate(seq, max(0, min(num_context_tokens, len(seq.tokens))))
+
+    def close(self, request_id: str) -> None:
+        """Free the request's KV blocks and forget it (unknown ids are ignored)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and seq.block_table:
+            self.block_manager.free(seq.block_table)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Context tokens whose K/V the draft holds for ``request_id`` (0 if unknown)."""
+        seq = self._seqs.get(request_id)
+        return len(seq.tokens) if seq is not None else 0
+
+    def _plan(self, c: ProposeCall) -> tuple[SeqChunk, int] | None:
+        """The block chunk of call ``c`` and its number of drafts, after the catch-up forward
+        when one is needed; None: no drafts for it."""
+        ctx = list(c.context_token_ids)
+        if c.num_tokens <= 0 or not ctx:
+            return None
+        seq = self._seqs.setdefault(c.request_id, _Seq())
+        if min(ctx) < 0 or max(ctx) >= self.config.vocab_size:
+            self.stats.num_out_of_vocab += 1
+            self._warn_once("vocab", "context of %s holds a token id outside the draft's "
+                            "vocabulary: no drafts", c.request_id)
+            return None
+        n_ctx = len(ctx)
+        self._truncate(seq, common_prefix(seq.tokens, ctx[:-1]))
+        n = min(c.num_tokens, self.block, self.max_model_len - n_ctx + 1)
+        room = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size
+        n = min(n, room - n_ctx + 1)
+        if n < 1:
+            if n_ctx <= self.max_model_len:
+                self.stats.num_out_of_blocks += 1
+                self._warn_once("blocks", "PARD draft KV full: no drafts for %s (%d context "
+                                "tokens)", c.request_id, n_ctx)
+                self._truncate(seq, 0)
+            return None
+        need = self.block_manager.blocks_for(n_ctx + n - 1) - len(seq.block_table)
+        if need > 0:
+            seq.block_table += self.block_manager.allocate(need)
+        cached = len(seq.tokens)
+        if n_ctx - 1 - cached > CATCH_UP_LIMIT:  # the prompt: KV only, chunked
+            self.runner.prefill(ctx[cached:-1], seq.block_table,
+                                chunk_size=self.prefill_chunk_size, start_pos=cached)
+            self.stats.num_forwards += -(-(n_ctx - 1 - cached) // self.prefill_chunk_size)
+            self.stats.num_tokens_computed += n_ctx - 1 - cached
+            cached = n_ctx - 1
+        blk = block_input(ctx, cached, n, self.mask_token_id)
+        seq.tokens[:] = ctx  # the block forward writes the rest of the context's K/V
+        return SeqChunk(blk.token_ids, blk.start_pos, seq.block_table), n
+
+    def _pick_block(self, logits: torch.Tensor, how: DraftSampling | None
+                    ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Drafts from the block's rows [n, vocab] (row j: draft j + 1), never the mask id."""
+        logits = logits[:, :self.draft_vocab_limit].clone()
+        if self.mask_token_id < self.draft_vocab_limit:
+            logits[:, self.mask_token_id] = float("-inf")
+        if how is None or (how.mode == GREEDY and not how.processes):
+            ids = logits.argmax(dim=-1).tolist()
+            return ids, [None] * len(ids)
+        drafts, rows = [], []
+        for j in range(logits.shape[0]):
+            full = target_space_logits(logits[j:j + 1], self.target_vocab_size)
+            tok, row = how.choose(full, j)
+            drafts.append(tok)
+            rows.append(row)
+        return drafts, rows
+
+    def _truncate(self, seq: _Seq, num_tokens: int) -> None:
+        del seq.tokens[num_tokens:]
+        keep = self.block_manager.blocks_for(num_tokens)
+        if len(seq.block_table) > keep:
+            self.block_manager.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key in self._warned:
+            log.debug(msg, *args)
+        else:
+            self._warned.add(key)
+            log.warning(msg + " (logged once)", *args)
