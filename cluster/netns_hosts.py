@@ -5,7 +5,9 @@ host sees only that host's processes, as on a real machine), and an SSH server l
 on the host's address with a host key and a client key made for the run.
 
 The hosts share this machine's files, so the project's virtualenv works inside them
-(``nsenter`` / ``ssh root@IP``). The bridge holds the subnet's first address (``.1``), so this
+(``nsenter`` / ``ssh root@IP``), except root's home: each host has its own, empty at the start
+(``DIR/home_<host>``, mounted over ~root in the host's mount namespace), so what ``ray up``
+writes there (``~/.bashrc``, its bootstrap config and key) stays per host and per run. The bridge holds the subnet's first address (``.1``), so this
 machine reaches the hosts (``ray up`` runs here and dials them over SSH); the hosts are
 ``.2``, ``.3``, ... Needs root, iproute2, util-linux (``unshare``, ``nsenter``) and
 openssh-server (``sshd``).
@@ -26,6 +28,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -183,9 +186,15 @@ class NetnsHosts:
             "MaxSessions 100", ""]))
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation dir
         log = open(os.path.join(self.dir, f"sshd_{h.name}.log"), "wb")  # noqa: SIM115
+        home = self.home(h)
+        os.makedirs(home, mode=0o700, exist_ok=True)
+        # the host's own home: over root's home in the host's mount namespace only (what
+        # `ray up` writes there, ~/.bashrc included, stays in the run's dir)
+        root_home = os.path.expanduser("~root")
+        start = f"mount --bind {home} {root_home} && exec {SSHD} -D -e -f {cfg}"
         proc = subprocess.Popen(
             ["ip", "netns", "exec", h.netns, "unshare", "--pid", "--fork", "--mount-proc",
-             "--kill-child", SSHD, "-D", "-e", "-f", cfg],
+             "--kill-child", "sh", "-c", start],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         h.sshd_pid = proc.pid
@@ -229,18 +238,27 @@ class NetnsHosts:
     @classmethod
     def load(cls, dir_: str) -> NetnsHosts:
         """The run described by ``dir_/hosts.json`` (for ``down`` after a crash)."""
-        d = json.loads(Path(dir_, "hosts.json").read_text())
+        return cls.load_description(json.loads(Path(dir_, "hosts.json").read_text()))
+
+    @classmethod
+    def load_description(cls, described: dict) -> NetnsHosts:
+        """The run that ``describe()`` returned ``described`` for."""
+        d = dict(described)
         d.pop("key", None)
         d["hosts"] = [Host(**h) for h in d["hosts"]]
         return cls(**d)
 
     # -- running things on a host ----------------------------------------------------------
 
-    def argv(self, h: Host, argv: list[str]) -> list[str]:
+    def argv(self, h: Host, argv: list[str], wd: str | None = None) -> list[str]:
         """``argv`` run inside host ``h``'s network, PID and mount namespaces (as a process
-        started over SSH there would be)."""
-        return ["nsenter", "-t", str(h.init_pid), "-n", "-p", "-m", f"--wd={os.getcwd()}",
-                "--", *argv]
+        started over SSH there would be), in directory ``wd`` (default: the current one)."""
+        return ["nsenter", "-t", str(h.init_pid), "-n", "-p", "-m",
+                f"--wd={wd or os.getcwd()}", "--", *argv]
+
+    def home(self, h: Host) -> str:
+        """Host ``h``'s home directory of root (mounted over ~root inside the host)."""
+        return os.path.join(self.dir, f"home_{h.name}")
 
     def ssh_argv(self, h: Host, command: str) -> list[str]:
         """``ssh root@h.ip command`` with the run's key (no known-hosts file)."""
@@ -333,18 +351,22 @@ def _wait_tcp(ip: str, port: int, timeout: float) -> None:
 
 
 def render_config(text: str, hosts: NetnsHosts, repo: str, venv: str, token_path: str,
-                  cluster_name: str | None = None) -> str:
+                  cluster_name: str | None = None, launch_args: str | None = None) -> str:
     """deploy/cluster-local.yaml's text for these hosts: its example subnet (10.77.0.x) is
-    replaced by the run's, its key path by the run's key, the checkout ``/opt/specmesh`` and
-    its venv by ``repo`` and ``venv``, the token file by ``token_path``."""
+    replaced by the run's, its key by the run's key, the checkout ``/opt/specmesh`` and its
+    venv by ``repo`` and ``venv``, the local token file by ``token_path``; optionally the
+    cluster's name and the roles' launch arguments (``LAUNCH_ARGS``)."""
     net = ipaddress.ip_network(hosts.subnet)
     prefix = str(net[0]).rsplit(".", 1)[0] + "."
     out = (text.replace("/opt/specmesh/.venv", venv).replace("/opt/specmesh", repo)
            .replace("~/.ssh/specmesh_netns_key", hosts.key)
-           .replace("~/.ray/specmesh_netns_token", token_path)
+           .replace('"~/.ray/auth_token": "~/.ray/auth_token"',
+                    f'"~/.ray/auth_token": "{token_path}"')
            .replace("10.77.0.", prefix))
     if cluster_name:
         out = out.replace("cluster_name: specmesh-local", f"cluster_name: {cluster_name}")
+    if launch_args is not None:
+        out = re.sub(r'LAUNCH_ARGS="[^"]*"', f'LAUNCH_ARGS="{launch_args}"', out)
     return out
 
 
