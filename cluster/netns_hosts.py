@@ -6,7 +6,7 @@ on the host's address with a host key and a client key made for the run.
 
 The hosts share this machine's files, so the project's virtualenv works inside them
 (``nsenter`` / ``ssh root@IP``), except root's home: each host has its own, empty at the start
-(``DIR/home_<host>``, mounted over ~root in the host's mount namespace), so what ``ray up``
+(``DIR/home_<host>``, root's home in the /etc/passwd of the host's mount namespace), so what ``ray up``
 writes there (``~/.bashrc``, its bootstrap config and key) stays per host and per run. The bridge holds the subnet's first address (``.1``), so this
 machine reaches the hosts (``ray up`` runs here and dials them over SSH); the hosts are
 ``.2``, ``.3``, ... Needs root, iproute2, util-linux (``unshare``, ``nsenter``) and
@@ -188,10 +188,15 @@ class NetnsHosts:
         log = open(os.path.join(self.dir, f"sshd_{h.name}.log"), "wb")  # noqa: SIM115
         home = self.home(h)
         os.makedirs(home, mode=0o700, exist_ok=True)
-        # the host's own home: over root's home in the host's mount namespace only (what
-        # `ray up` writes there, ~/.bashrc included, stays in the run's dir)
-        root_home = os.path.expanduser("~root")
-        start = f"mount --bind {home} {root_home} && exec {SSHD} -D -e -f {cfg}"
+        Path(home, ".bashrc").touch()
+        # the host's own home for root: /etc/passwd of the host's mount namespace only names
+        # it (what `ray up` writes to ~, ~/.bashrc included, stays in the run's dir; /root
+        # itself stays visible, e.g. for a Python installed under it)
+        passwd = os.path.join(self.dir, f"passwd_{h.name}")
+        Path(passwd).write_text("".join(
+            _with_home(line, home) if line.startswith("root:") else line
+            for line in Path("/etc/passwd").read_text().splitlines(keepends=True)))
+        start = f"mount --bind {passwd} /etc/passwd && exec {SSHD} -D -e -f {cfg}"
         proc = subprocess.Popen(
             ["ip", "netns", "exec", h.netns, "unshare", "--pid", "--fork", "--mount-proc",
              "--kill-child", "sh", "-c", start],
@@ -257,7 +262,7 @@ class NetnsHosts:
                 f"--wd={wd or os.getcwd()}", "--", *argv]
 
     def home(self, h: Host) -> str:
-        """Host ``h``'s home directory of root (mounted over ~root inside the host)."""
+        """Host ``h``'s home directory of root (its /etc/passwd names it)."""
         return os.path.join(self.dir, f"home_{h.name}")
 
     def ssh_argv(self, h: Host, command: str) -> list[str]:
@@ -311,6 +316,13 @@ def _kill(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _with_home(passwd_line: str, home: str) -> str:
+    """An /etc/passwd line with its home directory (6th field) replaced."""
+    fields = passwd_line.rstrip("\n").split(":")
+    fields[5] = home
+    return ":".join(fields) + "\n"
 
 
 def _first_child(pid: int) -> int:
