@@ -47,6 +47,8 @@ LOCK_PATH = "/tmp/specmesh-netns.lock"
 SSH_PORT = 22
 SSHD = "/usr/sbin/sshd"
 READY_TIMEOUT_S = 20.0
+#: Ray's default temp dir; each host has its own
+RAY_TMP = "/tmp/ray"
 
 
 @dataclass
@@ -196,7 +198,13 @@ class NetnsHosts:
         Path(passwd).write_text("".join(
             _with_home(line, home) if line.startswith("root:") else line
             for line in Path("/etc/passwd").read_text().splitlines(keepends=True)))
-        start = f"mount --bind {passwd} /etc/passwd && exec {SSHD} -D -e -f {cfg}"
+        # and its own /tmp/ray, as a machine has: Ray's default temp dir holds the address
+        # that `--address auto` joins (ray_current_cluster), which must be this host's cluster
+        ray_tmp = os.path.join(self.dir, f"tmp_ray_{h.name}")
+        os.makedirs(ray_tmp, exist_ok=True)
+        os.makedirs(RAY_TMP, exist_ok=True)
+        start = (f"mount --bind {passwd} /etc/passwd && mount --bind {ray_tmp} {RAY_TMP} && "
+                 f"exec {SSHD} -D -e -f {cfg}")
         proc = subprocess.Popen(
             ["ip", "netns", "exec", h.netns, "unshare", "--pid", "--fork", "--mount-proc",
              "--kill-child", "sh", "-c", start],

@@ -115,17 +115,21 @@ def run_driver(tiny_model_dir: str, hosts=None):
             except subprocess.TimeoutExpired:
                 proc.kill()
             rc = "timeout"
+        after = hosts.counters() if hosts is not None else None
+        if nodes is not None:  # the driver is done with them: free the machine for the tests
+            logs = nodes.logs()
+            nodes.shutdown()
         stdout = out_path.read_text(errors="replace")
         if rc != 0:
             stderr = err_path.read_text(errors="replace")
             pytest.fail(f"driver failed ({rc}) after {time.monotonic() - t0:.0f} s:\n"
                         f"{stdout[-3000:]}\n{stderr[-8000:]}"
-                        + (f"\n{nodes.logs()}" if nodes is not None else ""))
+                        + (f"\n{logs}" if nodes is not None else ""))
         report = json.loads(stdout.strip().splitlines()[-1])
         report["wall_s"] = time.monotonic() - t0
         report["hosts"] = hosts.describe() if hosts is not None else None
         if hosts is not None:
-            report["counters"] = {"before": counters, "after": hosts.counters()}
+            report["counters"] = {"before": counters, "after": after}
         print(f"M:N driver timings: {report['timings']}, wall {report['wall_s']:.0f} s")
         yield report, reference
     finally:
