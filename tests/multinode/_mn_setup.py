@@ -9,6 +9,7 @@ of the other tests, and a driver joins one cluster only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import secrets
@@ -141,9 +142,11 @@ def run_driver(tiny_model_dir: str, hosts=None):
         shutil.rmtree(root, ignore_errors=True)
 
 
+@functools.lru_cache(maxsize=2)
 def _reference(model_dir: str) -> dict[str, list[int]]:
     """Plain greedy (kappa = 0) through the in-process workers, every prompt with the
-    max_tokens the driver uses for it: prompt -> output token ids."""
+    max_tokens the driver uses for it: prompt -> output token ids (computed once per session:
+    the loopback and namespace runs compare with the same)."""
     from specmesh.cluster.inprocess import InProcessCluster
     from specmesh.engine.loader import load_model
     from specmesh.protocol.messages import SamplingParams
