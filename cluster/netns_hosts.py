@@ -5,12 +5,13 @@ host sees only that host's processes, as on a real machine), and an SSH server l
 on the host's address with a host key and a client key made for the run.
 
 The hosts share this machine's files, so the project's virtualenv works inside them
-(``nsenter`` / ``ssh root@IP``), except root's home: each host has its own, empty at the start
-(``DIR/home_<host>``, root's home in the /etc/passwd of the host's mount namespace), so what ``ray up``
-writes there (``~/.bashrc``, its bootstrap config and key) stays per host and per run. The bridge holds the subnet's first address (``.1``), so this
-machine reaches the hosts (``ray up`` runs here and dials them over SSH); the hosts are
-``.2``, ``.3``, ... Needs root, iproute2, util-linux (``unshare``, ``nsenter``) and
-openssh-server (``sshd``).
+(``nsenter`` / ``ssh root@IP``), except root's home and Ray's temp dir: each host has its own
+root home, empty at the start (``DIR/home_<host>``, named by the /etc/passwd of the host's
+mount namespace), so what ``ray up`` writes there (``~/.bashrc``, its bootstrap config and key)
+stays per host and per run, and its own ``/tmp/ray`` (``DIR/tmp_ray_<host>``). The bridge
+holds the subnet's first address (``.1``), so this machine reaches the hosts (``ray up`` runs
+here and dials them over SSH); the hosts are ``.2``, ``.3``, ... Needs root, iproute2,
+util-linux (``unshare``, ``nsenter``) and openssh-server (``sshd``).
 
     python -m specmesh.cluster.netns_hosts up [--hosts 3] [--dir DIR] [--render-config YAML]
     python -m specmesh.cluster.netns_hosts down DIR

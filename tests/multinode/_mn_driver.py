@@ -200,7 +200,8 @@ def main() -> None:
         timings["faults_s"] = {k: round(v["wall_s"], 1) for k, v in faults.items()}
         timings["total_s"] = time.monotonic() - t0
         out = {"nodes": nodes, "worker_node_ids": workers, "placed": placed,
-               "roster": roster, "gateway_url": handle.url, "results": results, "before": before, "after": after,
+               "roster": roster, "gateway_url": handle.url,
+               "results": results, "before": before, "after": after,
                "left_roster_s": left_at, "kill_timeline": timeline, "peers_updated_s": peers_at, "health": health,
                "roster_after_kill": [r["instance_id"] for r in roster_after_kill],
                "again": again, "final": final, "faults": faults, "timings": timings}
