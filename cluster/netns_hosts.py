@@ -19,7 +19,8 @@ util-linux (``unshare``, ``nsenter``) and openssh-server (``sshd``).
 ``up`` prints the hosts as one JSON line and keeps them until interrupted (Ctrl-C, SIGTERM);
 then, or when setting up fails half-way, everything is removed: sshd and every process of the
 hosts, the namespaces, veth pairs and bridge, the temp dir. ``down DIR`` removes what a run
-whose process was killed left (it reads ``DIR/hosts.json``).
+whose process was killed left (it reads ``DIR/hosts.json``); every ``up`` also removes first
+the hosts of earlier runs whose process is gone (:func:`remove_stale`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class NetnsHosts:
     bridge: str = ""
     bridge_ip: str = ""
     hosts: list[Host] = field(default_factory=list)
+    owner_pid: int = field(default_factory=os.getpid)
 
     # -- paths -----------------------------------------------------------------------------
 
@@ -124,6 +126,7 @@ class NetnsHosts:
         try:
             with open(LOCK_PATH, "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
+                remove_stale()
                 self._network()
             self._keys()
             for h in self.hosts:
@@ -307,6 +310,22 @@ class NetnsHosts:
             out[h.name] = {k: int((base / k).read_text()) for k in (
                 "rx_bytes", "tx_bytes", "rx_packets", "tx_packets")}
         return out
+
+
+def remove_stale(tmp: str = "/tmp") -> list[str]:
+    """Remove the hosts of earlier runs whose process is gone (killed before it could clean
+    up: SIGKILL, a CI timeout): every ``smnetns-*/hosts.json`` under ``tmp`` whose
+    ``owner_pid`` no longer runs. Returns their dirs."""
+    removed = []
+    for path in Path(tmp).glob("smnetns-*/hosts.json"):
+        try:
+            run = NetnsHosts.load(str(path.parent))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if run.owner_pid and not Path(f"/proc/{run.owner_pid}").exists():
+            run.down()
+            removed.append(str(path.parent))
+    return removed
 
 
 def _ip(*args: str, check: bool = True) -> None:
