@@ -1,4 +1,4 @@
-"""Both ``ray up`` configs in deploy/ pass Ray's own cluster-config validation: the steps
+"""The ``ray up`` configs in deploy/ pass Ray's own cluster-config validation: the steps
 ``ray up`` runs before it touches a machine (``prepare_config``: defaults filled in, the local
 provider's node list turned into a node type; then ``validate_config``: Ray's JSON schema and
 its cross-field checks). Nothing here reaches a cloud provider or a node."""
@@ -14,7 +14,7 @@ import yaml
 from specmesh.cluster.config import ROLES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-CONFIGS = ["cluster.yaml", "cluster-aws.yaml"]
+CONFIGS = ["cluster.yaml", "cluster-aws.yaml", "cluster-local.yaml"]
 
 
 def _load(name: str) -> dict:

@@ -2,9 +2,11 @@
 may already be a driver of the embedded Ray of the other tests, and a driver joins one cluster
 only).
 
-    python _mn_driver.py MODEL_DIR PROMPTS_JSON MAX_TOKENS TEMP_DIR LONG_MAX_TOKENS
+    python _mn_driver.py MODEL_DIR PROMPTS_JSON MAX_TOKENS TEMP_DIR LONG_MAX_TOKENS [NODES_JSON]
 
-A ``ray.cluster_utils.Cluster`` of 3 nodes on 127.0.0.1: the head offers ``gateway``, the two
+A ``ray.cluster_utils.Cluster`` of 3 nodes on 127.0.0.1, or, with NODES_JSON (``{"address",
+"worker_ips"}``), the nodes _mn_setup.py started on the namespace hosts (_netns_ray.py; this
+driver then runs on the head host): the head offers ``gateway``, the two
 others ``prefill``, ``verifier`` and ``drafter`` plus a node resource of their own (``mn-0``,
 ``mn-1``) that role ``<role>-<i>`` also asks a sliver of, so one of each lands on either node;
 2 prefill workers, 2 verifiers, 2 drafters and a gateway, each with the options ``specmesh
@@ -33,7 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from specmesh.cluster.loopback import use_loopback
 
-use_loopback()  # before `import ray`: every node of the cluster stays on 127.0.0.1
+#: the nodes on the namespace hosts (None: the loopback cluster this driver starts)
+NODES = json.loads(open(sys.argv[6]).read()) if len(sys.argv) > 6 else None
+if NODES is None:
+    use_loopback()  # before `import ray`: every node of the cluster stays on 127.0.0.1
 
 import httpx  # noqa: E402
 import ray  # noqa: E402
@@ -108,13 +113,23 @@ def main() -> None:
     node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "temp_dir": temp_dir,
             "object_store_memory": 80 * 1024 * 1024}
     roles = {r: 1 for r in ("prefill", "verifier", "drafter")}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        **node, "resources": {"gateway": 1}, "include_dashboard": False})
+    if NODES is None:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            **node, "resources": {"gateway": 1}, "include_dashboard": False})
+    else:
+        from _netns_ray import connect_and_wait, node_ids_by_ip  # imports ray: netns only
+
+        cluster = None
     try:
-        workers = [cluster.add_node(**node, resources={**roles, f"mn-{i}": 1})
-                   for i in range(2)]
-        cluster.wait_for_nodes()
-        cluster.connect(namespace="specmesh")
+        if cluster is not None:
+            workers = [cluster.add_node(**node, resources={**roles, f"mn-{i}": 1}).node_id
+                       for i in range(2)]
+            cluster.wait_for_nodes()
+            cluster.connect(namespace="specmesh")
+            address = cluster.address
+        else:
+            connect_and_wait(NODES["address"], 1 + len(NODES["worker_ips"]), "specmesh")
+            workers, address = node_ids_by_ip(NODES["worker_ips"]), NODES["address"]
         timings["nodes_s"] = time.monotonic() - t0
         # the prefill workers' KV send is capped so that a long prompt's transfer lasts a few
         # seconds (a fault scenario kills a prefill worker mid-transfer); short prompts fit
@@ -131,6 +146,7 @@ def main() -> None:
         nodes = [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"],
                   "resources": n["Resources"]} for n in ray.nodes() if n["Alive"]]
         placed = _actor_nodes()
+        roster = ray.get(get_controller(namespace=cfg.namespace).get_roster.remote(), timeout=30)
         before = handle.stats()
 
         t1 = time.monotonic()
@@ -180,11 +196,12 @@ def main() -> None:
                   "--kv-cache-mb", "32", "--max-model-len", "2048", "--threads", "1",
                   "--drafter", "ngram", "--max-kv-send-mb-s", str(KV_SEND_MB_S)]
         faults = Faults(handle, controller, int(long_max_tokens)).run_all(
-            cluster.address, launch, dict(os.environ), LEAVE_BOUND_S)
+            address, launch, dict(os.environ), LEAVE_BOUND_S)
         timings["faults_s"] = {k: round(v["wall_s"], 1) for k, v in faults.items()}
         timings["total_s"] = time.monotonic() - t0
-        out = {"nodes": nodes, "worker_node_ids": [w.node_id for w in workers],
-               "placed": placed, "results": results, "before": before, "after": after,
+        out = {"nodes": nodes, "worker_node_ids": workers, "placed": placed,
+               "roster": roster, "gateway_url": handle.url,
+               "results": results, "before": before, "after": after,
                "left_roster_s": left_at, "kill_timeline": timeline, "peers_updated_s": peers_at, "health": health,
                "roster_after_kill": [r["instance_id"] for r in roster_after_kill],
                "again": again, "final": final, "faults": faults, "timings": timings}
@@ -193,7 +210,8 @@ def main() -> None:
         try:
             ray.shutdown()
         finally:
-            cluster.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
     print(json.dumps(out), flush=True)
 
 

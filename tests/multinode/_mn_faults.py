@@ -197,6 +197,19 @@ class Faults:
         ray.kill(actor, no_restart=not restart)
         return time.monotonic()
 
+    def when_back(self, iid: str) -> dict:
+        """``info()`` of a role Ray is restarting, once it answers: a call made while the
+        actor restarts fails at once (ActorUnavailableError) instead of waiting, which happens
+        when the requests in flight end first (a loaded machine; a node on another host)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return ray.get(self.handle.actors[iid].info.remote(), timeout=60)
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
     def start_long(self, key: str, accepted: bool = True) -> tuple[Stream, str, dict]:
         """A long streaming request; returns once its first chunk came (and, with
         ``accepted``, it has accepted drafts): (stream, its verifier, its view)."""
@@ -264,7 +277,7 @@ class Faults:
                 lambda w: w["num_accepted_tokens"] > at_resync["num_accepted_tokens"],
                 self.timeout_s)
         finals = [x.result(self.timeout_s) for x in streams]
-        new = ray.get(self.handle.actors[killed].info.remote(), timeout=60)
+        new = self.when_back(killed)
         followed = followed or s
         return {"killed": killed, "at_kill": at_kill, "resynced_at_kill": kills[
                     followed.request_id], "at_resync": at_resync, "at_accept": at_accept,

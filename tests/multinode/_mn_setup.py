@@ -9,6 +9,7 @@ of the other tests, and a driver joins one cluster only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import secrets
@@ -56,9 +57,14 @@ def _kill_leftovers(root: str) -> None:
                 pass
 
 
-def run_driver(tiny_model_dir: str):
+def run_driver(tiny_model_dir: str, hosts=None):
     """Start the driver, compute the reference meanwhile, yield (driver report, reference:
     prompt -> plain greedy output ids, for the M:N requests and the fault scenarios').
+
+    ``hosts`` (cluster.netns_hosts.NetnsHosts): the Ray nodes run on those namespace hosts
+    (head on host 0, the two worker nodes on hosts 1 and 2; _netns_ray.py) and the driver on
+    host 0; the report then also has ``hosts`` (their description) and ``counters`` (each
+    host's veth byte counters before and after). None: the loopback cluster.
 
     Raises:
         pytest.fail.Exception: the driver failed or timed out (its output in the message).
@@ -70,19 +76,36 @@ def run_driver(tiny_model_dir: str):
     bindir = str(Path(sys.executable).parent)
     env.update(PATH=os.pathsep.join([bindir, env.get("PATH", "")]),
                RAY_ENABLE_UV_RUN_RUNTIME_ENV="0", RAY_USAGE_STATS_ENABLED="0",
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", OMP_WAIT_POLICY="PASSIVE",
+               OMP_WAIT_POLICY="PASSIVE",
                TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=secrets.token_hex(32),
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    if hosts is None:
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every Ray process on 127.0.0.1
+    else:  # real interfaces: Ray resolves each node's own address
+        env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    argv = [sys.executable, str(DRIVER), tiny_model_dir, str(prompts), str(MAX_TOKENS),
+            os.path.join(root, "ray"), str(LONG_MAX_TOKENS)]
+    nodes = counters = None
     t0 = time.monotonic()
     out_path, err_path = Path(root, "driver.out"), Path(root, "driver.err")
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(DRIVER), tiny_model_dir, str(prompts), str(MAX_TOKENS),
-             os.path.join(root, "ray"), str(LONG_MAX_TOKENS)],
-            stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True,
-            preexec_fn=_die_with_parent)
+    proc = None
     try:
+        if hosts is not None:
+            from _netns_ray import NetnsRayCluster  # imports ray: the namespace hosts only
+
+            roles = {r: 1 for r in ("prefill", "verifier", "drafter")}
+            os.makedirs(os.path.join(root, "ray"))
+            counters = hosts.counters()
+            nodes = NetnsRayCluster(hosts, os.path.join(root, "ray"), {"gateway": 1},
+                                    [{**roles, f"mn-{i}": 1} for i in range(2)], env)
+            Path(root, "nodes.json").write_text(json.dumps(
+                {"address": nodes.address, "worker_ips": nodes.worker_ips}))
+            argv = hosts.argv(hosts.hosts[0], [*argv, str(Path(root, "nodes.json"))],
+                              wd=str(REPO))
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=REPO,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
         reference = _reference(tiny_model_dir)
         try:
             rc = proc.wait(timeout=max(DRIVER_TIMEOUT_S - (time.monotonic() - t0), 30))
@@ -93,25 +116,37 @@ def run_driver(tiny_model_dir: str):
             except subprocess.TimeoutExpired:
                 proc.kill()
             rc = "timeout"
+        after = hosts.counters() if hosts is not None else None
+        if nodes is not None:  # the driver is done with them: free the machine for the tests
+            logs = nodes.logs()
+            nodes.shutdown()
         stdout = out_path.read_text(errors="replace")
         if rc != 0:
             stderr = err_path.read_text(errors="replace")
             pytest.fail(f"driver failed ({rc}) after {time.monotonic() - t0:.0f} s:\n"
-                        f"{stdout[-3000:]}\n{stderr[-8000:]}")
+                        f"{stdout[-3000:]}\n{stderr[-8000:]}"
+                        + (f"\n{logs}" if nodes is not None else ""))
         report = json.loads(stdout.strip().splitlines()[-1])
         report["wall_s"] = time.monotonic() - t0
+        report["hosts"] = hosts.describe() if hosts is not None else None
+        if hosts is not None:
+            report["counters"] = {"before": counters, "after": after}
         print(f"M:N driver timings: {report['timings']}, wall {report['wall_s']:.0f} s")
         yield report, reference
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        if nodes is not None:
+            nodes.shutdown()
         _kill_leftovers(root)
         shutil.rmtree(root, ignore_errors=True)
 
 
+@functools.lru_cache(maxsize=2)
 def _reference(model_dir: str) -> dict[str, list[int]]:
     """Plain greedy (kappa = 0) through the in-process workers, every prompt with the
-    max_tokens the driver uses for it: prompt -> output token ids."""
+    max_tokens the driver uses for it: prompt -> output token ids (computed once per session:
+    the loopback and namespace runs compare with the same)."""
     from specmesh.cluster.inprocess import InProcessCluster
     from specmesh.engine.loader import load_model
     from specmesh.protocol.messages import SamplingParams

@@ -50,7 +50,16 @@ def actor_nodes() -> dict[str, str]:
 
 def wait_ready(timeout: float) -> dict:
     deadline = time.monotonic() + timeout
-    actors = {iid: ray.get_actor(f"specmesh-{iid}", namespace=NAMESPACE) for iid in ROLES}
+    actors = {}
+    while len(actors) < len(ROLES):  # roles launched in the background appear one by one
+        for iid in set(ROLES) - set(actors):
+            try:
+                actors[iid] = ray.get_actor(f"specmesh-{iid}", namespace=NAMESPACE)
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no actor specmesh-{iid} after {timeout} s") from None
+        time.sleep(0.3 if len(actors) < len(ROLES) else 0)
+    actors = {iid: actors[iid] for iid in ROLES}
     controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     while True:
         stats = {iid: ray.get(a.stats.remote(), timeout=30) for iid, a in actors.items()}

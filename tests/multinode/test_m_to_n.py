@@ -29,15 +29,53 @@ def _delta(report: dict, iid: str, key: str, a: str = "before", b: str = "after"
     return report[b][iid][key] - report[a][iid][key]
 
 
-def test_three_nodes_on_loopback_with_roles_spread_over_them(m_to_n):
+def _node_ips(report: dict) -> list[str]:
+    """The address each of the 3 nodes must have: 127.0.0.1, or its namespace host's."""
+    if report["hosts"] is None:
+        return ["127.0.0.1"] * 3
+    return [h["ip"] for h in report["hosts"]["hosts"]]
+
+
+def test_three_nodes_with_roles_spread_over_them(m_to_n):
     report, _ = m_to_n
     nodes = {n["node_id"]: n for n in report["nodes"]}
-    assert len(nodes) == 3 and all(n["ip"] == "127.0.0.1" for n in nodes.values()), nodes
+    assert len(nodes) == 3, nodes
+    assert sorted(n["ip"] for n in nodes.values()) == sorted(_node_ips(report)), nodes
     placed, workers = report["placed"], report["worker_node_ids"]
     for role in ("prefill", "verifier", "drafter"):  # one of each on either worker node
         assert sorted(placed[f"specmesh-{role}-{i}"] for i in range(2)) == sorted(workers)
     (head,) = set(nodes) - set(workers)
     assert placed["specmesh-gateway-0"] == head
+    # each role advertises the address of the node Ray placed it on
+    roster = {r["instance_id"]: r for r in report["roster"]}
+    for iid, entry in roster.items():
+        ip = nodes[placed[f"specmesh-{iid}"]]["ip"]
+        assert entry["endpoint"].startswith(f"tcp://{ip}:"), (iid, entry, ip)
+    assert report["gateway_url"].startswith(f"http://{nodes[head]['ip']}:")
+
+
+@pytest.mark.parametrize("m_to_n", ["netns"], indirect=True)
+def test_on_namespace_hosts_every_endpoint_is_in_their_subnet_and_traffic_crossed_the_veths(
+        m_to_n):
+    """Issue 39: roles bind and advertise their own host's address (never 127.0.0.1, never a
+    wildcard), every link runs CurveZMQ (``auto``: the roles are off the loopback), and the
+    role-to-role traffic crossed each host's veth link both ways (its interface counters)."""
+    report, _ = m_to_n
+    from specmesh.cluster.netns_hosts import NetnsHosts
+
+    hosts = NetnsHosts.load_description(report["hosts"])
+    addresses = [n["ip"] for n in report["nodes"]] + [report["gateway_url"]]
+    for r in report["roster"]:
+        addresses.append(r["endpoint"])
+        assert r["curve"] and len(r["curve_key"]) == 40, r
+    for a in addresses:
+        ip = a.split("://")[-1].rsplit(":", 1)[0]
+        assert hosts.in_subnet(ip), (a, hosts.subnet)
+    before, after = report["counters"]["before"], report["counters"]["after"]
+    for name in ("h0", "h1", "h2"):  # rx on the bridge side: what the host sent, tx: received
+        sent = after[name]["rx_bytes"] - before[name]["rx_bytes"]
+        got = after[name]["tx_bytes"] - before[name]["tx_bytes"]
+        assert sent > 100_000 and got > 100_000, (name, sent, got)
 
 
 def test_sixteen_concurrent_requests_are_exact_and_use_both_verifiers_and_drafters(m_to_n):
