@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,10 +39,10 @@ from safetensors.torch import load_file
 
 from specmesh.engine import onednn
 from specmesh.engine.linear import RowInvariantLinear
+from specmesh.engine.lora_modules import CONFIG_FILE, WEIGHTS_FILE
 
-#: The weights file PEFT saves (``save_pretrained(safe_serialization=True)``, its default).
-WEIGHTS_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
+log = logging.getLogger(__name__)
+
 #: Adapter index of a row of the base model.
 BASE = -1
 _PREFIX = "base_model.model."
@@ -302,6 +303,52 @@ class LoraBank:
             self.groups, self.head_groups = [], []
 
 
+def load_lora_modules(model: torch.nn.Module, modules: dict[str, str],
+                      warn=None) -> LoraBank:  # noqa: ANN001
+    """Load every adapter of ``modules`` ({name: path}) into ``model``'s bank, in name order
+    (so that every role gives a name the same slot); ``warn(message)`` (None: the module
+    logger) hears of an adapter that adapts ``lm_head``: drafters that borrow the target's
+    LM head read the base one, so acceptance may drop (outputs do not change).
+
+    Raises:
+        FileNotFoundError, ValueError: as :meth:`LoraAdapter.load` and :meth:`LoraBank.add`.
+    """
+    bank = lora_bank(model)
+    for name in sorted(modules):
+        adapter = LoraAdapter.load(name, modules[name])
+        if adapter.targets_lm_head:
+            (warn or log.warning)(
+                f"LoRA adapter {name!r} adapts lm_head: drafters that borrow the target's LM "
+                "head or embeddings draft from the base model's; outputs are unaffected, "
+                "acceptance may drop")
+        bank.add(adapter)
+    return bank
+
+
+def adapter_slot(model: torch.nn.Module, name: str) -> int:
+    """The slot of adapter ``name`` in ``model``'s bank; ``""`` is the base model (-1).
+
+    Raises:
+        KeyError: no adapter of that name is loaded (the message names it).
+    """
+    if not name:
+        return BASE
+    bank = getattr(model, "lora", None)
+    if bank is None:
+        raise KeyError(f"LoRA adapter {name!r} is not loaded (none are)")
+    return bank.slot(name)
+
+
+def lora_refusal(model: torch.nn.Module, name: str) -> str:
+    """Why a request for adapter ``name`` cannot run on ``model`` ("" when it can: the base
+    model, or a loaded adapter)."""
+    try:
+        adapter_slot(model, name)
+    except KeyError as err:
+        return str(err.args[0])
+    return ""
+
+
 def lora_bank(model: torch.nn.Module) -> LoraBank:
     """The model's bank of adapters, made on first use (``model.lora``)."""
     if getattr(model, "lora", None) is None:
@@ -309,4 +356,5 @@ def lora_bank(model: torch.nn.Module) -> LoraBank:
     return model.lora
 
 
-__all__ = ["BASE", "LinearLora", "LoraAdapter", "LoraBank", "LoraWeights", "lora_bank"]
+__all__ = ["BASE", "LinearLora", "adapter_slot", "lora_refusal", "LoraAdapter", "LoraBank", "LoraWeights",
+           "load_lora_modules", "lora_bank"]

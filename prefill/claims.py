@@ -62,7 +62,8 @@ def claim_blocks(bm: BlockManager, cache: PrefixCache | None,
             claim = Claim([], [], [])
             claims.append(claim)
             if cache is not None:
-                claim.keys = block_keys(req.prompt_token_ids, bm.block_size)
+                claim.keys = block_keys(req.prompt_token_ids, bm.block_size,
+                                        salt=req.lora_name)
                 # prompt logprobs need every prompt row's logits: nothing reused
                 if req.sampling.prompt_logprobs is None:
                     claim.held = cache.match(claim.keys, (n - 1) // bm.block_size)
