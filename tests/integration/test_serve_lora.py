@@ -76,3 +76,19 @@ def test_mixed_batch_speculation_equals_plain_per_adapter(cluster):
         if all(accepted.values()):
             break
     assert accepted["base"] > 0 and sum(accepted.values()) > accepted["base"], accepted
+    # acceptance per adapter in Prometheus (the gateway's series, labelled lora_name)
+    text = httpx.get(f"{cluster.url}/metrics", timeout=30).text
+    drafted = {m: _sample(text, "specmesh:lora_spec_decode_num_draft_tokens_total", m)
+               for m in MODELS}
+    taken = {m: _sample(text, "specmesh:lora_spec_decode_num_accepted_tokens_total", m)
+             for m in MODELS}
+    assert all(drafted[m] > 0 for m in MODELS), drafted
+    assert sum(taken.values()) >= sum(accepted.values()) and taken["base"] > 0, taken
+
+
+def _sample(text: str, name: str, lora: str) -> float:
+    """The value of series ``name{lora_name="lora"}`` in a Prometheus exposition (0: none)."""
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{lora_name="{lora}"}}'):
+            return float(line.split()[-1])
+    return 0.0
