@@ -115,7 +115,8 @@ class VerifyStep:
         chunks = [SeqChunk(token_ids=[p.request.output_token_ids[-1]] + p.draft_token_ids,
                            start_pos=p.request.kv_len, block_table=p.request.block_table,
                            parents=p.parents,
-                           adapter=adapter_slot(self.runner.model, p.request.lora_name))
+                           adapter=adapter_slot(self.runner.model, p.request.lora_name)
+                           if p.request.lora_name else -1)
                   for p in plan]
         # forward time split by whether any request carried drafts: with / without drafts is
         # the cost ratio the bench compares with a (kappa+1)-token vs 1-token forward

@@ -54,7 +54,8 @@ def prefill_forward(runner: ModelRunner, config: PrefillConfig, paged: bool,
         return ([f for o in out for f in o[0]], [s for o in out for s in o[1]],
                 [x for o in out for x in o[2]], [x for o in out for x in o[3]])
     want_hidden = bool(hidden_kinds)
-    slots = [adapter_slot(runner.model, r.lora_name) for r in reqs]  # validated: known names
+    slots = [adapter_slot(runner.model, r.lora_name) if r.lora_name else -1
+             for r in reqs]  # validated: known names
     prompts = [r.prompt_token_ids[s:] for r, s in zip(reqs, starts)]
     prompt_lps: list[TokenLogprobs | None] = [None] * len(reqs)
     if len(reqs) == 1 and reqs[0].sampling.prompt_logprobs is not None:
