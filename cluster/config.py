@@ -18,6 +18,7 @@ from specmesh.drafter.config import DrafterConfig
 from specmesh.engine.backend import BackendOverrides
 from specmesh.engine.devices import check_device
 from specmesh.engine.dtypes import MODEL_DTYPES, model_dtype, resolve_kv_cache_dtype
+from specmesh.engine.lora_modules import parse_lora_modules
 from specmesh.prefill.config import PrefillConfig
 from specmesh.protocol.enums import Role
 
@@ -86,6 +87,9 @@ class ClusterConfig:
     for a role bound to an address other hosts can reach, plain on the loopback).
     ``max_requests_per_client``: generation requests one client address may have in flight at
     the gateway (429 past it; 0: no limit; gateway/limits.py).
+    ``lora_modules``: ``--lora-modules`` items (``NAME=PATH`` or vLLM's JSON form,
+    engine/lora_modules.py): PEFT LoRA adapters every prefill worker and verifier loads, a
+    request selecting one with ``model: NAME`` (docs/operations.md, 'LoRA adapters').
 
     Raises:
         ValueError: an unsupported dtype, a KV cache dtype the model dtype cannot have (or a
@@ -115,6 +119,7 @@ class ClusterConfig:
     #: how many times Ray restarts a crashed role over the cluster's life (-1: always; Ray's
     #: ``max_restarts``); the soak (benchmarks/soak.py) kills roles more often than that
     max_restarts: int = 3
+    lora_modules: tuple[str, ...] = ()
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
         max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
@@ -141,6 +146,8 @@ class ClusterConfig:
             raise ValueError("max_restarts must be >= -1 (-1: restart always)")
         if self.max_requests_per_client < 0:
             raise ValueError("max_requests_per_client must be >= 0 (0: no limit)")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        parse_lora_modules(self.lora_modules)  # ValueError: a malformed item
         if self.block_size < 1 or self.kv_cache_mb < 1:
             raise ValueError("block_size and kv_cache_mb must be >= 1")
         if self.stream_idle_timeout_s is not None and not self.stream_idle_timeout_s > 0:

@@ -128,6 +128,7 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="the gateway fails a request that gets no output from its verifier for "
                         "this long (a verifier alive but silent; 0: never)")
     add_security_options(p)
+    add_lora_option(p)
 
 
 def add_corpus_option(p: argparse.ArgumentParser) -> None:
@@ -137,6 +138,16 @@ def add_corpus_option(p: argparse.ArgumentParser) -> None:
                         "drafter as corpora to draft from (n-gram / suffix methods; named "
                         "NAME, else after the file); more can be loaded and removed at run "
                         "time: POST / DELETE /v1/specmesh/corpus (docs/drafters.md)")
+
+
+def add_lora_option(p: argparse.ArgumentParser) -> None:
+    """``--lora-modules``: PEFT LoRA adapters served next to the base (engine/lora.py)."""
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) every prefill worker and verifier "
+                        "loads; a request selects one with model: NAME, /v1/models lists them "
+                        "(vLLM's flag; also its JSON form {\"name\": ..., \"path\": ...}). "
+                        "Drafters draft from the base model (docs/operations.md, 'LoRA "
+                        "adapters')")
 
 
 def add_verify_rule_option(p: argparse.ArgumentParser) -> None:
@@ -203,6 +214,8 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
     if getattr(args, "stream_idle_timeout", None) is not None:
         kw["stream_idle_timeout_s"] = args.stream_idle_timeout or None
     kw.update(security_settings(args))
+    if getattr(args, "lora_modules", None):
+        kw["lora_modules"] = tuple(args.lora_modules)
     corpus = getattr(args, "corpus", None) or []
     if corpus:  # checked here, before any role starts
         check_corpus_option(corpus, method, supports_corpus(method))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from specmesh.decode.request import Request, RequestStatus, sampling_with_eos
+from specmesh.engine.lora import lora_refusal
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.messages import (
@@ -151,6 +152,8 @@ class VerifierDispatch:
                                         msg.prediction_token_ids)
         if not error:
             error = self.grammars.refuse_reason(msg.sampling)
+        if not error and msg.lora_name:  # an adapter this verifier did not load
+            error = lora_refusal(self.verify_step.runner.model, msg.lora_name)
         if not error and live is not None:
             error = (f"duplicate request id {msg.request_id!r}: a request with this id is "
                      "live on this verifier")
@@ -165,7 +168,8 @@ class VerifierDispatch:
         kappa = self.scheduler.speculative_tokens_for(msg.num_speculative_tokens)
         sampling = sampling_with_eos(msg.sampling, self.lifecycle.eos_token_ids)
         req = Request(msg.request_id, peer, list(msg.prompt_token_ids), sampling, kappa,
-                      prediction_token_ids=list(msg.prediction_token_ids or []) or None)
+                      prediction_token_ids=list(msg.prediction_token_ids or []) or None,
+                      lora_name=msg.lora_name)
         self.requests[req.request_id] = req
         if msg.group and req.leader is None:
             self.siblings.join(req, msg.group, msg.group_size)

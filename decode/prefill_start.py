@@ -37,7 +37,8 @@ class PrefillStart:
             prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
             block_table=req.block_table, draft_method=self.config.draft_method,
             verifier_idle=req.prefill_paused,
-            sibling_sampling=[f.sampling for f in req.fork_targets] or None))
+            sibling_sampling=[f.sampling for f in req.fork_targets] or None,
+            lora_name=req.lora_name))
 
     def _idle_without(self, req: Request) -> bool:
         """Whether this verifier shares its cores with prefill (decode/core_sharing.py) and

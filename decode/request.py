@@ -123,6 +123,8 @@ class Request:
     #: structured output: its matcher (engine.grammar.RequestGrammar), a Future of it while
     #: it compiles, None when unconstrained (decode/grammar.py)
     grammar: object | None = None
+    #: the LoRA adapter it runs with (GenerateRequest.lora_name; "" the base model)
+    lora_name: str = ""
 
     @property
     def prompt_len(self) -> int:

@@ -17,6 +17,7 @@ from specmesh.decode.scheduler import PlannedRequest
 from specmesh.decode.verification import RuleBatch
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
 from specmesh.engine.logprobs import token_logprobs
+from specmesh.engine.lora import adapter_slot
 from specmesh.engine.logits_processors import (
     RowsHistory, apply_logits_processors, chain_row_drafts, tree_row_drafts,
 )
@@ -113,7 +114,9 @@ class VerifyStep:
             return []
         chunks = [SeqChunk(token_ids=[p.request.output_token_ids[-1]] + p.draft_token_ids,
                            start_pos=p.request.kv_len, block_table=p.request.block_table,
-                           parents=p.parents)
+                           parents=p.parents,
+                           adapter=adapter_slot(self.runner.model, p.request.lora_name)
+                           if p.request.lora_name else -1)
                   for p in plan]
         # forward time split by whether any request carried drafts: with / without drafts is
         # the cost ratio the bench compares with a (kappa+1)-token vs 1-token forward

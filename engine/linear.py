@@ -52,6 +52,7 @@ class RowInvariantLinear(nn.Linear):
         self._fused_into: FusedLinears | None = None  # packed with others (prepack skips it)
         self._blocks: BlockWeight | None = None
         self._blocks_key: tuple | None = None
+        self._lora = None  # engine/lora.py's LinearLora: per-row adapter deltas, when attached
 
     def attach_blocks(self, blocks: BlockWeight) -> None:
         """Compute on ``blocks``, which expand to the current weight [out, in] bit for bit
@@ -78,7 +79,14 @@ class RowInvariantLinear(nn.Linear):
         return self._pack_cache.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in_features] -> [M, out_features]."""
+        """x [M, in_features] -> [M, out_features] (plus the rows' LoRA deltas, engine/lora.py,
+        within a batch of adapters)."""
+        y = self._base(x)
+        if self._lora is not None:
+            self._lora.add_to(x, y)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.blocks_for(x)
         if blocks is not None:
             y = gguf_matmul(x, blocks)
@@ -131,7 +139,18 @@ class FusedLinears:
 
     def joint(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, in] -> the layers' outputs side by side, [M, sum(out_i)], where they run
-        as one product (GGUF blocks or a fused pack); None where they would run one by one."""
+        as one product (GGUF blocks or a fused pack); None where they would run one by one.
+        Each layer's LoRA deltas (engine/lora.py) are added to its columns."""
+        y = self._joint_base(x)
+        if y is not None and any(lin._lora is not None for lin in self.linears):
+            lo = 0
+            for lin, size in zip(self.linears, self.sizes):
+                if lin._lora is not None:
+                    lin._lora.add_to(x, y, slice(lo, lo + size))
+                lo += size
+        return y
+
+    def _joint_base(self, x: torch.Tensor) -> torch.Tensor | None:
         blocks = self.blocks_for(x)
         if blocks is not None:
             y = gguf_matmul(x, blocks)

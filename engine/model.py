@@ -225,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         # Plain attribute, not a buffer: .to(dtype) must not round it (RoPE runs in float32).
         self._inv_freq = rope_inv_freq(config)
         self._compiled: CompiledStack | None = None  # built on first float32 CPU forward
+        self.lora = None  # engine/lora.py's LoraBank once adapters are loaded
 
     @property
     def dtype(self) -> torch.dtype:
@@ -255,6 +256,7 @@ class LlamaForCausalLM(nn.Module):
         return_hidden: bool = False,
         logits_indices: torch.Tensor | list[int] | None = None,
         hidden_layers: tuple[int, ...] | None = None,
+        adapter_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One ragged forward over all requests' chunks; writes their K/V into ``kv_cache``.
 
@@ -264,6 +266,8 @@ class LlamaForCausalLM(nn.Module):
             meta: request boundaries, KV lengths, block tables and slots (sum(query_lens) == T),
                 or a DenseBatch with a DenseKVCache (engine/dense_kv.py, offline generation).
             logits_indices: rows of the T tokens to compute logits for (default: all).
+            adapter_rows: LongTensor [T], each token's LoRA adapter slot in ``self.lora``
+                (engine/lora.py; -1: the base model), or None: all base.
 
         Returns:
             logits [N, vocab] in the model dtype (N = len(logits_indices) or T), or
@@ -271,7 +275,22 @@ class LlamaForCausalLM(nn.Module):
             output, the input of ``lm_head``, or with ``hidden_layers`` (decoder-layer indices,
             see :mod:`engine.hidden_layers`) those layers' outputs side by side,
             [T, len(hidden_layers) * hidden_size] (EAGLE-3's low / middle / high features).
+
+        Raises:
+            ValueError: an ``adapter_rows`` slot that holds no adapter.
         """
+        if self.lora is None or adapter_rows is None:
+            return self._forward(input_ids, positions, meta, kv_cache, return_hidden,
+                                 logits_indices, hidden_layers, False)
+        with self.lora.batch(adapter_rows, logits_indices) as adapted:
+            return self._forward(input_ids, positions, meta, kv_cache, return_hidden,
+                                 logits_indices, hidden_layers, adapted)
+
+    def _forward(self, input_ids, positions, meta, kv_cache, return_hidden,  # noqa: ANN001
+                 logits_indices, hidden_layers, adapted: bool):  # noqa: ANN001, ANN202
+        """:meth:`forward`; ``adapted``: rows of LoRA adapters in the batch (the compiled
+        stack, which adds no deltas, does not run then: the layer-by-layer path computes the
+        same bits for base rows)."""
         meta.prepare(input_ids.device)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, h.dtype)
@@ -281,7 +300,8 @@ class LlamaForCausalLM(nn.Module):
         if self.backend.layer_ops.on and layer_ops.applies(h, norm.weight):
             if self._compiled is None:
                 self._compiled = CompiledStack(self)
-            compiled = self._compiled.run(h, cos, sin, meta, kv_cache, hidden_layers)
+            compiled = None if adapted else \
+                self._compiled.run(h, cos, sin, meta, kv_cache, hidden_layers)
             if compiled is not None:  # every layer in one call (engine/compiled_stack.py)
                 captured = compiled
                 h = norm(h)

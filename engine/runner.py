@@ -28,12 +28,16 @@ class SeqChunk:
     KV still goes to position ``start_pos + i``, but its RoPE position is ``start_pos +
     depth`` and it attends to the KV before the chunk plus its ancestors and itself only. None
     (or a chain's parents) is the plain causal chunk.
+
+    ``adapter``: the LoRA adapter slot of the model's bank (engine/lora.py) every row of the
+    chunk runs with; -1 is the base model.
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     parents: list[int] | None = None
+    adapter: int = -1
 
     @property
     def end_pos(self) -> int:
@@ -89,6 +93,9 @@ class ModelRunner:
                     f"chunk {i}: block table has {len(c.block_table)} blocks, positions "
                     f"[0, {c.end_pos}) need {need} of size {self.block_size}"
                 )
+            if c.adapter != -1 and (self.model.lora is None
+                                    or c.adapter not in self.model.lora.adapters):
+                raise ValueError(f"chunk {i}: no LoRA adapter in slot {c.adapter}")
             for b in c.block_table[:need]:
                 if not 0 <= b < cache.num_blocks:
                     raise ValueError(
@@ -152,6 +159,10 @@ class ModelRunner:
         )
         ends = torch.tensor(q_lens).cumsum(0)
         rows = None if logits == "all" else (ends - 1).to(self.device)
+        adapter_rows = None
+        if any(c.adapter != -1 for c in chunks):
+            adapter_rows = torch.tensor([c.adapter for c in chunks]).repeat_interleave(
+                torch.tensor(q_lens)).to(self.device)
         with torch.inference_mode():
             out = self.model(
                 torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -161,6 +172,7 @@ class ModelRunner:
                 return_hidden=return_hidden,
                 logits_indices=rows,
                 hidden_layers=hidden_layers,
+                adapter_rows=adapter_rows,
             )
             all_logits, hidden = out if return_hidden else (out, None)
             if all_logits.dtype in (torch.bfloat16, torch.float16):
@@ -181,6 +193,7 @@ class ModelRunner:
         hidden_layers: tuple[int, ...] | None = None,
         paged: bool = False,
         logits: str = "last",
+        adapter: int = -1,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one prompt (positions start_pos ..) in chunks of ``chunk_size`` tokens (all at once
         when None) and return the logits of its last token, [1, vocab]; with ``logits="all"``
@@ -190,18 +203,20 @@ class ModelRunner:
         [len(token_ids), hidden_size] (``hidden_layers``, ``paged``: as :meth:`forward`; with
         ``paged`` the KV and logits do not depend on ``chunk_size`` or ``start_pos``, bit for
         bit: a prompt's tail run over its cached prefix equals the whole prompt run).
+        ``adapter``: the LoRA adapter slot the prompt runs with (-1: the base model).
 
         Raises:
             ValueError: as :meth:`forward`, or ``chunk_size < 1``.
         """
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        self._validate([SeqChunk(list(token_ids), start_pos, block_table)])
+        self._validate([SeqChunk(list(token_ids), start_pos, block_table, adapter=adapter)])
         step = chunk_size or len(token_ids)
         hiddens: list[torch.Tensor] = []
         rows: list[torch.Tensor] = []
         for lo in range(0, len(token_ids), step):
-            chunk = SeqChunk(token_ids[lo : lo + step], start_pos + lo, block_table)
+            chunk = SeqChunk(token_ids[lo : lo + step], start_pos + lo, block_table,
+                             adapter=adapter)
             out = self.forward([chunk], logits=logits, return_hidden=return_hidden,
                                hidden_layers=hidden_layers, paged=paged)
             if return_hidden:
@@ -222,12 +237,14 @@ class ModelRunner:
         start_positions: list[int] | None = None,
         paged: bool = False,
         logits: str = "last",
+        adapters: list[int] | None = None,
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Run several whole prompts (each from position 0, into its own ``block_tables``
         entry) in ONE forward and return, per prompt, the logits of its last token [1, vocab]
         (``logits="all"``: of every token run, [len, vocab]: prompt logprobs).
         ``start_positions`` (None: all 0): prompt i's tokens start there, the KV before them
         already in its blocks (a prefix cache hit; use with ``paged``, as :meth:`prefill`).
+        ``adapters`` (None: all base): prompt i's LoRA adapter slot (-1: the base model).
 
         Each prompt computes exactly as :meth:`prefill` computes it alone in one chunk: a forward
         of whole prompts attends within each prompt (causal, one attention call per prompt) and
@@ -246,6 +263,10 @@ class ModelRunner:
         if not len(prompts) == len(block_tables) == len(starts):
             raise ValueError(f"{len(prompts)} prompts, {len(block_tables)} block tables and "
                              f"{len(starts)} start positions")
-        chunks = [SeqChunk(list(p), s, t) for p, t, s in zip(prompts, block_tables, starts)]
+        slots = [-1] * len(prompts) if adapters is None else list(adapters)
+        if len(slots) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts and {len(slots)} adapters")
+        chunks = [SeqChunk(list(p), s, t, adapter=a)
+                  for p, t, s, a in zip(prompts, block_tables, starts, slots)]
         return self.forward(chunks, logits=logits, return_hidden=return_hidden,
                             hidden_layers=hidden_layers, paged=paged)

@@ -29,6 +29,7 @@ from specmesh.gateway.corpus_api import add_corpus_routes
 from specmesh.gateway.generation import RequestRun
 from specmesh.gateway.limits import add_input_bounds, check_stop_bounds
 from specmesh.gateway.logprobs import TokenTexts
+from specmesh.gateway.lora_models import lora_model_cards
 from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.gateway.n_choices import MAX_CHOICES, choice_request
 from specmesh.gateway.prompt_batch import (
@@ -75,6 +76,7 @@ class _Gateway(RequestBuilder, GatewayResponses):
         self.created = int(time.time())
         self.texts = TokenTexts(tokenizer)  # logprobs' token strings (gateway/logprobs.py)
         self._grammars = None  # engine.grammar.GrammarCompiler, built on first use
+        self.lora_modules: dict[str, str] = {}  # LoRA adapters: name -> path (lora_models.py)
 
 
 def create_app(backend, tokenizer, model_name: str, max_model_len: int,
@@ -82,7 +84,8 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                default_temperature: float = 1.0, vocab_size: int | None = None,
                readiness: Callable[[], str] | None = None,
                synthetic_acceptance: bool = False, corpus=None, api_key: str | None = None,
-               protect_metrics: bool = False, max_requests_per_client: int = 0) -> FastAPI:
+               protect_metrics: bool = False, max_requests_per_client: int = 0,
+               lora_modules: dict[str, str] | None = None) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -108,10 +111,14 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         protect_metrics: with ``api_key``, ``/health`` and ``/metrics`` require it too.
         max_requests_per_client: generation requests one client address may have in flight
             (429 past it; 0: no limit); request bodies are bounded too (gateway/limits.py).
+        lora_modules: the LoRA adapters the cluster serves ({name: path}, ``--lora-modules``):
+            a request's ``model`` may name one (its GenerateRequest.lora_name), and
+            ``/v1/models`` lists each with the base as ``parent`` (vLLM's listing).
     """
     metrics = GatewayMetrics(metrics_registry, backend=backend)
     gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
                   default_temperature, metrics, vocab_size, synthetic_acceptance)
+    gw.lora_modules = dict(lora_modules or {})
     app = FastAPI(title="specmesh gateway")
     app.state.gateway = gw
     app.state.metrics = metrics
@@ -212,7 +219,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
     async def models():
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": gw.created, "owned_by": "specmesh",
-            "max_model_len": max_model_len}]}
+            "max_model_len": max_model_len}] + lora_model_cards(gw)}
 
     @app.get("/health")
     async def health():

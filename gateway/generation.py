@@ -266,4 +266,5 @@ class RequestRun:
         self.metrics.observe_finished(reason, self.num_prompt_tokens, self.num_output_tokens,
                                       s.num_verify_steps, s.num_draft_tokens,
                                       s.num_accepted_tokens, time.perf_counter() - self.arrival,
-                                      synthetic_acceptance=s.synthetic_acceptance)
+                                      synthetic_acceptance=s.synthetic_acceptance,
+                                      lora_name=self.req.lora_name)

@@ -75,6 +75,14 @@ class GatewayMetrics:
                                          "Draft tokens verified", registry=r)
         self.spec_accepted_tokens = Counter("specmesh:gateway_spec_decode_num_accepted_tokens",
                                             "Draft tokens accepted", registry=r)
+        # per LoRA adapter (engine/lora.py; "base": no adapter): an adapter that changes the
+        # output costs acceptance, since drafters draft from the base
+        self.lora_draft_tokens = Counter(
+            "specmesh:lora_spec_decode_num_draft_tokens", "Draft tokens verified, per LoRA "
+            "adapter", ["lora_name"], registry=r)
+        self.lora_accepted_tokens = Counter(
+            "specmesh:lora_spec_decode_num_accepted_tokens", "Draft tokens accepted, per LoRA "
+            "adapter", ["lora_name"], registry=r)
         self.synthetic_acceptance = Counter(
             "specmesh:gateway_spec_decode_synthetic_acceptance_requests",
             "Requests whose drafts the synthetic-acceptance ablation harness accepted (not "
@@ -102,9 +110,11 @@ class GatewayMetrics:
 
     def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
                          num_drafts: int, draft_tokens: int, accepted_tokens: int,
-                         e2e_s: float, synthetic_acceptance: bool = False) -> None:
+                         e2e_s: float, synthetic_acceptance: bool = False,
+                         lora_name: str = "") -> None:
         """Account one request that reached the verifier and ended (``synthetic_acceptance``:
-        its drafts were accepted by the ablation harness)."""
+        its drafts were accepted by the ablation harness; ``lora_name``: its LoRA adapter, ""
+        the base model)."""
         if synthetic_acceptance:
             self.synthetic_acceptance.inc()
         self.request_success.labels(finished_reason=finish_reason).inc()
@@ -113,4 +123,6 @@ class GatewayMetrics:
         self.spec_num_drafts.inc(num_drafts)
         self.spec_draft_tokens.inc(draft_tokens)
         self.spec_accepted_tokens.inc(accepted_tokens)
+        self.lora_draft_tokens.labels(lora_name=lora_name or "base").inc(draft_tokens)
+        self.lora_accepted_tokens.labels(lora_name=lora_name or "base").inc(accepted_tokens)
         self.e2e.observe(e2e_s)

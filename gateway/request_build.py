@@ -13,6 +13,7 @@ import uuid
 from fastapi import Request
 
 from specmesh.gateway.api_errors import GatewayError, bad_request
+from specmesh.gateway.lora_models import lora_name_of
 from specmesh.gateway.penalties import penalty_sampling_fields
 from specmesh.gateway.prediction_field import MAX_PREDICTION_CHARS_PER_TOKEN
 from specmesh.gateway.schemas import MAX_REQUEST_ID_LEN
@@ -107,9 +108,11 @@ class RequestBuilder:
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                sampling=sampling,
                                num_speculative_tokens=body.num_speculative_tokens,
-                               prediction_token_ids=prediction_token_ids)
+                               prediction_token_ids=prediction_token_ids,
+                               lora_name=lora_name_of(self, body))
 
     def check_model(self, body) -> None:
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and body.model != self.model_name \
+                and body.model not in getattr(self, "lora_modules", {}):
             raise GatewayError(404, f"The model `{body.model}` does not exist.",
                                type="NotFoundError", param="model", code="model_not_found")

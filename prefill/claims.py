@@ -53,7 +53,8 @@ def tokens_to_compute(cache: PrefixCache | None, req: PrefillRequest, block_size
     n = len(req.prompt_token_ids)
     if cache is None or req.sampling.prompt_logprobs is not None:
         return n
-    held = cache.num_matching(block_keys(req.prompt_token_ids, block_size), (n - 1) // block_size)
+    keys = block_keys(req.prompt_token_ids, block_size, salt=req.lora_name)
+    held = cache.num_matching(keys, (n - 1) // block_size)
     return n - held * block_size
 
 
@@ -73,7 +74,8 @@ def claim_blocks(bm: BlockManager, cache: PrefixCache | None,
             claim = Claim([], [], [])
             claims.append(claim)
             if cache is not None:
-                claim.keys = block_keys(req.prompt_token_ids, bm.block_size)
+                claim.keys = block_keys(req.prompt_token_ids, bm.block_size,
+                                        salt=req.lora_name)
                 # prompt logprobs need every prompt row's logits: nothing reused
                 if req.sampling.prompt_logprobs is None:
                     claim.held = cache.match(claim.keys, (n - 1) // bm.block_size)

@@ -4,6 +4,7 @@ its first uncached token; then output position 0 of each (prefill/first_token.py
 logprobs when asked, and the seed state of each request's draft method
 (``PrefillConfig.seed_states``; "hidden": the target's final hidden state at the last prompt
 position; "hidden:L1,L2,...": those decoder layers' outputs there, side by side).
+Each prompt runs with its request's LoRA adapter (PrefillRequest.lora_name, engine/lora.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from specmesh.engine.frames import tensor_to_buffer
 from specmesh.engine.grammar import GrammarCompiler
 from specmesh.engine.hidden_layers import is_hidden_seed, seed_state_layers
 from specmesh.engine.logprobs import token_logprobs
+from specmesh.engine.lora import adapter_slot
 from specmesh.engine.runner import ModelRunner
 from specmesh.prefill.config import PrefillConfig
 from specmesh.prefill.first_token import first_tokens
@@ -52,23 +54,25 @@ def prefill_forward(runner: ModelRunner, config: PrefillConfig, paged: bool,
         return ([f for o in out for f in o[0]], [s for o in out for s in o[1]],
                 [x for o in out for x in o[2]], [x for o in out for x in o[3]])
     want_hidden = bool(hidden_kinds)
+    slots = [adapter_slot(runner.model, r.lora_name) if r.lora_name else -1
+             for r in reqs]  # validated: known names
     prompts = [r.prompt_token_ids[s:] for r, s in zip(reqs, starts)]
     prompt_lps: list[TokenLogprobs | None] = [None] * len(reqs)
     if len(reqs) == 1 and reqs[0].sampling.prompt_logprobs is not None:
         out, prompt_lps[0] = prefill_with_prompt_logprobs(
-            runner, config.chunk_size, reqs[0], tables[0], want_hidden, layers, paged)
+            runner, config.chunk_size, reqs[0], tables[0], want_hidden, layers, paged, slots[0])
         logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
     elif len(reqs) == 1:
         out = runner.prefill(prompts[0], tables[0], chunk_size=config.chunk_size,
                              start_pos=starts[0], return_hidden=want_hidden,
-                             hidden_layers=layers, paged=paged)
+                             hidden_layers=layers, paged=paged, adapter=slots[0])
         logits, hidden = (([out[0]], [out[1]]) if want_hidden else ([out], None))
     else:  # whole prompts (bounded by the batch's token budget): every row's logits only
         # when a request asks for prompt logprobs (whose prompt then starts at 0: no cache)
         rows = "all" if any(r.sampling.prompt_logprobs is not None for r in reqs) else "last"
         out = runner.prefill_batch(prompts, tables, return_hidden=want_hidden,
                                    hidden_layers=layers, start_positions=starts,
-                                   paged=paged, logits=rows)
+                                   paged=paged, logits=rows, adapters=slots)
         logits, hidden = out if want_hidden else (out, None)
         for i, r in enumerate(reqs):
             k = r.sampling.prompt_logprobs
@@ -88,7 +92,7 @@ def prefill_forward(runner: ModelRunner, config: PrefillConfig, paged: bool,
 
 def prefill_with_prompt_logprobs(runner: ModelRunner, chunk_size: int, req: PrefillRequest,
                                  table: list[int], want_hidden: bool, layers,  # noqa: ANN001
-                                 paged: bool):
+                                 paged: bool, adapter: int = -1):
     """Run ``req``'s whole prompt chunk by chunk as ``runner.prefill`` does, taking each
     chunk's logprobs from its logits before the next (a long prompt never holds every
     row's logits at once). Returns what ``runner.prefill`` returns (the last row's logits,
@@ -103,7 +107,7 @@ def prefill_with_prompt_logprobs(runner: ModelRunner, chunk_size: int, req: Pref
     for lo in range(0, len(ids), step):
         out = runner.prefill(ids[lo:lo + step], table, start_pos=lo,
                              return_hidden=want_hidden, hidden_layers=layers,
-                             paged=paged, logits="all")
+                             paged=paged, logits="all", adapter=adapter)
         rows, hidden = out if want_hidden else (out, None)
         if hidden is not None:
             hiddens.append(hidden)

@@ -22,8 +22,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def block_keys(token_ids: list[int], block_size: int) -> list[bytes]:
+def block_keys(token_ids: list[int], block_size: int, salt: str = "") -> list[bytes]:
     """The chained keys of the full blocks of ``token_ids`` (``len // block_size`` of them).
+    ``salt``: what else the KV depends on (the LoRA adapter's name, "" the base model; vLLM's
+    extra keys): the chain starts from its hash, so no adapter reuses another's blocks.
 
     Raises:
         ValueError: ``block_size`` < 1.
@@ -31,7 +33,7 @@ def block_keys(token_ids: list[int], block_size: int) -> list[bytes]:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     keys: list[bytes] = []
-    parent = b""
+    parent = hashlib.sha256(salt.encode()).digest() if salt else b""
     for lo in range(0, len(token_ids) - block_size + 1, block_size):
         tokens = array("q", token_ids[lo:lo + block_size]).tobytes()
         parent = hashlib.sha256(parent + tokens).digest()

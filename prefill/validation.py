@@ -11,12 +11,16 @@ from specmesh.protocol.messages import PrefillRequest
 
 
 def invalid_reason(req: PrefillRequest, model_config: ModelConfig, block_manager: BlockManager,
-                   grammars: GrammarCompiler | None) -> str:
+                   grammars: GrammarCompiler | None,
+                   lora_names: frozenset[str] | set[str] = frozenset()) -> str:
     """Why ``req`` cannot be prefilled ("" when it can): an empty prompt, one longer than the
     model's ``max_position_embeddings`` or than this worker's whole KV cache, a token id
     outside the vocabulary, bad sampling parameters (its own or a sibling's), a grammar that
-    does not compile, or no destination blocks."""
+    does not compile, no destination blocks, or a LoRA adapter not among ``lora_names``
+    (those this worker loaded)."""
     n = len(req.prompt_token_ids)
+    if req.lora_name and req.lora_name not in lora_names:
+        return f"LoRA adapter {req.lora_name!r} is not loaded on this prefill worker"
     cfg = model_config
     if n == 0:
         return "empty prompt"

@@ -161,7 +161,9 @@ class PrefillWorker(MailboxWorker):
 
     def _validate(self, req: PrefillRequest) -> str:
         """Why ``req`` cannot be prefilled here ("" when it can; prefill/validation.py)."""
-        return invalid_reason(req, self.model_config, self.block_manager, self.grammars)
+        bank = self.runner.model.lora
+        return invalid_reason(req, self.model_config, self.block_manager, self.grammars,
+                              set(bank.names) if bank is not None else frozenset())
 
     def _fail(self, peer: str, req: PrefillRequest, error: str) -> None:
         self.stats.num_failed += 1

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from specmesh.protocol.enums import Role
 from specmesh.protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
 
-#: ModelIdentity fields two peers must agree on: all of them (none may be empty).
+#: ModelIdentity fields two peers must agree on: all of them (none may be empty but those of
+#: :data:`MAY_BE_EMPTY`).
 IDENTITY_FIELDS = ModelIdentity.__struct_fields__
+#: fields whose empty value means something (no LoRA adapters), so is not a wildcard either
+MAY_BE_EMPTY = frozenset({"lora_adapters"})
 
 #: role -> the roles it opens channels to (docs/architecture.md, 'Roles': the gateway dials
 #: verifiers, a
@@ -34,8 +37,11 @@ _ROLES = frozenset(r.value for r in Role)
 #: role -> ModelIdentity fields not compared on a channel it is one end of: the gateway runs no
 #: model and holds no KV (it exchanges token ids), so its dtype and KV cache dtype never have to
 #: match (they must still be set: an empty field is not a wildcard)
-UNCOMPARED: dict[str, frozenset[str]] = {Role.GATEWAY.value: frozenset({"dtype",
-                                                                      "kv_cache_dtype"})}
+#: (nor the LoRA adapters, which only prefill and verifier serve: drafters draft from the base)
+UNCOMPARED: dict[str, frozenset[str]] = {
+    Role.GATEWAY.value: frozenset({"dtype", "kv_cache_dtype", "lora_adapters"}),
+    Role.DRAFTER.value: frozenset({"lora_adapters"}),
+}
 
 
 @dataclass
@@ -60,6 +66,8 @@ def identity_mismatch(ours: ModelIdentity | None, theirs: ModelIdentity | None,
         return "" if ours is None else "no model identity (not a wildcard)"
     for f in IDENTITY_FIELDS:
         b = getattr(theirs, f)
+        if f in MAY_BE_EMPTY:
+            continue
         if not b or (isinstance(b, int) and b < 0):
             return f"model identity field {f} is empty ({b!r}): not a wildcard"
     if ours is None:
@@ -67,6 +75,9 @@ def identity_mismatch(ours: ModelIdentity | None, theirs: ModelIdentity | None,
     for f in IDENTITY_FIELDS:
         a, b = getattr(ours, f), getattr(theirs, f)
         if a != b and f not in uncompared:
+            if f == "lora_adapters":
+                return (f"LoRA adapter mismatch: the peer serves {b or 'none'!r}, we serve "
+                        f"{a or 'none'!r} (give prefill and verifier the same --lora-modules)")
             return f"model mismatch: {f} {b!r} != ours {a!r}"
     return ""
 

@@ -50,7 +50,8 @@ from msgspec import Meta
 # group_size, PrefillRequest.sibling_sampling, PrefillDone.sibling_first_token_ids /
 # sibling_logprobs; GrammarSpec,
 # SamplingParams.grammar (structured output: response_format, guided_*, tools)
-PROTOCOL_VERSION = 13
+# 14: LoRA adapters: ModelIdentity.lora_adapters, GenerateRequest / PrefillRequest.lora_name
+PROTOCOL_VERSION = 14
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
@@ -216,6 +217,12 @@ class ModelIdentity(Message, tag=1, kw_only=True):
     resolved: never ``auto``; the model's ``dtype`` unless a float32 model keeps a 16-bit
     cache). Prefill and verifier must hold the same one, since the verifier writes the frames'
     K/V as they are and re-derives nothing from them; so every role announces it.
+
+    ``lora_adapters``: the LoRA adapters a prefill worker or verifier serves (engine/lora.py:
+    ``name@digest`` of each, sorted, comma-separated; "" none). Prefill and verifier must serve
+    the same set, since an adapter's prompt KV is the adapter's; drafters (which draft from the
+    base) and the gateway announce "" and it is not compared on their channels
+    (protocol/handshake.py).
     """
 
     name: str
@@ -226,6 +233,7 @@ class ModelIdentity(Message, tag=1, kw_only=True):
     head_dim: int
     block_size: int
     kv_cache_dtype: str
+    lora_adapters: str = ""
 
     @classmethod
     def example(cls) -> ModelIdentity:
@@ -490,6 +498,8 @@ class GenerateRequest(Message, tag=20, kw_only=True):
     prediction_token_ids: list[TokenId] | None = None
     group: str = ""
     group_size: PositiveInt = 1
+    #: the LoRA adapter the request runs with (``model: name`` of the API; "" the base model)
+    lora_name: str = ""
 
     @classmethod
     def example(cls) -> GenerateRequest:
@@ -582,6 +592,8 @@ class PrefillRequest(Message, tag=30, kw_only=True):
     #: the sampling of each sibling of this request (same prompt, decode/siblings.py) whose
     #: first token the prefill worker samples from the same last-position logits
     sibling_sampling: list[SamplingParams] | None = None
+    #: the LoRA adapter the prompt runs with (GenerateRequest.lora_name; "" the base model)
+    lora_name: str = ""
 
     @classmethod
     def example(cls) -> PrefillRequest:

@@ -32,6 +32,7 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.devices import resolve_device
 from specmesh.engine.dtypes import resolve_kv_cache_dtype
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
+from specmesh.engine.lora_modules import adapter_set_identity, parse_lora_modules
 from specmesh.engine.openmp import run_in_released_thread
 from specmesh.protocol.curve import CurveKeys, curve_enabled, roster_keys
 from specmesh.protocol.enums import Role
@@ -96,8 +97,12 @@ class RoleHost(ABC):
         """What this role announces in Hello; from the model's config files by default."""
         from specmesh.engine.loader import model_identity  # the engine's model: triton kernels
 
+        lora = ""
+        if self.role in (Role.PREFILL, Role.VERIFIER):  # drafters draft from the base
+            lora = adapter_set_identity(parse_lora_modules(self.cfg.lora_modules))
         return ModelIdentity(**model_identity(self.cfg.model, self.cfg.dtype,
-                                              self.cfg.block_size, self.cfg.kv_cache_dtype))
+                                              self.cfg.block_size, self.cfg.kv_cache_dtype),
+                             lora_adapters=lora)
 
     @abstractmethod
     def build_worker(self) -> Any:
@@ -299,12 +304,15 @@ def loaded_runner(cfg: ClusterConfig):
     (LoadedModel, ModelRunner, BlockManager) with ``cfg.kv_cache_mb`` of KV in blocks of
     ``cfg.block_size``, in ``cfg.kv_cache_dtype``.
 
+    Loads ``cfg.lora_modules`` into the model (engine/lora.py).
+
     Raises:
         ValueError: the KV memory holds no block, or a KV cache dtype the model (or its
-            device) cannot have.
+            device) cannot have, or a LoRA adapter that cannot be served.
     """
     # the engine's model and runner: triton kernels, only in a role that runs a model
     from specmesh.engine.loader import load_model
+    from specmesh.engine.lora import load_lora_modules
     from specmesh.engine.runner import ModelRunner
 
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device),
@@ -314,5 +322,7 @@ def loaded_runner(cfg: ClusterConfig):
     if n < 1:
         raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds no block of {cfg.block_size} tokens")
     cache = KVCache(loaded.config, n, cfg.block_size, kv_dtype, loaded.model.device)
+    if cfg.lora_modules:  # the adapters requests select with model: NAME
+        load_lora_modules(loaded.model, parse_lora_modules(cfg.lora_modules))
     watch_model(loaded.model)  # a long forward is progress for the health check
     return loaded, ModelRunner(loaded.model, loaded.config, cache), BlockManager(n, cfg.block_size)

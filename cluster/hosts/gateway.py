@@ -11,6 +11,7 @@ from specmesh.cluster.corpus_files import corpus_specs, read_corpus_file
 from specmesh.cluster.hosts.base import RoleHost, peers_of
 from specmesh.decode.rules import outputs_exact
 from specmesh.drafter.registry import supports_corpus
+from specmesh.engine.lora_modules import parse_lora_modules
 from specmesh.gateway.backend import MailboxBackend
 from specmesh.gateway.corpora import CorpusControl
 from specmesh.protocol.enums import Role
@@ -87,7 +88,8 @@ class GatewayHost(RoleHost):
                               synthetic_acceptance=synthetic_outputs(self.cfg),
                               corpus=self.corpus, api_key=self.cfg.api_key,
                               protect_metrics=self.cfg.protect_metrics,
-                              max_requests_per_client=self.cfg.max_requests_per_client)
+                              max_requests_per_client=self.cfg.max_requests_per_client,
+                              lora_modules=parse_lora_modules(self.cfg.lora_modules))
         self.server, self._server_thread, self.port = serve_gateway(self.app, self.bind_host,
                                                                     self._port)
 

@@ -23,8 +23,12 @@ MODEL = ModelIdentity(name="m", vocab_size=10, dtype="float32", num_layers=2, nu
                       head_dim=4, block_size=16, kv_cache_dtype="float32")
 #: a value for each ModelIdentity field that differs from MODEL's
 OTHER_VALUES = {"name": "other", "vocab_size": 11, "dtype": "bfloat16", "num_layers": 3,
-                "num_kv_heads": 2, "head_dim": 8, "block_size": 32, "kv_cache_dtype": "float16"}
+                "num_kv_heads": 2, "head_dim": 8, "block_size": 32, "kv_cache_dtype": "float16",
+                "lora_adapters": "caps@0123456789ab"}
 MODEL_FIELDS = [f.name for f in msgspec.structs.fields(ModelIdentity)]
+#: fields compared on a verifier -> drafter channel (the LoRA adapters are not: drafters
+#: draft from the base; test_lora_adapters_are_compared_between_prefill_and_verifier)
+DRAFTER_FIELDS = [f for f in MODEL_FIELDS if f != "lora_adapters"]
 
 
 def _hello(**changes) -> Hello:
@@ -56,7 +60,7 @@ def test_a_matching_hello_and_ack_are_accepted():
                        draft_method="ngram") == ""
 
 
-@pytest.mark.parametrize("field", MODEL_FIELDS)
+@pytest.mark.parametrize("field", DRAFTER_FIELDS)
 def test_hello_with_a_different_model_field_is_refused_naming_it(field):
     hello = _hello(model=msgspec.structs.replace(MODEL, **{field: OTHER_VALUES[field]}))
     why = _refusal(hello)
@@ -72,11 +76,35 @@ def test_hello_with_a_different_field_is_refused_naming_it(field, value):
     assert why and field.split("_")[0] in why.replace(" ", "_"), why
 
 
-@pytest.mark.parametrize("field", [f for f in MODEL_FIELDS if f != "kv_cache_dtype"])
+@pytest.mark.parametrize("field", [f for f in DRAFTER_FIELDS if f != "kv_cache_dtype"])
 def test_an_empty_model_field_is_not_a_wildcard(field):
     empty = "" if isinstance(getattr(MODEL, field), str) else 0
     why = _refusal(_hello(model=msgspec.structs.replace(MODEL, **{field: empty})))
     assert why and field in why and "empty" in why, why
+
+
+def test_lora_adapters_are_compared_between_prefill_and_verifier():
+    """Prefill and verifier must serve the same LoRA adapters (an adapter's prompt KV is the
+    adapter's): a verifier's Hello with another set, or none, is refused by a prefill worker
+    and its HelloAck by the verifier, naming LoRA; a drafter and a gateway do not compare
+    them (drafters draft from the base, the gateway runs no model)."""
+    served = msgspec.structs.replace(MODEL, lora_adapters="caps@0123456789ab,json@ba9876543210")
+    other = msgspec.structs.replace(served, lora_adapters="caps@0123456789ab,json@000000000000")
+    for theirs, ours in ((other, served), (MODEL, served), (served, MODEL)):
+        why = hello_refusal(_hello(model=theirs), "verifier-0", ours, role="prefill",
+                            draft_method="ngram")
+        assert "LoRA adapter mismatch" in why, why
+        why = ack_refusal(_ack(role="prefill", instance_id="prefill-0", model=theirs),
+                          "prefill-0", role="verifier", model=ours, draft_method="ngram")
+        assert "LoRA adapter mismatch" in why, why
+    assert hello_refusal(_hello(model=served), "verifier-0", served, role="prefill",
+                         draft_method="ngram") == ""
+    assert _refusal(_hello(model=served)) == ""  # the drafter serves none
+    assert ack_refusal(_ack(model=MODEL), "drafter-0", role="verifier", model=served,
+                       draft_method="ngram") == ""
+    gateway = _hello(role="gateway", instance_id="gateway-0", model=MODEL)
+    assert hello_refusal(gateway, "gateway-0", served, role="verifier",
+                         draft_method="ngram") == ""
 
 
 def test_the_kv_cache_dtype_is_compared_and_empty_is_not_a_wildcard():

@@ -1,0 +1,21 @@
+"""LoRA adapters at the gateway (engine/lora.py serves them on prefill and verifier): a request
+selects one with ``model: NAME`` and ``/v1/models`` lists them, as vLLM does with
+``--lora-modules`` (each card's ``root`` the adapter's path, ``parent`` the base model)."""
+
+from __future__ import annotations
+
+
+def lora_name_of(gw, body) -> str:  # noqa: ANN001 - the app's _Gateway, a request body
+    """The adapter ``body.model`` names ("" for the base model or no model)."""
+    name = body.model
+    return name if name is not None and name in getattr(gw, "lora_modules", {}) else ""
+
+
+def lora_model_cards(gw) -> list[dict]:  # noqa: ANN001 - the app's _Gateway
+    """One ``/v1/models`` entry per adapter, sorted by name."""
+    return [{"id": name, "object": "model", "created": gw.created, "owned_by": "specmesh",
+             "root": path, "parent": gw.model_name, "max_model_len": gw.max_model_len}
+            for name, path in sorted(getattr(gw, "lora_modules", {}).items())]
+
+
+__all__ = ["lora_model_cards", "lora_name_of"]
