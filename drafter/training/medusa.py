@@ -31,8 +31,7 @@ def train_medusa_heads(prep: dict, args: argparse.Namespace) -> dict:
     checkpoint's config.json).
 
     Raises:
-        SystemExit: fewer than 1 head or tree node, or no held-out split to choose the tree
-            from (``--heldout-fraction 0`` with no ``--eval-prompts``: the top-1 chain then).
+        SystemExit: fewer than 1 head or tree node.
     """
     lm, samples = prep["lm"], prep["samples"]
     if args.num_heads < 1 or args.tree_nodes < 1:
@@ -63,16 +62,14 @@ def train_medusa_heads(prep: dict, args: argparse.Namespace) -> dict:
     round_weights(heads, save_dtype)  # evaluate what the checkpoint will hold
     sets = {label: head_rows(ss, to_draft, cfg.num_heads)
             for label, ss in samples.items() if label != "train" and ss}
-    # the tree: from the held-out split's accuracy by rank (else the first held-out set)
-    choose_from = "heldout" if "heldout" in sets else next(iter(sets), None)
-    if choose_from is None:
-        tree = tuple((0,) * d for d in range(1, min(cfg.num_heads, args.tree_nodes) + 1))
-        print("no held-out set: the tree is the top-1 chain", flush=True)
-    else:
-        acc = rank_accuracy(label_ranks(heads, *sets[choose_from], TREE_TOPK), TREE_TOPK)
-        tree = choose_tree(acc, args.tree_nodes)
-        print(f"tree of {len(tree)} nodes chosen on {choose_from}: "
-              f"{[list(p) for p in tree]}", flush=True)
+    # the tree: from the held-out split's accuracy by rank (else the first held-out set; with
+    # none, the training rows': an optimistic tree, said so in the record)
+    choose_from = "heldout" if "heldout" in sets else next(iter(sets), "train")
+    rows = sets[choose_from] if choose_from in sets else (x, y)
+    acc = rank_accuracy(label_ranks(heads, *rows, TREE_TOPK), TREE_TOPK)
+    tree = choose_tree(acc, args.tree_nodes)
+    print(f"tree of {len(tree)} nodes chosen on {choose_from}: {[list(p) for p in tree]}",
+          flush=True)
     heads.config = cfg = MedusaConfig(**{**cfg.to_dict(), "tree": tree})
     evaluation = {}
     for label, (xs, ys) in sets.items():

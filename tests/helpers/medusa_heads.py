@@ -1,6 +1,7 @@
 """Medusa heads for the tiny test target, trained by ``specmesh train-drafter --method
 medusa`` in a few seconds on the prompts "Tell me about <topic>." (the tiny model's greedy
-answers memorised well enough that drafts are accepted on those prompts)."""
+answers memorised well enough that drafts are accepted on those prompts; no held-out split, so
+the tree is chosen on the training rows)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,9 @@ def train_tiny_medusa(model_dir: str, tmp: Path, num_heads: int = 3) -> tuple[st
                for i, t in enumerate(TOPICS)]
     path = tmp / "prompts.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    held = tmp / "held.jsonl"  # the tree is chosen on these (the same prompts, renamed)
-    held.write_text("".join(json.dumps({**p, "name": "h" + p["name"]}) + "\n" for p in prompts))
     args = build_parser().parse_args([
         "train-drafter", "--method", "medusa", "--model", model_dir, "--prompts", str(path),
-        "--eval-prompts", str(held), "--heldout-fraction", "0", "--max-new-tokens", "32",
+        "--heldout-fraction", "0", "--max-new-tokens", "32",
         "--gen-batch-size", "16", "--draft-vocab-size", "512", "--epochs", "60",
         "--batch-rows", "64", "--lr", "1e-2", "--num-heads", str(num_heads),
         "--tree-nodes", "6", "--out", str(tmp / "medusa")])
