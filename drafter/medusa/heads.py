@@ -6,7 +6,8 @@ target itself predicts the token at ``s + 1``, and predicts the token at ``s + 2
 residual block ``r_i = h_s + SiLU(W_i h_s + b_i)`` fed to the target's own LM head (frozen,
 read from the target's weights at load time, never stored with the heads). ``W_i`` starts at
 zero (as Medusa initialises it; ``b_i`` as ``nn.Linear`` does), so an untrained head is the
-target's LM head on ``h_s + SiLU(b_i)``: close to the target's own next-token distribution. The LM head keeps only the rows of a draft vocabulary (the most frequent output
+target's LM head on ``h_s + SiLU(b_i)``: close to the target's own next-token distribution.
+The LM head keeps only the rows of a draft vocabulary (the most frequent output
 tokens, as the EAGLE head does): at SmolLM2's 49k vocabulary its product is the heads' cost.
 """
 
