@@ -124,7 +124,8 @@ class MedusaProposer(Proposer):
     def open(self, request_id: str, context_token_ids: list[int]) -> None:
         self.states.pop(request_id, None)
 
-    def observe_seed_state(self, request_id: str, start_position: int, hidden) -> None:  # noqa: ANN001
+    def observe_seed_state(self, request_id: str, start_position: int,
+                           hidden: torch.Tensor) -> None:
         """Keep the last row of ``hidden`` [n, d] (position ``start_position + n - 1``).
 
         Raises:
