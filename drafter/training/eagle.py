@@ -115,6 +115,13 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="weight of the smooth-L1 regression onto the target's next state "
                         "(default 0.5; 0 and not allowed with --feature-layers)")
     p.add_argument("--eval-depth", type=int, default=5)
+    p.add_argument("--num-heads", type=int, default=4,
+                   help="medusa: heads, head i drafting the token i+1 after the next one")
+    p.add_argument("--tree-nodes", type=int, default=8,
+                   help="medusa: nodes of the static draft tree chosen from held-out accuracy "
+                        "(the verifier verifies at most 2 x kappa of them per step)")
+    p.add_argument("--batch-rows", type=int, default=256,
+                   help="medusa: target states (positions) per training step")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="eagle, pard: dtype of the stored weights (bfloat16 halves the file; "
                         "the evaluation runs on the rounded weights)")

@@ -36,9 +36,9 @@ def test_drafters_forms_and_labels(tiny_model_dir):
 
 
 @pytest.mark.parametrize("text,match", [
-    ("ngram,medusa",
-     r"--drafters: --drafter 'medusa': unknown drafting method 'medusa'; known: "
-     r"draft-model, eagle, ngram"),
+    ("ngram,hydra",
+     r"--drafters: --drafter 'hydra': unknown drafting method 'hydra'; known: "
+     r"draft-model, eagle, medusa, ngram"),
     ("ngram,draft-model", r"--drafters: .*key 'model' is required.*the draft model"),
     (" , ", r"--drafters: no draft method given"),
     ("ngram,ngram", r"--drafters: 'ngram' is the same method as 'ngram'"),
@@ -49,8 +49,8 @@ def test_drafters_refuses_unknown_or_repeated_forms(text, match):
 
 
 def test_bench_refuses_an_unknown_drafter_before_starting_anything():
-    with pytest.raises(SystemExit, match=r"--drafters: --drafter 'medusa'"):
-        main(["bench", "--drafters", "ngram,medusa"])
+    with pytest.raises(SystemExit, match=r"--drafters: --drafter 'hydra'"):
+        main(["bench", "--drafters", "ngram,hydra"])
 
 
 def test_each_method_gets_its_own_config_and_namespace():
@@ -223,8 +223,8 @@ def test_inprocess_systems_per_method_are_exact(tiny_model_dir, random_head):
         assert res.token_ids == plain.token_ids, d.label
         assert res.spec.num_draft_tokens > 0 and len(res.accepted_per_pos) >= 3, d.label
         assert systems.cluster(3, 2, d.label).drafter.proposer.name == d.method
-    with pytest.raises(KeyError, match="no draft method 'medusa'"):
-        systems.cluster(3, 1, "medusa")
+    with pytest.raises(KeyError, match="no draft method 'hydra'"):
+        systems.cluster(3, 1, "hydra")
 
 
 def _generate(tiny_model_dir, capsys, *extra):
@@ -243,8 +243,8 @@ def test_generate_with_a_drafter(tiny_model_dir, random_head, capsys):
     eagle, err = _generate(tiny_model_dir, capsys, "--drafter", f"eagle:{random_head}")
     assert "drafter eagle" in err
     assert text == plain == eagle
-    with pytest.raises(SystemExit, match="--drafter 'medusa'"):
-        main(["generate", "--model", tiny_model_dir, "--prompt", "x", "--drafter", "medusa"])
+    with pytest.raises(SystemExit, match="--drafter 'hydra'"):
+        main(["generate", "--model", tiny_model_dir, "--prompt", "x", "--drafter", "hydra"])
 
 
 # -- thread plans --------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def test_bad_ngram_settings_are_refused_naming_the_keys(bad):
         parse_drafter(bad)
 
 
-@pytest.mark.parametrize("bad", ["medusa", "eagle:", "draft-model", "draft-model:", "ngram:3"])
+@pytest.mark.parametrize("bad", ["hydra", "eagle:", "draft-model", "draft-model:", "ngram:3"])
 def test_malformed_forms_are_refused_naming_the_choices(bad):
     with pytest.raises(SystemExit, match="drafter"):
         parse_drafter(bad)
