@@ -156,6 +156,7 @@ class RequestLifecycle(DraftLink, RequestStart):
             num_verify_steps=req.spec.num_verify_steps, error=req.error,
             num_accepted_prediction_tokens=req.prediction.num_accepted,
             num_rejected_prediction_tokens=req.prediction.num_rejected,
+            num_cached_tokens=req.num_cached_tokens,
             logprobs=req.take_logprobs(len(delta)),
             prompt_logprobs=req.prompt_logprobs if offset == 0 else None))
 

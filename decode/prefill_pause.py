@@ -18,8 +18,8 @@ Measured, not assumed: a prompt on all cores is faster only while the roles get 
 On a host crowded with other work an OpenMP team of two threads waits at every barrier for the
 thread the scheduler parked, and the prompt is no faster than on one thread, so pausing would
 only stall decode (docs/benchmarks.md, 'Time to first token'). So the verifier compares the
-two ways on its own prompts: the seconds per prompt token from PrefillRequest to the first
-token, an EMA for prompts it paused for and one for prompts run side by side, over the prompts
+two ways on its own prompts: the seconds per prompt token the prefill computed (its prefix
+cache hits excluded: PrefillDone.num_cached_tokens) from PrefillRequest to the first token, an EMA for prompts it paused for and one for prompts run side by side, over the prompts
 that did not queue behind another on their prefill worker (a prompt sent while nothing runs
 counts as paused: the verifier idles then too). It pauses while the paused
 time is at most :data:`PAUSE_GAIN` times the side-by-side one (pausing costs decode that

@@ -68,9 +68,12 @@ class PrefillStart:
     def _observe_prefill(self, req: Request, seconds: float) -> None:
         """``req``'s first token came ``seconds`` after its PrefillRequest: a figure of the way
         its prompt ran (paused for or side by side) when prefill shares the cores, if it did
-        not wait behind another prompt (queueing is not the way's doing)."""
+        not wait behind another prompt (queueing is not the way's doing), per prompt token
+        the prefill computed (a prefix cache hit's tokens cost it nothing: counted, they would
+        make a way that met more hits look faster)."""
         if self.core_sharing is not None and self.core_sharing.shared and req.prefill_alone:
-            self.prefill_pause.observe(req.prefill_paused, req.prompt_len, seconds)
+            computed = max(req.prompt_len - req.num_cached_tokens, 1)
+            self.prefill_pause.observe(req.prefill_paused, computed, seconds)
 
     def _pause_for_prefill(self, timeout_s: float) -> bool:
         """On cores shared with prefill, wait (up to ``timeout_s`` and the pause window) for the

@@ -89,6 +89,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # its first PrefillRequest left
     first_token_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
     prediction_token_ids: list[int] | None = None
     prediction: PredictionUsage = field(default_factory=PredictionUsage)
     #: logprobs (a request with SamplingParams.logprobs / prompt_logprobs): those of the

@@ -62,6 +62,8 @@ class RequestStart:
             return False
         now = time.monotonic()
         req.first_token_time = now
+        if t is not None and t.done is not None:
+            req.num_cached_tokens = t.done.num_cached_tokens
         self.stats.observe_ttft(now - req.arrival_time)
         if self.profile is not None:
             self.profile.observe("ttft", now - req.arrival_time)

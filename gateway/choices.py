@@ -70,10 +70,12 @@ def usage_of(run: RequestRun) -> dict[str, Any]:
     """The OpenAI usage object of ``run`` so far; a request with a prediction also gets
     ``completion_tokens_details`` with its accepted / rejected prediction tokens (the
     verifier's count; ``completion_tokens`` stays the output's length, docs/operations.md,
-    'Predicted Outputs')."""
+    'Predicted Outputs'). ``prompt_tokens_details.cached_tokens``: the prompt tokens whose KV
+    the prefill's prefix cache held (OpenAI's field; docs/operations.md, 'Prefix caching')."""
     usage: dict[str, Any] = {"prompt_tokens": run.num_prompt_tokens,
                              "completion_tokens": run.num_output_tokens,
-                             "total_tokens": run.num_prompt_tokens + run.num_output_tokens}
+                             "total_tokens": run.num_prompt_tokens + run.num_output_tokens,
+                             "prompt_tokens_details": {"cached_tokens": run.num_cached_tokens}}
     if run.req.prediction_token_ids is not None:
         usage["completion_tokens_details"] = {
             "accepted_prediction_tokens": run.num_accepted_prediction_tokens,

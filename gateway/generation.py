@@ -106,6 +106,7 @@ class RequestRun:
         #: prediction drafts the verifier accepted / rejected (OpenAI Predicted Outputs)
         self.num_accepted_prediction_tokens = 0
         self.num_rejected_prediction_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens from the prefill's prefix cache
         self.finish: Finish | None = None
         #: the prompt's logprobs (positions 1 .. n-1) when asked (SamplingParams.prompt_logprobs)
         self.prompt_logprobs: TokenLogprobs | None = None
@@ -213,6 +214,8 @@ class RequestRun:
                         prediction_before = (self.num_accepted_prediction_tokens,
                                              self.num_rejected_prediction_tokens)
                         self._update_prediction(msg)
+                        self.num_cached_tokens = max(self.num_cached_tokens,
+                                                     msg.num_cached_tokens)
                         if msg.prompt_logprobs is not None:
                             self.prompt_logprobs = msg.prompt_logprobs
                         if msg.token_ids:

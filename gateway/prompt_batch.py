@@ -75,6 +75,7 @@ def batch_usage(runs: list[RequestRun], prompt_of: list[int]) -> dict:
         if p in seen:
             u["total_tokens"] -= u["prompt_tokens"]
             u["prompt_tokens"] = 0
+            u["prompt_tokens_details"] = {"cached_tokens": 0}
         seen.add(p)
         usages.append(u)
     return sum_usage(usages)

@@ -247,15 +247,16 @@ class PrefillWorker(MailboxWorker):
                 frames = [kv_frames(self.runner.kv_cache, self.model_config.num_layers,
                                     self.config, r, t, n)
                           for r, t, n in zip(reqs, tables, sizes)]
-                for item, first, seed, fs, (lp, prompt_lp), (sib, sib_lps) in zip(
-                        batch, firsts, seeds, frames, logprobs, siblings):
+                for item, first, seed, fs, (lp, prompt_lp), (sib, sib_lps), cached in zip(
+                        batch, firsts, seeds, frames, logprobs, siblings, starts):
                     req = item.req
                     self.send(item.peer, PrefillDone(
                         request_id=req.request_id, transfer_id=req.transfer_id,
                         first_token_id=first, num_frames=len(fs),
                         num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed,
                         logprobs=lp, prompt_logprobs=prompt_lp,
-                        sibling_first_token_ids=sib, sibling_logprobs=sib_lps))
+                        sibling_first_token_ids=sib, sibling_logprobs=sib_lps,
+                        num_cached_tokens=cached))
                 for item, fs in zip(batch, frames):
                     self._send_frames(item.peer, fs)
             done = True

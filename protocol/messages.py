@@ -51,7 +51,8 @@ from msgspec import Meta
 # sibling_logprobs; GrammarSpec,
 # SamplingParams.grammar (structured output: response_format, guided_*, tools)
 # 14: LoRA adapters: ModelIdentity.lora_adapters, GenerateRequest / PrefillRequest.lora_name
-PROTOCOL_VERSION = 14
+# 15: PrefillDone.num_cached_tokens, TokenStream.num_cached_tokens (prefix cache hits)
+PROTOCOL_VERSION = 15
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
@@ -536,6 +537,8 @@ class TokenStream(Message, tag=21, kw_only=True):
     error: str = ""
     num_accepted_prediction_tokens: NonNegInt = 0
     num_rejected_prediction_tokens: NonNegInt = 0
+    #: prompt tokens the prefill took from its prefix cache (PrefillDone.num_cached_tokens)
+    num_cached_tokens: NonNegInt = 0
     #: one entry per token of ``token_ids`` when the request asked (SamplingParams.logprobs)
     logprobs: TokenLogprobs | None = None
     #: the prompt's logprobs (positions 1 .. n-1), on the delta at offset 0, when asked
@@ -655,6 +658,9 @@ class PrefillDone(Message, tag=32, kw_only=True):
     #: logprobs (one entry each) when any sibling asked
     sibling_first_token_ids: list[TokenId] | None = None
     sibling_logprobs: list[TokenLogprobs] | None = None
+    #: prompt tokens whose KV came from the prefill's prefix cache (not computed): its
+    #: leading full blocks; OpenAI's ``usage.prompt_tokens_details.cached_tokens``
+    num_cached_tokens: int = 0
 
     @classmethod
     def example(cls) -> PrefillDone:

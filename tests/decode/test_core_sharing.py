@@ -13,7 +13,7 @@ from specmesh.cluster.inprocess import InProcessCluster
 from specmesh.decode.core_sharing import CoreSharing
 from specmesh.decode.goodput import DraftBudget
 from helpers.models import tiny_llama
-from specmesh.protocol.messages import SamplingParams
+from specmesh.protocol.messages import SamplingParams, TokenStream
 
 PROMPTS = [[5, 6, 7, 8, 5, 6], [9, 9, 9, 9], [12, 13, 14], [3, 4, 3, 4, 3]]
 SP = SamplingParams(max_tokens=12)
@@ -175,3 +175,30 @@ def test_endpoint_host():
     assert endpoint_host("tcp://127.0.0.1:5555") == "127.0.0.1"
     assert endpoint_host("tcp://[::1]:5555") == "::1"
     assert endpoint_host("not an endpoint") == ""
+
+
+def test_the_pause_figures_count_the_tokens_a_prefill_computed_not_its_cache_hits():
+    """A prompt whose leading blocks the prefix cache held is observed by the tokens its
+    prefill computed (a hit costs the forward nothing), and the count reaches the stream."""
+    _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
+    c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
+    seen: list[tuple[bool, int]] = []
+    c.verifier.prefill_pause.observe = lambda paused, n, s: seen.append((paused, n))
+    prompt = [5, 6, 7, 8, 5, 6, 9, 9, 9, 9, 3]  # 11 tokens: 2 full blocks of 4 cacheable
+    streams: list[TokenStream] = []
+    drain = c.client.drain
+
+    def recording_drain():
+        envs = drain()
+        streams.extend(e.msg for e in envs if isinstance(e.msg, TokenStream))
+        return envs
+
+    c.client.drain = recording_drain
+    first = c.generate([prompt], SP)[0]
+    cold = {s.num_cached_tokens for s in streams}
+    streams.clear()
+    again = c.generate([prompt], SP)[0]
+    assert again.token_ids == first.token_ids
+    assert seen == [(True, 11), (True, 3)]  # idle verifier: counted as paused
+    assert cold == {0} and {s.num_cached_tokens for s in streams} == {8}

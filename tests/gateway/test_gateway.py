@@ -197,7 +197,8 @@ def test_completion_non_streaming_and_streaming_agree(cluster):
     assert choice["logprobs"] is None
     n_prompt = len(tok("Tell me a story:")["input_ids"])
     assert out["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 30,
-                            "total_tokens": n_prompt + 30}
+                            "total_tokens": n_prompt + 30,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     stats = out["spec_stats"]
     steps = len(deltas_of(script[:30]))
     assert stats["num_verify_steps"] == steps and stats["num_draft_tokens"] == 3 * steps

@@ -224,3 +224,16 @@ def test_concurrent_seeded_requests_do_not_change_a_greedy_one(garbage):
     # and each seeded one is its own output, as when it runs alone
     assert [t for t, _ in results] == [garbage.output(temperature=1.0, seed=i)[0]
                                        for i in range(8)]
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(ngram):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 for a prompt never seen, then
+    the repeated prompt's leading full KV blocks (its last token is always computed)."""
+    prompt = "cached prompt " * 40  # a prompt seen by no other test of this module
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = ngram.client.post("/v1/completions", json=body).json()["usage"]
+    again = ngram.client.post("/v1/completions", json=body).json()["usage"]
+    n = first["prompt_tokens"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < n and cached % 16 == 0 and cached >= n - 16
