@@ -106,6 +106,11 @@ class VerifierHost(RoleHost):
         out = super().stats()
         out.update(self.worker.load)
         out["num_speculative_tokens"] = self.worker.num_speculative_tokens
+        pause = self.worker.prefill_pause  # its figures per way (decode/prefill_pause.py)
+        out["prefill_pause"] = {"paused_s_per_token": pause.per_token_s[True],
+                                "side_by_side_s_per_token": pause.per_token_s[False],
+                                "num_paused": pause.num_samples[True],
+                                "num_side_by_side": pause.num_samples[False]}
         # the policy's kappa now (the schedule's step kappa, else the configured one) and the
         # goodput policy's cost table (decode/cost_table.py): what `specmesh bench` samples
         sched = self.worker.scheduler
