@@ -19,11 +19,25 @@ from typing import Any
 
 import torch
 
+from specmesh.drafter.options import Option, OptionSchema
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
 from specmesh.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+
+def draft_lm_options(model: Option, default_kv_cache_mb: int) -> OptionSchema:
+    """The ``--drafter METHOD:KEY=VALUE`` options of a draft-LM method (drafter/options.py):
+    its checkpoint ``model``, the draft's ``dtype`` and its KV memory ``kv_cache_mb`` (MiB,
+    default ``default_kv_cache_mb``)."""
+    return OptionSchema((
+        model,
+        Option("dtype", str, "dtype of the draft model", "the cluster's dtype",
+               choices=("float32", "bfloat16", "float64")),
+        Option("kv_cache_mb", int, "KV memory of the draft model, MiB", default_kv_cache_mb,
+               minimum=1),
+    ))
 
 
 @dataclass

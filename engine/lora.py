@@ -3,12 +3,12 @@ base in one forward.
 
 An adapter is a PEFT directory (read and checked by engine/lora_peft.py): per target linear layer
 a pair ``lora_A`` [r, in] / ``lora_B`` [out, r] and the scale ``lora_alpha / r`` (``/ sqrt(r)``
-with rsLoRA). The base weights are never changed (no merge): every row of a forward carries an adapter
-index (``-1``: the base model), and each adapted linear layer adds, for the rows of each adapter,
-``delta = (x[rows] @ A.T) @ B.T * scale`` to its base output, as PEFT's unmerged ``LoraLayer``
-computes it (``lora_B(lora_A(x)) * scaling``). Rows are grouped per adapter: two small products
-per adapter and layer (the "grouped products" of S-LoRA / vLLM's punica path, here a torch
-reference on the CPU).
+with rsLoRA). The base weights are never changed (no merge): every row of a forward carries an
+adapter index (``-1``: the base model), and each adapted linear layer adds, for the rows of each
+adapter, ``delta = (x[rows] @ A.T) @ B.T * scale`` to its base output, as PEFT's unmerged
+``LoraLayer`` computes it (``lora_B(lora_A(x)) * scaling``). Rows are grouped per adapter: two
+small products per adapter and layer (the "grouped products" of S-LoRA / vLLM's punica path,
+here a torch reference on the CPU).
 
 Row invariance (docs/architecture.md, 'Batch invariance'): a row's delta does not depend on the
 other rows of the call, so a prefill chunk, a one-token decode step and a ragged verify chunk

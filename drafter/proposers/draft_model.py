@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from specmesh.drafter.draft_lm_kv import DraftLMKV, DraftLMStats
+from specmesh.drafter.draft_lm_kv import DraftLMKV, DraftLMStats, draft_lm_options
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
-from specmesh.drafter.options import Option, OptionSchema
+from specmesh.drafter.options import Option
 from specmesh.drafter.pard_block import common_prefix
 from specmesh.drafter.proposer import DraftTarget, Proposer
 from specmesh.drafter.registry import register_proposer
@@ -90,14 +90,10 @@ class DraftModelProposer(DraftLMKV, Proposer):
     name = "draft_model"
     cli_name = "draft-model"
     summary = "a standalone draft model with the target's tokenizer"
-    options = OptionSchema((
+    options = draft_lm_options(
         Option("model", "path", "the draft model: a Hugging Face dir or .gguf with the "
                "target's tokenizer", required=True, positional=True),
-        Option("dtype", str, "dtype of the draft model", "the cluster's dtype",
-               choices=("float32", "bfloat16", "float64")),
-        Option("kv_cache_mb", int, "KV memory of the draft model, MiB", DEFAULT_KV_CACHE_MB,
-               minimum=1),
-    ))
+        DEFAULT_KV_CACHE_MB)
     trainer = staticmethod(_train)
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     kv_owner = "draft model"
@@ -179,9 +175,10 @@ class DraftModelProposer(DraftLMKV, Proposer):
         """Drafts continuing ``context_token_ids`` (greedy when ``how`` is None) and their rows.
 
         The KV is recomputed from the longest common prefix of the context and the tokens it
-        holds (one chunked forward over the rest), then ``num_tokens`` tokens are drafted (argmax,
-        or as ``how`` says), one forward each. Afterwards the KV holds the context and every draft but the
-        last (a later call whose context is this one plus the drafts feeds one token).
+        holds (one chunked forward over the rest), then ``num_tokens`` tokens are drafted
+        (argmax, or as ``how`` says), one forward each. Afterwards the KV holds the context and
+        every draft but the last (a later call whose context is this one plus the drafts feeds
+        one token).
 
         Returns:
             ``num_tokens`` ids or fewer: fewer where ``max_model_len`` or the free KV blocks

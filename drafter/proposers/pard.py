@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from specmesh.drafter.draft_lm_kv import DraftLMKV, DraftLMStats
+from specmesh.drafter.draft_lm_kv import DraftLMKV, DraftLMStats, draft_lm_options
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
-from specmesh.drafter.options import Option, OptionSchema
+from specmesh.drafter.options import Option
 from specmesh.drafter.pard_block import block_input, common_prefix
 from specmesh.drafter.pard_files import build_pard_model, shipped_pard, target_name_and_files
 from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer
@@ -88,14 +88,10 @@ class PardProposer(DraftLMKV, Proposer):
     summary = ("PARD parallel draft model: one forward over [last token, mask x (k-1)] drafts "
                "k tokens (the draft shipped for the target, or one from specmesh "
                "train-drafter --method pard)")
-    options = OptionSchema((
+    options = draft_lm_options(
         Option("model", "path", "the PARD checkpoint directory (specmesh train-drafter "
                "--method pard --out DIR)", "the draft shipped for the target", positional=True),
-        Option("dtype", str, "dtype of the draft model", "the cluster's dtype",
-               choices=("float32", "bfloat16", "float64")),
-        Option("kv_cache_mb", int, "KV memory of the draft model, MiB", DEFAULT_KV_CACHE_MB,
-               minimum=1),
-    ))
+        DEFAULT_KV_CACHE_MB)
     trainer = staticmethod(_train)
     returns_draft_probs = True
     runs_a_model = True
