@@ -5,12 +5,9 @@ host sees only that host's processes, as on a real machine), and an SSH server l
 on the host's address with a host key and a client key made for the run.
 
 The hosts share this machine's files, so the project's virtualenv works inside them
-(``nsenter`` / ``ssh root@IP``), except root's home and Ray's temp dir: each host has its own
-root home, empty at the start (``DIR/home_<host>``, named by the /etc/passwd of the host's
-mount namespace), so what ``ray up`` writes there (``~/.bashrc``, its bootstrap config and key)
-stays per host and per run, and its own ``/tmp/ray`` (``DIR/tmp_ray_<host>``). The bridge
-holds the subnet's first address (``.1``), so this machine reaches the hosts (``ray up`` runs
-here and dials them over SSH); the hosts are ``.2``, ``.3``, ... Needs root, iproute2,
+(``nsenter`` / ``ssh root@IP``), except root's home and ``/tmp/ray``, which are per host
+(cluster/netns_sshd.py). The bridge holds the subnet's ``.1`` (cluster/netns_bridge.py), so
+``ray up`` run here reaches the hosts ``.2``, ``.3``, ... over SSH. Needs root, iproute2,
 util-linux (``unshare``, ``nsenter``) and openssh-server (``sshd``).
 
     python -m specmesh.cluster.netns_hosts up [--hosts 3] [--dir DIR] [--render-config YAML]
@@ -30,27 +27,24 @@ import fcntl
 import ipaddress
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specmesh.cluster.netns_bridge import add_bridge, add_host_link, free_subnet, ip
+from specmesh.cluster.netns_config import render_config
+from specmesh.cluster.netns_sshd import (READY_TIMEOUT_S, SSH_PORT, SSHD, kill, launch_sshd,
+                                         make_keys, ssh_argv, wait_first_child, wait_tcp)
+
 #: subnets tried in order; the first one no interface of this machine uses is taken
 SUBNETS = [f"10.77.{i}.0/24" for i in range(256)]
 #: serialises the choice of subnet and names between concurrent runs on one machine
 LOCK_PATH = "/tmp/specmesh-netns.lock"
-SSH_PORT = 22
-SSHD = "/usr/sbin/sshd"
-READY_TIMEOUT_S = 20.0
-#: Ray's default temp dir; each host has its own
-RAY_TMP = "/tmp/ray"
 
 
 @dataclass
@@ -87,8 +81,6 @@ class NetnsHosts:
     hosts: list[Host] = field(default_factory=list)
     owner_pid: int = field(default_factory=os.getpid)
 
-    # -- paths -----------------------------------------------------------------------------
-
     @property
     def key(self) -> str:
         """The client's private key (ed25519) that every host's sshd admits for root."""
@@ -104,8 +96,6 @@ class NetnsHosts:
             return ipaddress.ip_address(address) in ipaddress.ip_network(self.subnet)
         except ValueError:
             return False
-
-    # -- lifecycle -------------------------------------------------------------------------
 
     def up(self) -> NetnsHosts:
         """Make the bridge, the namespaces with their veth pairs and addresses, the keys and
@@ -133,97 +123,34 @@ class NetnsHosts:
                 self._sshd(h)
             self._save()
             for h in self.hosts:
-                _wait_tcp(h.ip, SSH_PORT, READY_TIMEOUT_S)
+                wait_tcp(h.ip, SSH_PORT, READY_TIMEOUT_S)
         except BaseException:
             self.down()
             raise
         return self
 
     def _network(self) -> None:
-        used = _used_networks()
-        self.subnet = next((s for s in SUBNETS if not any(
-            ipaddress.ip_network(s).overlaps(u) for u in used)), "")
-        if not self.subnet:
-            raise RuntimeError(f"no free subnet among {SUBNETS[0]}..{SUBNETS[-1]}")
+        self.subnet = free_subnet(SUBNETS)
         net = ipaddress.ip_network(self.subnet)
         self.bridge, self.bridge_ip = f"smb{self.tag}", str(net[1])
         self._save()  # from here on, down() knows what to remove
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.bridge_ip}/{net.prefixlen}", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        add_bridge(self.bridge, self.bridge_ip, net.prefixlen)
         for i in range(self.count):
             h = Host(name=f"h{i}", netns=f"sm{self.tag}h{i}", ip=str(net[2 + i]),
                      veth=f"smv{self.tag}h{i}")
             self.hosts.append(h)
             self._save()
-            _ip("netns", "add", h.netns)
-            peer = f"smp{self.tag}h{i}"
-            _ip("link", "add", h.veth, "type", "veth", "peer", "name", peer)
-            _ip("link", "set", peer, "netns", h.netns)
-            _ip("-n", h.netns, "link", "set", peer, "name", "eth0")
-            _ip("-n", h.netns, "addr", "add", f"{h.ip}/{net.prefixlen}", "dev", "eth0")
-            _ip("-n", h.netns, "link", "set", "eth0", "up")
-            _ip("-n", h.netns, "link", "set", "lo", "up")
-            # as a real host has: the route out goes through the bridge's address (nothing
-            # is forwarded further unless this machine forwards)
-            _ip("-n", h.netns, "route", "add", "default", "via", self.bridge_ip)
-            _ip("link", "set", h.veth, "master", self.bridge)
-            _ip("link", "set", h.veth, "up")
+            add_host_link(h.netns, h.veth, f"smp{self.tag}h{i}", h.ip, net.prefixlen,
+                          self.bridge, self.bridge_ip)
 
     def _keys(self) -> None:
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"specmesh-{self.tag}",
-              "-f", self.key])
-        shutil.copy(self.key + ".pub", os.path.join(self.dir, "authorized_keys"))
-        for h in self.hosts:
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
-                  os.path.join(self.dir, f"host_key_{h.name}")])
+        make_keys(self.dir, self.key, self.tag, [h.name for h in self.hosts])
 
     def _sshd(self, h: Host) -> None:
-        """sshd -D as the first process of the host's new PID and mount namespaces (with
-        /proc of that PID namespace mounted), inside its network namespace."""
-        cfg = os.path.join(self.dir, f"sshd_{h.name}.conf")
-        Path(cfg).write_text("\n".join([
-            f"ListenAddress {h.ip}:{SSH_PORT}",
-            f"HostKey {self.dir}/host_key_{h.name}",
-            f"AuthorizedKeysFile {self.dir}/authorized_keys",
-            "PermitRootLogin prohibit-password", "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
-            f"PidFile {self.dir}/sshd_{h.name}.pid", "PrintMotd no", "MaxStartups 100",
-            "MaxSessions 100", ""]))
-        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation dir
-        log = open(os.path.join(self.dir, f"sshd_{h.name}.log"), "wb")  # noqa: SIM115
-        home = self.home(h)
-        os.makedirs(home, mode=0o700, exist_ok=True)
-        Path(home, ".bashrc").touch()
-        # the host's own home for root: /etc/passwd of the host's mount namespace only names
-        # it (what `ray up` writes to ~, ~/.bashrc included, stays in the run's dir; /root
-        # itself stays visible, e.g. for a Python installed under it)
-        passwd = os.path.join(self.dir, f"passwd_{h.name}")
-        Path(passwd).write_text("".join(
-            _with_home(line, home) if line.startswith("root:") else line
-            for line in Path("/etc/passwd").read_text().splitlines(keepends=True)))
-        # and its own /tmp/ray, as a machine has: Ray's default temp dir holds the address
-        # that `--address auto` joins (ray_current_cluster), which must be this host's cluster
-        ray_tmp = os.path.join(self.dir, f"tmp_ray_{h.name}")
-        os.makedirs(ray_tmp, exist_ok=True)
-        os.makedirs(RAY_TMP, exist_ok=True)
-        start = (f"mount --bind {passwd} /etc/passwd && mount --bind {ray_tmp} {RAY_TMP} && "
-                 f"exec {SSHD} -D -e -f {cfg}")
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", h.netns, "unshare", "--pid", "--fork", "--mount-proc",
-             "--kill-child", "sh", "-c", start],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        """Host ``h``'s sshd (cluster/netns_sshd.py), recording its PIDs as they appear."""
+        proc = launch_sshd(self.dir, h.name, h.ip, h.netns, self.home(h))
         h.sshd_pid = proc.pid
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not h.init_pid:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sshd of {h.name} exited ({proc.returncode}): "
-                                   f"{Path(self.dir, f'sshd_{h.name}.log').read_text()}")
-            h.init_pid = _first_child(proc.pid)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sshd of {h.name}: no process in its PID namespace")
-            time.sleep(0.05)
+        h.init_pid = wait_first_child(proc, h.name, self.dir)
 
     def down(self) -> None:
         """Remove every process of the hosts (killing a PID namespace's first process kills
@@ -231,14 +158,14 @@ class NetnsHosts:
         Tolerates what does not exist (a half-made set, a second call)."""
         for h in self.hosts:
             for pid in (h.init_pid, h.sshd_pid):
-                _kill(pid)
+                kill(pid)
             for pid in self.pids(h):  # anything left in the host's namespaces
-                _kill(pid)
+                kill(pid)
         for h in self.hosts:
-            _ip("netns", "del", h.netns, check=False)
-            _ip("link", "del", h.veth, check=False)
+            ip("netns", "del", h.netns, check=False)
+            ip("link", "del", h.veth, check=False)
         if self.bridge:
-            _ip("link", "del", self.bridge, check=False)
+            ip("link", "del", self.bridge, check=False)
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
         self.hosts = []
@@ -265,8 +192,6 @@ class NetnsHosts:
         d["hosts"] = [Host(**h) for h in d["hosts"]]
         return cls(**d)
 
-    # -- running things on a host ----------------------------------------------------------
-
     def argv(self, h: Host, argv: list[str], wd: str | None = None) -> list[str]:
         """``argv`` run inside host ``h``'s network, PID and mount namespaces (as a process
         started over SSH there would be), in directory ``wd`` (default: the current one)."""
@@ -279,9 +204,7 @@ class NetnsHosts:
 
     def ssh_argv(self, h: Host, command: str) -> list[str]:
         """``ssh root@h.ip command`` with the run's key (no known-hosts file)."""
-        return ["ssh", "-i", self.key, "-o", "StrictHostKeyChecking=no", "-o",
-                "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
-                f"root@{h.ip}", command]
+        return ssh_argv(self.key, h.ip, command)
 
     def pids(self, h: Host) -> list[int]:
         """Every process in host ``h``'s PID namespace (from this machine's /proc)."""
@@ -326,88 +249,6 @@ def remove_stale(tmp: str = "/tmp") -> list[str]:
             run.down()
             removed.append(str(path.parent))
     return removed
-
-
-def _ip(*args: str, check: bool = True) -> None:
-    _run(["ip", *args], check=check)
-
-
-def _run(argv: list[str], check: bool = True) -> None:
-    p = subprocess.run(argv, capture_output=True, text=True)
-    if check and p.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr.strip()}")
-
-
-def _kill(pid: int) -> None:
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _with_home(passwd_line: str, home: str) -> str:
-    """An /etc/passwd line with its home directory (6th field) replaced."""
-    fields = passwd_line.rstrip("\n").split(":")
-    fields[5] = home
-    return ":".join(fields) + "\n"
-
-
-def _first_child(pid: int) -> int:
-    """The first child of ``pid`` (``unshare --fork``'s child: PID 1 of the new namespace),
-    0 while there is none."""
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            kids = (task / "children").read_text().split()
-            if kids:
-                return int(kids[0])
-    except OSError:
-        pass
-    return 0
-
-
-def _used_networks() -> list:
-    """The networks of every IPv4 address of this machine's namespace."""
-    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True,
-                         check=True).stdout
-    nets = []
-    for line in out.splitlines():
-        parts = line.split()
-        if "inet" in parts:
-            nets.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
-    return nets
-
-
-def _wait_tcp(ip: str, port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((ip, port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens on {ip}:{port} after {timeout} s") from None
-            time.sleep(0.1)
-
-
-def render_config(text: str, hosts: NetnsHosts, repo: str, venv: str, token_path: str,
-                  cluster_name: str | None = None, launch_args: str | None = None) -> str:
-    """deploy/cluster-local.yaml's text for these hosts: its example subnet (10.77.0.x) is
-    replaced by the run's, its key by the run's key, the checkout ``/opt/specmesh`` and its
-    venv by ``repo`` and ``venv``, the local token file by ``token_path``; optionally the
-    cluster's name and the roles' launch arguments (``LAUNCH_ARGS``)."""
-    net = ipaddress.ip_network(hosts.subnet)
-    prefix = str(net[0]).rsplit(".", 1)[0] + "."
-    out = (text.replace("/opt/specmesh/.venv", venv).replace("/opt/specmesh", repo)
-           .replace("~/.ssh/specmesh_netns_key", hosts.key)
-           .replace('"~/.ray/auth_token": "~/.ray/auth_token"',
-                    f'"~/.ray/auth_token": "{token_path}"')
-           .replace("10.77.0.", prefix))
-    if cluster_name:
-        out = out.replace("cluster_name: specmesh-local", f"cluster_name: {cluster_name}")
-    if launch_args is not None:
-        out = re.sub(r'LAUNCH_ARGS="[^"]*"', f'LAUNCH_ARGS="{launch_args}"', out)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,51 +20,33 @@ temperature / top-k / top-p / min-p over the draft logits) and return it as the 
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specmesh.drafter.draft_lm_kv import DraftLMKV, DraftLMStats, draft_lm_options
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
-from specmesh.drafter.options import Option, OptionSchema
+from specmesh.drafter.options import Option
+from specmesh.drafter.pard_block import common_prefix
 from specmesh.drafter.proposer import DraftTarget, Proposer
 from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.tokenizer_match import check_same_vocabulary
 from specmesh.drafter.training.draft_model import train_draft_model
 from specmesh.engine.backend import CpuBackend
-from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.devices import resolve_device
-from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
 from specmesh.engine.loader import load_model, load_tokenizer, model_identity, model_name
 from specmesh.engine.model import LlamaForCausalLM
-from specmesh.engine.runner import ModelRunner
 from specmesh.engine.sampling import GREEDY
 from specmesh.protocol.messages import ModelIdentity
-
-log = logging.getLogger(__name__)
 
 #: default KV memory of the draft model, MiB (SmolLM2-135M fp32: ~5,800 tokens)
 DEFAULT_KV_CACHE_MB = 256
 
 
 @dataclass
-class _Seq:
-    """Draft-model state of one request: ``tokens`` are the context tokens whose K/V lie in
-    the cache at positions ``0 .. len(tokens)-1``, in ``block_table`` (which may hold more)."""
-
-    tokens: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-
-
-@dataclass
-class DraftModelStats:
-    num_forwards: int = 0
-    num_tokens_computed: int = 0  # tokens fed to the draft model (catch-up + drafting)
-    num_tokens_drafted: int = 0
+class DraftModelStats(DraftLMStats):
     num_recomputes: int = 0  # proposes whose context diverged from the KV's tokens
-    num_out_of_blocks: int = 0  # proposes answered [] for want of KV blocks
-    num_out_of_vocab: int = 0  # proposes answered [] for a context id past the draft vocab
 
 
 def _train(prep: dict, args) -> dict:  # noqa: ANN001
@@ -73,7 +55,7 @@ def _train(prep: dict, args) -> dict:  # noqa: ANN001
 
 
 @register_proposer
-class DraftModelProposer(Proposer):
+class DraftModelProposer(DraftLMKV, Proposer):
     """Drafts with a standalone draft model (module docstring).
 
     Args:
@@ -108,16 +90,13 @@ class DraftModelProposer(Proposer):
     name = "draft_model"
     cli_name = "draft-model"
     summary = "a standalone draft model with the target's tokenizer"
-    options = OptionSchema((
+    options = draft_lm_options(
         Option("model", "path", "the draft model: a Hugging Face dir or .gguf with the "
                "target's tokenizer", required=True, positional=True),
-        Option("dtype", str, "dtype of the draft model", "the cluster's dtype",
-               choices=("float32", "bfloat16", "float64")),
-        Option("kv_cache_mb", int, "KV memory of the draft model, MiB", DEFAULT_KV_CACHE_MB,
-               minimum=1),
-    ))
+        DEFAULT_KV_CACHE_MB)
     trainer = staticmethod(_train)
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
+    kv_owner = "draft model"
     returns_draft_probs = True
     runs_a_model = True
 
@@ -172,36 +151,13 @@ class DraftModelProposer(Proposer):
         if block_size < 1 or prefill_chunk_size < 1:
             raise ValueError(f"need block_size >= 1 and prefill_chunk_size >= 1, got "
                              f"{block_size}, {prefill_chunk_size}")
-        if num_blocks is None:
-            num_blocks = num_blocks_for_memory(config, block_size, net.dtype,
-                                               int(kv_cache_mb) << 20)
-        if num_blocks < 1:
-            raise ValueError(f"the draft model's KV pool holds no block of {block_size} tokens "
-                             f"(num_blocks={num_blocks}, kv_cache_mb={kv_cache_mb})")
         self.model = net
         self.config = config
         self.draft_name = draft_name
-        self.kv_cache = KVCache(config, num_blocks, block_size, net.dtype, net.device)
-        self.runner = ModelRunner(net, config, self.kv_cache)
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.block_size = block_size
-        self.prefill_chunk_size = prefill_chunk_size
-        self.max_model_len = min(max_model_len or config.max_position_embeddings,
-                                 config.max_position_embeddings)
-        #: drafts are ids below this (the draft's rows, capped by the target's)
-        self.draft_vocab_limit = min(config.vocab_size, target_vocab_size or config.vocab_size)
-        #: width of a draft row (the target's embedding rows)
-        self.target_vocab_size = target_vocab_size or config.vocab_size
         self.stats = DraftModelStats()
-        self._seqs: dict[str, _Seq] = {}
-        self._warned: set[str] = set()
-
-    # -- interface -------------------------------------------------------------------------
-
-    def open(self, request_id: str, context_token_ids: list[int]) -> None:
-        """(Re-)start a request with no KV; the first :meth:`propose` prefills its context."""
-        self.close(request_id)
-        self._seqs[request_id] = _Seq()
+        self._init_kv(net, config, num_blocks=num_blocks, block_size=block_size,
+                      kv_cache_mb=kv_cache_mb, max_model_len=max_model_len,
+                      prefill_chunk_size=prefill_chunk_size, target_vocab_size=target_vocab_size)
 
     def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
         """Greedy drafts continuing ``context_token_ids`` (see :meth:`propose_sampled`)."""
@@ -219,9 +175,10 @@ class DraftModelProposer(Proposer):
         """Drafts continuing ``context_token_ids`` (greedy when ``how`` is None) and their rows.
 
         The KV is recomputed from the longest common prefix of the context and the tokens it
-        holds (one chunked forward over the rest), then ``num_tokens`` tokens are drafted (argmax,
-        or as ``how`` says), one forward each. Afterwards the KV holds the context and every draft but the
-        last (a later call whose context is this one plus the drafts feeds one token).
+        holds (one chunked forward over the rest), then ``num_tokens`` tokens are drafted
+        (argmax, or as ``how`` says), one forward each. Afterwards the KV holds the context and
+        every draft but the last (a later call whose context is this one plus the drafts feeds
+        one token).
 
         Returns:
             ``num_tokens`` ids or fewer: fewer where ``max_model_len`` or the free KV blocks
@@ -232,83 +189,33 @@ class DraftModelProposer(Proposer):
         if num_tokens <= 0 or not context_token_ids:
             return [], []
         ctx = list(context_token_ids)
-        seq = self._seqs.get(request_id)
+        seq = self._usable_seq(request_id, ctx)
         if seq is None:
-            seq = self._seqs[request_id] = _Seq()
-        if min(ctx) < 0 or max(ctx) >= self.config.vocab_size:
-            self.stats.num_out_of_vocab += 1
-            self._warn_once("vocab", "context of %s holds a token id outside the draft model's "
-                            "vocabulary [0, %d): no drafts", request_id, self.config.vocab_size)
             return [], []
         n_ctx = len(ctx)
         # Keep the common prefix, and at least the last context token to recompute: its
         # logits give the first draft.
-        lcp = 0
-        limit = min(len(seq.tokens), n_ctx - 1)
-        while lcp < limit and seq.tokens[lcp] == ctx[lcp]:
-            lcp += 1
+        lcp = common_prefix(seq.tokens, ctx[:-1])
         if lcp < min(len(seq.tokens), n_ctx) and seq.tokens[lcp] != ctx[lcp]:
             self.stats.num_recomputes += 1  # the context left the path the KV holds
         self._truncate(seq, lcp)
-        # Positions the KV must cover: the context and every draft but the last.
-        n = min(num_tokens, self.max_model_len - n_ctx + 1)
-        room = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size
-        n = min(n, room - n_ctx + 1)
+        n = self._reserve(seq, request_id, n_ctx, num_tokens)
         if n < 1:
-            if n_ctx <= self.max_model_len:
-                self.stats.num_out_of_blocks += 1
-                self._warn_once("blocks", "draft model KV full (%d blocks of %d tokens): no "
-                                "drafts for %s (%d context tokens)", self.block_manager.num_blocks,
-                                self.block_size, request_id, n_ctx)
-                self._truncate(seq, 0)  # let the requests that fit have its blocks
             return [], []
-        need = self.block_manager.blocks_for(n_ctx + n - 1) - len(seq.block_table)
-        if need > 0:
-            seq.block_table += self.block_manager.allocate(need)
         new = ctx[lcp:]
-        logits = self.runner.prefill(new, seq.block_table, chunk_size=self.prefill_chunk_size,
-                                     start_pos=lcp)
-        self._count(len(new), -(-len(new) // self.prefill_chunk_size))
+        logits = self._prefill(seq, new, lcp)
         seq.tokens[lcp:] = new
         tok, row = self._pick(logits, how, 0)
         drafts, rows = [tok], [row]
         while len(drafts) < n:
             t = drafts[-1]
-            logits = self.runner.prefill([t], seq.block_table, start_pos=len(seq.tokens))
-            self._count(1, 1)
+            logits = self._prefill(seq, [t], len(seq.tokens))
             seq.tokens.append(t)
             tok, row = self._pick(logits, how, len(drafts))
             drafts.append(tok)
             rows.append(row)
         self.stats.num_tokens_drafted += len(drafts)
         return drafts, rows
-
-    def rollback(self, request_id: str, num_context_tokens: int) -> None:
-        """Keep the KV of the first ``num_context_tokens`` context tokens only; free the blocks
-        past them."""
-        seq = self._seqs.get(request_id)
-        if seq is not None:
-            self._truncate(seq, max(0, min(num_context_tokens, len(seq.tokens))))
-
-    def close(self, request_id: str) -> None:
-        """Free the request's KV blocks and forget it (unknown ids are ignored)."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None and seq.block_table:
-            self.block_manager.free(seq.block_table)
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def num_cached_tokens(self, request_id: str) -> int:
-        """Context tokens whose K/V the draft model holds for ``request_id`` (0 if unknown)."""
-        seq = self._seqs.get(request_id)
-        return len(seq.tokens) if seq is not None else 0
-
-    def _truncate(self, seq: _Seq, num_tokens: int) -> None:
-        del seq.tokens[num_tokens:]
-        keep = self.block_manager.blocks_for(num_tokens)
-        if len(seq.block_table) > keep:
-            self.block_manager.free(seq.block_table[keep:])
-            del seq.block_table[keep:]
 
     def _pick(self, logits: torch.Tensor, how: DraftSampling | None,
               index: int) -> tuple[int, torch.Tensor | None]:
@@ -322,17 +229,6 @@ class DraftModelProposer(Proposer):
     def _argmax(self, logits: torch.Tensor) -> int:
         """logits [1, vocab] -> the id of the largest among the first ``draft_vocab_limit``."""
         return int(logits[0, :self.draft_vocab_limit].argmax())
-
-    def _count(self, tokens: int, forwards: int) -> None:
-        self.stats.num_tokens_computed += tokens
-        self.stats.num_forwards += forwards
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key in self._warned:
-            log.debug(msg, *args)
-        else:
-            self._warned.add(key)
-            log.warning(msg + " (logged once)", *args)
 
 
 def build_draft_model_proposer(path: str | None, target_model_config: Any,

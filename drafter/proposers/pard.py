@@ -26,23 +26,22 @@ the learned mask vector).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specmesh.drafter.draft_lm_kv import DraftLMKV, DraftLMStats, draft_lm_options
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
-from specmesh.drafter.options import Option, OptionSchema
+from specmesh.drafter.options import Option
 from specmesh.drafter.pard_block import block_input, common_prefix
 from specmesh.drafter.pard_files import build_pard_model, shipped_pard, target_name_and_files
 from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer
 from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.training.pard import train_pard
-from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.devices import resolve_device
 from specmesh.engine.dtypes import model_dtype
-from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
-from specmesh.engine.runner import ModelRunner, SeqChunk
+from specmesh.engine.runner import SeqChunk
 from specmesh.engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
@@ -55,21 +54,11 @@ CATCH_UP_LIMIT = 32
 
 
 @dataclass
-class _Seq:
-    """``tokens``: the context tokens whose K/V lie at positions 0 .. len-1 of ``block_table``."""
+class PardStats(DraftLMStats):
+    """num_forwards: block forwards (one per propose_many) + catch-up chunks; rows fed
+    (num_tokens_computed) are context tails and mask tokens."""
 
-    tokens: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-
-
-@dataclass
-class PardStats:
-    num_forwards: int = 0  # block forwards (one per propose_many) + catch-up chunks
     num_block_forwards: int = 0
-    num_tokens_computed: int = 0  # rows fed: context tails and mask tokens
-    num_tokens_drafted: int = 0
-    num_out_of_blocks: int = 0
-    num_out_of_vocab: int = 0
 
 
 def _train(prep: dict, args) -> dict:  # noqa: ANN001
@@ -78,7 +67,7 @@ def _train(prep: dict, args) -> dict:  # noqa: ANN001
 
 
 @register_proposer
-class PardProposer(Proposer):
+class PardProposer(DraftLMKV, Proposer):
     """Drafts a block per forward with a PARD draft model (module docstring).
 
     Args:
@@ -99,17 +88,14 @@ class PardProposer(Proposer):
     summary = ("PARD parallel draft model: one forward over [last token, mask x (k-1)] drafts "
                "k tokens (the draft shipped for the target, or one from specmesh "
                "train-drafter --method pard)")
-    options = OptionSchema((
+    options = draft_lm_options(
         Option("model", "path", "the PARD checkpoint directory (specmesh train-drafter "
                "--method pard --out DIR)", "the draft shipped for the target", positional=True),
-        Option("dtype", str, "dtype of the draft model", "the cluster's dtype",
-               choices=("float32", "bfloat16", "float64")),
-        Option("kv_cache_mb", int, "KV memory of the draft model, MiB", DEFAULT_KV_CACHE_MB,
-               minimum=1),
-    ))
+        DEFAULT_KV_CACHE_MB)
     trainer = staticmethod(_train)
     returns_draft_probs = True
     runs_a_model = True
+    kv_owner = "PARD draft"
 
     @classmethod
     def create(cls, kwargs: dict, target: DraftTarget) -> PardProposer:
@@ -146,32 +132,12 @@ class PardProposer(Proposer):
         if block < 1 or block_size < 1 or prefill_chunk_size < 1:
             raise ValueError(f"need block, block_size, prefill_chunk_size >= 1; got {block}, "
                              f"{block_size}, {prefill_chunk_size}")
-        if num_blocks is None:
-            num_blocks = num_blocks_for_memory(config, block_size, model.dtype,
-                                               int(kv_cache_mb) << 20)
-        if num_blocks < 1:
-            raise ValueError(f"the PARD draft's KV pool holds no block of {block_size} tokens")
         self.model, self.config = model, config
         self.mask_token_id, self.block = int(mask_token_id), int(block)
-        self.kv_cache = KVCache(config, num_blocks, block_size, model.dtype, model.device)
-        self.runner = ModelRunner(model, config, self.kv_cache)
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.block_size = block_size
-        self.prefill_chunk_size = prefill_chunk_size
-        self.max_model_len = min(max_model_len or config.max_position_embeddings,
-                                 config.max_position_embeddings)
-        self.draft_vocab_limit = min(config.vocab_size, target_vocab_size or config.vocab_size)
-        self.target_vocab_size = target_vocab_size or config.vocab_size
         self.stats = PardStats()
-        self._seqs: dict[str, _Seq] = {}
-        self._warned: set[str] = set()
-
-    # -- interface -------------------------------------------------------------------------
-
-    def open(self, request_id: str, context_token_ids: list[int]) -> None:
-        """(Re-)start a request with an empty KV; the first propose prefills its context."""
-        self.close(request_id)
-        self._seqs[request_id] = _Seq()
+        self._init_kv(model, config, num_blocks=num_blocks, block_size=block_size,
+                      kv_cache_mb=kv_cache_mb, max_model_len=max_model_len,
+                      prefill_chunk_size=prefill_chunk_size, target_vocab_size=target_vocab_size)
 
     def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
         """Greedy drafts (at most ``block``) continuing ``context_token_ids``."""
@@ -211,59 +177,23 @@ class PardProposer(Proposer):
             self.stats.num_tokens_drafted += n
         return out
 
-    def rollback(self, request_id: str, num_context_tokens: int) -> None:
-        """Keep the K/V of the first ``num_context_tokens`` context tokens; free blocks past
-        them."""
-        seq = self._seqs.get(request_id)
-        if seq is not None:
-            self._truncate(seq, max(0, min(num_context_tokens, len(seq.tokens))))
-
-    def close(self, request_id: str) -> None:
-        """Free the request's KV blocks and forget it (unknown ids are ignored)."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None and seq.block_table:
-            self.block_manager.free(seq.block_table)
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def num_cached_tokens(self, request_id: str) -> int:
-        """Context tokens whose K/V the draft holds for ``request_id`` (0 if unknown)."""
-        seq = self._seqs.get(request_id)
-        return len(seq.tokens) if seq is not None else 0
-
     def _plan(self, c: ProposeCall) -> tuple[SeqChunk, int] | None:
         """The block chunk of call ``c`` and its number of drafts, after the catch-up forward
         when one is needed; None: no drafts for it."""
         ctx = list(c.context_token_ids)
         if c.num_tokens <= 0 or not ctx:
             return None
-        seq = self._seqs.setdefault(c.request_id, _Seq())
-        if min(ctx) < 0 or max(ctx) >= self.config.vocab_size:
-            self.stats.num_out_of_vocab += 1
-            self._warn_once("vocab", "context of %s holds a token id outside the draft's "
-                            "vocabulary: no drafts", c.request_id)
+        seq = self._usable_seq(c.request_id, ctx)
+        if seq is None:
             return None
         n_ctx = len(ctx)
         self._truncate(seq, common_prefix(seq.tokens, ctx[:-1]))
-        n = min(c.num_tokens, self.block, self.max_model_len - n_ctx + 1)
-        room = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size
-        n = min(n, room - n_ctx + 1)
+        n = self._reserve(seq, c.request_id, n_ctx, min(c.num_tokens, self.block))
         if n < 1:
-            if n_ctx <= self.max_model_len:
-                self.stats.num_out_of_blocks += 1
-                self._warn_once("blocks", "PARD draft KV full: no drafts for %s (%d context "
-                                "tokens)", c.request_id, n_ctx)
-                self._truncate(seq, 0)
             return None
-        need = self.block_manager.blocks_for(n_ctx + n - 1) - len(seq.block_table)
-        if need > 0:
-            seq.block_table += self.block_manager.allocate(need)
         cached = len(seq.tokens)
         if n_ctx - 1 - cached > CATCH_UP_LIMIT:  # the prompt: KV only, chunked
-            self.runner.prefill(ctx[cached:-1], seq.block_table,
-                                chunk_size=self.prefill_chunk_size, start_pos=cached)
-            self.stats.num_forwards += -(-(n_ctx - 1 - cached) // self.prefill_chunk_size)
-            self.stats.num_tokens_computed += n_ctx - 1 - cached
+            self._prefill(seq, ctx[cached:-1], cached)
             cached = n_ctx - 1
         blk = block_input(ctx, cached, n, self.mask_token_id)
         seq.tokens[:] = ctx  # the block forward writes the rest of the context's K/V
@@ -285,17 +215,3 @@ class PardProposer(Proposer):
             drafts.append(tok)
             rows.append(row)
         return drafts, rows
-
-    def _truncate(self, seq: _Seq, num_tokens: int) -> None:
-        del seq.tokens[num_tokens:]
-        keep = self.block_manager.blocks_for(num_tokens)
-        if len(seq.block_table) > keep:
-            self.block_manager.free(seq.block_table[keep:])
-            del seq.block_table[keep:]
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key in self._warned:
-            log.debug(msg, *args)
-        else:
-            self._warned.add(key)
-            log.warning(msg + " (logged once)", *args)

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from specmesh.cluster import netns_hosts
-from specmesh.cluster.netns_hosts import NetnsHosts, remove_stale, render_config
+from specmesh.cluster.netns_config import render_config
+from specmesh.cluster.netns_hosts import NetnsHosts, remove_stale
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

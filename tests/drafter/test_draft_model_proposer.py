@@ -148,7 +148,7 @@ def test_out_of_blocks_gives_no_drafts_and_logs_once(target, caplog):
     _, model, _, prompts = target
     p = _proposer(model, num_blocks=3, block_size=4)  # 12 positions
     long = prompts[2]
-    with caplog.at_level(logging.WARNING, logger="specmesh.drafter.proposers.draft_model"):
+    with caplog.at_level(logging.WARNING, logger="specmesh.drafter.draft_lm_kv"):
         assert p.propose("a", long, 4) == []
         assert p.propose("a", long, 4) == []
     assert len([r for r in caplog.records if "KV full" in r.getMessage()]) == 1

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specmesh.engine.kv_cache import KVCache
-from specmesh.engine.lora import LoraAdapter, lora_bank
+from specmesh.engine.lora import lora_bank
+from specmesh.engine.lora_peft import LoraAdapter
 from specmesh.engine.runner import ModelRunner, SeqChunk
 from helpers.lora import make_tiny_adapter, merged
 from helpers.models import hf_greedy, tiny_llama

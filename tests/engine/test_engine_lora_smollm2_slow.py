@@ -9,7 +9,8 @@ import torch
 
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.loader import load_model, load_tokenizer
-from specmesh.engine.lora import LoraAdapter, lora_bank
+from specmesh.engine.lora import lora_bank
+from specmesh.engine.lora_peft import LoraAdapter
 from specmesh.engine.runner import ModelRunner, SeqChunk
 from helpers.lora import make_tiny_adapter, merged
 from helpers.models import hf_greedy, hf_reference_model

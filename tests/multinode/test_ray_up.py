@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specmesh.cluster.netns_hosts import render_config
+from specmesh.cluster.netns_config import render_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
