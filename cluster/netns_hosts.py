@@ -39,7 +39,8 @@ from pathlib import Path
 from specmesh.cluster.netns_bridge import add_bridge, add_host_link, free_subnet, ip
 from specmesh.cluster.netns_config import render_config
 from specmesh.cluster.netns_sshd import (READY_TIMEOUT_S, SSH_PORT, SSHD, kill, launch_sshd,
-                                         make_keys, ssh_argv, wait_first_child, wait_tcp)
+                                         make_keys, ssh_argv, wait_first_child, wait_gone,
+                                         wait_tcp)
 
 #: subnets tried in order; the first one no interface of this machine uses is taken
 SUBNETS = [f"10.77.{i}.0/24" for i in range(256)]
@@ -161,6 +162,7 @@ class NetnsHosts:
                 kill(pid)
             for pid in self.pids(h):  # anything left in the host's namespaces
                 kill(pid)
+            wait_gone(lambda: self.pids(h))
         for h in self.hosts:
             ip("netns", "del", h.netns, check=False)
             ip("link", "del", h.veth, check=False)

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 SSH_PORT = 22
@@ -121,6 +122,20 @@ def kill(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def wait_gone(pids: Callable[[], list[int]], timeout_s: float = 5.0) -> None:
+    """Wait (at most ``timeout_s``) until ``pids()``, processes just killed, is empty, reaping
+    those that are this process's children (a SIGKILL lands asynchronously, and a child stays
+    listed until reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := pids()) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not ours: its parent (or init) reaps it
+                pass
+        time.sleep(0.02)
 
 
 def wait_tcp(ip: str, port: int, timeout: float) -> None:
