@@ -163,6 +163,18 @@ def lr_schedule(lr: float, total_steps: int, warmup_steps: int):  # noqa: ANN201
     return lr_at
 
 
+def optimizer_and_schedule(params: list, num_samples: int, *, epochs: float, batch_size: int,
+                           lr: float, warmup_steps: int):  # noqa: ANN201
+    """AdamW over ``params`` (the draft's trainable tensors) and its steps: ``(optimizer,
+    total_steps, lr_at)`` for ``epochs`` (may be fractional) of ``num_samples`` in batches of
+    ``batch_size``, warm-up at most a tenth of the steps (:func:`lr_schedule`)."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    steps_per_epoch = max(1, math.ceil(num_samples / batch_size))
+    total_steps = max(1, int(round(epochs * steps_per_epoch)))
+    return opt, total_steps, lr_schedule(lr, total_steps,
+                                         max(1, min(warmup_steps, total_steps // 10)))
+
+
 def train(draft: Any, samples: list[Sample], target_lm_head: torch.Tensor, *, epochs: float,
           batch_size: int, lr: float, kl_weight: float = 0.5, seed: int = 0,
           warmup_steps: int = 20, train_embeddings: bool = False,
@@ -177,10 +189,9 @@ def train(draft: Any, samples: list[Sample], target_lm_head: torch.Tensor, *, ep
     params = [p for p in draft.parameters() if train_embeddings or id(p) not in frozen]
     for p in draft.parameters():
         p.requires_grad_(any(p is q for q in params))
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    steps_per_epoch = max(1, math.ceil(len(samples) / batch_size))
-    total_steps = max(1, int(round(epochs * steps_per_epoch)))
-    lr_at = lr_schedule(lr, total_steps, max(1, min(warmup_steps, total_steps // 10)))
+    opt, total_steps, lr_at = optimizer_and_schedule(
+        params, len(samples), epochs=epochs, batch_size=batch_size, lr=lr,
+        warmup_steps=warmup_steps)
     draft.train()
     t0 = time.perf_counter()
     tokens = step = epoch = 0

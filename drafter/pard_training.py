@@ -21,7 +21,6 @@ numbers count the same way).
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specmesh.drafter.draft_model_training import lr_schedule
+from specmesh.drafter.draft_model_training import optimizer_and_schedule
 from specmesh.drafter.eagle.data import Sample, shuffled
 from specmesh.drafter.pard_block import IGNORE, cod_layout, collate_layouts, keep_schedule
 from specmesh.drafter.proposer import ProposeCall
@@ -89,10 +88,9 @@ def train(draft: Any, samples: list[Sample], *, mask_token_id: int, block: int, 
     for p in draft.parameters():
         p.requires_grad_(id(p) not in frozen)
     params.append(mask_embedding)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    steps_per_epoch = max(1, math.ceil(len(samples) / batch_size))
-    total_steps = max(1, int(round(epochs * steps_per_epoch)))
-    lr_at = lr_schedule(lr, total_steps, max(1, min(warmup_steps, total_steps // 10)))
+    opt, total_steps, lr_at = optimizer_and_schedule(
+        params, len(samples), epochs=epochs, batch_size=batch_size, lr=lr,
+        warmup_steps=warmup_steps)
     draft.train()
     t0 = time.perf_counter()
     rows = step = epoch = 0
