@@ -250,3 +250,16 @@ class Proposer(ABC):
 
 #: what a proposer may draft (Proposer.draft_shape)
 DRAFT_SHAPES = ("chain", "tree")
+
+
+def shipped_or_raise(found: object, what: str, target_name: str, method: str) -> str:
+    """``found`` (the path of what is shipped for the target, or None) as a string.
+
+    Raises:
+        FileNotFoundError: nothing shipped, naming the ``specmesh train-drafter`` command.
+    """
+    if found is None:
+        raise FileNotFoundError(f"no {what} shipped for {target_name!r}: train one with "
+                                f"`specmesh train-drafter --method {method}` and pass "
+                                f"--drafter {method}:PATH")
+    return str(found)

@@ -32,7 +32,8 @@ from specmesh.drafter.eagle.checkpoint import (
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
 from specmesh.drafter.eagle.quantize import quantize_head
 from specmesh.drafter.options import Option, OptionSchema
-from specmesh.drafter.proposer import BranchCall, DraftTarget, ProposeCall, Proposer
+from specmesh.drafter.proposer import (BranchCall, DraftTarget, ProposeCall, Proposer,
+                                       shipped_or_raise)
 from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.training.eagle import train_eagle_head
 from specmesh.engine.backend import CpuBackend
@@ -372,12 +373,7 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32",
     files = model_files(model)
     name = model_identity(model, "float32", 16)["name"]
     if head is None:
-        found = shipped_head(name)
-        if found is None:
-            raise FileNotFoundError(f"no EAGLE head shipped for {name!r}: train one with "
-                                    f"`specmesh train-drafter --method eagle` and pass "
-                                    f"--drafter eagle:PATH")
-        head = str(found)
+        head = shipped_or_raise(shipped_head(name), "EAGLE head", name, "eagle")
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(files))
     embed, lm_head = target_embeddings(files)
     loaded = load_head(head, embed, lm_head, target_identity(name, config, embed),

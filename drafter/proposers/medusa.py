@@ -28,7 +28,7 @@ from specmesh.drafter.medusa.checkpoint import load_heads, read_config
 from specmesh.drafter.medusa.heads import MedusaHeads
 from specmesh.drafter.medusa.tree import build_tree, chain_tree
 from specmesh.drafter.options import Option, OptionSchema
-from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer
+from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer, shipped_or_raise
 from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.training.medusa import train_medusa_heads
 from specmesh.engine.config import ModelConfig
@@ -217,12 +217,7 @@ def load_medusa_heads(heads: str | None, model: str | None,
     files = model_files(model)
     name = model_identity(model, "float32", 16)["name"]
     if heads is None:
-        found = shipped_heads(name)
-        if found is None:
-            raise FileNotFoundError(f"no Medusa heads shipped for {name!r}: train them with "
-                                    f"`specmesh train-drafter --method medusa` and pass "
-                                    f"--drafter medusa:PATH")
-        heads = str(found)
+        heads = shipped_or_raise(shipped_heads(name), "Medusa heads", name, "medusa")
     read_config(heads)  # a clear error before the target's weights are read
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(files))
     embed, lm_head = target_embeddings(files)
