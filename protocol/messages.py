@@ -52,7 +52,9 @@ from msgspec import Meta
 # SamplingParams.grammar (structured output: response_format, guided_*, tools)
 # 14: LoRA adapters: ModelIdentity.lora_adapters, GenerateRequest / PrefillRequest.lora_name
 # 15: PrefillDone.num_cached_tokens, TokenStream.num_cached_tokens (prefix cache hits)
-PROTOCOL_VERSION = 15
+# 16: DraftTailStream.draft_confidences (a confidence head's survival predictions, read by the
+# confidence budget, decode/confidence_budget.py)
+PROTOCOL_VERSION = 16
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
@@ -762,10 +764,16 @@ class DraftTailStream(Message, tag=42, kw_only=True):
     prediction segment is a chain without ``draft_probs`` (verified one-hot, which keeps
     sampled requests exact).
 
+    ``draft_confidences``: one per draft (or empty: none), the drafter's predicted probability
+    that the draft is accepted given that the drafts before it were (a trained confidence
+    head's output, DSpark's); the verifier's confidence budget uses them as sent
+    (decode/confidence_budget.py, ``--speculative-policy confidence``); a drafter without a
+    head sends none.
+
     Decoding refuses (ProtocolError) negative positions or token ids, ``start_pos <
     base_committed_len``, parents of the wrong length or pointing outside the segment,
-    ``draft_probs`` whose rows are not the drafts, and a prediction segment with parents or
-    ``draft_probs``.
+    ``draft_probs`` whose rows are not the drafts, a prediction segment with parents or
+    ``draft_probs``, and ``draft_confidences`` not one per draft or outside [0, 1].
     """
 
     request_id: str
@@ -775,6 +783,7 @@ class DraftTailStream(Message, tag=42, kw_only=True):
     draft_probs: Buffer | None = None
     parents: list[int] | None = None
     from_prediction: bool = False
+    draft_confidences: list[float] = []
 
     @classmethod
     def example(cls) -> DraftTailStream:
