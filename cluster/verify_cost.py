@@ -54,13 +54,13 @@ def cached_or_measured(key: Mapping, measure: Callable[[], dict[tuple[int, int],
 def verifier_cost_table(config: VerifierConfig, runner, model: str | None, dtype: str,
                         kv_cache_dtype: str, threads: int,
                         cache: AutoCache | None = None) -> VerifyCostTable | None:
-    """The table the verifier of ``config`` runs its goodput policy on (None: none asked for,
-    or a policy other than goodput): the file's, or measured on ``runner`` / cached.
+    """The table the verifier of ``config`` runs its goodput or confidence policy on (None:
+    none asked for, or another policy): the file's, or measured on ``runner`` / cached.
 
     Raises:
         ValueError: a malformed file table (checked where the command ran already).
     """
-    if not config.goodput_caps or not config.verify_cost_table:
+    if not config.uses_cost_table or not config.verify_cost_table:
         return None
     if config.verify_cost_table_data is not None:
         return table_from_dict(config.verify_cost_table_data, config.verify_cost_table)

@@ -37,7 +37,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specmesh.decode.confidence_calibration import ReliabilityBins, log_confidence
+from specmesh.decode.confidence_calibration import (
+    ReliabilityBins,
+    judged_outcomes,
+    log_confidence,
+)
 
 log = logging.getLogger(__name__)
 
@@ -215,16 +219,11 @@ class ConfidenceBudget:
                 step_predicted += product
             step_realised += min(a, len(confs))
             st.num_request_steps += 1
-            for j, survived in enumerate(_judged(len(confs), a)):
+            for j, survived in enumerate(judged_outcomes(len(confs), a)):
                 st.reliability.observe(confs[j], survived)
         st.predicted_accepted += step_predicted
         st.realised_accepted += step_realised
         st.sum_abs_error += abs(step_predicted - step_realised)
-
-
-def _judged(num_drafts: int, accept_len: int) -> list[bool]:
-    a = max(min(accept_len, num_drafts), 0)
-    return [True] * a + ([False] if a < num_drafts else [])
 
 
 __all__ = ["PROBE_EVERY", "BudgetDecision", "ConfidenceBudget", "ConfidenceStats", "Slot",

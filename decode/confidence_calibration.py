@@ -145,11 +145,23 @@ class ConfidenceCalibration:
             table = self.tables[slot] = ReliabilityBins(self.num_bins)
         return table
 
+    def calibrated(self, key: str, position: int, score: float) -> float:
+        """The calibrated confidence of one draft at ``position`` with raw ``score`` (the
+        identity, clamped, before any outcome at that key and position)."""
+        table = self.tables.get((key, min(max(position, 0), self.max_positions - 1)))
+        if table is None:
+            return clamp_confidence(score)
+        return table.calibrated(score, self.prior_strength)
+
     def calibrate(self, key: str, scores: Sequence[float]) -> list[float]:
         """Calibrated confidences of drafts at positions ``0 .. len(scores) - 1`` whose raw
         scores are ``scores`` (each in [0, 1]; out of range clamped, NaN is 0)."""
         return [self._table(key, j).calibrated(q, self.prior_strength)
                 for j, q in enumerate(scores)]
+
+    def observe_draft(self, key: str, position: int, score: float, survived: bool) -> None:
+        """One judged draft at ``position`` with raw ``score``."""
+        self._table(key, position).observe(score, survived)
 
     def observe(self, key: str, scores: Sequence[float], accept_len: int) -> None:
         """A step verified drafts with raw ``scores`` (one per draft, in order) and accepted

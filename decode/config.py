@@ -24,7 +24,7 @@ STEP_TIME_EMA_WEIGHT = 0.2
 #: requests with kappa drafts each always fits (the budget only bites when set lower).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 #: ``speculative_policy`` values: how kappa follows the batch and the acceptance.
-SPECULATIVE_POLICIES = ("goodput", "schedule", "fixed")
+SPECULATIVE_POLICIES = ("goodput", "schedule", "fixed", "confidence")
 #: Hidden-state rows the verifier keeps per request for a re-sync (DraftSync after DraftNeedSync
 #: or a drafter change): the latest ones, ending at the last committed token's predecessor.
 MAX_SEED_ROWS = 64
@@ -85,8 +85,11 @@ class VerifierConfig:
     (the default, the caps ``adaptive_drafts`` and ``goodput_drafts`` turn on), ``"schedule"``
     (SGLang's adaptive schedule, decode/kappa_schedule.py: one kappa per step from the running
     batch's slot and an EMA of accepted drafts; a request that sets no kappa of its own gets
-    the schedule's largest candidate, so the step's kappa is what caps it; the two caps off)
-    or ``"fixed"`` (every usable draft up to kappa; the two caps off).
+    the schedule's largest candidate, so the step's kappa is what caps it; the two caps off),
+    ``"fixed"`` (every usable draft up to kappa; the two caps off) or ``"confidence"`` (the
+    confidence budget, decode/confidence_budget.py: a global top-k over (request, position)
+    slots scored by the running product of each draft's confidence, k chosen on the profiled
+    verify cost table; without a table, warned, the goodput caps).
     ``speculative_schedule``: the schedule's slots (None: the chapter's default,
     :data:`decode.kappa_schedule.DEFAULT_SCHEDULE`); with ``"schedule"`` only.
     ``max_prefill_pause_s``: where a prefill worker shares this verifier's CPU cores, the
@@ -195,6 +198,12 @@ class VerifierConfig:
         """Whether each request's drafts are capped by its accept-length EMA
         (``adaptive_drafts`` under the goodput policy)."""
         return self.adaptive_drafts and self.speculative_policy == "goodput"
+
+    @property
+    def uses_cost_table(self) -> bool:
+        """Whether the policy decides on the profiled verify cost table (decode/cost_table.py):
+        the goodput caps, or the confidence budget."""
+        return self.goodput_caps or self.speculative_policy == "confidence"
 
     @property
     def goodput_caps(self) -> bool:

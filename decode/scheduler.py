@@ -6,7 +6,8 @@ plans, per running request, the drafts to verify: its usable tail, capped by kap
 (``num_speculative_tokens``), by the tokens it may still emit and (``adaptive_drafts``) by one
 more than its recent accept length, (``goodput_drafts``) by its goodput-maximising cap this step
 (decode/goodput.py) -- both under ``speculative_policy`` goodput only --, (the schedule policy)
-by the step's kappa from SGLang's schedule (decode/kappa_schedule.py), and the whole batch by
+by the step's kappa from SGLang's schedule (decode/kappa_schedule.py), (the confidence policy)
+by the confidence budget's width (decode/confidence_policy.py), and the whole batch by
 ``max_num_batched_tokens``. A run of drafts
 copied from the request's prediction (OpenAI Predicted Outputs) at the head of its tail has a
 width of its own instead: kappa after a rejected prediction draft, doubled after each run
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from specmesh.decode.admission import Admission, BlockAllocator
 from specmesh.decode.config import ACCEPT_LEN_EMA_WEIGHT, VerifierConfig
+from specmesh.decode.confidence_policy import ConfidencePolicy
 from specmesh.decode.goodput import DraftBudget, DraftCaps
 from specmesh.decode.kappa_schedule import KappaSchedule
 from specmesh.decode.request import Request
@@ -64,7 +66,7 @@ class PlannedRequest:
         return 1 + len(self.draft_token_ids)
 
 
-class Scheduler(Admission, TailWait):
+class Scheduler(Admission, TailWait, ConfidencePolicy):
     """Admission, KV reservation, draft plans, tail-wait decisions and peer choice.
 
     ``num_speculative_tokens`` starts at the config's value; the controller may change it.
@@ -96,6 +98,7 @@ class Scheduler(Admission, TailWait):
         #: its grammars' check, decode/grammar.py: drafts a request's grammar refuses are cut
         #: here, before the forward); default: all
         self.draft_limit: Callable[[Request, list[int]], int] = lambda req, drafts: len(drafts)
+        self.init_confidence_policy()  # the confidence policy's budget (decode/confidence_policy.py)
 
     # -- the per-step draft plan -----------------------------------------------------------
 
@@ -173,7 +176,9 @@ class Scheduler(Admission, TailWait):
         # the draft supply, before the goodput caps choose among it
         self.last_plan_with_tail = sum(n > 0 for n in usable)
         # a step with no tails decides nothing about drafts
-        if self.config.goodput_caps and any(usable):
+        if self.confidence_budget is not None and any(usable):
+            caps = self.confidence_caps(running, caps, usable)
+        elif self.config.goodput_caps and any(usable):
             rates = [r.acceptance.rate for r in running]
             decision = self.draft_budget.decide(usable, rates)
             caps = [decision.cap(rate, c) for rate, c in zip(rates, caps)]
@@ -197,6 +202,7 @@ class Scheduler(Admission, TailWait):
                     and self.tree_verifiable(req.sampling):
                 tree = req.tail.usable_tree(k, min(self.max_tree_nodes(req), budget - 1))
             if tree is not None:
+                self.forget_step_confidences(req)  # the budget scored its chain
                 drafts, parents = tree
                 # the tree's first nodes are the chain tail (DraftTree.plan), as many as fit
                 planned = PlannedRequest(req, drafts, None, parents,
@@ -229,6 +235,7 @@ class Scheduler(Admission, TailWait):
         (:meth:`prediction_drafts`): doubled when all were accepted, kappa when one was
         not."""
         num_predicted = min(max(num_predicted, 0), num_drafts)
+        self.observe_confidence(req, accept_len, num_drafts, num_predicted)
         if num_predicted:
             if accept_len >= num_predicted:
                 width = req.prediction_width or req.num_speculative_tokens
@@ -263,6 +270,7 @@ class Scheduler(Admission, TailWait):
         if self.kappa_schedule is not None and self._step_batch:
             self.kappa_schedule.observe(self._step_batch, self._step_accepts)
         self._step_accepts = []
+        self.end_confidence_step()  # the confidence policy's predicted vs realised drafts
 
     @property
     def current_kappa(self) -> int:
