@@ -132,6 +132,9 @@ class RoleCollector:
         if sched.kappa_schedule is not None:
             yield _counter("specmesh:spec_decode_kappa_changes", "Moves of the adaptive "
                            "schedule's kappa", len(sched.kappa_schedule.changes), labels)
+        budget = getattr(sched, "confidence_budget", None)
+        if budget is not None:  # --speculative-policy confidence (decode/confidence_budget.py)
+            yield from _confidence_metrics(budget.stats, labels)
         yield _counter("specmesh:sibling_forks",
                        "Requests started on a sibling's prompt KV (the n choices of a prompt)",
                        st.num_sibling_forks, labels)
@@ -158,3 +161,19 @@ def serve_role_metrics(host, addr: str) -> int:
     registry.register(RoleCollector(host))
     server, _ = start_http_server(0, addr=addr, registry=registry)
     return server.server_port
+
+
+def _confidence_metrics(st, labels: dict[str, str]):  # noqa: ANN001, ANN202
+    """The confidence budget's running sums: predicted vs realised accepted drafts of the
+    steps it decided (decode/confidence_budget.py ConfidenceStats), for calibration."""
+    yield _counter("specmesh:spec_decode_confidence_steps", "Verify steps the confidence "
+                   "budget decided", st.num_steps, labels)
+    yield _counter("specmesh:spec_decode_confidence_fallback_steps", "Verify steps the "
+                   "confidence policy left to the goodput caps (no profiled cost table)",
+                   st.num_fallback_steps, labels)
+    yield _counter("specmesh:spec_decode_confidence_predicted_accepted", "Accepted drafts the "
+                   "confidence budget predicted (sum of the admitted slots' scores)",
+                   st.predicted_accepted, labels)
+    yield _counter("specmesh:spec_decode_confidence_realised_accepted", "Accepted drafts of "
+                   "the steps the confidence budget decided", st.realised_accepted, labels)
+

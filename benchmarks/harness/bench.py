@@ -391,6 +391,21 @@ def _cost_tables(handles: dict) -> dict[str, dict | None]:
     return out
 
 
+def _confidence_calibration(handles: dict) -> dict[str, dict]:
+    """Per served cluster under the confidence policy (``"method (confidence)"``), its first
+    verifier's predicted vs realised accepted drafts and reliability bins over its life
+    (decode/confidence_budget.py ConfidenceStats, as its ``stats()`` show them)."""
+    import ray  # ray: the served clusters are running
+
+    out = {}
+    for (label, policy), h in handles.items():
+        if policy != "confidence":
+            continue
+        stats = ray.get([a.stats.remote() for a in h.verifiers()])
+        out[f"{label} ({policy})"] = stats[0].get("confidence_budget") if stats else None
+    return out
+
+
 def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
     """The adaptive-speculation sweep: per draft method one served cluster under
     ``--speculative-policy fixed`` (every ``opts.kappas`` pass, set per pass; k = 0 once, on
@@ -400,7 +415,9 @@ def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
     only (no in-process, HF or llama-server passes). Returns the summary: the plain bench's
     (output identity against k = 0, ``mismatches``), each policy system's ``kappa_timeline``
     per repeat and each level's ``policy_vs_best_fixed``
-    (:func:`report.policy_vs_best_fixed`)."""
+    (:func:`report.policy_vs_best_fixed`); with the confidence policy,
+    ``confidence_calibration``: per such cluster its predicted vs realised accepted drafts
+    (mean error per step) and reliability bins."""
     # the engine's tokenizer loader: transformers, only when a bench runs
     from tqdm import tqdm
 
@@ -450,6 +467,7 @@ def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
                            f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
             bar.close()
             tables = _cost_tables(handles)
+            calibration = _confidence_calibration(handles)
         finally:
             for h in handles.values():
                 h.stop()
@@ -473,6 +491,8 @@ def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
                   for c in opts.concurrency}
     summary = summarize(config, runs, {c: systems for c in opts.concurrency}, None, categories)
     summary["sweep"] = {"kappas": kappas, "policies": list(policies)}
+    if calibration:  # --policy confidence: predicted vs realised accepted drafts
+        summary["confidence_calibration"] = calibration
     write_outputs(summary, opts)
     return summary
 

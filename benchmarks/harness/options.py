@@ -173,7 +173,7 @@ class BenchOptions:
 
 
 #: the adaptive policies ``--policy`` may list (``fixed`` is what ``--kappas`` runs)
-SWEEP_POLICIES = ("schedule", "goodput")
+SWEEP_POLICIES = ("schedule", "goodput", "confidence")
 
 
 def parse_kappas(text: str) -> list[int]:

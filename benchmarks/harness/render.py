@@ -120,6 +120,7 @@ def markdown(summary: dict) -> str:
     if loud:
         lines += [f"**{m}**" for m in loud] + [""]
     lines += sweep_markdown(summary)
+    lines += calibration_markdown(summary)
     for level in summary["levels"].values():
         lines += [f"## concurrency {level['concurrency']} ({level['num_requests']} requests)",
                   "", "| system | tokens/s | x HF | acceptance | mean accept len | "
@@ -275,6 +276,44 @@ def sweep_markdown(summary: dict) -> list[str]:
     return lines + [""]
 
 
+def calibration_markdown(summary: dict) -> list[str]:
+    """The confidence policy's calibration (empty without it): per served cluster, the
+    accepted drafts its budget predicted and those realised over the steps it decided, the
+    mean absolute error per step and the reliability bins' expected calibration error."""
+    calib = summary.get("confidence_calibration") or {}
+    if not calib:
+        return []
+    lines = ["## confidence calibration (predicted vs realised accepted drafts)", "",
+             "| cluster | steps | predicted | realised | mean abs error / step | ECE | "
+             "fallback steps |", "|---|---|---|---|---|---|---|"]
+    for name, st in calib.items():
+        if not st:
+            lines.append(f"| {name} | | | | | | |")
+            continue
+        lines.append(f"| {name} | {st['num_steps']} | {_num(st['predicted_accepted_drafts'])} "
+                     f"| {st['realised_accepted_drafts']} | "
+                     f"{_num(st['mean_abs_error_per_step'])} | "
+                     f"{_num(st['reliability_ece'], '.3f')} | {st['num_fallback_steps']} |")
+    return lines + [""]
+
+
+def _plot_reliability(ax, calib: dict) -> None:
+    """The confidence policy's reliability plot: per cluster, each non-empty bin's mean
+    predicted confidence against its realised survival rate (the diagonal: calibrated)."""
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
+    for name, st in calib.items():
+        rows = [r for r in (st or {}).get("reliability") or [] if r["num_judged"]]
+        if rows:
+            ax.plot([r["mean_predicted"] for r in rows], [r["survival_rate"] for r in rows],
+                    marker="o", label=f"{name} (ECE {_num(st['reliability_ece'], '.3f')})")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("predicted survival (confidence used)")
+    ax.set_ylabel("realised survival")
+    ax.set_title("confidence calibration")
+    ax.legend(fontsize=7)
+
+
 def _plot_kappa(ax, levels: list[dict]) -> None:
     """Drafts per request step (what each policy chose) and the policy's kappa over the first
     repeat of each policy system at each level."""
@@ -300,8 +339,8 @@ def _plot_kappa(ax, levels: list[dict]) -> None:
 def write_plot(summary: dict, path: str) -> None:
     """A PNG at ``path``: tokens/s vs concurrency per system (left) and acceptance rate per
     draft position of every kappa > 0 specmesh system per level (middle); in the
-    adaptive-speculation sweep also the kappa each policy chose over time (right). Agg
-    backend."""
+    adaptive-speculation sweep also the kappa each policy chose over time, and with the
+    confidence policy its reliability plot (right). Agg backend."""
     # matplotlib: only with --plot
     import matplotlib
 
@@ -312,10 +351,14 @@ def write_plot(summary: dict, path: str) -> None:
 
     levels = list(summary["levels"].values())
     sweep = bool(summary.get("sweep"))
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(18 if sweep else 12, 4.5))
+    calib = summary.get("confidence_calibration") or {}
+    panels = 2 + sweep + bool(calib)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
     ax1, ax2 = axes[0], axes[1]
     if sweep:
         _plot_kappa(axes[2], levels)
+    if calib:
+        _plot_reliability(axes[-1], calib)
     names: list[str] = []
     for lv in levels:
         names += [n for n in lv["systems"] if n not in names]

@@ -116,6 +116,9 @@ class VerifierHost(RoleHost):
         sched = self.worker.scheduler
         out["current_kappa"] = sched.current_kappa
         out["speculative_policy"] = self.worker.config.speculative_policy
+        # the confidence policy's predicted vs realised accepted drafts and reliability bins
+        budget = getattr(sched, "confidence_budget", None)
+        out["confidence_budget"] = None if budget is None else budget.stats.as_dict()
         table = sched.draft_budget.table
         out["verify_cost_table"] = None if table is None else {
             "source": table.source, "num_observed": table.num_observed, **table.as_dict()}

@@ -127,3 +127,27 @@ def test_summary_and_markdown_of_a_sweep():
     table = "\n".join(sweep_markdown(summary))
     assert "| served goodput ngram | 0.95x (served k=2 ngram, 1.50 drafts/step) |" in table
     assert sweep_markdown({"levels": {}}) == []
+
+
+def test_confidence_calibration_table_and_reliability_panel(tmp_path):
+    from specmesh.benchmarks.harness.render import calibration_markdown, write_plot
+    from specmesh.decode.confidence_budget import ConfidenceBudget
+
+    assert parse_policies("confidence") == ("confidence",)
+    budget = ConfidenceBudget()
+    budget.observe_step([[0.9, 0.9], [0.5]], [2, 0])  # predicted .9 + .81 + .5, realised 2
+    budget.stats.num_fallback_steps = 1
+    systems = sweep_systems([0, 2], ("confidence",), ["ngram"])
+    ids = [[1, 2, 3]]
+    runs = {1: {SERVED_PLAIN: [_run(SERVED_PLAIN, 10.0, ids)],
+                "served k=2 ngram": [_run("served k=2 ngram", 20.0, ids)],
+                "served confidence ngram": [_run("served confidence ngram", 19.0, ids)]}}
+    summary = summarize({"model": "m"}, runs, {1: systems})
+    summary["sweep"] = {"kappas": [0, 2], "policies": ["confidence"]}
+    summary["confidence_calibration"] = {"ngram (confidence)": budget.stats.as_dict()}
+    table = "\n".join(calibration_markdown(summary))
+    assert "| ngram (confidence) | 1 | 2.21 | 2 | 0.21 |" in table
+    assert calibration_markdown({"levels": {}}) == []
+    path = tmp_path / "plot.png"
+    write_plot(summary, str(path))
+    assert path.stat().st_size > 0
