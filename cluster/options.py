@@ -91,8 +91,11 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="how many drafts each verify step carries, within kappa: goodput "
                         "(default: the per-request caps, --goodput-drafts), schedule (SGLang's "
                         "adaptive schedule for every drafter: kappa per batch-size slot, moved "
-                        "by an EMA of accepted drafts; docs/operations.md, 'Adaptive kappa') "
-                        "or fixed (every usable draft up to kappa)")
+                        "by an EMA of accepted drafts; docs/operations.md, 'Adaptive kappa'), "
+                        "fixed (every usable draft up to kappa) or confidence (a global top-k "
+                        "of (request, position) slots scored by each draft's confidence, k "
+                        "chosen on the profiled --verify-cost-table; docs/operations.md, "
+                        "'Confidence budget')")
     p.add_argument("--speculative-schedule", default=None, metavar="FILE.json",
                    help="the schedule policy's slots, SGLang's --speculative-adaptive-config "
                         "format ({\"1\": {\"candidate_steps\": [1, 3, 7], ...}, ...}; "

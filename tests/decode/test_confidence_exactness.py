@@ -112,3 +112,36 @@ def test_head_confidences_keep_failing_drafts_out_and_stay_exact(tiny):
     # the perfect head's predictions track what was accepted
     assert budget.num_steps > 0
     assert budget.predicted_accepted == pytest.approx(budget.realised_accepted, rel=0.15)
+
+
+def test_policy_flag_and_prometheus_sums(tiny):
+    import types
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from specmesh.cluster.cli import build_parser
+    from specmesh.cluster.metrics import RoleCollector
+    from specmesh.cluster.options import policy_settings
+
+    args = build_parser().parse_args(["serve", "--speculative-policy", "confidence"])
+    assert policy_settings(args) == {"speculative_policy": "confidence"}
+    model, cfg, prompts, refs = tiny
+    c = _cluster(model, cfg, OracleProposer(prompts, refs), "confidence")
+    res, params = _generate(c, prompts[:2])
+    assert [r.token_ids for r in res] == [ref[:sp.max_tokens]
+                                          for ref, sp in zip(refs, params)]
+    registry = CollectorRegistry()
+    registry.register(RoleCollector(types.SimpleNamespace(
+        role="verifier", instance_id="verifier-0", worker=c.verifier)))
+    text = generate_latest(registry).decode()
+    st = c.verifier.scheduler.confidence_budget.stats
+
+    def value(name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + "_total{"))
+        return float(line.split()[-1])
+
+    assert value("specmesh:spec_decode_confidence_realised_accepted") == \
+        st.realised_accepted > 0
+    assert value("specmesh:spec_decode_confidence_predicted_accepted") == \
+        pytest.approx(st.predicted_accepted)
+    assert value("specmesh:spec_decode_confidence_steps") == st.num_steps > 0
