@@ -94,8 +94,8 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "by an EMA of accepted drafts; docs/operations.md, 'Adaptive kappa'), "
                         "fixed (every usable draft up to kappa) or confidence (a global top-k "
                         "of (request, position) slots scored by each draft's confidence, k "
-                        "chosen on the profiled --verify-cost-table; docs/operations.md, "
-                        "'Confidence budget')")
+                        "chosen on the profiled --verify-cost-table; docs/verification.md, "
+                        "'The confidence budget')")
     p.add_argument("--speculative-schedule", default=None, metavar="FILE.json",
                    help="the schedule policy's slots, SGLang's --speculative-adaptive-config "
                         "format ({\"1\": {\"candidate_steps\": [1, 3, 7], ...}, ...}; "
