@@ -15,6 +15,19 @@ from specmesh.decode.confidence_budget import ConfidenceBudget
 from specmesh.decode.draft_confidence import DraftConfidences, StepConfidences
 from specmesh.decode.request import Request
 
+#: temperature below which a request is greedy (engine/sampling.py, vLLM's epsilon; not
+#: imported: engine.sampling loads torch, the scheduler stays pure Python)
+GREEDY_TEMPERATURE = 1e-5
+
+
+def sampling_key(req: Request) -> str:
+    """The sampling mode that keys a request's ``q`` calibration: a greedy draft survives when
+    it is the target's argmax, a seeded one when the coupled noise picks it, a random one with
+    ``min(1, p / q)``."""
+    if req.sampling.temperature < GREEDY_TEMPERATURE:
+        return "greedy"
+    return "coupled" if req.sampling.seed is not None else "random"
+
 
 class ConfidencePolicy:
     """The confidence policy's part of the scheduler (see the module docstring)."""
@@ -40,8 +53,10 @@ class ConfidencePolicy:
         for req, n in zip(running, usable):
             drafts = req.tail.usable(n)
             head = req.head_confidences.lookup(req.committed_len, drafts)
+            token_probs = req.draft_token_probs.lookup(req.committed_len, drafts)
             scored.append(self.draft_confidences.score(
-                drafts, req.tail.usable_probs(n), head, req.acceptance.rate))
+                drafts, req.tail.usable_probs(n), head, req.acceptance.rate, token_probs,
+                sampling_key(req)))
         budget = self.draft_budget
         decision = self.confidence_budget.decide([s.used for s in scored], budget.seconds,
                                                  has_profile=budget.table is not None)
@@ -60,7 +75,7 @@ class ConfidencePolicy:
         for req, s, w in zip(running, scored, decision.widths):
             if w:
                 self._step_confidences[req.request_id] = StepConfidences(
-                    s.used[:w], s.kinds[:w], s.raw[:w])
+                    s.used[:w], s.kinds[:w], s.raw[:w], s.key)
         return [min(c, w) for c, w in zip(caps, decision.widths)]
 
     def forget_step_confidences(self, req: Request) -> None:

@@ -102,9 +102,11 @@ class DraftLink:
                 req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids,
                              base_committed_len=msg.base_committed_len, draft_probs=probs,
                              from_prediction=msg.from_prediction)
-                if msg.draft_confidences and not msg.from_prediction:  # a confidence head's
+                if not msg.from_prediction:  # scores for the confidence budget
                     req.head_confidences.add(msg.start_pos, msg.draft_token_ids,
                                              msg.draft_confidences)
+                    req.draft_token_probs.add(msg.start_pos, msg.draft_token_ids,
+                                              msg.draft_token_probs)
         except ValueError as err:  # the buffer's (and rows') own checks: still the peer's fault
             raise ProtocolError(f"bad tail: {err}", request_id=rid) from None
         self.stats.num_stale_tail_tokens += req.tail.stats.num_stale_tokens - before

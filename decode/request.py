@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from specmesh.decode.config import INITIAL_ACCEPT_LEN_EMA
-from specmesh.decode.draft_confidence import HeadConfidences
+from specmesh.decode.draft_confidence import TokenScores
 from specmesh.decode.goodput import Acceptance
 from specmesh.decode.prediction_usage import PredictionUsage
 from specmesh.decode.tail_buffer import TailBuffer
@@ -84,8 +84,10 @@ class Request:
     spec_steps: list[tuple[int, int, int, int]] = field(default_factory=list)
     accept_len_ema: float = INITIAL_ACCEPT_LEN_EMA
     acceptance: Acceptance = field(default_factory=Acceptance)  # decode/goodput.py
-    #: DraftTailStream.draft_confidences by output position (decode/draft_confidence.py)
-    head_confidences: HeadConfidences = field(default_factory=HeadConfidences)
+    #: DraftTailStream.draft_confidences / draft_token_probs by output position
+    #: (decode/draft_confidence.py)
+    head_confidences: TokenScores = field(default_factory=TokenScores)
+    draft_token_probs: TokenScores = field(default_factory=TokenScores)
     #: most prediction drafts its next step verifies (0: not set yet, its kappa);
     #: Scheduler.prediction_drafts / observe_accept
     prediction_width: int = 0

@@ -1,8 +1,8 @@
 """Checks of decoded wire messages that span fields (run by protocol/codec.py after msgspec has
 checked each field's type and bounds): a DraftTailStream's ``parents`` one per draft and pointing
 inside the segment, ``start_pos >= base_committed_len``, ``draft_probs`` rows = drafts, a
-prediction segment a chain without ``draft_probs``, ``draft_confidences`` one per draft in
-[0, 1]; a
+prediction segment a chain without ``draft_probs``, ``draft_confidences`` and
+``draft_token_probs`` one per draft in [0, 1]; a
 DraftBranches' continuations one per candidate, non-empty, candidates distinct; a corpus
 operation's op, name and chunks (:func:`check_drafter_corpus`), its results' op and status. Each
 check
@@ -57,11 +57,12 @@ def check_draft_tail(m: DraftTailStream) -> str:
     if m.from_prediction and (m.draft_probs is not None or m.parents is not None):
         return ("a prediction segment with draft_probs or parents (prediction drafts are "
                 "deterministic: a chain verified one-hot)")
-    if m.draft_confidences:
-        if len(m.draft_confidences) != n:
-            return f"{len(m.draft_confidences)} draft_confidences for {n} draft tokens"
-        if not all(0.0 <= c <= 1.0 for c in m.draft_confidences):  # NaN fails too
-            return "draft_confidences outside [0, 1] (a probability per draft)"
+    for name in ("draft_confidences", "draft_token_probs"):
+        values = getattr(m, name)
+        if values and len(values) != n:
+            return f"{len(values)} {name} for {n} draft tokens"
+        if not all(0.0 <= c <= 1.0 for c in values):  # NaN fails too
+            return f"{name} outside [0, 1] (a probability per draft)"
     return ""
 
 

@@ -52,8 +52,9 @@ from msgspec import Meta
 # SamplingParams.grammar (structured output: response_format, guided_*, tools)
 # 14: LoRA adapters: ModelIdentity.lora_adapters, GenerateRequest / PrefillRequest.lora_name
 # 15: PrefillDone.num_cached_tokens, TokenStream.num_cached_tokens (prefix cache hits)
-# 16: DraftTailStream.draft_confidences (a confidence head's survival predictions, read by the
-# confidence budget, decode/confidence_budget.py)
+# 16: DraftTailStream.draft_confidences (a confidence head's survival predictions) and
+# draft_token_probs (each greedy draft's probability), read by the confidence budget
+# (decode/confidence_budget.py)
 PROTOCOL_VERSION = 16
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
@@ -768,12 +769,17 @@ class DraftTailStream(Message, tag=42, kw_only=True):
     that the draft is accepted given that the drafts before it were (a trained confidence
     head's output, DSpark's); the verifier's confidence budget uses them as sent
     (decode/confidence_budget.py, ``--speculative-policy confidence``); a drafter without a
-    head sends none.
+    head sends none. ``draft_token_probs``: one per draft (or empty), the draft's probability
+    under the drafter's distribution, for drafts sent without a ``draft_probs`` row (a model
+    drafter's greedy drafts: the softmax of the logits it took the argmax of); the verifier
+    calibrates it into a confidence from its own verify outcomes
+    (decode/confidence_calibration.py).
 
     Decoding refuses (ProtocolError) negative positions or token ids, ``start_pos <
     base_committed_len``, parents of the wrong length or pointing outside the segment,
     ``draft_probs`` whose rows are not the drafts, a prediction segment with parents or
-    ``draft_probs``, and ``draft_confidences`` not one per draft or outside [0, 1].
+    ``draft_probs``, and ``draft_confidences`` or ``draft_token_probs`` not one per draft or
+    outside [0, 1].
     """
 
     request_id: str
@@ -784,6 +790,7 @@ class DraftTailStream(Message, tag=42, kw_only=True):
     parents: list[int] | None = None
     from_prediction: bool = False
     draft_confidences: list[float] = []
+    draft_token_probs: list[float] = []
 
     @classmethod
     def example(cls) -> DraftTailStream:

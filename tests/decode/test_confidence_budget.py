@@ -22,7 +22,7 @@ from specmesh.decode.confidence_calibration import (
 )
 from specmesh.decode.cost_table import VerifyCostTable
 from specmesh.decode.config import VerifierConfig
-from specmesh.decode.draft_confidence import HEAD, Q, RATE, DraftConfidences, HeadConfidences
+from specmesh.decode.draft_confidence import HEAD, Q, RATE, DraftConfidences, TokenScores
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.decode.scheduler import Scheduler
 from specmesh.engine.block_manager import BlockManager
@@ -221,7 +221,7 @@ def test_draft_confidences_prefer_head_then_q_then_rate():
 
 
 def test_head_confidences_match_position_and_token():
-    h = HeadConfidences()
+    h = TokenScores()
     h.add(4, [10, 11, 12], [0.9, 0.8, 0.7])
     assert h.lookup(4, [10, 99, 12]) == [0.9, None, 0.7]
     assert h.lookup(5, [11, 12]) == [0.8, 0.7]
