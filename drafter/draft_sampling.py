@@ -52,7 +52,10 @@ class DraftSampling:
     ``output_token_ids``: the request's prompt and its output before the call's first draft
     (committed + path), the history of the penalties and token constraints; the drafts
     :meth:`choose` picks are appended to that history for the next ones (index ``i`` sees the
-    call's drafts ``0 .. i-1``).
+    call's drafts ``0 .. i-1``). ``token_probs``: a greedy draft comes with its probability
+    (a float: the softmax of the logits it is the argmax of) in place of a row, sent as
+    DraftTailStream.draft_token_probs for the verifier's confidence budget, which calibrates
+    it (decode/confidence_calibration.py); the draft itself is unchanged.
     """
 
     sampling: SamplingParams
@@ -62,6 +65,7 @@ class DraftSampling:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     _drafted: list[int] = field(default_factory=list, repr=False, compare=False)
+    token_probs: bool = False
 
     @property
     def processes(self) -> bool:
@@ -109,7 +113,8 @@ class DraftSampling:
     def _choose(self, logits: torch.Tensor, index: int) -> tuple[int, torch.Tensor | None]:
         mode = self.mode
         if mode == GREEDY:
-            return int(logits[0].argmax()), None
+            token = int(logits[0].argmax())
+            return token, (token_probs(logits, [token])[0] if self.token_probs else None)
         probs = processed_probs(logits, [self.sampling])  # float32 [1, V]
         if mode == COUPLED:
             seeds = seeds_tensor([self.sampling], logits.device)
@@ -121,6 +126,16 @@ class DraftSampling:
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         token = int((probs / noise).argmax())
         return token, (probs[0].to("cpu") if self.with_probs else None)
+
+
+def token_probs(logits: torch.Tensor, token_ids: Sequence[int]) -> list[float]:
+    """Per row ``i`` of ``logits`` ``[n, vocab]``, the softmax probability of
+    ``token_ids[i]`` (``exp(logit - logsumexp)`` in float32: one reduction per row, no ``[n,
+    vocab]`` softmax kept). A greedy draft's ``q`` for DraftTailStream.draft_token_probs."""
+    x = logits.float()
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=x.device)
+    picked = x.gather(-1, ids[:, None])[:, 0]
+    return torch.exp(picked - torch.logsumexp(x, dim=-1)).tolist()
 
 
 def target_space_logits(logits: torch.Tensor, vocab_size: int,
@@ -147,4 +162,4 @@ def target_space_logits(logits: torch.Tensor, vocab_size: int,
     return out
 
 
-__all__ = ["DraftSampling", "target_space_logits"]
+__all__ = ["DraftSampling", "target_space_logits", "token_probs"]

@@ -108,6 +108,10 @@ class Proposer(ABC):
     #: drafter: drafter/draft_sampling.py) and returns the rows of unseeded sampled drafts;
     #: False: drafts are the same whatever the sampling (n-gram), one-hot for the verifier
     returns_draft_probs: ClassVar[bool] = False
+    #: whether, asked with ``DraftSampling.token_probs``, a greedy draft comes with its
+    #: probability (a float in place of its row), sent as DraftTailStream.draft_token_probs
+    #: for the verifier's confidence budget (decode/confidence_calibration.py)
+    returns_token_probs: ClassVar[bool] = False
     #: whether drafting runs a model (torch forwards competing with the verifier's for the
     #: cores): the cluster's default thread plan leaves such a drafter a core of its own
     runs_a_model: ClassVar[bool] = False

@@ -372,14 +372,15 @@ class DrafterWorker(MailboxWorker):
         if tree is not None and start == 0:  # branch 0 is the path: send the tree
             runs = [(tree[0], tree[1], None, False)]
         else:
-            runs = [(st.path[a:b], None, self._probs_buffer(st.probs[a:b]), flag)
+            runs = [(st.path[a:b], None, st.probs[a:b], flag)
                     for a, b, flag in _runs(st.predicted, start, len(st.path))]
         pos = len(st.committed) + start
-        for seg, parents, probs, flag in runs:
+        for seg, parents, rows, flag in runs:
             self.send(st.verifier, DraftTailStream(
                 request_id=st.request_id, base_committed_len=len(st.committed),
-                start_pos=pos, draft_token_ids=seg, draft_probs=probs, parents=parents,
-                from_prediction=flag))
+                start_pos=pos, draft_token_ids=seg, draft_probs=self._probs_buffer(rows),
+                parents=parents, from_prediction=flag,
+                draft_token_probs=_token_probs(rows)))
             pos += len(seg)
             if flag:
                 self.stats.num_prediction_tokens_sent += len(seg)
@@ -463,11 +464,16 @@ class DrafterWorker(MailboxWorker):
             how = None
             # sampled requests, and greedy ones with penalties or token constraints, are
             # drafted from the distribution the verifier verifies them against
-            if p.returns_draft_probs and st.sampling is not None and (
-                    sampling_mode(st.sampling) != GREEDY or st.sampling.has_logits_processors):
+            # a proposer that scores greedy drafts (returns_token_probs) drafts them here too,
+            # for their q (DraftTailStream.draft_token_probs; the drafts are the same)
+            greedy = st.sampling is not None and sampling_mode(st.sampling) == GREEDY
+            if st.sampling is not None and (
+                    (p.returns_draft_probs and (not greedy or st.sampling.has_logits_processors))
+                    or (greedy and p.returns_token_probs)):
                 how = DraftSampling(st.sampling, len(st.committed) + len(st.path),
                                     self._generator(), self.config.draft_probs,
-                                    st.prompt_token_ids, st.committed + st.path)
+                                    st.prompt_token_ids, st.committed + st.path,
+                                    token_probs=p.returns_token_probs)
             calls.append(ProposeCall(st.request_id, st.context, room, how))
             where.append(j)
         if calls:
@@ -494,7 +500,7 @@ class DrafterWorker(MailboxWorker):
         """DraftTailStream.draft_probs of a segment: float32 [n, vocab_size] when every draft
         has its row, else None (the verifier then treats the drafts as one-hot, which stays
         exact, docs/architecture.md, 'Exactness')."""
-        if not rows or any(r is None for r in rows):
+        if not rows or not all(isinstance(r, torch.Tensor) for r in rows):
             return None
         return tensor_to_buffer(torch.stack(rows).to(torch.float32))
 
@@ -530,3 +536,12 @@ def _runs(flags: list[bool], start: int, end: int) -> list[tuple[int, int, bool]
             out.append((a, i, flags[a]))
             a = i
     return out
+
+
+def _token_probs(rows: list | None) -> list[float]:
+    """DraftTailStream.draft_token_probs of a segment: each draft's probability when every
+    draft of it came with one (a float in place of its row: greedy drafts of a proposer that
+    scores them), else none."""
+    if not rows or not all(isinstance(r, float) for r in rows):
+        return []
+    return [min(max(r, 0.0), 1.0) for r in rows]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specmesh.drafter.draft_lm_kv import DraftLMKV, DraftLMStats, draft_lm_options
-from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
+from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits, token_probs
 from specmesh.drafter.options import Option
 from specmesh.drafter.pard_block import common_prefix
 from specmesh.drafter.proposer import DraftTarget, Proposer
@@ -98,6 +98,7 @@ class DraftModelProposer(DraftLMKV, Proposer):
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     kv_owner = "draft model"
     returns_draft_probs = True
+    returns_token_probs = True
     runs_a_model = True
 
     @classmethod
@@ -222,7 +223,10 @@ class DraftModelProposer(DraftLMKV, Proposer):
         """Draft ``index`` of a call from logits [1, vocab]: argmax for greedy requests (and
         ``how`` None), else ``how.choose`` over the target's ids (drafter/draft_sampling.py)."""
         if how is None or (how.mode == GREEDY and not how.processes):
-            return self._argmax(logits), None
+            tok = self._argmax(logits)
+            if how is not None and how.token_probs:  # q for the verifier's confidence budget
+                return tok, token_probs(logits[:, :self.draft_vocab_limit], [tok])[0]
+            return tok, None
         full = target_space_logits(logits[:, :self.draft_vocab_limit], self.target_vocab_size)
         return how.choose(full, index)
 

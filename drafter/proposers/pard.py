@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from specmesh.drafter.draft_lm_kv import DraftLMKV, DraftLMStats, draft_lm_options
-from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
+from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits, token_probs
 from specmesh.drafter.options import Option
 from specmesh.drafter.pard_block import block_input, common_prefix
 from specmesh.drafter.pard_files import build_pard_model, shipped_pard, target_name_and_files
@@ -94,6 +94,7 @@ class PardProposer(DraftLMKV, Proposer):
         DEFAULT_KV_CACHE_MB)
     trainer = staticmethod(_train)
     returns_draft_probs = True
+    returns_token_probs = True
     runs_a_model = True
     kv_owner = "PARD draft"
 
@@ -207,6 +208,8 @@ class PardProposer(DraftLMKV, Proposer):
             logits[:, self.mask_token_id] = float("-inf")
         if how is None or (how.mode == GREEDY and not how.processes):
             ids = logits.argmax(dim=-1).tolist()
+            if how is not None and how.token_probs:  # q for the verifier's confidence budget
+                return ids, token_probs(logits, ids)
             return ids, [None] * len(ids)
         drafts, rows = [], []
         for j in range(logits.shape[0]):

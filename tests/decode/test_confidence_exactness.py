@@ -145,3 +145,34 @@ def test_policy_flag_and_prometheus_sums(tiny):
     assert value("specmesh:spec_decode_confidence_predicted_accepted") == \
         pytest.approx(st.predicted_accepted)
     assert value("specmesh:spec_decode_confidence_steps") == st.num_steps > 0
+
+
+@pytest.mark.parametrize("draft", ["same", "small"])
+def test_draft_model_greedy_q_is_sent_calibrated_and_exact(tiny, draft):
+    """A draft model sends each greedy draft's probability (DraftTailStream.draft_token_probs);
+    the verifier scores greedy drafts with it through its calibration, and the output is
+    plain decode's."""
+    from specmesh.drafter.proposers.draft_model import DraftModelProposer
+
+    model, cfg, prompts, refs = tiny
+    draft_model = model if draft == "same" else tiny_llama(
+        seed=7, dtype=torch.float64, vocab_size=96, hidden_size=32, num_layers=1, num_heads=2,
+        num_kv_heads=1)[1]
+    p = DraftModelProposer(dtype="float64", loaded=draft_model, num_blocks=64, block_size=4,
+                           target_vocab_size=cfg.vocab_size)
+    c = InProcessCluster(model, cfg, num_speculative_tokens=4, num_kv_blocks=256, block_size=4,
+                         draft_method="draft_model", proposer=p, speculative_policy="confidence")
+    c.verifier.scheduler.draft_budget.table = VerifyCostTable(
+        SIZES, SIZES, {(b, w): 1.0 + 0.1 * (w - 1) for b in SIZES for w in SIZES})
+    res, params = _generate(c, prompts)
+    for r, ref, sp in zip(res, refs, params):
+        assert r.token_ids == ref[:sp.max_tokens]
+    sched = c.verifier.scheduler
+    cal = sched.draft_confidences.calibration
+    judged = sum(t.num_judged for (key, _), t in cal.tables.items()
+                 if key == "draft_model:q:greedy")
+    assert judged > 0  # greedy q arrived on the wire and was calibrated on outcomes
+    assert sched.confidence_budget.stats.num_steps > 0
+    if draft == "same":  # the target drafting for itself: every verified draft accepted
+        st = c.verifier.stats
+        assert st.num_accepted_tokens == st.num_draft_tokens > 0

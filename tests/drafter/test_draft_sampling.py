@@ -87,3 +87,21 @@ def test_draft_model_rows_cover_the_target_vocabulary():
     toks2, rows2 = prop.propose_sampled("r", [1, 2, 3, 4], 3, off)
     assert rows2 == [None] * 3 and toks2 == toks  # same generator state, same samples
 
+
+
+def test_token_probs_is_the_softmax_at_the_token():
+    from specmesh.drafter.draft_sampling import token_probs
+
+    logits = torch.tensor([[0.0, 1.0, 2.0], [5.0, -1.0, 0.5]], dtype=torch.float64)
+    ids = [2, 0]
+    want = torch.softmax(logits, -1)[torch.arange(2), torch.tensor(ids)].tolist()
+    assert token_probs(logits, ids) == pytest.approx(want, rel=1e-6)
+
+
+def test_greedy_choice_with_token_probs_keeps_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    plain = DraftSampling(SamplingParams(max_tokens=4), 0)
+    scored = DraftSampling(SamplingParams(max_tokens=4), 0, token_probs=True)
+    assert plain.choose(logits, 0) == (1, None)
+    tok, q = scored.choose(logits, 0)
+    assert tok == 1 and q == pytest.approx(torch.softmax(logits[0], -1)[1].item())
