@@ -98,7 +98,7 @@ class Scheduler(Admission, TailWait, ConfidencePolicy):
         #: its grammars' check, decode/grammar.py: drafts a request's grammar refuses are cut
         #: here, before the forward); default: all
         self.draft_limit: Callable[[Request, list[int]], int] = lambda req, drafts: len(drafts)
-        self.init_confidence_policy()  # the confidence policy's budget (decode/confidence_policy.py)
+        self.init_confidence_policy()  # its budget (decode/confidence_policy.py)
 
     # -- the per-step draft plan -----------------------------------------------------------
 
