@@ -176,3 +176,23 @@ def test_draft_model_greedy_q_is_sent_calibrated_and_exact(tiny, draft):
     if draft == "same":  # the target drafting for itself: every verified draft accepted
         st = c.verifier.stats
         assert st.num_accepted_tokens == st.num_draft_tokens > 0
+
+
+def test_budget_zero_steps_run_keep_the_drafter_going_and_probe(tiny):
+    """Drafts that never pay (each token of width costs a whole step): the budget is 0, the
+    steps still commit one token each, the drafter keeps drafting, and a probe step every
+    PROBE_EVERY verifies first drafts."""
+    from specmesh.decode.confidence_budget import PROBE_EVERY
+
+    model, cfg, prompts, refs = tiny
+    c = _cluster(model, cfg, OracleProposer(prompts, refs), "confidence")
+    c.verifier.scheduler.draft_budget.table = VerifyCostTable(
+        SIZES, SIZES, {(b, w): float(w) for b in SIZES for w in SIZES})
+    res, params = _generate(c, prompts[:1])
+    assert res[0].token_ids == refs[0][:params[0].max_tokens]
+    budget = c.verifier.scheduler.confidence_budget.stats
+    assert budget.num_probe_steps >= 1 and budget.num_steps >= PROBE_EVERY
+    st = c.verifier.stats
+    # only the probes verified drafts: one each, all accepted (the oracle)
+    assert st.num_draft_tokens == st.num_accepted_tokens == budget.num_probe_steps
+    assert c.drafter.stats.num_draft_tokens_sent > st.num_draft_tokens
