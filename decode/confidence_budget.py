@@ -141,7 +141,7 @@ class ConfidenceBudget:
 
     def __init__(self) -> None:
         self.stats = ConfidenceStats()
-        self._warned = False
+        self._warned: set[str] = set()  # warnings logged (each once)
         self._held_back = 0  # budget-0 steps in a row while slots were offered
 
     def decide(self, confidences: Sequence[Sequence[float]],
@@ -196,8 +196,8 @@ class ConfidenceBudget:
         return BudgetDecision(widths, best_k, expected, best)
 
     def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
+        if message not in self._warned:
+            self._warned.add(message)
             log.warning("speculative policy confidence: %s", message)
 
     def observe_step(self, predicted: Sequence[Sequence[float]], accept_lens: Sequence[int],
