@@ -58,3 +58,29 @@ def test_bench_sweep_writes_policy_fields(ray_session, tiny_model_dir, tmp_path)
                                          / systems[row["best_fixed"]]["median_tokens_per_s"])
     assert "policy tokens/s / best fixed" in out_md.read_text()
     assert out_png.stat().st_size > 0
+
+
+def test_bench_sweep_reports_confidence_calibration(ray_session, tiny_model_dir, tmp_path):
+    """``--policy confidence``: exact served output, and the confidence cluster's predicted vs
+    realised accepted drafts and reliability bins in the JSON, the markdown and the plot."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    out_json, out_md, out_png = (tmp_path / n for n in ("s.json", "s.md", "s.png"))
+    rc = main(["bench", "--model", tiny_model_dir, "--dtype", "float32", "--kv-cache-mb", "32",
+               "--max-model-len", "1024", "--concurrency", "2", "--repeats", "1",
+               "--max-tokens", "64", "--prompts", str(prompts), "--kappas", "0,2",
+               "--policy", "confidence", "--json", str(out_json), "--markdown", str(out_md),
+               "--plot", str(out_png), "--no-progress"])
+    assert rc == 0  # every system's output identical to k = 0's
+    summary = json.loads(out_json.read_text())
+    assert summary["mismatches"] == []
+    systems = summary["levels"]["2"]["systems"]
+    assert systems["served confidence ngram"]["exact"] is True
+    calib = summary["confidence_calibration"]["ngram (confidence)"]
+    # decided on the verify cost table measured at the verifier's start (no fallback)
+    assert calib["num_steps"] > 0 and calib["num_fallback_steps"] == 0
+    assert calib["realised_accepted_drafts"] > 0 and calib["predicted_accepted_drafts"] > 0
+    assert calib["mean_abs_error_per_step"] is not None
+    assert sum(b["num_judged"] for b in calib["reliability"]) > 0
+    assert "confidence calibration" in out_md.read_text()
+    assert out_png.stat().st_size > 0
