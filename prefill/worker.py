@@ -250,6 +250,9 @@ class PrefillWorker(MailboxWorker):
         if boost:
             self.idle_threads[2](threads)
             self.profile.count("num_prefills_on_idle_verifier_cores", len(reqs))
+        elif self.idle_threads is not None and any(r.verifier_idle for r in reqs):
+            # the verifier idles but another process keeps its cores busy (free_cpus)
+            self.profile.count("num_prefills_idle_cores_busy", len(reqs))
         try:
             t0 = time.monotonic()
             with self.profile.phase("forward"):

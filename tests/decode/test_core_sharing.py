@@ -222,3 +222,5 @@ def test_the_idle_threads_are_taken_only_as_far_as_the_cpus_are_free(free, boost
     assert threads == ([2, 1] * 4 if boosted else [])
     assert c.prefill.profile.counters.get("num_prefills_on_idle_verifier_cores", 0) == (
         4 if boosted else 0)
+    assert c.prefill.profile.counters.get("num_prefills_idle_cores_busy", 0) == (
+        0 if boosted else 4)
