@@ -8,13 +8,18 @@ random token ids (logits of the last token only, as prefill asks): min and media
 ``--repeats`` forwards per point, interleaved over the points so a noisy host disturbs them
 alike.
 
+``--busy N`` keeps N other processes busy (a Python loop each) while the forwards are timed: a
+client on the same host, such as a benchmark tool, and what a team of threads costs beside it
+(the prefill role takes the verifier's idle threads only when the cores are free,
+engine/cpu_load.py).
+
 The ``load`` sub-command times what comes before any prefill: the real model's first load
 (GGUF dequantized, then cached as safetensors) against a cached load, side by side in one run
 with a fresh cache directory.
 
 Usage:
     python benchmarks/prefill_cost.py [--dtype float32] [--threads 1,2] \
-        [--tokens 4,16,64,128,256] [--batch 4x128,4x16] [--repeats 5]
+        [--tokens 4,16,64,128,256] [--batch 4x128,4x16] [--repeats 5] [--busy 1]
     python benchmarks/prefill_cost.py load [--dtype float32] [--model GGUF_OR_DIR]
 """
 
@@ -24,13 +29,19 @@ import argparse
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 
 def model_load(argv: list[str]) -> None:
-    """The ``load`` sub-command: first load against cached load, in a fresh cache directory."""
+    """``--busy N`` keeps N other processes busy (a Python loop each) while the forwards are timed: a
+client on the same host, such as a benchmark tool, and what a team of threads costs beside it
+(the prefill role takes the verifier's idle threads only when the cores are free,
+engine/cpu_load.py).
+
+The ``load`` sub-command: first load against cached load, in a fresh cache directory."""
     parser = argparse.ArgumentParser(prog="prefill_cost.py load",
                                      description="first model load vs a cached load")
     parser.add_argument("--dtype", default="float32")
@@ -61,6 +72,8 @@ def main() -> None:
     ap.add_argument("--batch", default="4x128,4x16",
                     help="PROMPTSxTOKENS: that many prompts in one forward vs one each")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--busy", type=int, default=0,
+                    help="other processes kept busy meanwhile (a Python loop each)")
     args = ap.parse_args()
 
     # torch and the engine load only once the arguments parse (--help stays instant)
@@ -91,7 +104,20 @@ def main() -> None:
         points.append((f"{k}x{n} in one forward", [[n] * k]))
         points.append((f"{k}x{n} one forward each", [[n]] * k))
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
-          f"dtype {args.dtype}")
+          f"dtype {args.dtype}, {args.busy} busy processes beside")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(args.busy)]
+    try:
+        _timed(args, torch, forward, points)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+def _timed(args: argparse.Namespace, torch, forward, points) -> None:  # noqa: ANN001
+    """Each point's forwards per thread count, interleaved over the points, min and median."""
     for threads in (int(x) for x in args.threads.split(",")):
         torch.set_num_threads(threads)
         forward([8])  # warm-up
@@ -103,7 +129,6 @@ def main() -> None:
             ts = times[name]
             print(f"threads {threads}: {name}: min {min(ts) * 1e3:.1f} ms, median "
                   f"{statistics.median(ts) * 1e3:.1f} ms")
-    print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

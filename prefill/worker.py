@@ -14,7 +14,8 @@ A PrefillCancel is acknowledged once no frame of that transfer can follow.
 With ``enable_prefix_caching`` a prompt reuses the cached KV of its leading full blocks
 (prefill/prefix_cache.py) and ships the KV of all its blocks as usual. A batch whose verifier
 shares these cores and idles meanwhile (``PrefillRequest.verifier_idle``) runs on the
-verifier's threads too (``idle_threads``).
+verifier's threads too (``idle_threads``), as far as no other process keeps those cores busy
+(``free_cpus``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class PrefillWorker(MailboxWorker):
         #: cores (PrefillRequest.verifier_idle) runs on ``idle threads``, then back to
         #: ``threads`` (set by cluster/hosts/prefill.py on a CPU node; None: never)
         self.idle_threads: tuple[int, int, Callable[[int], None]] | None = None
+        #: CPUs no other process uses now (engine/cpu_load.py; None: unknown): a batch takes
+        #: the idle threads only as far as they are free, since a team of threads beside a busy
+        #: process stalls at every barrier (set by the role host with ``idle_threads``)
+        self.free_cpus: Callable[[], int | None] | None = None
+        self._free_reading: tuple[float, int | None] = (-1.0, None)
         #: the KV blocks of past prompts (None: prefix caching off)
         self.prefix_cache = (PrefixCache(block_manager.block_size)
                              if config.enable_prefix_caching else None)
@@ -209,7 +215,19 @@ class PrefillWorker(MailboxWorker):
         if self.idle_threads is None:
             return 0
         threads, idle, _ = self.idle_threads
-        return idle if req.verifier_idle and idle > threads else threads
+        if not (req.verifier_idle and idle > threads):
+            return threads
+        free = self._free_now()
+        return idle if free is None else max(threads, min(idle, free))
+
+    def _free_now(self) -> int | None:
+        """:attr:`free_cpus`, read at most once per batch (a reading serves 5 ms)."""
+        if self.free_cpus is None:
+            return None
+        now = time.monotonic()
+        if now - self._free_reading[0] > 0.005:
+            self._free_reading = (now, self.free_cpus())
+        return self._free_reading[1]
 
     def _run_batch(self, batch: list[Queued]) -> None:
         """Prefill ``batch`` (one prompt, chunked, or several whole prompts in one forward),
@@ -232,6 +250,9 @@ class PrefillWorker(MailboxWorker):
         if boost:
             self.idle_threads[2](threads)
             self.profile.count("num_prefills_on_idle_verifier_cores", len(reqs))
+        elif self.idle_threads is not None and any(r.verifier_idle for r in reqs):
+            # the verifier idles but another process keeps its cores busy (free_cpus)
+            self.profile.count("num_prefills_idle_cores_busy", len(reqs))
         try:
             t0 = time.monotonic()
             with self.profile.phase("forward"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from specmesh.cluster.hosts.base import RoleHost, loaded_runner, peers_of
+from specmesh.engine.cpu_load import free_cpus
 from specmesh.protocol.enums import Role
 from specmesh.protocol.zmq_transport import PeerInfo
 
@@ -37,6 +38,7 @@ class PrefillHost(RoleHost):
                                    max(threads.get(Role.VERIFIER.value, 1),
                                        threads.get(self.role.value, 1)),
                                    torch.set_num_threads)
+            worker.free_cpus = free_cpus
         return worker
 
     def on_hello(self, peer: PeerInfo, is_new: bool) -> None:

@@ -202,3 +202,25 @@ def test_the_pause_figures_count_the_tokens_a_prefill_computed_not_its_cache_hit
     assert again.token_ids == first.token_ids
     assert seen == [(True, 11), (True, 3)]  # idle verifier: counted as paused
     assert cold == {0} and {s.num_cached_tokens for s in streams} == {8}
+
+
+@pytest.mark.parametrize("free, boosted", [(2, True), (None, True), (1, False), (0, False)])
+def test_the_idle_threads_are_taken_only_as_far_as_the_cpus_are_free(free, boosted):
+    """Another process busy on one of 2 cores (a benchmark client): a team of 2 threads would
+    stall at every barrier, so a prompt the idle verifier waits on stays on the prefill's own
+    thread; with the cores free (or nothing known) it takes the verifier's. Tokens identical."""
+    _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
+    want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
+                                                  num_kv_blocks=64, block_size=4)
+            .generate(PROMPTS, SP)]
+    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
+    c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
+    threads: list[int] = []
+    c.prefill.idle_threads = (1, 2, threads.append)
+    c.prefill.free_cpus = lambda: free
+    assert [c.generate([p], SP)[0].token_ids for p in PROMPTS] == want
+    assert threads == ([2, 1] * 4 if boosted else [])
+    assert c.prefill.profile.counters.get("num_prefills_on_idle_verifier_cores", 0) == (
+        4 if boosted else 0)
+    assert c.prefill.profile.counters.get("num_prefills_idle_cores_busy", 0) == (
+        0 if boosted else 4)
