@@ -50,6 +50,7 @@ class PrefillHost(RoleHost):
         for gone in getattr(self, "_verifiers", set()) - now:
             self.worker.drop_peer(gone)
         self._verifiers = now
+        self.worker.lora.set_verifiers(now)  # an adapter is unloaded once all released it
 
     def stats(self) -> dict:
         """The base stats plus the KV pool: blocks in all, in use, and held by the prefix
