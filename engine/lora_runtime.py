@@ -125,7 +125,9 @@ class RuntimeAdapters:
             if self.in_use(name):
                 continue
             self.unloading.discard(name)
-            lora_bank(self.model).remove(name)
+            bank = lora_bank(self.model)
+            if name in bank.names:  # (roles of one process may share a model and its bank)
+                bank.remove(name)
             freed.append(name)
             log.info("LoRA adapter %s unloaded", name)
             if self.on_freed is not None:
