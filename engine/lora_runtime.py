@@ -85,7 +85,7 @@ class RuntimeAdapters:
         except FileNotFoundError as err:
             raise LoraOpError(f"No adapter found for {name!r} at {path!r}: {err}",
                               not_found=True) from None
-        except (ValueError, OSError, KeyError) as err:
+        except Exception as err:  # noqa: BLE001 - a bad adapter never kills a role
             raise LoraOpError(f"LoRA adapter {name!r} at {path!r} cannot be served: {err}"
                               ) from None
         log.info("LoRA adapter %s loaded from %s", name, path)
