@@ -54,11 +54,13 @@ class RuntimeAdapters:
         bank = getattr(self.model, "lora", None)
         if bank is None:
             return {}
-        return {a.name: a.path for a in bank.adapters.values()}
+        # (a snapshot: a role's stats read it from another thread)
+        return {a.name: a.path for a in list(bank.adapters.values())}
 
     def current(self) -> dict[str, str]:
         """The adapters served now ({name: path}): loaded and not unloading."""
-        return {n: p for n, p in self._loaded().items() if n not in self.unloading}
+        unloading = set(self.unloading)
+        return {n: p for n, p in self._loaded().items() if n not in unloading}
 
     def load(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at ``path`` as ``name``. Loading the same name and path

@@ -61,4 +61,5 @@ class PrefillHost(RoleHost):
         out["num_kv_blocks"] = bm.num_blocks
         out["num_used_kv_blocks"] = bm.num_used_blocks
         out["num_evictable_kv_blocks"] = 0 if cache is None else cache.num_evictable_blocks
+        out["lora_adapters"] = sorted(self.worker.lora.runtime.current())  # served now
         return out

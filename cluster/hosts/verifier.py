@@ -125,6 +125,8 @@ class VerifierHost(RoleHost):
         out["num_kv_blocks"] = bm.num_blocks
         out["kv_cache_usage"] = 1 - bm.num_free_blocks / bm.num_blocks  # as the metric
         out["requests"] = self.worker.lifecycle.views()
+        # the LoRA adapters served now (those given at start and loaded at run time)
+        out["lora_adapters"] = sorted(self.worker.lora.runtime.current())
         return out
 
 

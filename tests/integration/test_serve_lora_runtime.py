@@ -3,7 +3,8 @@ n-gram drafter and gateway in their own processes) on the tiny random Llama (iss
 ``POST /v1/load_lora_adapter`` reaches the verifier and, through it, the prefill worker (each
 its own model); requests on the adapter stream, with speculation exactly what they give
 without (drafts accepted); an unload while requests on the adapter and on the base stream
-fails none of them, and afterwards neither role holds a KV block."""
+fails none of them, and afterwards neither role holds a KV block; a prefill worker and a
+verifier that restart afterwards serve the adapters loaded at run time."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import replace
 
 import httpx
 import pytest
+import ray
 
 from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.launcher import start_cluster
@@ -129,3 +131,53 @@ def test_load_stream_and_unload_while_streaming(cluster):
                    json={"lora_name": "late", "lora_path": path}, timeout=180)
     assert r.status_code == 200, r.text
     assert _complete(url, "late", 0)[0] == off["late"]
+
+
+def _restart(handle, iid: str) -> int:
+    """Kill role ``iid`` (Ray restarts it); its new incarnation."""
+    old = ray.get(handle.actors[iid].info.remote())["incarnation"]
+    ray.kill(handle.actors[iid], no_restart=False)
+
+    def restarted():
+        try:
+            new = ray.get(handle.actors[iid].info.remote(), timeout=10)["incarnation"]
+        except Exception:  # noqa: BLE001 - restarting
+            return None
+        return new if new != old else None
+    return _wait_for(f"{iid}'s restart", restarted)
+
+
+def _wait_for(what, check, timeout_s: float = 180.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_restarted_roles_serve_the_adapters_loaded_at_run_time(cluster):
+    """A prefill worker, then a verifier, restarted after a run-time load serve the adapter
+    again (synced by their verifier / the gateway), and its requests give the same tokens."""
+    handle, path = cluster
+    url = handle.url
+    r = httpx.post(f"{url}/v1/load_lora_adapter",
+                   json={"lora_name": "again", "lora_path": path}, timeout=180)
+    assert r.status_code == 200, r.text
+    want = _complete(url, "again", 0)[0]
+    for iid in ("prefill-0", "verifier-0"):
+        _restart(handle, iid)
+        _wait_for(f"prefill and verifier serving it after {iid}'s restart", lambda: all(
+            "again" in _adapters(handle, i) for i in ("prefill-0", "verifier-0")))
+        _wait_for("the cluster to serve again", lambda: httpx.get(
+            f"{url}/health", timeout=10).status_code == 200)
+        assert _complete(url, "again", 0)[0] == want, iid
+
+
+def _adapters(handle, iid: str) -> list[str]:
+    """The LoRA adapters role ``iid`` serves now ([] while it restarts)."""
+    try:
+        return ray.get(handle.actors[iid].stats.remote(), timeout=10).get("lora_adapters", [])
+    except Exception:  # noqa: BLE001 - restarting
+        return []
