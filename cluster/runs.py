@@ -314,8 +314,9 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
     (vLLM's ``return_token_ids`` by default); ``spec_stats``: a response's spec stats from
     its non-OpenAI fields; ``predictions``: each prompt's ``prediction`` is sent
     (:func:`prediction_body`); a prompt's ``model``, when it has one, is the model its request
-    names (a LoRA adapter: the bench's mixed-adapter load), else ``model``. Per request: its seconds to its last token (streamed: to its
-    last content chunk), spec stats and prediction tokens (``request_*``).
+    names (a LoRA adapter: the bench's mixed-adapter load), else ``model``. Per request: its
+    seconds to its last token (streamed: to its last content chunk), spec stats and
+    prediction tokens (``request_*``).
 
     Raises:
         openai.OpenAIError: a request failed (the other threads finish first).
