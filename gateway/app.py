@@ -115,7 +115,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         lora_modules: the LoRA adapters the cluster serves ({name: path}, ``--lora-modules``):
             a request's ``model`` may name one (its GenerateRequest.lora_name), and
             ``/v1/models`` lists each with the base as ``parent`` (vLLM's listing).
-        lora: a :class:`gateway.lora_admin.LoraControl`: its list is the adapters served
+        lora: a :class:`gateway.lora_control.LoraControl`: its list is the adapters served
             (``lora_modules`` are added to it), changed at run time by vLLM's
             ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``; None: those answer 501.
     """
