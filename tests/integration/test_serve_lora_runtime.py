@@ -25,7 +25,7 @@ from helpers.lora import make_tiny_adapter
 pytestmark = pytest.mark.ray
 
 PROMPT = "1 2 3 4 5 6 7 8 9 10 11 12"
-MAX_TOKENS = 48
+MAX_TOKENS = 96  # long enough that the streams still run when the unload is answered
 
 
 @pytest.fixture(scope="module")
