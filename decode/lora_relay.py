@@ -10,11 +10,12 @@ prefill worker's) goes back to the gateway that sent the operation.
   this verifier's requests (waiting, prefilling, running, cancelling) uses it; the unload is
   relayed to the prefill workers then, since a waiting request still has its prompt to
   prefill on it. Running requests finish on the adapter they started with (as vLLM's do).
-- ``sync`` (a verifier that restarted, or a gateway that did: serve exactly this set): applied
-  here, and the resulting set relayed as a sync.
+- ``sync`` (a verifier that restarted or reconnected, or a gateway that did: serve exactly
+  this set): applied here, and the resulting set relayed as a sync (with the adapters still
+  unloading here: they are relayed as unloads once freed).
 
-A prefill worker that joins or restarts (a new incarnation) is sent a ``sync`` of the set
-served here (:meth:`VerifierLora.prefill_joined`), so it serves the run-time adapters too.
+A prefill worker that joins, restarts or reconnects is sent a ``sync`` of the adapters held
+here (:meth:`VerifierLora.prefill_joined`), so it serves the run-time adapters too.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class VerifierLora:
                 in_use = self.runtime.unload(msg.lora_name)  # relayed when freed
             else:
                 error = "; ".join(self.runtime.sync(dict(msg.adapters)))
-                self._relay(sync_op(msg.op_id, self.runtime.current()))
+                # (adapters still unloading here stay: our waiting requests prefill on them)
+                self._relay(sync_op(msg.op_id, self.runtime.held()))
         except LoraOpError as err:
             if msg.op == LoraOp.UNLOAD:
                 self._unloads.pop(msg.lora_name, None)
@@ -93,9 +95,10 @@ class VerifierLora:
         return True
 
     def prefill_joined(self, peer: str) -> None:
-        """Prefill worker ``peer`` (new, or a new incarnation) serves what we serve: a sync
-        of our set (its answer is only logged when it failed)."""
-        self._send(peer, sync_op(OWN_OP_ID, self.runtime.current()))
+        """Prefill worker ``peer`` (new, restarted or reconnected) serves what we serve: a
+        sync of our adapters, those still unloading here included (its answer is only
+        logged when it failed)."""
+        self._send(peer, sync_op(OWN_OP_ID, self.runtime.held()))
 
     def reap(self) -> list[str]:
         """Free the unloaded adapters no request uses any more and relay their unloads."""

@@ -49,8 +49,9 @@ class RuntimeAdapters:
         #: prompt blocks then: they hold that adapter's KV)
         self.on_freed: Callable[[str], None] | None = None
 
-    def _loaded(self) -> dict[str, str]:
-        """Every adapter in the bank, unloading ones included: name -> path."""
+    def held(self) -> dict[str, str]:
+        """Every adapter in the bank, unloading ones included (still computing for their
+        requests): name -> path."""
         bank = getattr(self.model, "lora", None)
         if bank is None:
             return {}
@@ -60,7 +61,7 @@ class RuntimeAdapters:
     def current(self) -> dict[str, str]:
         """The adapters served now ({name: path}): loaded and not unloading."""
         unloading = set(self.unloading)
-        return {n: p for n, p in self._loaded().items() if n not in unloading}
+        return {n: p for n, p in self.held().items() if n not in unloading}
 
     def load(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at ``path`` as ``name``. Loading the same name and path
@@ -72,7 +73,7 @@ class RuntimeAdapters:
                 holds no adapter (``not_found``), or the adapter cannot be served (its reason:
                 another model's shapes, embeddings, DoRA ...).
         """
-        loaded = self._loaded()
+        loaded = self.held()
         if name in loaded:
             if _same_path(loaded[name], path):
                 self.unloading.discard(name)

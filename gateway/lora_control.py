@@ -17,8 +17,9 @@ endpoints (gateway/lora_admin.py; docs/operations.md, 'LoRA adapters'):
   adapter 'NAME' cannot be found.") for a name not served.
 
 The list (:attr:`LoraControl.adapters`, name -> path) is the app's ``lora_modules``. A verifier
-that says Hello as a new incarnation gets the whole list (a ``sync``), and relays it to its
-prefill workers, so a role that restarts serves what the others serve. Operations on LoRA
+that says Hello (started, restarted, or reconnected: an operation sent meanwhile is lost) gets
+the whole list (a ``sync``), and relays it to its prefill workers, so a role that restarts
+serves what the others serve. Operations on LoRA
 adapters run one at a time. Thread-safe: the HTTP handlers call in from the event loop, the
 backend's reader thread delivers the verifiers' answers.
 """
@@ -89,6 +90,8 @@ class LoraControl:
         self._verifiers = verifiers
         self.adapters: dict[str, str] = dict(adapters or {})
         self.wait_s = wait_s
+        #: adapters being loaded now: a sync sent meanwhile keeps them (name -> path)
+        self._loading: dict[str, str] = {}
         self._op_ids = itertools.count(time.time_ns())
         self._ops: dict[int, LoraOperation] = {}
         self._lock = threading.Lock()
@@ -114,8 +117,13 @@ class LoraControl:
             if name in self.adapters:
                 raise LoraRefusal(400, f"The lora adapter '{name}' has already been loaded.",
                                   type="BadRequestError", param="lora_name")
-            op = await self._run(LoraAdapterOp(op=LoraOp.LOAD.value, op_id=self._next_id(),
-                                               lora_name=name, lora_path=path))
+            self._loading[name] = path
+            try:
+                op = await self._run(LoraAdapterOp(op=LoraOp.LOAD.value,
+                                                   op_id=self._next_id(), lora_name=name,
+                                                   lora_path=path))
+            finally:
+                self._loading.pop(name, None)
             failed, pending = op.failures(), op.pending()
             if failed or pending:
                 # no role keeps a half-loaded adapter: an unload of what did load
@@ -176,12 +184,13 @@ class LoraControl:
             op.check()
 
     def verifier_joined(self, peer: str) -> None:
-        """Verifier ``peer`` said Hello as a new incarnation: it (and, through it, its prefill
-        workers) serves exactly the list (answers are only logged when they fail)."""
+        """Verifier ``peer`` said Hello (started, restarted or reconnected): it (and, through
+        it, its prefill workers) serves exactly the list, and the adapters being loaded now
+        (answers are only logged when they fail)."""
         try:
             self._send(peer, LoraAdapterOp(op=LoraOp.SYNC.value, op_id=self._next_id(),
                                            lora_name="", lora_path="",
-                                           adapters=dict(self.adapters)))
+                                           adapters={**self.adapters, **self._loading}))
         except Exception as err:  # noqa: BLE001 - the verifier may be gone again
             log.warning("LoRA adapter list not sent to %s: %s", peer, err)
 

@@ -127,14 +127,14 @@ class GatewayHost(RoleHost):
 
     def on_hello(self, peer, is_new: bool) -> None:
         # a verifier's new incarnation (restarted) fails the requests its old one held; a
-        # new one (started, restarted) gets the corpora and the LoRA adapters served now
+        # new one (started, restarted) gets the corpora; any Hello, the LoRA adapters served now
         if peer.role == Role.VERIFIER.value:
             self.backend.verifier_hello(peer.name, peer.incarnation)
             corpus = getattr(self, "corpus", None)  # (built with the worker)
             if is_new and corpus is not None:
                 corpus.verifier_joined(peer.name)
             lora = getattr(self, "lora", None)
-            if is_new and lora is not None:
+            if lora is not None:  # (also after a reconnect: an operation may have missed it)
                 lora.verifier_joined(peer.name)
 
     def describe(self) -> dict:

@@ -55,8 +55,9 @@ class VerifierHost(RoleHost):
         elif peer.role == Role.PREFILL.value:
             self._prefill_incarnation(peer.name, peer.incarnation)
             self.worker.prefill_back(peer.name)
-            if is_new:  # started or restarted: it serves the LoRA adapters we serve now
-                self.worker.lora.prefill_joined(peer.name)
+            # (re)connected or restarted: it serves the LoRA adapters we serve now (a relay
+            # sent while it was away is lost; a sync is idempotent)
+            self.worker.lora.prefill_joined(peer.name)
 
     def _prefill_incarnation(self, peer: str, incarnation: int | None) -> None:
         """A prefill worker's incarnation as its HelloAck or the roster says: a new one

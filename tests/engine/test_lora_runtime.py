@@ -114,6 +114,9 @@ def test_verifier_relays_loads_and_unloads_after_its_requests(adapters, tmp_path
     ans = out.to("gw")[-1]
     assert ans.num_in_use == 1 and not ans.error and ans.relayed_to == []
     assert v.reap() == [] and len(out.to("prefill-0")) == 1
+    # a prefill worker that (re)connects meanwhile still gets it: our request prefills on it
+    v.prefill_joined("prefill-9")
+    assert out.to("prefill-9")[-1].adapters == {"a": adapters["a"]}
     in_use["a"] = 0
     assert v.reap() == ["a"]
     relayed = out.to("prefill-1")[-1]
