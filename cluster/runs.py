@@ -313,8 +313,10 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
     :class:`RequestLatency` in ``latencies``. ``extra_body``: the non-OpenAI request fields
     (vLLM's ``return_token_ids`` by default); ``spec_stats``: a response's spec stats from
     its non-OpenAI fields; ``predictions``: each prompt's ``prediction`` is sent
-    (:func:`prediction_body`). Per request: its seconds to its last token (streamed: to its
-    last content chunk), spec stats and prediction tokens (``request_*``).
+    (:func:`prediction_body`); a prompt's ``model``, when it has one, is the model its request
+    names (a LoRA adapter: the bench's mixed-adapter load), else ``model``. Per request: its
+    seconds to its last token (streamed: to its last content chunk), spec stats and
+    prediction tokens (``request_*``).
 
     Raises:
         openai.OpenAIError: a request failed (the other threads finish first).
@@ -332,8 +334,9 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
 
     def one(i: int) -> None:
         body = {**(extra_body or {}), **(prediction_body(prompts[i]) if predictions else {})}
+        name = prompts[i].get("model") or model  # a LoRA adapter of a mixed-adapter load
         if stream:
-            out = stream_chat(client, model, prompts[i]["messages"], max_tokens, body or None,
+            out = stream_chat(client, name, prompts[i]["messages"], max_tokens, body or None,
                               clock)
             with lock:
                 res.num_tokens += out.num_tokens
@@ -342,7 +345,7 @@ def run_openai_concurrent(client, model: str, prompts: list[dict], max_tokens: i
                 seconds[i], predicted[i] = out.latency.last_token_s, out.prediction
             return
         t0 = clock()
-        resp = client.chat.completions.create(model=model, messages=prompts[i]["messages"],
+        resp = client.chat.completions.create(model=name, messages=prompts[i]["messages"],
                                               max_tokens=max_tokens, temperature=0,
                                               extra_body=body or None)
         took = clock() - t0

@@ -1,8 +1,8 @@
 """The verifier's message dispatch (docs/architecture.md, 'Life of a request'): what each
 message a peer sends does to the verifier's requests, transfers and drafters, and the
 validation of a new GenerateRequest. A mixin of :class:`decode.worker.VerifierWorker` (its
-``lifecycle``, ``kv``, ``scheduler``, ``grammars``, ``siblings``, ``corpus_relay``, ``stats``,
-peers and ``send``); a bad message is counted or refused, never raised to the loop."""
+``lifecycle``, ``kv``, ``scheduler``, ``grammars``, ``siblings``, ``corpus_relay``, ``lora``,
+``stats``, peers and ``send``); a bad message is counted or refused, never raised to the loop."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from specmesh.protocol.messages import (
     DraftTailStream,
     GenerateRequest,
     KVFrame,
+    LoraAdapterOp,
+    LoraAdapterResult,
     PrefillCancelAck,
     PrefillDone,
     TokenStream,
@@ -53,6 +55,9 @@ class VerifierDispatch:
         - DrafterCorpus (gateway): relayed to every drafter (decode/corpus_relay.py);
           DrafterCorpusResult (drafter): forwarded to the gateway that sent the operation.
           Either from a peer of another role is ignored.
+        - LoraAdapterOp (gateway): applied to the model's LoRA adapters and relayed to the
+          prefill workers (decode/lora_relay.py); LoraAdapterResult (prefill): forwarded to
+          the gateway that sent the operation. Either from a peer of another role is ignored.
         - ProtocolError (any peer): counted; the named request fails (during transfer) or is
           quarantined (bad drafter message).
         A message for an unknown or finished request (or transfer) is dropped and counted:
@@ -115,6 +120,14 @@ class VerifierDispatch:
                     self.stats.num_ignored_messages += 1  # only a gateway sends these
                 else:
                     self.corpus_relay.on_operation(peer, msg)
+            elif isinstance(msg, LoraAdapterOp):
+                if peer in self.lifecycle.drafter_peers or peer in self.prefill_peers:
+                    self.stats.num_ignored_messages += 1  # only a gateway sends these
+                else:
+                    self.lora.on_op(peer, msg)
+            elif isinstance(msg, LoraAdapterResult):
+                if peer not in self.prefill_peers or not self.lora.on_result(peer, msg):
+                    self.stats.num_ignored_messages += 1
             elif isinstance(msg, DrafterCorpusResult):
                 if peer not in self.lifecycle.drafter_peers \
                         or not self.corpus_relay.on_result(peer, msg):

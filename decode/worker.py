@@ -24,6 +24,7 @@ from specmesh.decode.drafter_loss import DrafterLoss
 from specmesh.decode.grammar import VerifierGrammars
 from specmesh.decode.kv_receiver import KVReceiver
 from specmesh.decode.lifecycle import RequestLifecycle
+from specmesh.decode.lora_relay import VerifierLora
 from specmesh.decode.peer_roster import PeerRoster
 from specmesh.decode.prefill_loss import PrefillLoss
 from specmesh.decode.prefill_pause import PrefillPause
@@ -35,6 +36,7 @@ from specmesh.decode.stats import VerifierStats
 from specmesh.decode.verify_step import VerifyStep
 from specmesh.engine.grammar import GrammarCompiler
 from specmesh.engine.hidden_layers import seed_state_width
+from specmesh.engine.lora_runtime import RuntimeAdapters
 from specmesh.engine.runner import ModelRunner
 from specmesh.protocol.enums import FinishReason
 from specmesh.protocol.messages import DraftSync, VerifyCommit
@@ -104,6 +106,11 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
         self.scheduler.draft_limit = self.grammars.valid_drafts
         #: relays corpus operations from gateways to the drafters (decode/corpus_relay.py)
         self.corpus_relay = CorpusRelay(self.send, lambda: list(self.lifecycle.drafter_peers))
+        #: LoRA adapters loaded / unloaded at run time, relayed to the prefill workers
+        #: (decode/lora_relay.py); an unloaded one is freed once no request here uses it
+        self.lora = VerifierLora(RuntimeAdapters(runner.model, lambda name: sum(
+            r.lora_name == name for r in self.requests.values())), self.send,
+            lambda: list(self.prefill_peers), config.instance_id)
         self.siblings = self.lifecycle.siblings  # the n choices of a prompt (decode/siblings.py)
         self.lifecycle.fork_siblings = self._fork_siblings
 
@@ -196,6 +203,7 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
         prof = self.profile
         busy = bool(self.lifecycle.running() or self.scheduler.waiting or self._orphans)
         self.ingest(0.0 if busy else timeout_s)
+        self.lora.reap()
         t0 = time.monotonic()
         self._check_timeouts()
         self._check_drafters_down()

@@ -29,6 +29,7 @@ from specmesh.gateway.corpus_api import add_corpus_routes
 from specmesh.gateway.generation import RequestRun
 from specmesh.gateway.limits import add_input_bounds, check_stop_bounds
 from specmesh.gateway.logprobs import TokenTexts
+from specmesh.gateway.lora_admin import add_lora_routes
 from specmesh.gateway.lora_models import lora_model_cards
 from specmesh.gateway.metrics import GatewayMetrics
 from specmesh.gateway.n_choices import MAX_CHOICES, choice_request
@@ -85,7 +86,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
                readiness: Callable[[], str] | None = None,
                synthetic_acceptance: bool = False, corpus=None, api_key: str | None = None,
                protect_metrics: bool = False, max_requests_per_client: int = 0,
-               lora_modules: dict[str, str] | None = None) -> FastAPI:
+               lora_modules: dict[str, str] | None = None, lora=None) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -114,11 +115,18 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         lora_modules: the LoRA adapters the cluster serves ({name: path}, ``--lora-modules``):
             a request's ``model`` may name one (its GenerateRequest.lora_name), and
             ``/v1/models`` lists each with the base as ``parent`` (vLLM's listing).
+        lora: a :class:`gateway.lora_control.LoraControl`: its list is the adapters served
+            (``lora_modules`` are added to it), changed at run time by vLLM's
+            ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``; None: those answer 501.
     """
     metrics = GatewayMetrics(metrics_registry, backend=backend)
     gw = _Gateway(backend, tokenizer, model_name, max_model_len, default_max_tokens,
                   default_temperature, metrics, vocab_size, synthetic_acceptance)
-    gw.lora_modules = dict(lora_modules or {})
+    if lora is not None:  # one list: what requests may name is what the control changes
+        lora.adapters.update(lora_modules or {})
+        gw.lora_modules = lora.adapters
+    else:
+        gw.lora_modules = dict(lora_modules or {})
     app = FastAPI(title="specmesh gateway")
     app.state.gateway = gw
     app.state.metrics = metrics
@@ -234,6 +242,7 @@ def create_app(backend, tokenizer, model_name: str, max_model_len: int,
         return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     add_corpus_routes(app, corpus, tokenizer, vocab_size)
+    add_lora_routes(app, lora, model_name)
     add_tokenize_routes(app, tokenizer, model_name, max_model_len)
 
     return app

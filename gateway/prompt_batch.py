@@ -27,6 +27,7 @@ from specmesh.gateway.choices import (
     ChoiceFormat, ChunkWriter, choice_chunks, sse, sse_response, sum_usage, usage_of,
 )
 from specmesh.gateway.generation import Finish, RequestRun, spec_stats_headers
+from specmesh.gateway.lora_models import response_model
 from specmesh.gateway.n_choices import best_indices, mean_logprob
 from specmesh.protocol.spec_stats import SpecStats
 
@@ -117,7 +118,8 @@ async def complete_batch(gw, runs: list[RequestRun], fmts: list[ChoiceFormat],
     stats = summed_stats(runs)
     chat = fmts[0].chat
     body = {"id": response_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": gw.model_name, "choices": choices,
+            "created": int(time.time()), "model": response_model(gw, runs[0]),
+            "choices": choices,
             "usage": batch_usage(runs, prompt_of), "spec_stats": stats.as_dict()}
     if chat and fmts[0].return_token_ids:
         body["prompt_token_ids"] = list(runs[0].req.prompt_token_ids)
@@ -155,7 +157,8 @@ async def _merged(gw, runs, fmts, streams, firsts, response_id: str,
     done = object()
 
     async def pump(run, fmt, events, first) -> None:
-        writer = ChunkWriter(fmt, gw.texts, run, gw.model_name, created, response_id)
+        writer = ChunkWriter(fmt, gw.texts, run, response_model(gw, run), created,
+                             response_id)
         try:
             async for chunk in choice_chunks(writer, events, first):
                 await queue.put(chunk)
@@ -180,7 +183,7 @@ async def _merged(gw, runs, fmts, streams, firsts, response_id: str,
         if not failed and fmts[0].include_usage:
             obj = "chat.completion.chunk" if fmts[0].chat else "text_completion"
             yield sse({"id": response_id, "object": obj, "created": created,
-                        "model": gw.model_name, "choices": [],
+                        "model": response_model(gw, runs[0]), "choices": [],
                         "usage": batch_usage(runs, prompt_of),
                         "spec_stats": summed_stats(runs).as_dict()})
         yield "data: [DONE]\n\n"

@@ -2,7 +2,8 @@
 step 5): a finished run as one JSON object, a streaming one as server-sent events (the chunks:
 gateway/choices.py), and a refused or failed one as an OpenAI error with its HTTP status (429
 queue full, 400 invalid, 409 duplicate id, else 5xx). A mixin of the app's ``_Gateway``
-(gateway/app.py: its ``texts``, ``model_name`` and ``metrics``)."""
+(gateway/app.py: its ``texts``, ``model_name`` and ``metrics``). A response's ``model`` names the
+LoRA adapter its request ran with, else the base model (gateway/lora_models.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from specmesh.gateway.choices import (
     ChoiceFormat, ChunkWriter, choice_chunks, full_choice, sse as _sse, sse_response, usage_of,
 )
 from specmesh.gateway.generation import Finish, RequestRun, TextDelta, spec_stats_headers
+from specmesh.gateway.lora_models import response_model
 from specmesh.protocol.enums import FinishReason
 
 
@@ -73,7 +75,8 @@ class GatewayResponses:
         choice, top_prompt_ids = self.choice(run, fmt, got)
         body = {"id": run.request_id,
                 "object": "chat.completion" if fmt.chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": [choice],
+                "created": int(time.time()), "model": response_model(self, run),
+                "choices": [choice],
                 "usage": usage_of(run), "spec_stats": run.stats.as_dict()}
         if top_prompt_ids is not None:
             body["prompt_token_ids"] = top_prompt_ids
@@ -96,7 +99,7 @@ class GatewayResponses:
     async def _sse_body(self, run: RequestRun, events: AsyncIterator, first, fmt: ChoiceFormat
                         ) -> AsyncIterator[str]:
         created = int(time.time())
-        writer = ChunkWriter(fmt, self.texts, run, self.model_name, created)
+        writer = ChunkWriter(fmt, self.texts, run, response_model(self, run), created)
         try:
             async for chunk in choice_chunks(writer, events, first):
                 t0 = time.perf_counter()
@@ -105,7 +108,7 @@ class GatewayResponses:
                 yield data
             if fmt.include_usage and run.finish is not None and not run.finish.is_error:
                 yield _sse({"id": run.request_id, "object": writer.obj, "created": created,
-                            "model": self.model_name, "choices": [], "usage": usage_of(run),
+                            "model": writer.model, "choices": [], "usage": usage_of(run),
                             "spec_stats": run.stats.as_dict()})
             yield "data: [DONE]\n\n"
         finally:

@@ -30,12 +30,14 @@ import torch
 
 from specmesh.engine.block_manager import BlockManager, KVCacheExhausted
 from specmesh.engine.grammar import GrammarCompiler
+from specmesh.engine.lora_runtime import RuntimeAdapters
 from specmesh.engine.runner import ModelRunner
 from specmesh.prefill.batching import PrefillCost, batch_length
 from specmesh.prefill.claims import can_allocate, claim_blocks, tokens_to_compute, unclaim
 from specmesh.prefill.config import PrefillConfig
 from specmesh.prefill.forward import prefill_forward
 from specmesh.prefill.kv_frames import kv_frames, send_frames
+from specmesh.prefill.lora_ops import PrefillLora
 from specmesh.prefill.prefill_stats import PrefillStats
 from specmesh.prefill.prefix_cache import PrefixCache
 from specmesh.prefill.validation import invalid_reason
@@ -43,6 +45,7 @@ from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.messages import (
     Abort,
     KVFrame,
+    LoraAdapterOp,
     PrefillCancel,
     PrefillCancelAck,
     PrefillDone,
@@ -98,6 +101,12 @@ class PrefillWorker(MailboxWorker):
         #: token (engine/grammar.py; set by the role host from the target's tokenizer; None:
         #: constrained requests are refused)
         self.grammars: GrammarCompiler | None = None
+        #: LoRA adapters loaded / unloaded at run time (prefill/lora_ops.py); an unloaded one
+        #: is freed once no queued request uses it
+        runtime = RuntimeAdapters(runner.model, lambda name: sum(
+            q.req.lora_name == name for q in self.queue))
+        runtime.on_freed = self._drop_cached_blocks
+        self.lora = PrefillLora(runtime, self.send, config.instance_id)
 
     @property
     def num_unused_blocks(self) -> int:
@@ -119,8 +128,9 @@ class PrefillWorker(MailboxWorker):
     def handle(self, env: Envelope) -> None:
         """PrefillRequest: queued (refused with a failed PrefillDone when the queue is full).
         PrefillCancel: the transfer is dropped if still queued, then acknowledged (nothing of it
-        follows the ack). Abort: the request is dropped if still queued. ProtocolError: counted;
-        a named request is dropped. An Abort for no queued request and anything else are
+        follows the ack). LoraAdapterOp: applied to the model's LoRA adapters and answered
+        (prefill/lora_ops.py). Abort: the request is dropped if still queued. ProtocolError:
+        counted; a named request is dropped. An Abort for no queued request and anything else are
         dropped and counted (``num_dropped_messages``). Every match is by sender: a
         transfer is keyed by (verifier, transfer id), so one verifier's cancel or abort never
         drops another verifier's transfer that happens to have the same id."""
@@ -140,12 +150,21 @@ class PrefillWorker(MailboxWorker):
             self.stats.num_cancelled += 1
             self.send(env.peer, PrefillCancelAck(request_id=msg.request_id,
                                                   transfer_id=msg.transfer_id))
+        elif isinstance(msg, LoraAdapterOp):
+            self.lora.on_op(env.peer, msg)
         elif isinstance(msg, Abort):
             if not self._drop_queued(env.peer, lambda r: r.request_id == msg.request_id):
                 self.stats.num_dropped_messages += 1  # not queued (unknown, running or done)
         else:
             self.stats.num_dropped_messages += 1
             log.debug("prefill ignores %s from %s", type(msg).__name__, env.peer)
+
+    def _drop_cached_blocks(self, lora_name: str) -> None:
+        """An adapter was freed: the prefix cache's unused blocks go (they may hold its KV,
+        which a later adapter of the same name must not reuse)."""
+        if self.prefix_cache is not None:
+            self.block_manager.free(self.prefix_cache.evict(
+                self.prefix_cache.num_evictable_blocks))
 
     def _drop_queued(self, peer: str, match) -> int:
         """Drop the queued requests of ``peer`` that ``match``; returns how many."""
@@ -304,6 +323,7 @@ class PrefillWorker(MailboxWorker):
         """Ingest messages, then prefill the next batch of queued requests (one forward, or
         one long prompt in chunks); returns the requests done."""
         self.ingest(0.0 if self.queue else timeout_s)
+        self.lora.reap()
         batch = self._next_batch()
         if not batch:
             return 0

@@ -16,16 +16,19 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from specmesh.protocol.enums import CorpusOp, CorpusStatus
+from specmesh.protocol.enums import CorpusOp, CorpusStatus, LoraOp
 from specmesh.protocol.messages import (
     CORPUS_CHUNK_TOKENS,
     MAX_CORPUS_NAME_LEN,
     MAX_CORPUS_TOKENS,
+    MAX_LORA_ADAPTERS,
     DraftBranches,
     DrafterCorpus,
     DrafterCorpusRelayed,
     DrafterCorpusResult,
     DraftTailStream,
+    LoraAdapterOp,
+    LoraAdapterResult,
     PrefillDone,
     TokenLogprobs,
     TokenStream,
@@ -133,6 +136,39 @@ def check_corpus_result(m: DrafterCorpusResult) -> str:
     return _op_and_name_error(m.op, m.name)
 
 
+_LORA_OPS = frozenset(o.value for o in LoraOp)
+
+
+def check_lora_op(m: LoraAdapterOp) -> str:
+    """Why LoRA operation ``m`` is malformed ("" when it is not): an unknown op, a load
+    without name or path, an unload without a name, a sync with a name or path of its own or
+    too many adapters."""
+    if m.op not in _LORA_OPS:
+        return f"unknown LoRA op {m.op!r} (one of {', '.join(sorted(_LORA_OPS))})"
+    if m.op == LoraOp.SYNC:
+        if m.lora_name or m.lora_path:
+            return "a LoRA sync names its adapters in adapters only"
+        if len(m.adapters) > MAX_LORA_ADAPTERS:
+            return f"a LoRA sync of {len(m.adapters)} adapters > {MAX_LORA_ADAPTERS}"
+        if any(not k or not v for k, v in m.adapters.items()):
+            return "a LoRA sync with an empty adapter name or path"
+        return ""
+    if not m.lora_name:
+        return f"a LoRA {m.op} without lora_name"
+    if m.op == LoraOp.LOAD and not m.lora_path:
+        return "a LoRA load without lora_path"
+    if m.adapters:
+        return f"a LoRA {m.op} carries no adapters list"
+    return ""
+
+
+def check_lora_result(m: LoraAdapterResult) -> str:
+    """Why LoRA result ``m`` is malformed ("" when it is not)."""
+    if m.op not in _LORA_OPS:
+        return f"unknown LoRA op {m.op!r} (one of {', '.join(sorted(_LORA_OPS))})"
+    return "" if m.instance_id else "a LoRA result without instance_id"
+
+
 def token_logprobs_error(lp: TokenLogprobs | None, num_tokens: int | None = None) -> str:
     """Why logprobs ``lp`` are malformed ("" when they are not): top lists one per entry (or
     none at all) with as many ids as logprobs, and ``num_tokens`` entries when given."""
@@ -170,6 +206,8 @@ CROSS_FIELD_CHECKS: dict[type, Callable[[Any], str]] = {
     DrafterCorpus: check_drafter_corpus,
     DrafterCorpusRelayed: check_corpus_relayed,
     DrafterCorpusResult: check_corpus_result,
+    LoraAdapterOp: check_lora_op,
+    LoraAdapterResult: check_lora_result,
     TokenStream: check_token_stream,
     PrefillDone: check_prefill_done,
 }

@@ -77,6 +77,18 @@ class CorpusStatus(str, enum.Enum):
         return self.value
 
 
+class LoraOp(str, enum.Enum):
+    """What a :class:`~protocol.messages.LoraAdapterOp` asks of a role: ``LOAD`` an adapter,
+    ``UNLOAD`` one, or ``SYNC``: serve exactly the adapters it lists."""
+
+    LOAD = "load"
+    UNLOAD = "unload"
+    SYNC = "sync"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 #: What DraftClose.reason says for each way a request ends.
 DRAFT_CLOSE_FINISHED = "finished"
 DRAFT_CLOSE_ABORT = "abort"

@@ -55,7 +55,8 @@ from msgspec import Meta
 # 16: DraftTailStream.draft_confidences (a confidence head's survival predictions) and
 # draft_token_probs (each greedy draft's probability), read by the confidence budget
 # (decode/confidence_budget.py)
-PROTOCOL_VERSION = 16
+# 17: LoraAdapterOp, LoraAdapterResult (LoRA adapters loaded / unloaded at run time)
+PROTOCOL_VERSION = 17
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
@@ -940,6 +941,68 @@ class DrafterCorpusResult(Message, tag=52, kw_only=True):
                    num_tokens=4)
 
 
+# --------------------------------------------------------------------------------------------
+# LoRA adapters at run time (gateway -> verifier -> prefill; engine/lora_runtime.py)
+# --------------------------------------------------------------------------------------------
+
+#: most adapters one LoraAdapterOp ``sync`` names
+MAX_LORA_ADAPTERS = 1024
+
+
+@register
+class LoraAdapterOp(Message, tag=60, kw_only=True):
+    """Gateway -> verifier, relayed verifier -> prefill: change the LoRA adapters a role serves
+    at run time (vLLM's ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``;
+    docs/operations.md, 'LoRA adapters'). ``op`` (a protocol.enums.LoraOp):
+
+    - ``load``: load the PEFT adapter at ``lora_path`` (a path the role's host can read) as
+      ``lora_name``;
+    - ``unload``: stop serving ``lora_name``; a role frees it once no request of its own uses
+      it (running requests finish on it);
+    - ``sync``: serve exactly ``adapters`` ({name: path}): what a role that (re)joined is sent,
+      loading what it lacks and unloading what is not listed.
+
+    ``lora_name`` and ``lora_path`` are "" where the op has none (an unload's path, a sync's
+    both). ``op_id`` names the operation (each LoraAdapterResult carries it). Decoding refuses
+    (ProtocolError) an unknown op, a load without name or path, an unload without a name, a
+    sync with a name or path of its own.
+    """
+
+    op: str
+    op_id: NonNegInt
+    lora_name: str
+    lora_path: str
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @classmethod
+    def example(cls) -> LoraAdapterOp:
+        return cls(op="load", op_id=9, lora_name="caps", lora_path="/adapters/caps")
+
+
+@register
+class LoraAdapterResult(Message, tag=61, kw_only=True):
+    """Verifier -> gateway (its own answer, and each prefill worker's, relayed): how role
+    ``instance_id`` applied LoraAdapterOp ``op_id``. ``error`` non-empty: it failed, and
+    ``not_found`` says whether because the adapter (a load's path, an unload's name) does not
+    exist (vLLM answers 404 then, else 400). ``relayed_to``: the prefill workers the verifier
+    sent the operation on to (the gateway waits for their answers too); ``num_in_use``: the
+    requests that still run on an unloaded adapter (it is freed after them)."""
+
+    op: str
+    op_id: NonNegInt
+    instance_id: str
+    lora_name: str = ""
+    error: str = ""
+    not_found: bool = False
+    relayed_to: list[str] = msgspec.field(default_factory=list)
+    num_in_use: NonNegInt = 0
+
+    @classmethod
+    def example(cls) -> LoraAdapterResult:
+        return cls(op="load", op_id=9, instance_id="verifier-0", lora_name="caps",
+                   relayed_to=["prefill-0"])
+
+
 __all__ = [
     "PROTOCOL_VERSION", "PLACEHOLDER_TOKEN_ID", "REGISTRY", "DTYPE_ITEMSIZE", "register",
     "Message", "NonNegInt", "TokenId", "buffer_nbytes",
@@ -950,4 +1013,5 @@ __all__ = [
     "DraftClose",
     "DraftNeedSync", "DrafterCorpus", "DrafterCorpusRelayed", "DrafterCorpusResult",
     "CORPUS_CHUNK_TOKENS", "MAX_CORPUS_TOKENS", "MAX_CORPUS_NAME_LEN",
+    "LoraAdapterOp", "LoraAdapterResult", "MAX_LORA_ADAPTERS",
 ]

@@ -50,6 +50,8 @@ from specmesh.benchmarks.harness.render import markdown, write_plot
 from specmesh.benchmarks.harness.report import (
     System,
     mismatch_lines,
+    mixed_adapter_prompts,
+    request_adapters,
     run_notes,
     summarize,
     sweep_systems,
@@ -68,6 +70,7 @@ from specmesh.cluster.config import ClusterConfig, default_threads
 from specmesh.cluster.options import is_model_drafter
 from specmesh.cluster.runs import RunResult, load_prompts, openai_client, run_openai
 from specmesh.data.prompts import level_requests, load_prompt_set
+from specmesh.engine.lora_modules import parse_lora_modules
 from specmesh.gateway.tokens import chat_prompt_ids
 
 def bench_prompts(opts: BenchOptions) -> list[dict]:
@@ -80,19 +83,29 @@ def bench_prompts(opts: BenchOptions) -> list[dict]:
 def _schedule(levels: list[int], kappa: int, repeats: int,
               methods: Sequence[str] = ("ngram",),
               served_only: Sequence[str] = (), baselines: Sequence[str] = ("hf",),
-              llama_spec_type: str | None = None) -> list[tuple[int, int, System]]:
+              llama_spec_type: str | None = None,
+              only_served: bool = False) -> list[tuple[int, int, System]]:
     """(repeat, level, system) in run order: each repeat runs every level and system (each
-    method's kappa > 0 systems and the baselines' among them), the order of levels and of
-    systems rotated per repeat."""
+    method's kappa > 0 systems and the baselines' among them; the served ones only with
+    ``only_served``), the order of levels and of systems rotated per repeat."""
     out = []
     for r in range(repeats):
         lv = levels[r % len(levels):] + levels[:r % len(levels)]
         for level in lv:
-            systems = systems_for(kappa, level, methods, served_only, baselines,
-                                  llama_spec_type)
+            systems = level_systems_for(kappa, level, methods, served_only, baselines,
+                                        llama_spec_type, only_served)
             k = r % len(systems)
             out += [(r, level, s) for s in systems[k:] + systems[:k]]
     return out
+
+
+def level_systems_for(kappa: int, level: int, methods: Sequence[str],
+                      served_only: Sequence[str], baselines: Sequence[str],
+                      llama_spec_type: str | None, only_served: bool) -> list[System]:
+    """:func:`report.systems_for`, the served systems only with ``only_served`` (a
+    mixed-adapter load: in-process and the baselines serve no LoRA adapters)."""
+    systems = systems_for(kappa, level, methods, served_only, baselines, llama_spec_type)
+    return [s for s in systems if s.kind == "served"] if only_served else systems
 
 
 def _start_served(cfg: ClusterConfig, drafters: list[BenchDrafter], handle=None,
@@ -208,12 +221,16 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     if opts.sweep:
         return sweep(cfg, opts)
     prompts = bench_prompts(opts)
+    # a mixed-adapter load (--lora-modules): every prompt on the base and on each adapter,
+    # served systems only (in-process and the baselines serve no adapters)
+    adapter_names = sorted(parse_lora_modules(cfg.lora_modules))
+    served_prompts = mixed_adapter_prompts(prompts, adapter_names)
     kappa = cfg.verifier.num_speculative_tokens
     drafters = list(opts.drafters or [cluster_drafter(cfg)])
     labels = [d.label for d in drafters]
     served_only = [d.label for d in drafters if d.served_only]
     inproc_labels = [label for label in labels if label not in served_only]
-    baselines = tuple(opts.baselines)
+    baselines = tuple(opts.baselines) if not adapter_names else ()
     llama_info: dict = {}
     if "llama-server" in baselines:
         peer = llama_peer(opts, cfg.model)
@@ -232,8 +249,9 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     loaded = load_model(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device),
                         backend=cpu_backend(cfg.backend))  # the served roles' choices
     prompt_ids = [chat_prompt_ids(tokenizer, p["messages"]) for p in prompts]
-    level_systems = {c: systems_for(kappa, c, labels, served_only, baselines,
-                                    opts.llama_spec_type) for c in opts.concurrency}
+    level_systems = {c: level_systems_for(kappa, c, labels, served_only, baselines,
+                                          opts.llama_spec_type, bool(adapter_names))
+                     for c in opts.concurrency}
     llama = None
     if "llama-server" in baselines:
         binary, how, gguf = peer
@@ -269,9 +287,10 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                 repeats=15 if level <= 4 else 7, kv_cache_dtype=cfg.kv_cache_dtype).as_dict()
     # in-process warm-up first: each method's proposer is built here, so a missing head or
     # draft model fails before any cluster starts
-    for label in inproc_labels:
-        inproc.run(prompt_ids[:1], kappa, 1, "warmup", label)
-    inproc.run(prompt_ids[:1], 0, 1, "warmup")
+    if not adapter_names:
+        for label in inproc_labels:
+            inproc.run(prompt_ids[:1], kappa, 1, "warmup", label)
+        inproc.run(prompt_ids[:1], 0, 1, "warmup")
     handles, started = _start_served(cfg, drafters, handle)
     served_note = (f"one cluster per draft method ({', '.join(labels)}), all started before "
                    f"the runs and running side by side in one Ray session, each in its own "
@@ -292,7 +311,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                 llama_info["prompt_tokens_match"] = start_llama(llama, model, prompts[0],
                                                                 len(prompt_ids[0]))
             schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels, served_only,
-                                 baselines, opts.llama_spec_type)
+                                 baselines, opts.llama_spec_type, bool(adapter_names))
             bar = tqdm(schedule, desc="bench", unit="run", disable=not opts.progress,
                        file=sys.stderr)
             for r, level, system in bar:
@@ -301,7 +320,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                 if system.kind == "served":
                     label = system.method or labels[0]  # kappa = 0: the first method's cluster
                     # the cluster's drafters' history cleared first (see run_served)
-                    res = run_served(handles[label], clients[label], model, reqs, opts.max_tokens,
+                    res = run_served(handles[label], clients[label], model,
+                                     level_requests(served_prompts, level), opts.max_tokens,
                                      system.kappa, level, system.name,
                                      predictions=opts.predictions)
                     cleared.setdefault(label, []).append(bool(res.history_cleared))
@@ -341,13 +361,29 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
               "llama_server": llama_info or None, "prompts": opts.prompts_file or "demo",
               "predictions": {"sent": sent, "num_prompts_with_prediction": sum(
                   1 for p in prompts if p.get("prediction"))},
-              "drafter_history_cleared": cleared,
-              "notes": run_notes(prompts, opts.concurrency, cleared, sent)}
-    categories = {c: [p["category"] for p in level_requests(prompts, c)]
+              "drafter_history_cleared": cleared, "lora_modules": adapter_names,
+              "notes": run_notes(prompts, opts.concurrency, cleared, sent)
+              + adapter_notes(adapter_names, len(prompts))}
+    categories = {c: [p["category"] for p in level_requests(served_prompts, c)]
                   for c in opts.concurrency}
-    summary = summarize(config, runs, level_systems, forward_cost or None, categories)
+    adapters = {c: request_adapters(level_requests(served_prompts, c))
+                for c in opts.concurrency} if adapter_names else None
+    summary = summarize(config, runs, level_systems, forward_cost or None, categories,
+                        adapters)
     write_outputs(summary, opts)
     return summary
+
+
+def adapter_notes(adapters: Sequence[str], num_prompts: int) -> list[str]:
+    """The header line of a mixed-adapter load (none without adapters)."""
+    if not adapters:
+        return []
+    return [f"mixed-adapter load (--lora-modules {', '.join(adapters)}): every served pass "
+            f"sends each of the {num_prompts} prompts on the base model and on each adapter "
+            f"({num_prompts * (len(adapters) + 1)} requests, mixed in one batch); drafters "
+            f"draft from the base model, so an adapter that changes the output costs "
+            f"acceptance, never correctness (k=K still equals k=0 per request); served "
+            f"systems only (in-process, HF and llama-server serve no adapters)"]
 
 
 # -- the adaptive-speculation sweep (--kappas / --policy) ----------------------------------

@@ -87,7 +87,8 @@ def markdown(summary: dict) -> str:
     steps), identical outputs (vs HF; kappa=K vs kappa=0), TTFT and inter-token latency
     p50 / p95 of the streamed systems, then the level's ratios (served vs llama-server among
     them) and Predicted Outputs tokens, the table by prompt category
-    (:func:`category_markdown`); the step profiles and the step-cost check when the summary
+    (:func:`category_markdown`), the table by LoRA adapter of a mixed-adapter load
+    (:func:`adapter_markdown`); the step profiles and the step-cost check when the summary
     has them. The config's ``notes`` are header lines."""
     cfg = summary["config"]
     drafters = ", ".join(d["label"] for d in cfg.get("drafters", [])) or cfg.get(
@@ -147,6 +148,7 @@ def markdown(summary: dict) -> str:
                   for name, s in level["systems"].items() if (p := s.get("prediction_tokens"))]
         lines.append("")
         lines += category_markdown(level)
+        lines += adapter_markdown(level)
         lines += profile_markdown(level)
     costs = summary.get("forward_cost_by_level") or (
         {"1": summary["forward_cost"]} if summary.get("forward_cost") else {})
@@ -196,6 +198,39 @@ def category_markdown(level: dict) -> list[str]:
                 f"{_num(row['acceptance_rate']) if spec else ''} | "
                 f"{_num(row['mean_accept_len']) if steps else ''} | {same} |"
                 + (f" {_prediction_cell(row.get('prediction_tokens'))} |" if preds else ""))
+    lines.append("")
+    return lines
+
+
+def adapter_markdown(level: dict) -> list[str]:
+    """The level's served systems split by LoRA adapter (a mixed-adapter load, ``specmesh
+    bench --lora-modules``): a row per adapter (the base model first) and system with its
+    requests, tokens/s per client and its ratio to kappa = 0, acceptance rate and its ratio to
+    the base model's, accepted drafts per verify step with drafts, identical outputs k=K vs
+    k=0. Empty without adapters."""
+    names = level.get("adapters") or []
+    if not names:
+        return []
+    lines = [f"### by LoRA adapter, concurrency {level['concurrency']} (served; every prompt "
+             f"on the base and on each adapter; drafters draft from the base; tokens/s per "
+             f"client: the adapter's completion tokens / the sum of its requests' times)", "",
+             "| adapter | system | requests | tokens/s per client | x k=0 | acceptance | "
+             "x base acceptance | accepted per step | identical k=K vs k=0 |", "|---" * 9 + "|"]
+    for name in names:
+        for sys_name, s in level["systems"].items():
+            row = (s.get("adapters") or {}).get(name)
+            if row is None:
+                continue
+            spec = s["kappa"] > 0
+            same = _frac(row["identical_to_k0"])
+            if row.get("exact") is False:
+                same = f"**{same} MISMATCH**"
+            lines.append(
+                f"| {name} | {sys_name} | {row['num_requests']} | "
+                f"{_num(row['median_tokens_per_s'])} | {_num(row.get('ratio_to_k0'))} | "
+                f"{_num(row['acceptance_rate']) if spec else ''} | "
+                f"{_num(row.get('acceptance_vs_base')) if spec else ''} | "
+                f"{_num(row['mean_accept_len']) if spec else ''} | {same} |")
     lines.append("")
     return lines
 

@@ -448,8 +448,46 @@ def category_summary(runs: Sequence[RunResult], categories: Sequence[str],
     return out
 
 
+# -- by LoRA adapter (the mixed-adapter load of ``--lora-modules``) ---------------------------
+
+#: the row of the base model's requests in the per-adapter tables
+BASE_MODEL_ROW = "base"
+
+
+def mixed_adapter_prompts(prompts: Sequence[dict], adapters: Sequence[str]) -> list[dict]:
+    """The served requests of a mixed-adapter load: every prompt on the base model and then
+    on each of ``adapters`` in turn (so a pass sends them mixed, and each adapter is compared
+    with the base on the same prompts): copies of the prompts whose ``model`` names the
+    adapter (no ``model`` for the base). ``prompts`` unchanged without adapters."""
+    if not adapters:
+        return list(prompts)
+    return [dict(p, model=a) if a else dict(p) for p in prompts for a in ("", *adapters)]
+
+
+def request_adapters(requests: Sequence[dict]) -> list[str]:
+    """Per request, the adapter it runs on (its ``model``; :data:`BASE_MODEL_ROW` for none)."""
+    return [r.get("model") or BASE_MODEL_ROW for r in requests]
+
+
+def adapter_summary(runs: Sequence[RunResult], adapters: Sequence[str],
+                    identical_k0: list[bool] | None, checked: bool) -> dict[str, dict]:
+    """One served system's runs split by the requests' LoRA ``adapters`` (one per request,
+    :func:`request_adapters`), as :func:`category_summary` splits by category: per adapter
+    its requests, tokens/s per client, acceptance rate, accepted drafts per verify step with
+    drafts (``mean_accept_len``) and identity to kappa = 0; plus ``acceptance_vs_base``, its
+    acceptance rate over the base model's (drafters draft from the base, so an adapter that
+    changes the output accepts fewer: below 1; None without a base row or base drafts)."""
+    rows = category_summary(runs, adapters, identical_k0, checked)
+    base = rows.get(BASE_MODEL_ROW, {}).get("acceptance_rate")
+    for row in rows.values():
+        rate = row["acceptance_rate"]
+        row["acceptance_vs_base"] = rate / base if base and rate is not None else None
+    return rows
+
+
 def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str, list[RunResult]],
-                     categories: Sequence[str] | None = None) -> dict:
+                     categories: Sequence[str] | None = None,
+                     adapters: Sequence[str] | None = None) -> dict:
     """One system at one level: median and all tokens/s (completion tokens / wall seconds),
     spec stats summed over repeats, acceptance per draft position, the share of verify steps
     with drafts, output identity of the first repeat vs HF and vs its kappa = 0 counterpart
@@ -499,6 +537,8 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
         out["kappa_timeline"] = [r.kappa_timeline for r in runs]
     if categories is not None:
         out["categories"] = category_summary(runs, categories, identical_k0, checked)
+    if adapters is not None and system.kind == "served":
+        out["adapters"] = adapter_summary(runs, adapters, identical_k0, checked)
     if profile is not None:
         out["profile"] = profile_summary(profile)
         out["profile_raw"] = profile
@@ -506,15 +546,18 @@ def summarize_system(system: System, runs: list[RunResult], level_runs: dict[str
 
 
 def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[System],
-                    categories: Sequence[str] | None = None) -> dict:
+                    categories: Sequence[str] | None = None,
+                    adapters: Sequence[str] | None = None) -> dict:
     """Every system of one concurrency level plus the ratios that matter: each to HF, spec to
     plain, served to in-process (same kappa and method), served to llama.cpp
     (:func:`peer_ratios`); ``mismatches``: the speculative specmesh systems whose output
     differs from their kappa = 0 counterpart's (request indices). Given the level's request
     ``categories`` (one per request), each system is also split by category, with each
     category's tokens/s over its kappa = 0 counterpart's (``ratio_to_k0``), and
-    ``categories`` lists them in order."""
-    out = {name: summarize_system(s, runs[s.name], runs, categories)
+    ``categories`` lists them in order. Given the requests' LoRA ``adapters`` (a mixed-adapter
+    load), each served system is split by adapter too (``ratio_to_k0`` per adapter), and
+    ``adapters`` lists them in order."""
+    out = {name: summarize_system(s, runs[s.name], runs, categories, adapters)
            for s in systems if (name := s.name) in runs}
     hf = out.get(HF_BASELINE, {}).get("median_tokens_per_s")
     for s in out.values():
@@ -542,6 +585,13 @@ def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[
                 base = out[s.plain]["categories"][cat]["median_tokens_per_s"]
                 if row["median_tokens_per_s"] is not None and base:
                     row["ratio_to_k0"] = row["median_tokens_per_s"] / base
+    for s in systems:
+        if s.name in out and s.plain in out and adapters is not None:
+            for name, row in (out[s.name].get("adapters") or {}).items():
+                base = (out[s.plain].get("adapters") or {}).get(name, {})
+                base_tps = base.get("median_tokens_per_s")
+                if row["median_tokens_per_s"] is not None and base_tps:
+                    row["ratio_to_k0"] = row["median_tokens_per_s"] / base_tps
     plain_of = {s.name: s.plain for s in systems}
     mismatches = [{"concurrency": level, "system": name, "plain": plain_of[name],
                    "requests": [i for i, same in enumerate(s["identical_to_k0"]) if not same]}
@@ -549,6 +599,7 @@ def summarize_level(level: int, runs: dict[str, list[RunResult]], systems: list[
     return {"concurrency": level, "num_requests": len(next(iter(runs.values()))[0].texts)
             if runs else 0, "systems": out, "ratios": ratios, "mismatches": mismatches,
             "categories": category_order(categories) if categories is not None else None,
+            "adapters": category_order(adapters) if adapters is not None else None,
             "policy_vs_best_fixed": vs_fixed or None}
 
 
@@ -583,10 +634,13 @@ def peer_ratios(systems: dict[str, dict]) -> dict[str, float]:
 def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
               systems: dict[int, list[System]],
               forward_cost: dict[str, dict] | None = None,
-              categories: dict[int, list[str]] | None = None) -> dict:
+              categories: dict[int, list[str]] | None = None,
+              adapters: dict[int, list[str]] | None = None) -> dict:
     """The whole bench: ``config`` (model, dtype, kappa, drafters, max_tokens, num_prompts,
     repeats, threads, ``notes``...), per level :func:`summarize_level` (split by the level's
-    request ``categories`` when given: level -> one category per request), the measured
+    request ``categories`` when given: level -> one category per request; and by LoRA
+    adapter, ``adapters``: level -> one adapter per request, a mixed-adapter load), the
+    measured
     forward cost per
     level (``forward_cost``: concurrency as a string -> the
     :meth:`cluster.forward_cost.ForwardCost.as_dict` of a batch that size), for every
@@ -598,7 +652,7 @@ def summarize(config: dict, runs: dict[int, dict[str, list[RunResult]]],
     by_level = forward_cost or {}
     for level, level_runs in runs.items():
         lv = summarize_level(level, level_runs, systems[level],
-                             (categories or {}).get(level))
+                             (categories or {}).get(level), (adapters or {}).get(level))
         plain_of = {s.name: s.plain for s in systems[level]}
         cost = by_level.get(str(level))
         for name, s in lv["systems"].items():

@@ -14,6 +14,7 @@ from specmesh.drafter.registry import supports_corpus
 from specmesh.engine.lora_modules import parse_lora_modules
 from specmesh.gateway.backend import MailboxBackend
 from specmesh.gateway.corpora import CorpusControl
+from specmesh.gateway.lora_control import LoraControl
 from specmesh.protocol.enums import Role
 from specmesh.protocol.messages import MAX_CORPUS_TOKENS, ModelIdentity
 
@@ -55,6 +56,9 @@ class GatewayHost(RoleHost):
                                     supported=supports_corpus(method),
                                     method=method).attach(self.backend)
         self._load_corpus_files()
+        # the LoRA adapters served, changed at run time (gateway/lora_admin.py)
+        self.lora = LoraControl(self.backend.send, self._ready_verifiers,
+                                parse_lora_modules(self.cfg.lora_modules)).attach(self.backend)
         return None
 
     def _load_corpus_files(self) -> None:
@@ -89,7 +93,7 @@ class GatewayHost(RoleHost):
                               corpus=self.corpus, api_key=self.cfg.api_key,
                               protect_metrics=self.cfg.protect_metrics,
                               max_requests_per_client=self.cfg.max_requests_per_client,
-                              lora_modules=parse_lora_modules(self.cfg.lora_modules))
+                              lora=self.lora)
         self.server, self._server_thread, self.port = serve_gateway(self.app, self.bind_host,
                                                                     self._port)
 
@@ -123,12 +127,15 @@ class GatewayHost(RoleHost):
 
     def on_hello(self, peer, is_new: bool) -> None:
         # a verifier's new incarnation (restarted) fails the requests its old one held; a
-        # new one (started, restarted) gets the corpora
+        # new one (started, restarted) gets the corpora; any Hello, the LoRA adapters served now
         if peer.role == Role.VERIFIER.value:
             self.backend.verifier_hello(peer.name, peer.incarnation)
             corpus = getattr(self, "corpus", None)  # (built with the worker)
             if is_new and corpus is not None:
                 corpus.verifier_joined(peer.name)
+            lora = getattr(self, "lora", None)
+            if lora is not None:  # (also after a reconnect: an operation may have missed it)
+                lora.verifier_joined(peer.name)
 
     def describe(self) -> dict:
         return {"instance_id": self.instance_id, "role": self.role.value,

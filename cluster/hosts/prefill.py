@@ -52,6 +52,7 @@ class PrefillHost(RoleHost):
         for gone in getattr(self, "_verifiers", set()) - now:
             self.worker.drop_peer(gone)
         self._verifiers = now
+        self.worker.lora.set_verifiers(now)  # an adapter is unloaded once all released it
 
     def stats(self) -> dict:
         """The base stats plus the KV pool: blocks in all, in use, and held by the prefix
@@ -62,4 +63,5 @@ class PrefillHost(RoleHost):
         out["num_kv_blocks"] = bm.num_blocks
         out["num_used_kv_blocks"] = bm.num_used_blocks
         out["num_evictable_kv_blocks"] = 0 if cache is None else cache.num_evictable_blocks
+        out["lora_adapters"] = sorted(self.worker.lora.runtime.current())  # served now
         return out

@@ -55,6 +55,9 @@ class VerifierHost(RoleHost):
         elif peer.role == Role.PREFILL.value:
             self._prefill_incarnation(peer.name, peer.incarnation)
             self.worker.prefill_back(peer.name)
+            # (re)connected or restarted: it serves the LoRA adapters we serve now (a relay
+            # sent while it was away is lost; a sync is idempotent)
+            self.worker.lora.prefill_joined(peer.name)
 
     def _prefill_incarnation(self, peer: str, incarnation: int | None) -> None:
         """A prefill worker's incarnation as its HelloAck or the roster says: a new one
@@ -126,6 +129,8 @@ class VerifierHost(RoleHost):
         out["num_kv_blocks"] = bm.num_blocks
         out["kv_cache_usage"] = 1 - bm.num_free_blocks / bm.num_blocks  # as the metric
         out["requests"] = self.worker.lifecycle.views()
+        # the LoRA adapters served now (those given at start and loaded at run time)
+        out["lora_adapters"] = sorted(self.worker.lora.runtime.current())
         return out
 
 

@@ -54,6 +54,7 @@ from specmesh.protocol.messages import (
     GenerateRequest,
     Hello,
     HelloAck,
+    LoraAdapterOp,
     ModelIdentity,
     PrefillDone,
     PrefillRequest,
@@ -512,9 +513,9 @@ def _dialled_by(dialler: ZmqMailbox, fake: ZmqMailbox, role: str) -> None:
 
 # -- the tests -----------------------------------------------------------------------------
 
-#: messages a role acts on whatever they name (a corpus operation is relayed or applied, not
-#: dropped as one for an unknown request): never sent as the "unknown" kind
-VERIFIER_TAKES_WORK = (GenerateRequest, DrafterCorpus)
+#: messages a role acts on whatever they name (a corpus or LoRA operation is relayed or applied
+#: and answered, not dropped as one for an unknown request): never sent as the "unknown" kind
+VERIFIER_TAKES_WORK = (GenerateRequest, DrafterCorpus, LoraAdapterOp)
 DRAFTER_TAKES_WORK = (DraftSync, DrafterCorpus)
 
 
@@ -579,7 +580,7 @@ def test_fuzz_prefill_worker(fuzz):
             (rogue.send if is_rogue else sock.send_multipart)(frames)
             return is_rogue
 
-        valid = [c for c in ALL_CLASSES if c is not PrefillRequest]
+        valid = [c for c in ALL_CLASSES if c not in (PrefillRequest, LoraAdapterOp)]
         # PrefillCancel is acknowledged whatever it names (nothing of it can follow the ack)
         _fuzz_socket(fc, "prefill", "verifier-fuzz", send,
                      valid, lambda: p.stats.num_dropped_messages + p.stats.num_cancelled,
