@@ -323,7 +323,8 @@ class DrafterWorker(MailboxWorker):
             room = min(self._window(st) - len(st.path), self.config.max_segment)
             if room > 0:
                 if self.proposer.max_drafts_per_call:
-                    room = min(room, self.proposer.max_drafts_per_call)
+                    room = min(room, self._tree_depth(st) if self._tree_segment(st)
+                               else self.proposer.max_drafts_per_call)
                 wants.append((st, room))
             elif st.prediction is not None:
                 # the prediction has nothing here and the method's window is full: nothing
@@ -426,6 +427,18 @@ class DrafterWorker(MailboxWorker):
         self.stats.num_branch_candidates_sent += sent
         return sent
 
+    def _tree_segment(self, st: DraftState) -> bool:
+        """Whether ``st``'s next segment is a tree: a tree proposer's, at the committed
+        prefix (module docstring)."""
+        return self.proposer.draft_shape == "tree" and not st.path and st.num_sent == 0
+
+    def _tree_depth(self, st: DraftState) -> int:
+        """How deep the tree of a model drafter that streams its chains a draft per call
+        (EAGLE-2, drafter/eagle/tree_draft.py) is drafted, whole, in one call: as deep as the
+        verifier verifies (``num_drafts_wanted``; without it, the window). The run-ahead past
+        it continues branch 0 as chains."""
+        return max(1, st.num_drafts_wanted or self.config.window)
+
     def _window(self, st: DraftState) -> int:
         """How far ``st``'s path may run past its committed prefix: the configured window or,
         when the verifier said how many drafts it will verify, the same run-ahead multiple of
@@ -452,7 +465,7 @@ class DrafterWorker(MailboxWorker):
         out: list[tuple[list[int], list] | None] = [None] * len(wants)
         calls, where = [], []
         for j, (st, room) in enumerate(wants):
-            if p.draft_shape == "tree" and not st.path and st.num_sent == 0:
+            if self._tree_segment(st):
                 # the segment at the committed prefix: a tree, whose branch 0 is the path
                 tokens, parents = p.propose_tree(st.request_id, st.context, room)
                 new = first_branch(tokens, parents)
