@@ -40,12 +40,22 @@ class TreeNode:
     score: float
     logp: float
     expanded: int = -1
+    #: sampled trees (drafter/eagle/sampled_tree.py): the parent's row (its index in the
+    #: children maker's ``rows``) and the node's place in its siblings' draw order
+    row: int = -1
+    rank: int = 0
 
 
-def _children(parent: int, depth: int, base: float, row: torch.Tensor,
-              topk: int) -> list[TreeNode]:
-    """The ``topk`` likeliest children of ``parent`` from its log-probability ``row``, best
-    first (ties: the lower draft id)."""
+#: ``children(parent, parent_node, depth, row, topk)``: the children of node ``parent`` (-1
+#: and None: the context) from its ``row``, best first
+Children = Callable[[int, "TreeNode | None", int, torch.Tensor, int], list[TreeNode]]
+
+
+def top_children(parent: int, parent_node: TreeNode | None, depth: int, row: torch.Tensor,
+                 topk: int) -> list[TreeNode]:
+    """EAGLE-2's children: the ``topk`` likeliest of the log-probability ``row``, best first
+    (ties: the lower draft id), scored by cumulative log-probability."""
+    base = 0.0 if parent_node is None else parent_node.score
     k = min(topk, row.shape[0])
     top = row.topk(k)
     out = [TreeNode(int(i), parent, depth, base + float(v), float(v))
@@ -54,20 +64,24 @@ def _children(parent: int, depth: int, base: float, row: torch.Tensor,
     return out
 
 
-def grow_tree(root_logp: torch.Tensor,
+def grow_tree(root_row: torch.Tensor,
               expand: Callable[[list[int], list[TreeNode]], torch.Tensor],
-              topk: int, depth: int, max_nodes: int) -> list[TreeNode]:
+              topk: int, depth: int, max_nodes: int,
+              children: Children = top_children) -> list[TreeNode]:
     """Generate the nodes of an EAGLE-2 tree (module docstring), before the final rerank.
 
     Args:
-        root_logp: float ``[draft_vocab]`` log-probabilities of the token after the context.
+        root_row: float ``[vocab]`` the row of the token after the context: log-probabilities
+            for :func:`top_children`, what ``children`` reads otherwise.
         expand: called once per depth ``2 .. depth`` with the frontier (indices into the
-            list of nodes so far, and that list); returns their children's log-probability
-            rows ``[len(frontier), draft_vocab]``. It may set ``node.expanded``.
+            list of nodes so far, and that list); returns their rows ``[len(frontier),
+            vocab]``. It may set ``node.expanded``.
         topk: children per expanded node and nodes expanded per depth (>= 1).
         depth: deepest node (>= 1).
         max_nodes: nodes kept in the end (>= 1); depths that cannot reach the kept set are
             not expanded (the ``max_nodes``-th best score is known after each depth).
+        children: makes a node's children from its row, scored so that none outscores its
+            parent (:func:`top_children`; a sampled tree's, drafter/eagle/sampled_tree.py).
 
     Returns:
         every generated node, in the order made (parents before children).
@@ -78,7 +92,7 @@ def grow_tree(root_logp: torch.Tensor,
     if topk < 1 or depth < 1 or max_nodes < 1:
         raise ValueError(f"need topk, depth and max_nodes >= 1, got {topk}, {depth}, "
                          f"{max_nodes}")
-    nodes = _children(-1, 1, 0.0, root_logp, topk)
+    nodes = children(-1, None, 1, root_row, topk)
     frontier = list(range(len(nodes)))
     for d in range(2, depth + 1):
         if not frontier or _kept_cutoff(nodes, max_nodes) >= nodes[frontier[0]].score:
@@ -86,7 +100,7 @@ def grow_tree(root_logp: torch.Tensor,
         rows = expand(frontier, nodes)
         made = []
         for f, row in zip(frontier, rows):
-            made += _children(f, d, nodes[f].score, row, topk)
+            made += children(f, nodes[f], d, row, topk)
         lo = len(nodes)
         nodes += made
         frontier = sorted(range(lo, len(nodes)), key=lambda i: (-nodes[i].score, i))[:topk]
@@ -122,4 +136,4 @@ def tree_arrays(nodes: list[TreeNode], order: list[int]) -> list[int]:
     return [-1 if nodes[i].parent < 0 else where[nodes[i].parent] for i in order]
 
 
-__all__ = ["TreeNode", "grow_tree", "select_tree", "tree_arrays"]
+__all__ = ["Children", "TreeNode", "grow_tree", "select_tree", "top_children", "tree_arrays"]
