@@ -371,7 +371,7 @@ class DrafterWorker(MailboxWorker):
         st.news = False
         tree, st.tree = st.tree, None
         if tree is not None and start == 0:  # branch 0 is the path: send the tree
-            runs = [(tree[0], tree[1], None, False)]
+            runs = [(tree[0], tree[1], self._probs_buffer(tree[2]), False)]
         else:
             runs = [(st.path[a:b], None, self._probs_buffer(st.probs[a:b]), flag)
                     for a, b, flag in _runs(st.predicted, start, len(st.path))]
@@ -465,14 +465,6 @@ class DrafterWorker(MailboxWorker):
         out: list[tuple[list[int], list] | None] = [None] * len(wants)
         calls, where = [], []
         for j, (st, room) in enumerate(wants):
-            if self._tree_segment(st):
-                # the segment at the committed prefix: a tree, whose branch 0 is the path
-                tokens, parents = p.propose_tree(st.request_id, st.context, room)
-                new = first_branch(tokens, parents)
-                if len(new) < len(tokens):
-                    st.tree = (list(tokens), list(parents))
-                out[j] = (new, [None] * len(new))
-                continue
             how = None
             # sampled requests, and greedy ones with penalties or token constraints, are
             # drafted from the distribution the verifier verifies them against
@@ -481,6 +473,21 @@ class DrafterWorker(MailboxWorker):
                 how = DraftSampling(st.sampling, len(st.committed) + len(st.path),
                                     self._generator(), self.config.draft_probs,
                                     st.prompt_token_ids, st.committed + st.path)
+            if self._tree_segment(st):
+                # the segment at the committed prefix: a tree, whose branch 0 is the path
+                # (rows: a sampled tree's, each node's distribution, else None)
+                tokens, parents, rows = p.propose_tree_sampled(st.request_id, st.context,
+                                                               room, how)
+                rows = list(rows) if how is not None else [None] * len(tokens)
+                if len(rows) != len(tokens):
+                    raise ValueError(f"{type(p).__name__} returned {len(rows)} rows for a "
+                                     f"tree of {len(tokens)} nodes")
+                branch0 = first_branch(list(range(len(tokens))), parents)
+                new = [tokens[i] for i in branch0]
+                if len(new) < len(tokens):
+                    st.tree = (list(tokens), list(parents), rows)
+                out[j] = (new, [rows[i] for i in branch0])
+                continue
             calls.append(ProposeCall(st.request_id, st.context, room, how))
             where.append(j)
         if calls:

@@ -261,26 +261,37 @@ class EagleProposer(Proposer):
 
     def propose_tree(self, request_id: str, context_token_ids: list[int],
                      num_tokens: int) -> tuple[list[int], list[int]]:
-        """An EAGLE-2 tree after the context (drafter/eagle/tree_draft.py): ``(draft_token_ids,
-        parents)``, at most ``num_tokens`` deep and ``tree_nodes`` large (default ``topk *
-        num_tokens``); the entries of its branch 0 join the request's head KV, so the chains
-        drafted after it continue from there. ([], []) when the request cannot draft."""
+        """An EAGLE-2 tree after the context (drafter/eagle/tree_draft.py), as for a greedy
+        request: :meth:`propose_tree_sampled` without its rows."""
+        tokens, parents, _ = self.propose_tree_sampled(request_id, context_token_ids,
+                                                       num_tokens, None)
+        return tokens, parents
+
+    def propose_tree_sampled(self, request_id: str, context_token_ids: list[int],
+                             num_tokens: int, how: DraftSampling | None
+                             ) -> tuple[list[int], list[int], list[torch.Tensor | None]]:
+        """An EAGLE-2 tree after the context for the sampling ``how`` (drafter/eagle/
+        tree_draft.py): ``(draft_token_ids, parents, rows)``, at most ``num_tokens`` deep and
+        ``tree_nodes`` large (default ``topk * num_tokens``); rows float32 ``[vocab_size]``
+        for an unseeded sampled request (each node's distribution given its parent and
+        earlier siblings), else None. The entries of branch 0 join the request's head KV, so
+        the chains drafted after it continue from there. Empty when it cannot draft."""
         cur = self._cursor(ProposeCall(request_id, context_token_ids, num_tokens))
         if cur is None:
-            return [], []
+            return [], [], []
         live = {0: cur}
         with torch.inference_mode():
             self._catch_up(live)
             if not live:
-                return [], []
+                return [], [], []
             st = cur.st
             drafted = draft_tree(self.head, st.kv, st.last_g, len(context_token_ids), self.topk,
-                                 num_tokens, self.tree_nodes or self.topk * num_tokens)
+                                 num_tokens, self.tree_nodes or self.topk * num_tokens, how)
         self.num_tree_forwards += drafted.num_forwards
         if drafted.branch0_outs:
             st.entry_tokens.extend(drafted.branch0_tokens)
             st.outs.extend(drafted.branch0_outs)
-        return drafted.token_ids, drafted.parents
+        return drafted.token_ids, drafted.parents, drafted.rows
 
     def _cursor(self, call: ProposeCall) -> _Cursor | None:
         """Where a request's drafting starts: its head entries that no longer match the
