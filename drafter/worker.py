@@ -486,6 +486,8 @@ class DrafterWorker(MailboxWorker):
                 new = [tokens[i] for i in branch0]
                 if len(new) < len(tokens):
                     st.tree = (list(tokens), list(parents), rows)
+                    self.profile.count("tree_segments")
+                    self.profile.count("tree_nodes", len(tokens))
                 out[j] = (new, [rows[i] for i in branch0])
                 continue
             calls.append(ProposeCall(st.request_id, st.context, room, how))

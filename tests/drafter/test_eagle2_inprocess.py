@@ -1,7 +1,8 @@
 """EAGLE-2 draft trees through the in-process workers (real messages: seed state from prefill,
 DraftSync and every VerifyCommit; trees verified by the tree rule) with the head trained on
 the tiny target: greedy output equals plain decode with tree drafts verified and accepted,
-seeded output equals seeded plain decode (speculation on vs off)."""
+seeded output equals seeded plain decode (speculation on vs off), the seed state's bytes are
+counted, and unseeded sampled requests get sampled trees verified with their rows."""
 
 import torch
 
@@ -34,6 +35,10 @@ def test_eagle2_trees_equal_plain_decode_greedy_and_seeded(tiny_model_dir, tiny_
     assert sum(o.spec.num_draft_tokens for o in got) > 0
     assert sum(o.spec.num_accepted_tokens for o in got) > 0
     assert spec.verifier.stats.num_tree_verify_steps > 0 and proposer.num_tree_forwards > 0
+    # the P/D seed: one float32 hidden row per request, counted in bytes
+    st = spec.verifier.stats
+    assert st.num_seed_states == len(prompts)
+    assert st.seed_state_bytes == len(prompts) * lm.config.hidden_size * 4
     # sampled close to the greedy path, so drafts are accepted
     seeded = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.05, seed=40 + i)
               for i in range(len(prompts))]
