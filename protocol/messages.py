@@ -52,7 +52,9 @@ from msgspec import Meta
 # SamplingParams.grammar (structured output: response_format, guided_*, tools)
 # 14: LoRA adapters: ModelIdentity.lora_adapters, GenerateRequest / PrefillRequest.lora_name
 # 15: PrefillDone.num_cached_tokens, TokenStream.num_cached_tokens (prefix cache hits)
-PROTOCOL_VERSION = 15
+# 16: DraftTailStream trees may carry draft_probs (sampled EAGLE-2 trees: a row per node);
+# verifiers before 16 refuse them
+PROTOCOL_VERSION = 16
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
@@ -749,7 +751,9 @@ class DraftTailStream(Message, tag=42, kw_only=True):
 
     A chain, or a tree when ``parents`` is given (index of each token's parent within this
     segment, -1 = the token before ``start_pos``; one per draft token). ``draft_probs``
-    (``[n, vocab_size]``, n = number of drafts) only when the verification rule needs them.
+    (``[n, vocab_size]``, n = number of drafts) only when the verification rule needs them;
+    a tree's row j is the distribution node j was drawn from given its parent and its earlier
+    siblings (a sampled EAGLE-2 tree, drafter/eagle/sampled_tree.py).
     ``base_committed_len`` is the committed length the drafter had seen when it drafted
     (``<= start_pos``): the segment continues the drafter's path at positions
     ``[base_committed_len, start_pos)``, which the verifier uses to see that a segment was
