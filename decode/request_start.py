@@ -89,6 +89,7 @@ class RequestStart:
             self.stats.num_seed_states += 1
             if self.profile is not None:
                 self.profile.count("seed_state_bytes", seed_state.nbytes)
+                self.profile.count("num_seed_states")
         if self.wants_hidden(req):
             req.seed_window = window_from_prefill(seed_state, req.prompt_len,
                                                   self.hidden_size, self.dtype)

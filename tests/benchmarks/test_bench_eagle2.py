@@ -24,3 +24,21 @@ def test_flags_set_the_tree_options_unless_the_form_does():
     assert kwargs == {"topk": 3, "tree_nodes": 9}
     _, kwargs = parse_drafter("eagle:topk=2", None, {"eagle_topk": 3})
     assert kwargs == {"topk": 2}
+
+
+def test_profile_reports_seed_bytes_per_request_and_nodes_per_tree():
+    from specmesh.benchmarks.harness.render import profile_markdown
+    from specmesh.benchmarks.harness.report import profile_summary
+
+    chain = profile_summary({"phases": {}, "counters": {
+        "seed_state_bytes": 2304, "num_seed_states": 2}})
+    tree = profile_summary({"phases": {}, "counters": {
+        "seed_state_bytes": 2304, "num_seed_states": 2,
+        "drafter tree_nodes": 24, "drafter tree_segments": 3}})
+    assert chain["seed_state_bytes_per_request"] == 1152
+    assert chain["tree_nodes_per_tree"] is None and tree["tree_nodes_per_tree"] == 8
+    lines = profile_markdown({"concurrency": 1, "systems": {
+        "served k=4 eagle": {"profile": chain},
+        "served k=4 eagle:topk=4": {"profile": tree}}})
+    assert "| seed-state bytes per request (prefill -> decode) | 1152 | 1152 |" in lines
+    assert "| nodes per draft tree sent |  | 8.0 |" in lines
