@@ -13,9 +13,9 @@ width of its own instead: kappa after a rejected prediction draft, doubled after
 accepted whole, up to ``num_prediction_tokens`` (:meth:`Scheduler.prediction_drafts`); its
 steps do not move the accept history the method's caps read (:meth:`Scheduler.observe_accept`).
 A
-request whose tail holds a draft tree (one-hot drafts, or a sampled tree's rows) gets a tree instead: its depth capped
-like a chain's length, its nodes by ``max_tree_nodes`` (default twice kappa, as vLLM / SGLang
-give trees a node budget of their own).
+request whose tail holds a draft tree (one-hot drafts, or a sampled tree's rows) gets a tree
+instead: its depth capped like a chain's length, its nodes by ``max_tree_nodes`` (default
+twice kappa, as vLLM / SGLang give trees a node budget of their own).
 
 The block manager is any object with ``num_blocks``, ``num_free_blocks``, ``blocks_for``,
 ``allocate`` and ``free`` (``engine.block_manager.BlockManager``); tests hand-build requests and
