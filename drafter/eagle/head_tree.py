@@ -82,8 +82,8 @@ def tree_level(head: EagleHead, tree: TreeKV, features: torch.Tensor,
     first = not tree.keys
     for li, layer in enumerate(head.layers):
         q, k, v = layer.qkv(x, cos, sin)  # [nh, m, hd], [nkv, m, hd]
-        past_k = tree.kv.keys[li][:, :tree.past] if tree.kv.key_buffers else k[:, :0]
-        past_v = tree.kv.values[li][:, :tree.past] if tree.kv.value_buffers else v[:, :0]
+        past_k = tree.kv.key_buffers[li][:, :tree.past] if tree.kv.key_buffers else k[:, :0]
+        past_v = tree.kv.value_buffers[li][:, :tree.past] if tree.kv.value_buffers else v[:, :0]
         if first:
             tree.keys.append(k)
             tree.values.append(v)
