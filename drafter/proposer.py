@@ -260,6 +260,14 @@ class Proposer(ABC):
         tokens, parents = self.propose_tree(request_id, context_token_ids, num_tokens)
         return tokens, parents, [None] * len(tokens)
 
+    def propose_trees(self, calls: list[ProposeCall]
+                      ) -> list[tuple[list[int], list[int], list[torch.Tensor | None]]]:
+        """:meth:`propose_tree_sampled` for several requests (``num_tokens``: each tree's
+        depth), in the order of ``calls``. The default answers them one by one; a model
+        drafter overrides it to grow all the trees with one forward per depth."""
+        return [self.propose_tree_sampled(c.request_id, c.context_token_ids, c.num_tokens,
+                                          c.how) for c in calls]
+
 
 #: what a proposer may draft (Proposer.draft_shape)
 DRAFT_SHAPES = ("chain", "tree")

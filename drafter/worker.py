@@ -459,11 +459,12 @@ class DrafterWorker(MailboxWorker):
         """Up to ``room`` drafts for each ``(st, room)`` and their rows, in order: a proposer
         that samples (``returns_draft_probs``) drafts a sampled request the way it samples
         (drafter/draft_sampling.py, rows checked one per draft); every other draft is
-        deterministic (row None). A tree proposer's segment at the committed prefix is a
-        tree, asked for on its own; the rest go to the proposer in one ``propose_many``."""
+        deterministic (row None). A tree proposer's segments at the committed prefix are
+        trees, asked for in one ``propose_trees``; the rest go to the proposer in one
+        ``propose_many``."""
         p = self.proposer
         out: list[tuple[list[int], list] | None] = [None] * len(wants)
-        calls, where = [], []
+        calls, where, tree_calls, tree_where = [], [], [], []
         for j, (st, room) in enumerate(wants):
             how = None
             # sampled requests, and greedy ones with penalties or token constraints, are
@@ -473,25 +474,15 @@ class DrafterWorker(MailboxWorker):
                 how = DraftSampling(st.sampling, len(st.committed) + len(st.path),
                                     self._generator(), self.config.draft_probs,
                                     st.prompt_token_ids, st.committed + st.path)
-            if self._tree_segment(st):
-                # the segment at the committed prefix: a tree, whose branch 0 is the path
-                # (rows: a sampled tree's, each node's distribution, else None)
-                tokens, parents, rows = p.propose_tree_sampled(st.request_id, st.context,
-                                                               room, how)
-                rows = list(rows) if how is not None else [None] * len(tokens)
-                if len(rows) != len(tokens):
-                    raise ValueError(f"{type(p).__name__} returned {len(rows)} rows for a "
-                                     f"tree of {len(tokens)} nodes")
-                branch0 = first_branch(list(range(len(tokens))), parents)
-                new = [tokens[i] for i in branch0]
-                if len(new) < len(tokens):
-                    st.tree = (list(tokens), list(parents), rows)
-                    self.profile.count("tree_segments")
-                    self.profile.count("tree_nodes", len(tokens))
-                out[j] = (new, [rows[i] for i in branch0])
+            if self._tree_segment(st):  # the segment at the committed prefix: a tree
+                tree_calls.append(ProposeCall(st.request_id, st.context, room, how))
+                tree_where.append(j)
                 continue
             calls.append(ProposeCall(st.request_id, st.context, room, how))
             where.append(j)
+        if tree_calls:
+            for j, call, tree in zip(tree_where, tree_calls, p.propose_trees(tree_calls)):
+                out[j] = self._take_tree(wants[j][0], call, *tree)
         if calls:
             for j, call, (new, rows) in zip(where, calls, p.propose_many(calls)):
                 rows = list(rows) if call.how is not None else [None] * len(new)
@@ -500,6 +491,22 @@ class DrafterWorker(MailboxWorker):
                                      f"{len(new)} drafts")
                 out[j] = (list(new), rows)
         return out  # type: ignore[return-value]
+
+    def _take_tree(self, st: DraftState, call: ProposeCall, tokens: list[int],
+                   parents: list[int], rows: list) -> tuple[list[int], list]:
+        """A proposer's tree for ``st``: its branch 0 becomes the path (returned with its
+        rows), the whole tree is kept for the next segment when it branches (rows: a sampled
+        tree's, each node's distribution, else None)."""
+        rows = list(rows) if call.how is not None else [None] * len(tokens)
+        if len(rows) != len(tokens):
+            raise ValueError(f"{type(self.proposer).__name__} returned {len(rows)} rows for a "
+                             f"tree of {len(tokens)} nodes")
+        branch0 = first_branch(list(range(len(tokens))), parents)
+        if len(branch0) < len(tokens):
+            st.tree = (list(tokens), list(parents), rows)
+            self.profile.count("tree_segments")
+            self.profile.count("tree_nodes", len(tokens))
+        return [tokens[i] for i in branch0], [rows[i] for i in branch0]
 
     def _generator(self) -> torch.Generator:
         """The drafter's randomness for unseeded sampled drafts (created on first use)."""

@@ -65,42 +65,73 @@ def tree_level(head: EagleHead, tree: TreeKV, features: torch.Tensor,
     Raises:
         ValueError: a parent that is not an earlier tree entry, or sizes that differ.
     """
-    m, T = int(features.shape[0]), len(tree)
-    if next_tokens.shape != (m,) or positions.shape != (m,) or len(parents) != m:
-        raise ValueError(f"tree level of {m} states, {tuple(next_tokens.shape)} tokens, "
-                         f"{tuple(positions.shape)} positions, {len(parents)} parents")
-    if any(not -1 <= p < T for p in parents):
-        raise ValueError(f"tree parents {parents} outside the {T} entries run so far")
-    device = features.device
-    own = torch.zeros((m, T), dtype=torch.bool, device=device)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            own[i] = tree.anc[p]
-    mask = torch.cat([torch.ones((m, tree.past), dtype=torch.bool, device=device), own,
-                      torch.eye(m, dtype=torch.bool, device=device)], dim=1)
-    x, cos, sin = head._entry_inputs([features], [next_tokens], positions)
-    first = not tree.keys
+    return tree_level_many(head, [(tree, features, next_tokens, positions, parents)])[0]
+
+
+@torch.inference_mode()
+def tree_level_many(head: EagleHead, items: list[tuple[TreeKV, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, list[int]]],
+                    ) -> list[torch.Tensor]:
+    """:func:`tree_level` for several requests' trees at once, ``items`` its arguments
+    ``(tree, features, next_tokens, positions, parents)`` per request (distinct trees): the
+    products run once over every item's rows (the head's weights read once per depth, as
+    :meth:`EagleHead.extend_many` does for chains), attention per item over its own KV and
+    tree. Each item's result is the one it gets alone (row-invariant products).
+
+    Raises:
+        ValueError: as :func:`tree_level`, or a tree listed twice.
+    """
+    if len({id(it[0]) for it in items}) != len(items):
+        raise ValueError("tree_level_many: a tree is listed twice")
+    if not items:
+        return []
+    masks, sizes = [], []
+    for tree, features, next_tokens, positions, parents in items:
+        m, T = int(features.shape[0]), len(tree)
+        if next_tokens.shape != (m,) or positions.shape != (m,) or len(parents) != m:
+            raise ValueError(f"tree level of {m} states, {tuple(next_tokens.shape)} tokens, "
+                             f"{tuple(positions.shape)} positions, {len(parents)} parents")
+        if any(not -1 <= p < T for p in parents):
+            raise ValueError(f"tree parents {parents} outside the {T} entries run so far")
+        own = torch.zeros((m, T), dtype=torch.bool, device=features.device)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                own[i] = tree.anc[p]
+        masks.append(own)
+        sizes.append(m)
+    x, cos, sin = head._entry_inputs([it[1] for it in items], [it[2] for it in items],
+                                     torch.cat([it[3] for it in items]))
+    first = [not it[0].keys for it in items]
     for li, layer in enumerate(head.layers):
-        q, k, v = layer.qkv(x, cos, sin)  # [nh, m, hd], [nkv, m, hd]
-        past_k = tree.kv.key_buffers[li][:, :tree.past] if tree.kv.key_buffers else k[:, :0]
-        past_v = tree.kv.value_buffers[li][:, :tree.past] if tree.kv.value_buffers else v[:, :0]
-        if first:
-            tree.keys.append(k)
-            tree.values.append(v)
-        else:
-            tree.keys[li] = torch.cat([tree.keys[li], k], dim=1)
-            tree.values[li] = torch.cat([tree.values[li], v], dim=1)
-        keys = torch.cat([past_k, tree.keys[li]], dim=1)
-        vals = torch.cat([past_v, tree.values[li]], dim=1)
-        attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
-                                              enable_gqa=layer.nh != layer.nkv)
-        x = layer.finish(x, attn)
-    anc = torch.zeros((T + m, T + m), dtype=torch.bool, device=device)
-    anc[:T, :T] = tree.anc
-    anc[T:, :T] = own
-    anc[T:, T:] = torch.eye(m, dtype=torch.bool, device=device)
-    tree.anc = anc
-    return head.norm(x)
+        q, k, v = layer.qkv(x, cos, sin)  # [nh, sum m, hd], [nkv, sum m, hd]
+        parts, lo = [], 0
+        for (tree, _, _, _, _), own, m, new in zip(items, masks, sizes, first):
+            kk, vv = k[:, lo:lo + m], v[:, lo:lo + m]
+            if new:
+                tree.keys.append(kk)
+                tree.values.append(vv)
+            else:
+                tree.keys[li] = torch.cat([tree.keys[li], kk], dim=1)
+                tree.values[li] = torch.cat([tree.values[li], vv], dim=1)
+            bufs = tree.kv.key_buffers, tree.kv.value_buffers
+            past_k = bufs[0][li][:, :tree.past] if bufs[0] else kk[:, :0]
+            past_v = bufs[1][li][:, :tree.past] if bufs[1] else vv[:, :0]
+            mask = torch.cat([torch.ones((m, tree.past), dtype=torch.bool, device=x.device),
+                              own, torch.eye(m, dtype=torch.bool, device=x.device)], dim=1)
+            parts.append(F.scaled_dot_product_attention(
+                q[:, lo:lo + m], torch.cat([past_k, tree.keys[li]], dim=1),
+                torch.cat([past_v, tree.values[li]], dim=1), attn_mask=mask,
+                enable_gqa=layer.nh != layer.nkv))
+            lo += m
+        x = layer.finish(x, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+    for (tree, _, _, _, _), own, m in zip(items, masks, sizes):
+        T = len(tree)
+        anc = torch.zeros((T + m, T + m), dtype=torch.bool, device=x.device)
+        anc[:T, :T] = tree.anc
+        anc[T:, :T] = own
+        anc[T:, T:] = torch.eye(m, dtype=torch.bool, device=x.device)
+        tree.anc = anc
+    return list(head.norm(x).split(sizes))
 
 
-__all__ = ["TreeKV", "tree_level"]
+__all__ = ["TreeKV", "tree_level", "tree_level_many"]

@@ -20,7 +20,7 @@ deepest depth kept. Pure torch over score rows: the head's forwards are the call
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +68,8 @@ def grow_tree(root_row: torch.Tensor,
               expand: Callable[[list[int], list[TreeNode]], torch.Tensor],
               topk: int, depth: int, max_nodes: int,
               children: Children = top_children) -> list[TreeNode]:
-    """Generate the nodes of an EAGLE-2 tree (module docstring), before the final rerank.
+    """Generate the nodes of an EAGLE-2 tree (module docstring), before the final rerank:
+    :func:`grow_tree_steps` with each frontier's rows from ``expand``.
 
     Args:
         root_row: float ``[vocab]`` the row of the token after the context: log-probabilities
@@ -76,6 +77,36 @@ def grow_tree(root_row: torch.Tensor,
         expand: called once per depth ``2 .. depth`` with the frontier (indices into the
             list of nodes so far, and that list); returns their rows ``[len(frontier),
             vocab]``. It may set ``node.expanded``.
+        topk, depth, max_nodes, children: as :func:`grow_tree_steps`.
+
+    Returns:
+        every generated node, in the order made (parents before children).
+
+    Raises:
+        ValueError: ``topk``, ``depth`` or ``max_nodes`` below 1.
+    """
+    steps = grow_tree_steps(root_row, topk, depth, max_nodes, children)
+    try:
+        frontier, nodes = next(steps)
+        while True:
+            frontier, nodes = steps.send(expand(frontier, nodes))
+    except StopIteration as done:
+        return done.value
+
+
+def grow_tree_steps(root_row: torch.Tensor, topk: int, depth: int, max_nodes: int,
+                    children: Children = top_children,
+                    ) -> Generator[tuple[list[int], list[TreeNode]], torch.Tensor,
+                                   list[TreeNode]]:
+    """The nodes of an EAGLE-2 tree as a generator, so that several requests' trees advance
+    in lockstep, one batched head forward per depth for all of them
+    (drafter/eagle/tree_draft.py): it yields ``(frontier, nodes)`` for each depth ``2 ..
+    depth`` it expands (the frontier's indices into the nodes so far) and takes the
+    frontier's rows ``[len(frontier), vocab]`` back through ``send``; its return value (the
+    ``StopIteration``'s) is every generated node, in the order made.
+
+    Args:
+        root_row: as :func:`grow_tree`.
         topk: children per expanded node and nodes expanded per depth (>= 1).
         depth: deepest node (>= 1).
         max_nodes: nodes kept in the end (>= 1); depths that cannot reach the kept set are
@@ -83,11 +114,8 @@ def grow_tree(root_row: torch.Tensor,
         children: makes a node's children from its row, scored so that none outscores its
             parent (:func:`top_children`; a sampled tree's, drafter/eagle/sampled_tree.py).
 
-    Returns:
-        every generated node, in the order made (parents before children).
-
     Raises:
-        ValueError: ``topk``, ``depth`` or ``max_nodes`` below 1.
+        ValueError: ``topk``, ``depth`` or ``max_nodes`` below 1 (on the first ``next``).
     """
     if topk < 1 or depth < 1 or max_nodes < 1:
         raise ValueError(f"need topk, depth and max_nodes >= 1, got {topk}, {depth}, "
@@ -97,7 +125,7 @@ def grow_tree(root_row: torch.Tensor,
     for d in range(2, depth + 1):
         if not frontier or _kept_cutoff(nodes, max_nodes) >= nodes[frontier[0]].score:
             break  # no child of the frontier can outscore the nodes already kept
-        rows = expand(frontier, nodes)
+        rows = yield frontier, nodes
         made = []
         for f, row in zip(frontier, rows):
             made += children(f, nodes[f], d, row, topk)
@@ -136,4 +164,5 @@ def tree_arrays(nodes: list[TreeNode], order: list[int]) -> list[int]:
     return [-1 if nodes[i].parent < 0 else where[nodes[i].parent] for i in order]
 
 
-__all__ = ["Children", "TreeNode", "grow_tree", "select_tree", "top_children", "tree_arrays"]
+__all__ = ["Children", "TreeNode", "grow_tree", "grow_tree_steps", "select_tree",
+           "top_children", "tree_arrays"]

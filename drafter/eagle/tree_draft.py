@@ -1,5 +1,6 @@
-"""One EAGLE-2 draft tree of one request: the tree's selection (drafter/eagle/tree.py) driven
-by the head's forwards over the tree (drafter/eagle/head_tree.py), one forward per depth.
+"""EAGLE-2 draft trees of requests: the tree's selection (drafter/eagle/tree.py) driven by the
+head's forwards over the tree (drafter/eagle/head_tree.py), one forward per depth for every
+request whose tree is drafted in the same call.
 
 The request's head KV must end at the context's second-to-last position (the proposer's
 catch-up, drafter/proposers/eagle.py), and ``root_state`` is the state its last entry predicted
@@ -27,9 +28,9 @@ import torch
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
 from specmesh.drafter.eagle.head import EagleHead
 from specmesh.drafter.eagle.head_kv import HeadKV
-from specmesh.drafter.eagle.head_tree import TreeKV, tree_level
+from specmesh.drafter.eagle.head_tree import TreeKV, tree_level_many
 from specmesh.drafter.eagle.sampled_tree import SampledChildren, sibling_row
-from specmesh.drafter.eagle.tree import (TreeNode, grow_tree, select_tree, top_children,
+from specmesh.drafter.eagle.tree import (TreeNode, grow_tree_steps, select_tree, top_children,
                                          tree_arrays)
 from specmesh.engine.sampling import processed_probs
 
@@ -54,19 +55,18 @@ class DraftedTree:
     branch0_outs: list[torch.Tensor]
 
 
-def _log_probs(head: EagleHead, states: torch.Tensor) -> torch.Tensor:
-    """float32 draft-vocabulary log-probabilities ``[n, draft_vocab]`` of states ``[n, d]``."""
-    return torch.log_softmax(head.logits(states).float(), dim=-1)
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """float32 draft-vocabulary log-probabilities of draft logits ``[n, draft_vocab]``."""
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _sampled_probs(head: EagleHead, states: torch.Tensor, how: DraftSampling) -> torch.Tensor:
-    """float32 ``[n, vocab_size]`` target-space distributions of states ``[n, d]``, processed
-    with the request's sampling (drafter/draft_sampling.py: what its chain drafts are drawn
-    from)."""
-    logits = torch.cat([target_space_logits(row[None], head.config.vocab_size,
-                                            head.draft_to_target)
-                        for row in head.logits(states).float()])
-    return processed_probs(logits, [how.sampling], [logits.shape[0]])
+def _sampled_probs(head: EagleHead, logits: torch.Tensor, how: DraftSampling) -> torch.Tensor:
+    """float32 ``[n, vocab_size]`` target-space distributions of draft logits ``[n,
+    draft_vocab]``, processed with the request's sampling (drafter/draft_sampling.py: what its
+    chain drafts are drawn from)."""
+    full = torch.cat([target_space_logits(row[None], head.config.vocab_size,
+                                          head.draft_to_target) for row in logits.float()])
+    return processed_probs(full, [how.sampling], [full.shape[0]])
 
 
 def samples_tree(how: DraftSampling | None) -> bool:
@@ -75,74 +75,146 @@ def samples_tree(how: DraftSampling | None) -> bool:
     return how is not None and how.sends_probs and not how.processes
 
 
+@dataclass
+class TreeJob:
+    """One request's tree to draft (:func:`draft_trees`): its head ``kv`` (ending at
+    ``context_len - 1``), ``root_state`` ``[d]`` (the state the last entry predicted), the
+    tree's ``topk``, ``depth`` and ``max_nodes``, and the sampling ``how`` (None: as a greedy
+    request)."""
+
+    kv: HeadKV
+    root_state: torch.Tensor
+    context_len: int
+    topk: int
+    depth: int
+    max_nodes: int
+    how: DraftSampling | None = None
+
+
+class _Growing:
+    """A :class:`TreeJob` while its tree grows: its tree entries, their predicted states and
+    the generator of its nodes (drafter/eagle/tree.py ``grow_tree_steps``)."""
+
+    def __init__(self, head: EagleHead, job: TreeJob) -> None:
+        kv = job.kv
+        if not kv.length or kv.end != job.context_len - 1:
+            raise ValueError(f"head KV holds [{kv.start}, {kv.end}); a tree after "
+                             f"{job.context_len} tokens needs it to end at {job.context_len - 1}")
+        self.head, self.job = head, job
+        self.tree = TreeKV(kv, kv.length)
+        self.states: list[torch.Tensor] = []  # predicted state of each tree entry
+        self.sampled = samples_tree(job.how)
+        self.children = SampledChildren(job.how.generator) if self.sampled else top_children
+        self.nodes: list[TreeNode] = []
+        self.frontier: list[int] = []
+        root = self.rows(head.logits(job.root_state[None]))[0]
+        self.steps = grow_tree_steps(root, job.topk, job.depth, job.max_nodes, self.children)
+        self.advance(None)
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of node ids (a sampled tree's nodes hold target ids already; the
+        other's draft-vocabulary indices)."""
+        return ids if self.sampled else self.head.target_ids(ids)
+
+    def rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows nodes' children come from: probabilities (sampled) or log-probabilities."""
+        return _sampled_probs(self.head, logits, self.job.how) if self.sampled \
+            else _log_probs(logits)
+
+    def advance(self, rows: torch.Tensor | None) -> bool:
+        """Send the frontier's rows (None: start); False once the tree is grown."""
+        try:
+            self.frontier, self.nodes = (next(self.steps) if rows is None
+                                         else self.steps.send(rows))
+            return True
+        except StopIteration as done:
+            self.nodes, self.frontier = done.value, []
+            return False
+
+    def level(self) -> tuple:
+        """The frontier's :func:`tree_level_many` item."""
+        nodes, device = self.nodes, self.job.root_state.device
+        feats, toks, pos, parents = [], [], [], []
+        for f in self.frontier:
+            up = nodes[f].parent
+            feats.append(self.job.root_state if up < 0 else self.states[nodes[up].expanded])
+            toks.append(nodes[f].draft_id)
+            pos.append(self.job.context_len - 2 + nodes[f].depth)
+            parents.append(-1 if up < 0 else nodes[up].expanded)
+        return (self.tree, torch.stack(feats),
+                self.to_target(torch.tensor(toks, dtype=torch.long, device=device)),
+                torch.tensor(pos, dtype=torch.long, device=device), parents)
+
+    def took(self, out: torch.Tensor) -> None:
+        """The frontier's predicted states ``out`` ``[m, d]`` came back from the forward."""
+        for j, f in enumerate(self.frontier):
+            self.nodes[f].expanded = len(self.states)
+            self.states.append(out[j])
+
+    def finish(self) -> DraftedTree:
+        """Rerank, number and send; branch 0's run entries join the request's KV."""
+        nodes, job = self.nodes, self.job
+        order = select_tree(nodes, job.max_nodes)
+        parents = tree_arrays(nodes, order)
+        ids = torch.tensor([nodes[i].draft_id for i in order], dtype=torch.long,
+                           device=job.root_state.device)
+        token_ids = self.to_target(ids).tolist()
+        rows = ([sibling_row(nodes, i, self.children.rows).cpu() for i in order]
+                if self.sampled else [None] * len(order))
+        # branch 0: from the root, each node's first child; its prefix of run entries joins kv
+        b0_entries, b0_tokens, node = [], [], -1
+        while True:
+            nxt = next((j for j, p in enumerate(parents) if p == node), None)
+            if nxt is None or nodes[order[nxt]].expanded < 0:
+                break
+            b0_entries.append(nodes[order[nxt]].expanded)
+            b0_tokens.append(token_ids[nxt])
+            node = nxt
+        if b0_entries:
+            keys, values = self.tree.entries(b0_entries)
+            for li in range(len(keys)):
+                job.kv.write(li, keys[li], values[li])
+            job.kv.commit(len(b0_entries))
+        forwards = len({n.depth for n in nodes if n.expanded >= 0})
+        return DraftedTree(token_ids, parents, rows, forwards, b0_tokens,
+                           [self.states[e] for e in b0_entries])
+
+
 @torch.inference_mode()
+def draft_trees(head: EagleHead, jobs: list[TreeJob]) -> list[DraftedTree]:
+    """The EAGLE-2 trees of several requests (module docstring), grown in lockstep: per depth
+    one head forward over every request's frontier (:func:`tree_level_many`) and one LM-head
+    product over all their states. Each request gets the tree it gets alone
+    (:func:`draft_tree`); the run entries of each tree's branch 0 are appended to its ``kv``
+    (which the tree's other entries never touch).
+
+    Raises:
+        ValueError: a ``kv`` that does not end at its ``context_len - 1``; ``topk``,
+            ``depth`` or ``max_nodes`` below 1.
+    """
+    growing = [_Growing(head, job) for job in jobs]
+    live = [g for g in growing if g.frontier]
+    while live:
+        outs = tree_level_many(head, [g.level() for g in live])
+        for g, out in zip(live, outs):
+            g.took(out)
+        logits = head.logits(torch.cat(outs)).split([int(o.shape[0]) for o in outs])
+        live = [g for g, lg in zip(live, logits) if g.advance(g.rows(lg))]
+    return [g.finish() for g in growing]
+
+
 def draft_tree(head: EagleHead, kv: HeadKV, root_state: torch.Tensor, context_len: int,
                topk: int, depth: int, max_nodes: int,
                how: DraftSampling | None = None) -> DraftedTree:
     """The EAGLE-2 tree after a context of ``context_len`` tokens (module docstring), at most
     ``depth`` deep and ``max_nodes`` large, for a request drafted for ``how`` (None: as a
-    greedy one); the run entries of its branch 0 are appended to ``kv`` (which the tree's
-    other entries never touch).
+    greedy one): :func:`draft_trees` of one :class:`TreeJob`.
 
     Raises:
-        ValueError: ``kv`` does not end at ``context_len - 1``; ``topk``, ``depth`` or
-            ``max_nodes`` below 1.
+        ValueError: as :func:`draft_trees`.
     """
-    if not kv.length or kv.end != context_len - 1:
-        raise ValueError(f"head KV holds [{kv.start}, {kv.end}); a tree after {context_len} "
-                         f"tokens needs it to end at {context_len - 1}")
-    tree = TreeKV(kv, kv.length)
-    states: list[torch.Tensor] = []  # predicted state of each tree entry
-    device = root_state.device
-    sampled = samples_tree(how)
-    # a sampled tree's nodes hold target ids and probability rows; the other's draft ids
-    # and log-probability rows
-    to_target = (lambda ids: ids) if sampled else head.target_ids
-
-    def rows_of(out: torch.Tensor) -> torch.Tensor:
-        return _sampled_probs(head, out, how) if sampled else _log_probs(head, out)
-
-    def expand(frontier: list[int], nodes: list[TreeNode]) -> torch.Tensor:
-        feats, toks, pos, parents = [], [], [], []
-        for f in frontier:
-            up = nodes[f].parent
-            feats.append(root_state if up < 0 else states[nodes[up].expanded])
-            toks.append(nodes[f].draft_id)
-            pos.append(context_len - 2 + nodes[f].depth)
-            parents.append(-1 if up < 0 else nodes[up].expanded)
-        out = tree_level(head, tree, torch.stack(feats),
-                         to_target(torch.tensor(toks, dtype=torch.long, device=device)),
-                         torch.tensor(pos, dtype=torch.long, device=device), parents)
-        for j, f in enumerate(frontier):
-            nodes[f].expanded = len(states)
-            states.append(out[j])
-        return rows_of(out)
-
-    children = SampledChildren(how.generator) if sampled else top_children
-    nodes = grow_tree(rows_of(root_state[None])[0], expand, topk, depth, max_nodes, children)
-    order = select_tree(nodes, max_nodes)
-    parents = tree_arrays(nodes, order)
-    ids = torch.tensor([nodes[i].draft_id for i in order], dtype=torch.long, device=device)
-    token_ids = to_target(ids).tolist()
-    rows = ([sibling_row(nodes, i, children.rows).cpu() for i in order] if sampled
-            else [None] * len(order))
-    # branch 0: from the root, each node's first child; its prefix of run entries joins kv
-    b0_entries, b0_tokens, node = [], [], -1
-    while True:
-        nxt = next((j for j, p in enumerate(parents) if p == node), None)
-        if nxt is None or nodes[order[nxt]].expanded < 0:
-            break
-        b0_entries.append(nodes[order[nxt]].expanded)
-        b0_tokens.append(token_ids[nxt])
-        node = nxt
-    if b0_entries:
-        keys, values = tree.entries(b0_entries)
-        for li in range(len(keys)):
-            kv.write(li, keys[li], values[li])
-        kv.commit(len(b0_entries))
-    return DraftedTree(token_ids, parents, rows, len({nodes[i].depth for i in range(len(nodes))
-                                                if nodes[i].expanded >= 0}),
-                       b0_tokens, [states[e] for e in b0_entries])
+    return draft_trees(head, [TreeJob(kv, root_state, context_len, topk, depth, max_nodes,
+                                      how)])[0]
 
 
-__all__ = ["MAX_TOPK", "DraftedTree", "draft_tree", "samples_tree"]
+__all__ = ["MAX_TOPK", "DraftedTree", "TreeJob", "draft_tree", "draft_trees", "samples_tree"]

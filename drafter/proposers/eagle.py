@@ -31,7 +31,7 @@ from specmesh.drafter.eagle.checkpoint import (
 )
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
 from specmesh.drafter.eagle.quantize import quantize_head
-from specmesh.drafter.eagle.tree_draft import MAX_TOPK, draft_tree
+from specmesh.drafter.eagle.tree_draft import MAX_TOPK, TreeJob, draft_trees
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import (BranchCall, DraftTarget, ProposeCall, Proposer,
                                        shipped_or_raise)
@@ -276,22 +276,37 @@ class EagleProposer(Proposer):
         for an unseeded sampled request (each node's distribution given its parent and
         earlier siblings), else None. The entries of branch 0 join the request's head KV, so
         the chains drafted after it continue from there. Empty when it cannot draft."""
-        cur = self._cursor(ProposeCall(request_id, context_token_ids, num_tokens))
-        if cur is None:
-            return [], [], []
-        live = {0: cur}
+        return self.propose_trees([ProposeCall(request_id, context_token_ids, num_tokens,
+                                               how)])[0]
+
+    def propose_trees(self, calls: list[ProposeCall]
+                      ) -> list[tuple[list[int], list[int], list[torch.Tensor | None]]]:
+        """:meth:`propose_tree_sampled` for several requests, their trees grown in lockstep:
+        one head forward per depth for all of them (drafter/eagle/tree_draft.py
+        ``draft_trees``), as :meth:`propose_many` batches chains. Each request gets the tree
+        it gets alone."""
+        out: list[tuple[list[int], list[int], list[torch.Tensor | None]]] = \
+            [([], [], []) for _ in calls]
+        live: dict[int, _Cursor] = {}
+        for i, call in enumerate(calls):
+            cur = self._cursor(call)
+            if cur is not None:
+                live[i] = cur
         with torch.inference_mode():
             self._catch_up(live)
-            if not live:
-                return [], [], []
-            st = cur.st
-            drafted = draft_tree(self.head, st.kv, st.last_g, len(context_token_ids), self.topk,
-                                 num_tokens, self.tree_nodes or self.topk * num_tokens, how)
-        self.num_tree_forwards += drafted.num_forwards
-        if drafted.branch0_outs:
-            st.entry_tokens.extend(drafted.branch0_tokens)
-            st.outs.extend(drafted.branch0_outs)
-        return drafted.token_ids, drafted.parents, drafted.rows
+            keys = list(live)
+            jobs = [TreeJob(live[i].st.kv, live[i].st.last_g, len(calls[i].context_token_ids),
+                            self.topk, calls[i].num_tokens,
+                            self.tree_nodes or self.topk * calls[i].num_tokens, calls[i].how)
+                    for i in keys]
+            drafted = draft_trees(self.head, jobs)
+        for i, d in zip(keys, drafted):
+            st = live[i].st
+            self.num_tree_forwards += d.num_forwards
+            st.entry_tokens.extend(d.branch0_tokens)
+            st.outs.extend(d.branch0_outs)
+            out[i] = (d.token_ids, d.parents, d.rows)
+        return out
 
     def _cursor(self, call: ProposeCall) -> _Cursor | None:
         """Where a request's drafting starts: its head entries that no longer match the

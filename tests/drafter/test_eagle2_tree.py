@@ -154,3 +154,44 @@ def test_bad_options_are_refused():
         EagleProposer(head_module=head, topk=0)
     with pytest.raises(ValueError):
         EagleProposer(head_module=head, topk=2, tree_nodes=0)
+
+
+def test_propose_trees_equals_each_request_alone(monkeypatch):
+    """One lockstep call for several requests (different contexts, states and depths; one
+    with nothing to draft from) drafts the trees each gets alone, with one forward per depth
+    for all of them."""
+    from specmesh.drafter.proposer import ProposeCall
+
+    head = _head(6)
+    torch.manual_seed(12)
+    reqs = {f"r{i}": ([int(x) for x in torch.randint(0, V, (4 + i,))],
+                      torch.randn(2, D, dtype=torch.float64)) for i in range(4)}
+    depths = {"r0": 1, "r1": 3, "r2": 4, "r3": 2}
+    batched = EagleProposer(head_module=head, topk=3, tree_nodes=7)
+    calls = []
+    for rid, (ctx, truth) in reqs.items():
+        batched.open(rid, ctx)
+        if rid != "r3":  # r3 has no seed state: no tree
+            batched.observe_seed_state(rid, len(ctx) - 1 - truth.shape[0], truth)
+        calls.append(ProposeCall(rid, ctx, depths[rid]))
+    from specmesh.drafter.eagle import tree_draft
+
+    forwards = []
+    level_many = tree_draft.tree_level_many
+
+    def counting(h, items):  # noqa: ANN001, ANN202
+        forwards.append(len(items))
+        return level_many(h, items)
+
+    monkeypatch.setattr(tree_draft, "tree_level_many", counting)
+    got = batched.propose_trees(calls)
+    monkeypatch.setattr(tree_draft, "tree_level_many", level_many)
+    assert len(forwards) <= 3 and max(forwards) >= 2  # per depth, several requests at once
+    for call, (tokens, parents, rows) in zip(calls, got):
+        ctx, truth = reqs[call.request_id]
+        if call.request_id == "r3":
+            assert tokens == [] and parents == []
+            continue
+        alone = _ready(head, ctx, truth, topk=3, nodes=7)
+        assert (tokens, parents) == alone.propose_tree("r", ctx, call.num_tokens)
+        assert rows == [None] * len(tokens) and tokens
