@@ -140,6 +140,9 @@ class RoleCollector:
                        st.num_sibling_forks, labels)
         yield _counter("specmesh:stale_tail_tokens", "Draft tail tokens discarded as stale",
                        st.num_stale_tail_tokens, labels)
+        yield _counter("specmesh:seed_state_bytes", "Draft seed-state bytes received with "
+                       "PrefillDone (hidden states of the last prompt position)",
+                       st.seed_state_bytes, labels)
         kv = h.worker.kv.stats
         yield _counter("specmesh:kv_transfer_bytes", "KV bytes received from prefill",
                        kv.num_bytes, labels)

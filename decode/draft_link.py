@@ -80,9 +80,6 @@ class DraftLink:
             return
         rid = req.request_id
         tree = msg.parents is not None and any(p != j - 1 for j, p in enumerate(msg.parents))
-        if tree and msg.draft_probs is not None:
-            raise ProtocolError("tree drafts with draft_probs are not verified (one-hot trees "
-                                "only)", request_id=rid)
         if any(t < 0 or t >= self.vocab_size for t in msg.draft_token_ids):
             raise ProtocolError("draft token id out of vocabulary", request_id=rid)
         if msg.base_committed_len > req.committed_len:
@@ -97,7 +94,8 @@ class DraftLink:
                 msg.draft_probs, msg.draft_token_ids, self.vocab_size)
             if tree:
                 req.tail.add_tree(msg.start_pos, list(msg.draft_token_ids), list(msg.parents),
-                                  req.output_token_ids, base_committed_len=msg.base_committed_len)
+                                  req.output_token_ids, base_committed_len=msg.base_committed_len,
+                                  draft_probs=probs)
             else:
                 req.tail.add(msg.start_pos, list(msg.draft_token_ids), req.output_token_ids,
                              base_committed_len=msg.base_committed_len, draft_probs=probs,

@@ -84,6 +84,12 @@ class RequestStart:
         :meth:`on_prefill_done` did), open the request on a drafter (with the prefill's
         ``seed_state``) and stream the token."""
         self.stats.kv_transfer_bytes += num_kv_bytes
+        if seed_state is not None:  # the P/D seed's cost per request (docs/drafters.md)
+            self.stats.seed_state_bytes += seed_state.nbytes
+            self.stats.num_seed_states += 1
+            if self.profile is not None:
+                self.profile.count("seed_state_bytes", seed_state.nbytes)
+                self.profile.count("num_seed_states")
         if self.wants_hidden(req):
             req.seed_window = window_from_prefill(seed_state, req.prompt_len,
                                                   self.hidden_size, self.dtype)

@@ -14,9 +14,9 @@ width of its own instead: kappa after a rejected prediction draft, doubled after
 accepted whole, up to ``num_prediction_tokens`` (:meth:`Scheduler.prediction_drafts`); its
 steps do not move the accept history the method's caps read (:meth:`Scheduler.observe_accept`).
 A
-request whose tail holds a draft tree (one-hot drafts) gets a tree instead: its depth capped
-like a chain's length, its nodes by ``max_tree_nodes`` (default twice kappa, as vLLM / SGLang
-give trees a node budget of their own).
+request whose tail holds a draft tree (one-hot drafts, or a sampled tree's rows) gets a tree
+instead: its depth capped like a chain's length, its nodes by ``max_tree_nodes`` (default
+twice kappa, as vLLM / SGLang give trees a node budget of their own).
 
 The block manager is any object with ``num_blocks``, ``num_free_blocks``, ``blocks_for``,
 ``allocate`` and ``free`` (``engine.block_manager.BlockManager``); tests hand-build requests and
@@ -198,15 +198,16 @@ class Scheduler(Admission, TailWait, ConfidencePolicy):
             predicted = predicted if any(predicted) else None
             tree = None
             # a rule that judges chains only (synthetic acceptance): branch 0 as a chain
-            if req.tail.tree is not None and all(r is None for r in probs) \
-                    and self.tree_verifiable(req.sampling):
-                tree = req.tail.usable_tree(k, min(self.max_tree_nodes(req), budget - 1))
+            if req.tail.tree is not None and self.tree_verifiable(req.sampling):
+                tree = req.tail.usable_tree_rows(k, min(self.max_tree_nodes(req), budget - 1))
             if tree is not None:
                 self.forget_step_confidences(req)  # the budget scored its chain
-                drafts, parents = tree
-                # the tree's first nodes are the chain tail (DraftTree.plan), as many as fit
-                planned = PlannedRequest(req, drafts, None, parents,
-                                         predicted and predicted[:len(drafts)])
+                drafts, parents, rows = tree
+                # the tree's first nodes are the chain tail (DraftTree.plan), as many as fit;
+                # rows: a sampled tree's (None: one-hot)
+                planned = PlannedRequest(req, drafts,
+                                         None if all(r is None for r in rows) else rows,
+                                         parents, predicted and predicted[:len(drafts)])
             else:
                 planned = PlannedRequest(req, drafts, probs, None, predicted)
             budget -= 1 + len(drafts)

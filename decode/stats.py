@@ -35,6 +35,10 @@ class VerifierStats(SpecStats):
     num_branch_candidates: int = 0  # DraftBranches candidates kept with a tail
     num_branch_hits: int = 0  # commits that took a prepared branch as the next tail
     kv_transfer_bytes: int = 0
+    #: draft seed state received with PrefillDone (P/D: the target hidden state(s) at the last
+    #: prompt position, decode/seed_state.py), bytes and requests that carried one
+    seed_state_bytes: int = 0
+    num_seed_states: int = 0
     ttft_seconds_total: float = 0.0
     num_ttft: int = 0
 

@@ -31,8 +31,10 @@ base_committed_len == committed_len``); otherwise it is stale and dropped whole.
 (from the root, always the first child: the drafter's own path) also goes through :meth:`add`
 as a chain, so the drafter's later chain segments continue it as before. A commit keeps the
 tree only when the committed tokens follow a path in it, and then keeps the subtree below that
-path (re-rooted at the new committed length); any other commit drops it. Trees carry no draft
-probabilities (one-hot drafts). Chains without a tree behave exactly as before.
+path (re-rooted at the new committed length); any other commit drops it. A sampled tree
+(EAGLE-2's, drafter/eagle/sampled_tree.py) carries a draft-probability row per node, kept with
+its node (branch 0's rows go through :meth:`add` with its tokens); other trees carry none
+(one-hot drafts). Chains without a tree behave exactly as before.
 
 Branches (DraftBranches, the speculation cache of SSD / Saguaro, arXiv 2603.03251): drafts the
 drafter prepared for outcomes other than its path, keyed by output position and candidate
@@ -138,18 +140,28 @@ class TailBuffer:
             del self.branches[p]
 
     def add_tree(self, start_pos: int, draft_token_ids: list[int], parents: list[int],
-                 committed: list[int], *, base_committed_len: int) -> int:
+                 committed: list[int], *, base_committed_len: int,
+                 draft_probs: Sequence[object] | None = None) -> int:
         """Merge a tree segment (see the module doc): its branch 0 as a chain through
-        :meth:`add`, the whole tree kept when it hangs below the committed prefix. Returns the
-        tree nodes kept (0 when stale).
+        :meth:`add` (with its rows), the whole tree kept when it hangs below the committed
+        prefix; ``draft_probs``: one row per node (e.g. a ``[n, vocab_size]`` tensor) or
+        None. Returns the tree nodes kept (0 when stale).
 
         Raises:
             ValueError: as :meth:`add`, or parents of the wrong length or not pointing to an
-                earlier node.
+                earlier node, or rows that are not one per node.
         """
-        tree = DraftTree.from_segment(list(draft_token_ids), list(parents))
+        rows = None if draft_probs is None else list(draft_probs)
+        tree = DraftTree.from_segment(list(draft_token_ids), list(parents), rows)
         branch0 = tree.first_path()
-        self.add(start_pos, branch0, committed, base_committed_len=base_committed_len)
+        b0_rows = None
+        if rows is not None:
+            b0_rows, node = [], -1
+            for tok in branch0:
+                node = tree.child(node, tok)
+                b0_rows.append(tree.rows[node])
+        self.add(start_pos, branch0, committed, base_committed_len=base_committed_len,
+                 draft_probs=b0_rows)
         self.stats.num_received_tokens += len(draft_token_ids) - len(branch0)
         if not start_pos == base_committed_len == len(committed):
             self.stats.num_stale_tokens += len(draft_token_ids)
@@ -161,12 +173,20 @@ class TailBuffer:
         """``(draft_token_ids, parents)`` of the tree to verify next (the chain tail first,
         then the tree's other nodes; depth ``<= max_depth``, at most ``max_nodes`` nodes), or
         None without a tree or when the result is a plain chain."""
+        planned = self.usable_tree_rows(max_depth, max_nodes)
+        return None if planned is None else (planned[0], planned[1])
+
+    def usable_tree_rows(self, max_depth: int, max_nodes: int,
+                         ) -> tuple[list[int], list[int], list[object | None]] | None:
+        """:meth:`usable_tree` with each node's row (the chain tail's own, the tree's for the
+        other nodes; None: one-hot)."""
         if self.tree is None:
             return None
-        tokens, parents = self.tree.plan(self.usable(max_depth), max_depth, max_nodes)
-        if is_chain(parents):
+        chain = self.usable(max_depth)
+        out = self.tree.plan_tree(chain, self.usable_probs(len(chain)), max_depth, max_nodes)
+        if is_chain(out.parents):
             return None
-        return tokens, parents
+        return list(out.tokens), list(out.parents), list(out.rows)
 
     def add(self, start_pos: int, draft_token_ids: list[int], committed: list[int], *,
             base_committed_len: int, draft_probs: Sequence[object] | None = None,

@@ -188,12 +188,15 @@ class TreeRule(VerificationRule):
     equals the current row's target token); seeded requests walk it along the coupled rule's
     token of every row, the Gumbel-max sample keyed by (seed, committed_len + depth), so their
     output is the one plain decode samples whatever the tree held; unseeded sampled requests
-    use SpecInfer's multi-draft rejection sampling (``tree_rejection_sample``, one-hot drafts).
-    :meth:`verify_tree` also returns the accepted path's node ids."""
+    use SpecInfer's multi-draft rejection sampling (``tree_rejection_sample``) with each
+    node's draft-probability row where the tree has them (a sampled EAGLE-2 tree's: the
+    distribution the node was drawn from given its parent and earlier siblings), one-hot
+    otherwise. :meth:`verify_tree` also returns the accepted path's node ids."""
 
     name = "tree"
     priority = 50
     judges_trees = True
+    uses_draft_probs = True
 
     def applies(self, query: RuleQuery) -> bool:
         return query.tree
@@ -228,8 +231,12 @@ class TreeRule(VerificationRule):
                 uniform, noise = tree_rejection_sample_noise(
                     sub.cu_num_draft_tokens, target_probs.shape[1], dtype=target_probs.dtype,
                     generator=sub.generator)
+                draft_probs = sub.draft_probs
+                if draft_probs is not None:
+                    draft_probs = draft_probs.to(target_probs.dtype)
                 res = tree_rejection_sample(sub.draft_token_ids, sub.cu_num_draft_tokens,
-                                            sub.parents, None, target_probs, uniform, noise)
+                                            sub.parents, draft_probs, target_probs, uniform,
+                                            noise)
             results.append((idx, res))
         return _stitch(batch.batch_size, results)
 
@@ -290,7 +297,8 @@ def _sub_batch(batch: RuleBatch, idx: list[int]) -> RuleBatch:
         target_logits=batch.target_logits[rows_t],
         sampling=[batch.sampling[b] for b in idx],
         positions=None if batch.positions is None else batch.positions[idx],
-        draft_probs=None, generator=batch.generator,
+        draft_probs=None if batch.draft_probs is None else batch.draft_probs[nodes_t],
+        generator=batch.generator,
         parents=batch.parents[nodes_t])
 
 

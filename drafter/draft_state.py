@@ -24,7 +24,8 @@ class DraftState:
     predicted: list[bool] = field(default_factory=list)
     sampling: SamplingParams | None = None  # the request's (DraftSync.sampling)
     num_sent: int = 0  # tokens of `path` already streamed
-    tree: tuple[list[int], list[int]] | None = None  # (tokens, parents) for the next segment
+    # (tokens, parents, rows) for the next segment; rows: each node's draft_probs or None
+    tree: tuple[list[int], list[int], list] | None = None
     exhausted: bool = False  # proposer found nothing for the current context
     news: bool = True  # synced or committed since the last segment: the verifier may wait
     commit_received_at: float | None = None  # perf_counter() of the last unanswered commit

@@ -252,6 +252,27 @@ class Proposer(ABC):
         return drafts, list(range(-1, len(drafts) - 1))
 
 
+    def propose_tree_sampled(self, request_id: str, context_token_ids: list[int],
+                             num_tokens: int, how: DraftSampling | None
+                             ) -> tuple[list[int], list[int], list[torch.Tensor | None]]:
+        """:meth:`propose_tree` drafted for the request's sampling ``how`` (None: as
+        :meth:`propose_tree`): ``(draft_token_ids, parents, rows)``, a row per node: the
+        float32 ``[vocab_size]`` distribution it was drawn from given its parent and its
+        earlier siblings (the tree rule's multi-draft rejection is exact with such rows,
+        kernels/tree_rejection_sample.py), or None (verified one-hot: exact for drafts that
+        are a function of the context). The default: :meth:`propose_tree`, rows None."""
+        tokens, parents = self.propose_tree(request_id, context_token_ids, num_tokens)
+        return tokens, parents, [None] * len(tokens)
+
+    def propose_trees(self, calls: list[ProposeCall]
+                      ) -> list[tuple[list[int], list[int], list[torch.Tensor | None]]]:
+        """:meth:`propose_tree_sampled` for several requests (``num_tokens``: each tree's
+        depth), in the order of ``calls``. The default answers them one by one; a model
+        drafter overrides it to grow all the trees with one forward per depth."""
+        return [self.propose_tree_sampled(c.request_id, c.context_token_ids, c.num_tokens,
+                                          c.how) for c in calls]
+
+
 #: what a proposer may draft (Proposer.draft_shape)
 DRAFT_SHAPES = ("chain", "tree")
 

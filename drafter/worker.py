@@ -323,7 +323,8 @@ class DrafterWorker(MailboxWorker):
             room = min(self._window(st) - len(st.path), self.config.max_segment)
             if room > 0:
                 if self.proposer.max_drafts_per_call:
-                    room = min(room, self.proposer.max_drafts_per_call)
+                    room = min(room, self._tree_depth(st) if self._tree_segment(st)
+                               else self.proposer.max_drafts_per_call)
                 wants.append((st, room))
             elif st.prediction is not None:
                 # the prediction has nothing here and the method's window is full: nothing
@@ -370,7 +371,7 @@ class DrafterWorker(MailboxWorker):
         st.news = False
         tree, st.tree = st.tree, None
         if tree is not None and start == 0:  # branch 0 is the path: send the tree
-            runs = [(tree[0], tree[1], None, False)]
+            runs = [(tree[0], tree[1], tree[2], False)]
         else:
             runs = [(st.path[a:b], None, st.probs[a:b], flag)
                     for a, b, flag in _runs(st.predicted, start, len(st.path))]
@@ -427,6 +428,18 @@ class DrafterWorker(MailboxWorker):
         self.stats.num_branch_candidates_sent += sent
         return sent
 
+    def _tree_segment(self, st: DraftState) -> bool:
+        """Whether ``st``'s next segment is a tree: a tree proposer's, at the committed
+        prefix (module docstring)."""
+        return self.proposer.draft_shape == "tree" and not st.path and st.num_sent == 0
+
+    def _tree_depth(self, st: DraftState) -> int:
+        """How deep the tree of a model drafter that streams its chains a draft per call
+        (EAGLE-2, drafter/eagle/tree_draft.py) is drafted, whole, in one call: as deep as the
+        verifier verifies (``num_drafts_wanted``; without it, the window). The run-ahead past
+        it continues branch 0 as chains."""
+        return max(1, st.num_drafts_wanted or self.config.window)
+
     def _window(self, st: DraftState) -> int:
         """How far ``st``'s path may run past its committed prefix: the configured window or,
         when the verifier said how many drafts it will verify, the same run-ahead multiple of
@@ -447,20 +460,13 @@ class DrafterWorker(MailboxWorker):
         """Up to ``room`` drafts for each ``(st, room)`` and their rows, in order: a proposer
         that samples (``returns_draft_probs``) drafts a sampled request the way it samples
         (drafter/draft_sampling.py, rows checked one per draft); every other draft is
-        deterministic (row None). A tree proposer's segment at the committed prefix is a
-        tree, asked for on its own; the rest go to the proposer in one ``propose_many``."""
+        deterministic (row None). A tree proposer's segments at the committed prefix are
+        trees, asked for in one ``propose_trees``; the rest go to the proposer in one
+        ``propose_many``."""
         p = self.proposer
         out: list[tuple[list[int], list] | None] = [None] * len(wants)
-        calls, where = [], []
+        calls, where, tree_calls, tree_where = [], [], [], []
         for j, (st, room) in enumerate(wants):
-            if p.draft_shape == "tree" and not st.path and st.num_sent == 0:
-                # the segment at the committed prefix: a tree, whose branch 0 is the path
-                tokens, parents = p.propose_tree(st.request_id, st.context, room)
-                new = first_branch(tokens, parents)
-                if len(new) < len(tokens):
-                    st.tree = (list(tokens), list(parents))
-                out[j] = (new, [None] * len(new))
-                continue
             how = None
             # sampled requests, and greedy ones with penalties or token constraints, are
             # drafted from the distribution the verifier verifies them against
@@ -474,8 +480,15 @@ class DrafterWorker(MailboxWorker):
                                     self._generator(), self.config.draft_probs,
                                     st.prompt_token_ids, st.committed + st.path,
                                     token_probs=p.returns_token_probs)
+            if self._tree_segment(st):  # the segment at the committed prefix: a tree
+                tree_calls.append(ProposeCall(st.request_id, st.context, room, how))
+                tree_where.append(j)
+                continue
             calls.append(ProposeCall(st.request_id, st.context, room, how))
             where.append(j)
+        if tree_calls:
+            for j, call, tree in zip(tree_where, tree_calls, p.propose_trees(tree_calls)):
+                out[j] = self._take_tree(wants[j][0], call, *tree)
         if calls:
             for j, call, (new, rows) in zip(where, calls, p.propose_many(calls)):
                 rows = list(rows) if call.how is not None else [None] * len(new)
@@ -484,6 +497,22 @@ class DrafterWorker(MailboxWorker):
                                      f"{len(new)} drafts")
                 out[j] = (list(new), rows)
         return out  # type: ignore[return-value]
+
+    def _take_tree(self, st: DraftState, call: ProposeCall, tokens: list[int],
+                   parents: list[int], rows: list) -> tuple[list[int], list]:
+        """A proposer's tree for ``st``: its branch 0 becomes the path (returned with its
+        rows), the whole tree is kept for the next segment when it branches (rows: a sampled
+        tree's, each node's distribution, else None)."""
+        rows = list(rows) if call.how is not None else [None] * len(tokens)
+        if len(rows) != len(tokens):
+            raise ValueError(f"{type(self.proposer).__name__} returned {len(rows)} rows for a "
+                             f"tree of {len(tokens)} nodes")
+        branch0 = first_branch(list(range(len(tokens))), parents)
+        if len(branch0) < len(tokens):
+            st.tree = (list(tokens), list(parents), rows)
+            self.profile.count("tree_segments")
+            self.profile.count("tree_nodes", len(tokens))
+        return [tokens[i] for i in branch0], [rows[i] for i in branch0]
 
     def _generator(self) -> torch.Generator:
         """The drafter's randomness for unseeded sampled drafts (created on first use)."""

@@ -56,7 +56,9 @@ from msgspec import Meta
 # draft_token_probs (each greedy draft's probability), read by the confidence budget
 # (decode/confidence_budget.py)
 # 17: LoraAdapterOp, LoraAdapterResult (LoRA adapters loaded / unloaded at run time)
-PROTOCOL_VERSION = 17
+# 18: DraftTailStream trees may carry draft_probs (sampled EAGLE-2 trees: a row per node);
+# verifiers before 18 refuse them
+PROTOCOL_VERSION = 18
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
@@ -753,7 +755,9 @@ class DraftTailStream(Message, tag=42, kw_only=True):
 
     A chain, or a tree when ``parents`` is given (index of each token's parent within this
     segment, -1 = the token before ``start_pos``; one per draft token). ``draft_probs``
-    (``[n, vocab_size]``, n = number of drafts) only when the verification rule needs them.
+    (``[n, vocab_size]``, n = number of drafts) only when the verification rule needs them;
+    a tree's row j is the distribution node j was drawn from given its parent and its earlier
+    siblings (a sampled EAGLE-2 tree, drafter/eagle/sampled_tree.py).
     ``base_committed_len`` is the committed length the drafter had seen when it drafted
     (``<= start_pos``): the segment continues the drafter's path at positions
     ``[base_committed_len, start_pos)``, which the verifier uses to see that a segment was

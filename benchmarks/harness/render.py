@@ -267,6 +267,13 @@ def profile_markdown(level: dict) -> list[str]:
     if any(h is not None for h in hits.values()):
         lines.append("| commits whose next draft was a prepared branch | " + " | ".join(
             _num(hits[n], ".0%") for n in names) + " |")
+    for key, label, fmt in (("seed_state_bytes_per_request",
+                             "seed-state bytes per request (prefill -> decode)", ".0f"),
+                            ("tree_nodes_per_tree", "nodes per draft tree sent", ".1f")):
+        vals = {n: profiled[n]["profile"].get(key) for n in names}
+        if any(v is not None for v in vals.values()):
+            lines.append(f"| {label} | " + " | ".join(_num(vals[n], fmt) for n in names)
+                         + " |")
     lines.append("")
     for n in names:
         c = profiled[n].get("step_cost")

@@ -211,7 +211,11 @@ def profile_summary(profile: dict) -> dict:
             "request_steps_with_drafts_share": share("num_request_steps_with_drafts",
                                                      "num_request_steps_spec_eligible"),
             # the drafter's commits whose bonus token it had prepared a branch for
-            "branch_hit_share": share(DRAFTER_PREFIX + "branch_hits", DRAFTER_PREFIX + "commits")}
+            "branch_hit_share": share(DRAFTER_PREFIX + "branch_hits", DRAFTER_PREFIX + "commits"),
+            # the P/D seed (hidden states at the last prompt position) and the draft trees
+            "seed_state_bytes_per_request": share("seed_state_bytes", "num_seed_states"),
+            "tree_nodes_per_tree": share(DRAFTER_PREFIX + "tree_nodes",
+                                         DRAFTER_PREFIX + "tree_segments")}
 
 
 def step_cost_check(profile: dict, forward_cost_ratio: float | None,

@@ -31,6 +31,7 @@ from specmesh.drafter.eagle.checkpoint import (
 )
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
 from specmesh.drafter.eagle.quantize import quantize_head
+from specmesh.drafter.eagle.tree_draft import MAX_TOPK, TreeJob, draft_trees
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import (BranchCall, DraftTarget, ProposeCall, Proposer,
                                        shipped_or_raise)
@@ -108,6 +109,13 @@ class EagleProposer(Proposer):
                "--method eagle --out DIR)", "the head shipped for the target", positional=True),
         Option("dtype", str, "dtype of the head's weights", "the cluster's dtype",
                choices=tuple(d for d in MODEL_DTYPES if d != "float16")),
+        Option("topk", int, "EAGLE-2 draft trees: children per expanded node and nodes "
+               "expanded per depth (SGLang's --speculative-eagle-topk; 1: chains)", 1,
+               minimum=1, maximum=MAX_TOPK, flag="--eagle-topk"),
+        Option("nodes", int, "EAGLE-2 draft trees: most nodes of a tree, the best by "
+               "cumulative draft probability (SGLang's --speculative-num-draft-tokens "
+               "less the root)", "topk * depth", kwarg="tree_nodes", minimum=1,
+               flag="--eagle-tree-nodes"),
     ))
     trainer = staticmethod(_train)
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
@@ -117,7 +125,16 @@ class EagleProposer(Proposer):
 
     def __init__(self, head: str | None = None, model: str | None = None,
                  dtype: str = "float32", head_module: EagleHead | None = None,
-                 backend: CpuBackend | None = None) -> None:
+                 backend: CpuBackend | None = None, topk: int = 1,
+                 tree_nodes: int | None = None) -> None:
+        if not 1 <= topk <= MAX_TOPK or (tree_nodes is not None and tree_nodes < 1):
+            raise ValueError(f"need 1 <= topk <= {MAX_TOPK} and tree_nodes >= 1, got "
+                             f"topk {topk}, tree_nodes {tree_nodes}")
+        self.topk, self.tree_nodes = topk, tree_nodes
+        #: topk 1 drafts today's chains, bit for bit; above it the segment at the committed
+        #: prefix is an EAGLE-2 tree (drafter/eagle/tree_draft.py)
+        self.draft_shape = "tree" if topk > 1 else "chain"
+        self.num_tree_forwards = 0  # tree-depth forwards run (metrics, tests)
         self.head = head_module if head_module is not None else load_eagle_head(
             head, model, dtype, backend)
         self.seed_state = self.head.config.seed_state  # "hidden" or "hidden:L1,L2,L3"
@@ -209,19 +226,7 @@ class EagleProposer(Proposer):
             if cur is not None:
                 live[i] = cur
         with torch.inference_mode():
-            # catch up: per request its true states in one batch, then the chain over known
-            # tokens; each round takes every request's next piece
-            while True:
-                work = {}
-                for i, cur in list(live.items()):
-                    piece = self._catch_up_piece(cur)
-                    if piece is False:  # nothing to draft from
-                        del live[i]
-                    elif piece is not None:
-                        work[i] = piece
-                if not work:
-                    break
-                self._extend_many(live, work)
+            self._catch_up(live)
             while live:
                 picks = self._pick_many(live, {i: len(out[i][0]) for i in live})
                 work = {}
@@ -236,6 +241,71 @@ class EagleProposer(Proposer):
                         cur.s += 1
                 if work:
                     self._extend_many(live, work)
+        return out
+
+    def _catch_up(self, live: dict[int, _Cursor]) -> None:
+        """Bring each request's head KV up to its context: per request its true states in one
+        batch, then the chain over known tokens; each round takes every request's next piece
+        (one head forward for all). A request that cannot draft leaves ``live``."""
+        while True:
+            work = {}
+            for i, cur in list(live.items()):
+                piece = self._catch_up_piece(cur)
+                if piece is False:  # nothing to draft from
+                    del live[i]
+                elif piece is not None:
+                    work[i] = piece
+            if not work:
+                return
+            self._extend_many(live, work)
+
+    def propose_tree(self, request_id: str, context_token_ids: list[int],
+                     num_tokens: int) -> tuple[list[int], list[int]]:
+        """An EAGLE-2 tree after the context (drafter/eagle/tree_draft.py), as for a greedy
+        request: :meth:`propose_tree_sampled` without its rows."""
+        tokens, parents, _ = self.propose_tree_sampled(request_id, context_token_ids,
+                                                       num_tokens, None)
+        return tokens, parents
+
+    def propose_tree_sampled(self, request_id: str, context_token_ids: list[int],
+                             num_tokens: int, how: DraftSampling | None
+                             ) -> tuple[list[int], list[int], list[torch.Tensor | None]]:
+        """An EAGLE-2 tree after the context for the sampling ``how`` (drafter/eagle/
+        tree_draft.py): ``(draft_token_ids, parents, rows)``, at most ``num_tokens`` deep and
+        ``tree_nodes`` large (default ``topk * num_tokens``); rows float32 ``[vocab_size]``
+        for an unseeded sampled request (each node's distribution given its parent and
+        earlier siblings), else None. The entries of branch 0 join the request's head KV, so
+        the chains drafted after it continue from there. Empty when it cannot draft."""
+        return self.propose_trees([ProposeCall(request_id, context_token_ids, num_tokens,
+                                               how)])[0]
+
+    def propose_trees(self, calls: list[ProposeCall]
+                      ) -> list[tuple[list[int], list[int], list[torch.Tensor | None]]]:
+        """:meth:`propose_tree_sampled` for several requests, their trees grown in lockstep:
+        one head forward per depth for all of them (drafter/eagle/tree_draft.py
+        ``draft_trees``), as :meth:`propose_many` batches chains. Each request gets the tree
+        it gets alone."""
+        out: list[tuple[list[int], list[int], list[torch.Tensor | None]]] = \
+            [([], [], []) for _ in calls]
+        live: dict[int, _Cursor] = {}
+        for i, call in enumerate(calls):
+            cur = self._cursor(call)
+            if cur is not None:
+                live[i] = cur
+        with torch.inference_mode():
+            self._catch_up(live)
+            keys = list(live)
+            jobs = [TreeJob(live[i].st.kv, live[i].st.last_g, len(calls[i].context_token_ids),
+                            self.topk, calls[i].num_tokens,
+                            self.tree_nodes or self.topk * calls[i].num_tokens, calls[i].how)
+                    for i in keys]
+            drafted = draft_trees(self.head, jobs)
+        for i, d in zip(keys, drafted):
+            st = live[i].st
+            self.num_tree_forwards += d.num_forwards
+            st.entry_tokens.extend(d.branch0_tokens)
+            st.outs.extend(d.branch0_outs)
+            out[i] = (d.token_ids, d.parents, d.rows)
         return out
 
     def _cursor(self, call: ProposeCall) -> _Cursor | None:
