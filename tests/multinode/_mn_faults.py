@@ -87,9 +87,12 @@ class Stream:
     """One streaming completion (greedy, ``return_token_ids``) read in a thread: the time of
     its first chunk, the output ids, the final spec_stats, or the error event."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int, request_id: str) -> None:
+    def __init__(self, url: str, prompt: str, max_tokens: int, request_id: str,
+                 num_speculative_tokens: int | None = None) -> None:
         self.body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                      "stream": True, "return_token_ids": True, "request_id": request_id}
+        if num_speculative_tokens is not None:  # this request's kappa (0: speculation off)
+            self.body["num_speculative_tokens"] = num_speculative_tokens
         self.url, self.prompt = url, prompt
         self.request_id = f"cmpl-{request_id}"  # the gateway's id for it (the verifier's too)
         self.first = threading.Event()
@@ -271,7 +274,12 @@ class Faults:
         killed = at_kill["drafter"]
         streams = [s, *(Stream(self.url, LONG_PROMPTS["restart"], RESTART_MAX_TOKENS,
                                f"fault-restart-{i}").start() for i in (1, 2))]
-        for x in streams:
+        # the same request with speculation off, alongside (a verify batch row: next to free),
+        # is what the three must equal: plain greedy in process is computed for the first
+        # LONG_MAX_TOKENS only (RESTART_MAX_TOKENS of it held the session's reference 10 min)
+        plain = Stream(self.url, LONG_PROMPTS["restart"], RESTART_MAX_TOKENS,
+                       "fault-restart-plain", num_speculative_tokens=0).start()
+        for x in [*streams, plain]:
             x.first.wait(self.timeout_s)
         old = ray.get(self.handle.actors[killed].info.remote(), timeout=30)
         kills = {x.request_id: self.view(x.request_id)[1] or {"num_draft_syncs": 0}
@@ -296,6 +304,7 @@ class Faults:
                 lambda w: w["num_accepted_tokens"] > at_resync["num_accepted_tokens"],
                 self.timeout_s)
         finals = [x.result(RESTART_REQUEST_TIMEOUT_S) for x in streams]
+        plain_final = plain.result(RESTART_REQUEST_TIMEOUT_S)
         new = self.when_back(killed)
         followed = followed or s
         ends_s = sorted(round(f["end_s"] - t_kill, 1) for f in finals if "end_s" in f)
@@ -304,7 +313,8 @@ class Faults:
                 "resync_s": resync_s, "final": finals[streams.index(followed)],
                 "finals": finals, "old_incarnation": old["incarnation"],
                 "new_incarnation": new["incarnation"], "new_endpoint": new["endpoint"],
-                "ends_after_kill_s": ends_s, "drafter_stats": self.stats(killed)}
+                "ends_after_kill_s": ends_s, "plain": plain_final,
+                "drafter_stats": self.stats(killed)}
 
     def drafter_loss_reopen(self, leave_bound_s: float) -> dict:
         s, v, at_kill = self.start_long("reopen")
@@ -466,10 +476,10 @@ class Faults:
 
 def compared_requests(long_max_tokens: int) -> dict[int, list[str]]:
     """max_tokens -> the prompts of the scenarios' requests whose output ids the test compares
-    with plain greedy decode."""
-    return {long_max_tokens: [LONG_PROMPTS[k] for k in
-                              ("reopen", "gone", "verifier_a", "verifier_b")],
-            RESTART_MAX_TOKENS: [LONG_PROMPTS["restart"]],
+    with plain greedy decode (the drafter-restart requests' first ``long_max_tokens``; all of
+    them with the same request served with speculation off)."""
+    return {long_max_tokens: [LONG_PROMPTS[k] for k in  # "restart": its first tokens
+                              ("restart", "reopen", "gone", "verifier_a", "verifier_b")],
             AFTER_VERIFIER_MAX_TOKENS: [LONG_PROMPTS["after_verifier"]],
             JOIN_MAX_TOKENS: JOIN_PROMPTS,
             PREFILL_MAX_TOKENS: [long_prompt("prefill_retry")]}

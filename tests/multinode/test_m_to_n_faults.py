@@ -86,11 +86,19 @@ def test_a_drafter_restarted_by_ray_resyncs_the_request_in_flight(faults):
     flight): every request completes exactly; Ray restarts the drafter (a new incarnation), the
     verifier re-opens the requests there with DraftSync while they run, and they accept drafts
     again. On either kind of hosts: the requests ask for enough tokens to outlive the restart
-    (_mn_faults.RESTART_MAX_TOKENS)."""
+    (_mn_faults.RESTART_MAX_TOKENS); their output equals the same request served with
+    speculation off, whose first LONG_MAX_TOKENS equal plain greedy decode in process."""
     f, reference = _scenario(faults, "drafter_restart"), faults[1]
+    plain = f["plain"]  # the same request with speculation off, served alongside
+    assert plain["finished"] and plain["error"] is None, plain["error"]
+    assert plain["spec_stats"]["num_draft_tokens"] == 0, plain["spec_stats"]
+    want = reference[LONG_PROMPTS["restart"]]  # plain greedy in process: the first tokens
+    assert plain["token_ids"][:len(want)] == want
+    assert len(plain["token_ids"]) > len(want)  # it outlives the other long requests
     for final in f["finals"]:  # every request in flight completes exactly
-        _exact(final, reference)
         assert final["prompt"] == LONG_PROMPTS["restart"]
+        assert final["finished"] and final["error"] is None, final["error"]
+        assert final["token_ids"] == plain["token_ids"], final["request_id"]
     assert f["at_kill"]["num_accepted_tokens"] > 0 and f["at_kill"]["drafter"] == f["killed"]
     assert f["new_incarnation"] != f["old_incarnation"]
     resync = f["at_resync"]
