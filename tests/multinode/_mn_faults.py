@@ -62,10 +62,11 @@ AFTER_VERIFIER_MAX_TOKENS = 16
 #: conftest.py ``m_to_n``) and the cluster's ``max_model_len``
 MODEL_CONTEXT = 8192
 #: output tokens of the drafter-restart requests. From the kill until Ray has the drafter back
-#: (a new worker process: 6-9 s on a loaded 2-core machine, either kind of hosts) they run as
-#: plain decode, 60-250 tokens/s there: 6,000 tokens outlive the restart several times over
-#: (1,800 did not: the loopback run re-synced by a second or two, the namespace run, whose
-#: roles then took 10 s longer to start, never; CI 2026-12-05)
+#: (a new worker process) and the verifier re-syncs them they run as plain decode: on a 2-core
+#: machine at load 10-16 the re-sync came 11 s after the kill with 1,000-1,250 tokens out, on
+#: either kind of hosts, and the requests ended 42-58 s after it. With 1,800 tokens they ended
+#: 4-8 s after the kill, before the re-sync across namespaces (whose roles then took 10 s
+#: longer to start: cluster/metrics_server.py) and, now and then, on the loopback too.
 RESTART_MAX_TOKENS = 6000
 #: seconds a drafter-restart request may take to complete (the stream's own read timeout)
 RESTART_REQUEST_TIMEOUT_S = 300
