@@ -63,8 +63,8 @@ AFTER_VERIFIER_MAX_TOKENS = 16
 MODEL_CONTEXT = 8192
 #: output tokens of the drafter-restart requests. From the kill until Ray has the drafter back
 #: (a new worker process) and the verifier re-syncs them they run as plain decode: on a 2-core
-#: machine at load 10-16 the re-sync came 11 s after the kill with 1,000-1,250 tokens out, on
-#: either kind of hosts, and the requests ended 42-58 s after it. With 1,800 tokens they ended
+#: machine at load 10-16 the re-sync came 6-13 s after the kill with 1,000-1,850 tokens out, on
+#: either kind of hosts, and the requests ended 31-58 s after it. With 1,800 tokens they ended
 #: 4-8 s after the kill, before the re-sync across namespaces (whose roles then took 10 s
 #: longer to start: cluster/metrics_server.py) and, now and then, on the loopback too.
 RESTART_MAX_TOKENS = 6000
