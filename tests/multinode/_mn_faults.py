@@ -269,8 +269,8 @@ class Faults:
         """Two more requests of the same prompt run alongside the first (both verifiers busy);
         all three ask for ``RESTART_MAX_TOKENS``, so they are still in flight when Ray has the
         drafter back. The first one re-synced on the restarted drafter is followed until it
-        accepts drafts again; the kill, the new incarnation's Hello (its verifier's view) and
-        each request's end are timed from the kill (``timeline``)."""
+        accepts drafts again; the re-sync (``resync_s``) and each request's end
+        (``ends_after_kill_s``) are timed from the kill."""
         s, _, at_kill = self.start_long("restart", max_tokens=RESTART_MAX_TOKENS)
         killed = at_kill["drafter"]
         streams = [s, *(Stream(self.url, LONG_PROMPTS["restart"], RESTART_MAX_TOKENS,
@@ -299,11 +299,12 @@ class Faults:
             time.sleep(POLL_S)
         resync_s = time.monotonic() - t_kill
         at_accept = None
-        if followed is not None:  # accepted drafts again after the re-sync
-            _, at_accept = self.wait_view(
+        if followed is not None:  # accepted drafts again after the re-sync (None: never)
+            accepted_on, at_accept = self.wait_view(
                 followed.request_id,
                 lambda w: w["num_accepted_tokens"] > at_resync["num_accepted_tokens"],
                 self.timeout_s)
+            at_accept = at_accept if accepted_on is not None else None
         finals = [x.result(RESTART_REQUEST_TIMEOUT_S) for x in streams]
         plain_final = plain.result(RESTART_REQUEST_TIMEOUT_S)
         new = self.when_back(killed)
