@@ -32,10 +32,28 @@ ROLE_RESOURCE_UNIT = 0.001
 MAX_PENDING_BEATS = 8
 
 
-def _register(host) -> None:
+#: seconds a starting role waits for its registration and the roster it then reads
+REGISTER_TIMEOUT_S = 30
+
+
+def _register(host, pull: bool = False) -> None:
+    """Register ``host`` with the named controller. With ``pull`` (a role starting, or
+    restarted by Ray), wait for the registration and apply the roster read right after it
+    (Controller.roster_snapshot: the push the registration makes may never reach a role that
+    Ray does not yet have alive); a failure there is logged, and the next push applies."""
     controller = ray.get_actor(CONTROLLER_NAME, namespace=host.cfg.namespace)
     me = ray.get_runtime_context().current_actor
-    controller.register.remote(host.describe(), me)
+    ref = controller.register.remote(host.describe(), me)
+    if not pull:
+        return
+    try:
+        ray.get(ref, timeout=REGISTER_TIMEOUT_S)
+        roster, version = ray.get(controller.roster_snapshot.remote(),
+                                  timeout=REGISTER_TIMEOUT_S)
+        host.update_roster(roster, tuple(version))
+    except Exception as err:  # noqa: BLE001 - the controller's next push applies then
+        logging.getLogger(__name__).warning("%s: roster not read after registering: %s",
+                                            host.instance_id, err)
 
 
 def _heartbeats(host) -> None:
@@ -130,7 +148,7 @@ def _actor_class(host_cls: type) -> type:
 
     def __init__(self, instance_id: str, cfg: ClusterConfig, *args) -> None:
         host_cls.__init__(self, instance_id, cfg, *args)
-        _register(self)
+        _register(self, pull=True)
         _heartbeats(self)
 
     cls = type(f"{host_cls.__name__}Actor", (host_cls,), {"__init__": __init__})

@@ -119,6 +119,15 @@ class Controller:
         with self._lock:
             return list(self.roster.values())
 
+    def roster_snapshot(self) -> tuple[list[dict], tuple[int, int]]:
+        """The roster with its (epoch, version), read together: what a role that has just
+        registered applies itself (cluster/actors.py). The push its registration makes can
+        reach it before Ray has it alive, and Ray drops such a call (ActorUnavailableError,
+        unseen: pushes are fire and forget); a role Ray restarted then admitted no peer's
+        CurveZMQ key until the next roster change (seen across namespace hosts, issue 39)."""
+        with self._lock:
+            return list(self.roster.values()), (self.epoch, self.version)
+
     # -- health ----------------------------------------------------------------------------
 
     def heartbeat(self, beat: dict) -> dict:

@@ -5,13 +5,14 @@ verifier is the source of truth for the spec-decode counters."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
 )
 
+from specmesh.cluster.metrics_server import start_metrics_server
 from specmesh.decode.rules import outputs_exact
 from specmesh.protocol.step_profile import BUCKETS_S, StepProfile
 
@@ -159,11 +160,12 @@ class RoleCollector:
 
 
 def serve_role_metrics(host, addr: str) -> int:
-    """Expose ``host``'s metrics on ``http://addr:<port>/metrics``; returns the bound port."""
+    """Expose ``host``'s metrics on ``http://addr:<port>/metrics``; returns the bound port
+    (cluster/metrics_server.py: no reverse DNS lookup of ``addr``, which held every role start
+    10 s on a host without a DNS server that answers)."""
     registry = CollectorRegistry()
     registry.register(RoleCollector(host))
-    server, _ = start_http_server(0, addr=addr, registry=registry)
-    return server.server_port
+    return start_metrics_server(registry, addr).server_port
 
 
 def _confidence_metrics(st, labels: dict[str, str]):  # noqa: ANN001, ANN202

@@ -42,7 +42,8 @@ if NODES is None:
 
 import httpx  # noqa: E402
 import ray  # noqa: E402
-from _mn_faults import Faults  # noqa: E402  (tests/multinode, the driver's own folder)
+# tests/multinode, the driver's own folder
+from _mn_faults import MODEL_CONTEXT, Faults  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from specmesh.cluster.actors import ACTORS, CONTROLLER_NAME, ROLE_RESOURCE_UNIT, role_options  # noqa: E402
@@ -135,7 +136,7 @@ def main() -> None:
         # seconds (a fault scenario kills a prefill worker mid-transfer); short prompts fit
         # one frame, which leaves at once
         cfg = ClusterConfig.create(model=model, dtype="float32", num_speculative_tokens=3,
-                                   kv_cache_mb=32, port=0, max_model_len=2048,
+                                   kv_cache_mb=32, port=0, max_model_len=MODEL_CONTEXT,
                                    prefill_max_kv_send_mb_s=KV_SEND_MB_S,
                                    prefill_frame_tokens=FRAME_TOKENS)
         from specmesh.engine.loader import model_files
@@ -193,7 +194,8 @@ def main() -> None:
         timings["mn_s"] = time.monotonic() - t0
 
         launch = ["--model", model, "--dtype", "float32", "--num-speculative-tokens", "3",
-                  "--kv-cache-mb", "32", "--max-model-len", "2048", "--threads", "1",
+                  "--kv-cache-mb", "32", "--max-model-len", str(MODEL_CONTEXT),
+                  "--threads", "1",
                   "--drafter", "ngram", "--max-kv-send-mb-s", str(KV_SEND_MB_S)]
         faults = Faults(handle, controller, int(long_max_tokens)).run_all(
             address, launch, dict(os.environ), LEAVE_BOUND_S)

@@ -11,7 +11,10 @@ concurrent requests, in this order (each leaves the cluster as the next one need
    is re-opened on another drafter); the health check deregisters the dead one.
 3. ``drafter_restart``: the last drafter is killed (``ray.kill``, Ray restarts it) after the
    first SSE chunk of a long request that has accepted drafts (two more in flight); a request
-   is re-synced on the restarted incarnation (DraftSync) and accepts drafts again.
+   is re-synced on the restarted incarnation (DraftSync) and accepts drafts again. These
+   requests ask for ``RESTART_MAX_TOKENS`` (the cluster's model has ``MODEL_CONTEXT``
+   positions): they run as plain decode from the kill until the new incarnation is back, which
+   they must outlive on either kind of hosts.
 4. ``drafter_gone``: the last drafter is killed for good under a long request: it runs on as
    plain decode and its verifier stops waiting for tails (the waits counted per step fall to
    zero).
@@ -55,6 +58,18 @@ JOIN_PROMPTS = [f"Short 6.{i}: numbers and {t}." for i, t in
                      [(2, "owls"), (6, "yaks")]]
 JOIN_MAX_TOKENS = 24
 AFTER_VERIFIER_MAX_TOKENS = 16
+#: positions of the M:N cluster's model (the session's tiny model with a longer context:
+#: conftest.py ``m_to_n``) and the cluster's ``max_model_len``
+MODEL_CONTEXT = 8192
+#: output tokens of the drafter-restart requests. From the kill until Ray has the drafter back
+#: (a new worker process) and the verifier re-syncs them they run as plain decode: on a 2-core
+#: machine at load 10-16 the re-sync came 6-13 s after the kill with 1,000-1,850 tokens out, on
+#: either kind of hosts, and the requests ended 31-58 s after it. With 1,800 tokens they ended
+#: 4-8 s after the kill, before the re-sync across namespaces (whose roles then took 10 s
+#: longer to start: cluster/metrics_server.py) and, now and then, on the loopback too.
+RESTART_MAX_TOKENS = 6000
+#: seconds a drafter-restart request may take to complete (the stream's own read timeout)
+RESTART_REQUEST_TIMEOUT_S = 300
 PREFILL_MAX_TOKENS = 8
 #: a prompt whose KV transfer lasts a few seconds under the prefill workers' send cap
 LONG_PROMPT_WORDS = 400
@@ -73,9 +88,12 @@ class Stream:
     """One streaming completion (greedy, ``return_token_ids``) read in a thread: the time of
     its first chunk, the output ids, the final spec_stats, or the error event."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int, request_id: str) -> None:
+    def __init__(self, url: str, prompt: str, max_tokens: int, request_id: str,
+                 num_speculative_tokens: int | None = None) -> None:
         self.body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                      "stream": True, "return_token_ids": True, "request_id": request_id}
+        if num_speculative_tokens is not None:  # this request's kappa (0: speculation off)
+            self.body["num_speculative_tokens"] = num_speculative_tokens
         self.url, self.prompt = url, prompt
         self.request_id = f"cmpl-{request_id}"  # the gateway's id for it (the verifier's too)
         self.first = threading.Event()
@@ -210,10 +228,13 @@ class Faults:
                     raise
                 time.sleep(0.5)
 
-    def start_long(self, key: str, accepted: bool = True) -> tuple[Stream, str, dict]:
-        """A long streaming request; returns once its first chunk came (and, with
-        ``accepted``, it has accepted drafts): (stream, its verifier, its view)."""
-        s = Stream(self.url, LONG_PROMPTS[key], self.long_max_tokens, f"fault-{key}").start()
+    def start_long(self, key: str, accepted: bool = True,
+                   max_tokens: int | None = None) -> tuple[Stream, str, dict]:
+        """A long streaming request (``max_tokens``, the long requests' by default); returns
+        once its first chunk came (and, with ``accepted``, it has accepted drafts): (stream,
+        its verifier, its view)."""
+        s = Stream(self.url, LONG_PROMPTS[key], max_tokens or self.long_max_tokens,
+                   f"fault-{key}").start()
         if not s.first.wait(self.timeout_s) or s.out["error"]:
             raise RuntimeError(f"{key}: no first chunk: {s.result(1)}")
         v, view = self.wait_view(s.request_id, lambda w: not accepted or (
@@ -245,14 +266,21 @@ class Faults:
     # -- scenarios -------------------------------------------------------------------------
 
     def drafter_restart(self) -> dict:
-        """Two more requests of the same prompt run alongside the first (both verifiers busy),
-        so that one is still in flight when Ray has the drafter back even on a fast machine;
-        the first one re-synced on the restarted drafter is followed."""
-        s, _, at_kill = self.start_long("restart")
+        """Two more requests of the same prompt run alongside the first (both verifiers busy);
+        all three ask for ``RESTART_MAX_TOKENS``, so they are still in flight when Ray has the
+        drafter back. The first one re-synced on the restarted drafter is followed until it
+        accepts drafts again; the re-sync (``resync_s``) and each request's end
+        (``ends_after_kill_s``) are timed from the kill."""
+        s, _, at_kill = self.start_long("restart", max_tokens=RESTART_MAX_TOKENS)
         killed = at_kill["drafter"]
-        streams = [s, *(Stream(self.url, LONG_PROMPTS["restart"], self.long_max_tokens,
+        streams = [s, *(Stream(self.url, LONG_PROMPTS["restart"], RESTART_MAX_TOKENS,
                                f"fault-restart-{i}").start() for i in (1, 2))]
-        for x in streams:
+        # the same request with speculation off, alongside (a verify batch row: next to free),
+        # is what the three must equal: plain greedy in process is computed for the first
+        # LONG_MAX_TOKENS only (RESTART_MAX_TOKENS of it held the session's reference 10 min)
+        plain = Stream(self.url, LONG_PROMPTS["restart"], RESTART_MAX_TOKENS,
+                       "fault-restart-plain", num_speculative_tokens=0).start()
+        for x in [*streams, plain]:
             x.first.wait(self.timeout_s)
         old = ray.get(self.handle.actors[killed].info.remote(), timeout=30)
         kills = {x.request_id: self.view(x.request_id)[1] or {"num_draft_syncs": 0}
@@ -271,19 +299,24 @@ class Faults:
             time.sleep(POLL_S)
         resync_s = time.monotonic() - t_kill
         at_accept = None
-        if followed is not None:  # accepted drafts again after the re-sync
-            _, at_accept = self.wait_view(
+        if followed is not None:  # accepted drafts again after the re-sync (None: never)
+            accepted_on, at_accept = self.wait_view(
                 followed.request_id,
                 lambda w: w["num_accepted_tokens"] > at_resync["num_accepted_tokens"],
                 self.timeout_s)
-        finals = [x.result(self.timeout_s) for x in streams]
+            at_accept = at_accept if accepted_on is not None else None
+        finals = [x.result(RESTART_REQUEST_TIMEOUT_S) for x in streams]
+        plain_final = plain.result(RESTART_REQUEST_TIMEOUT_S)
         new = self.when_back(killed)
         followed = followed or s
+        ends_s = sorted(round(f["end_s"] - t_kill, 1) for f in finals if "end_s" in f)
         return {"killed": killed, "at_kill": at_kill, "resynced_at_kill": kills[
                     followed.request_id], "at_resync": at_resync, "at_accept": at_accept,
                 "resync_s": resync_s, "final": finals[streams.index(followed)],
                 "finals": finals, "old_incarnation": old["incarnation"],
-                "new_incarnation": new["incarnation"], "drafter_stats": self.stats(killed)}
+                "new_incarnation": new["incarnation"], "new_endpoint": new["endpoint"],
+                "ends_after_kill_s": ends_s, "plain": plain_final,
+                "drafter_stats": self.stats(killed)}
 
     def drafter_loss_reopen(self, leave_bound_s: float) -> dict:
         s, v, at_kill = self.start_long("reopen")
@@ -445,8 +478,9 @@ class Faults:
 
 def compared_requests(long_max_tokens: int) -> dict[int, list[str]]:
     """max_tokens -> the prompts of the scenarios' requests whose output ids the test compares
-    with plain greedy decode."""
-    return {long_max_tokens: [LONG_PROMPTS[k] for k in
+    with plain greedy decode (the drafter-restart requests' first ``long_max_tokens``; all of
+    them with the same request served with speculation off)."""
+    return {long_max_tokens: [LONG_PROMPTS[k] for k in  # "restart": its first tokens
                               ("restart", "reopen", "gone", "verifier_a", "verifier_b")],
             AFTER_VERIFIER_MAX_TOKENS: [LONG_PROMPTS["after_verifier"]],
             JOIN_MAX_TOKENS: JOIN_PROMPTS,

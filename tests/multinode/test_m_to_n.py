@@ -58,7 +58,8 @@ def test_three_nodes_with_roles_spread_over_them(m_to_n):
 def test_on_namespace_hosts_every_endpoint_is_in_their_subnet_and_traffic_crossed_the_veths(
         m_to_n):
     """Issue 39: roles bind and advertise their own host's address (never 127.0.0.1, never a
-    wildcard), every link runs CurveZMQ (``auto``: the roles are off the loopback), and the
+    wildcard; also those launched into the running cluster and a role Ray restarted), every
+    link runs CurveZMQ (``auto``: the roles are off the loopback), and the
     role-to-role traffic crossed each host's veth link both ways (its interface counters)."""
     report, _ = m_to_n
     from specmesh.cluster.netns_hosts import NetnsHosts
@@ -68,6 +69,12 @@ def test_on_namespace_hosts_every_endpoint_is_in_their_subnet_and_traffic_crosse
     for r in report["roster"]:
         addresses.append(r["endpoint"])
         assert r["curve"] and len(r["curve_key"]) == 40, r
+    # and so do the roles that joined later (``specmesh launch``) and a role Ray restarted
+    faults = report["faults"]
+    launched = [e for es in faults["roles_join"]["launched"].values() for e in es]
+    assert len(launched) == 2, faults["roles_join"]
+    addresses += [e["endpoint"] for e in launched]
+    addresses.append(faults["drafter_restart"]["new_endpoint"])
     for a in addresses:
         ip = a.split("://")[-1].rsplit(":", 1)[0]
         assert hosts.in_subnet(ip), (a, hosts.subnet)
