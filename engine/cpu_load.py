@@ -5,7 +5,7 @@ verifier's cores while the verifier idles) should only do so when those cores ar
 OpenMP team of n threads on n cores where another process keeps one of them busy waits at every
 barrier until the scheduler gives the descheduled thread its turn, so a forward on 2 threads
 beside one busy process is several times slower than the same forward on 1 thread
-(docs/benchmarks.md, 'Threads and OpenMP'). A benchmark client on the same host (guidellm runs
+(docs/benchmarks.md, 'Time to first token'). A benchmark client on the same host (guidellm runs
 a process per stream) is such a process.
 
 Linux only: the count of runnable threads in ``/proc/loadavg`` (its fourth field, ``R/T``: the
