@@ -220,11 +220,7 @@ class EagleProposer(Proposer):
         Each request's drafts are those :meth:`propose` / :meth:`propose_sampled` give it
         alone (the head's products are row-invariant)."""
         out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in calls]
-        live: dict[int, _Cursor] = {}
-        for i, call in enumerate(calls):
-            cur = self._cursor(call)
-            if cur is not None:
-                live[i] = cur
+        live = self._cursors(calls)
         with torch.inference_mode():
             self._catch_up(live)
             while live:
@@ -287,11 +283,7 @@ class EagleProposer(Proposer):
         it gets alone."""
         out: list[tuple[list[int], list[int], list[torch.Tensor | None]]] = \
             [([], [], []) for _ in calls]
-        live: dict[int, _Cursor] = {}
-        for i, call in enumerate(calls):
-            cur = self._cursor(call)
-            if cur is not None:
-                live[i] = cur
+        live = self._cursors(calls)
         with torch.inference_mode():
             self._catch_up(live)
             keys = list(live)
@@ -307,6 +299,15 @@ class EagleProposer(Proposer):
             st.outs.extend(d.branch0_outs)
             out[i] = (d.token_ids, d.parents, d.rows)
         return out
+
+    def _cursors(self, calls: list[ProposeCall]) -> dict[int, _Cursor]:
+        """Each call's :meth:`_cursor` by its index in ``calls``, the calls with none left out."""
+        live: dict[int, _Cursor] = {}
+        for i, call in enumerate(calls):
+            cur = self._cursor(call)
+            if cur is not None:
+                live[i] = cur
+        return live
 
     def _cursor(self, call: ProposeCall) -> _Cursor | None:
         """Where a request's drafting starts: its head entries that no longer match the

@@ -69,20 +69,27 @@ def _flags(c: InProcessCluster) -> list[bool]:
     return seen
 
 
-def test_a_prompt_the_verifier_waits_on_idle_runs_on_its_cores_too():
-    """Without the pause for prefill: one request at a time, the verifier has nothing to do
-    while its prompt prefills: the PrefillRequest says so and the prefill worker runs it on the
-    idle threads, then goes back. Several at once: only the first (nothing running, nothing
-    else in flight) is marked."""
+def _shared_cores_cluster(**options) -> tuple[list[list[int]], InProcessCluster, list[int]]:
+    """Plain decode's tokens for PROMPTS, and a cluster (``options``) whose verifier shares its
+    2 cores with prefill, the prefill worker's thread changes recorded in the list returned."""
     _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
     want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
                                                   num_kv_blocks=64, block_size=4)
             .generate(PROMPTS, SP)]
     c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4,
-                         **SIDE_BY_SIDE)
+                         **options)
     c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
     threads: list[int] = []
     c.prefill.idle_threads = (1, 2, threads.append)
+    return want, c, threads
+
+
+def test_a_prompt_the_verifier_waits_on_idle_runs_on_its_cores_too():
+    """Without the pause for prefill: one request at a time, the verifier has nothing to do
+    while its prompt prefills: the PrefillRequest says so and the prefill worker runs it on the
+    idle threads, then goes back. Several at once: only the first (nothing running, nothing
+    else in flight) is marked."""
+    want, c, threads = _shared_cores_cluster(**SIDE_BY_SIDE)
     flags = _flags(c)
     one_by_one = [c.generate([p], SP)[0].token_ids for p in PROMPTS]
     assert one_by_one == want
@@ -103,14 +110,7 @@ def test_with_the_pause_every_prompt_runs_on_the_verifiers_cores():
     """With the pause for prefill (the default), the verifier computes nothing while a prompt
     prefills, so every PrefillRequest is marked; every batch of the four runs on the idle
     threads, then goes back; tokens identical."""
-    _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
-    want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
-                                                  num_kv_blocks=64, block_size=4)
-            .generate(PROMPTS, SP)]
-    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
-    c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
-    threads: list[int] = []
-    c.prefill.idle_threads = (1, 2, threads.append)
+    want, c, threads = _shared_cores_cluster()
     flags = _flags(c)
     assert [r.token_ids for r in c.generate(PROMPTS, SP)] == want
     batches = c.prefill.profile.counters["num_batches"]
@@ -209,14 +209,7 @@ def test_the_idle_threads_are_taken_only_as_far_as_the_cpus_are_free(free, boost
     """Another process busy on one of 2 cores (a benchmark client): a team of 2 threads would
     stall at every barrier, so a prompt the idle verifier waits on stays on the prefill's own
     thread; with the cores free (or nothing known) it takes the verifier's. Tokens identical."""
-    _, m, cfg = tiny_llama(seed=3, dtype=torch.float64, vocab_size=64)
-    want = [c.token_ids for c in InProcessCluster(m, cfg, num_speculative_tokens=3,
-                                                  num_kv_blocks=64, block_size=4)
-            .generate(PROMPTS, SP)]
-    c = InProcessCluster(m, cfg, num_speculative_tokens=3, num_kv_blocks=64, block_size=4)
-    c.verifier.core_sharing = CoreSharing(2, lambda n: None, shared=True)
-    threads: list[int] = []
-    c.prefill.idle_threads = (1, 2, threads.append)
+    want, c, threads = _shared_cores_cluster()
     c.prefill.free_cpus = lambda: free
     assert [c.generate([p], SP)[0].token_ids for p in PROMPTS] == want
     assert threads == ([2, 1] * 4 if boosted else [])
