@@ -133,6 +133,13 @@ class RoleCollector:
         if sched.kappa_schedule is not None:
             yield _counter("specmesh:spec_decode_kappa_changes", "Moves of the adaptive "
                            "schedule's kappa", len(sched.kappa_schedule.changes), labels)
+        gate = sched.speculation_gate
+        if gate is not None:  # the goodput policy's speculation gate
+            yield _gauge("specmesh:spec_decode_drafting", "1 while the speculation gate has "
+                         "drafting on, 0 while it measured drafting as slower and paused it",
+                         float(gate.on), labels)
+            yield _counter("specmesh:spec_decode_gate_switches", "Switches of the speculation "
+                           "gate (its probes included)", gate.stats.num_switches, labels)
         budget = getattr(sched, "confidence_budget", None)
         if budget is not None:  # --speculative-policy confidence (decode/confidence_budget.py)
             yield from _confidence_metrics(budget.stats, labels)

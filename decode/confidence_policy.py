@@ -65,7 +65,7 @@ class ConfidencePolicy:
         if decision is None:  # no cost profile: today's caps (goodput + accept length)
             self.confidence_budget.stats.num_fallback_steps += 1
             self._step_decided = False
-            rates = [r.acceptance.rate for r in running]
+            rates = [r.acceptance for r in running]
             goodput = budget.decide(usable, rates)
             self.goodput_caps = goodput
             return [min(goodput.cap(rate, c), int(r.accept_len_ema + 0.5) + 1)

@@ -138,7 +138,8 @@ class RequestLifecycle(DraftLink, RequestStart):
             if self.send(req.drafter, VerifyCommit(
                     request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
                     committed_token_ids=committed, seed_state=commit_buffer(seed_rows),
-                    num_drafts_wanted=self.scheduler.drafts_wanted(req))):
+                    num_drafts_wanted=self.scheduler.drafts_wanted(req),
+                    drafting_paused=self.scheduler.drafting_paused(req))):
                 req.tail_in_flight = True  # (a failed send put the request on plain decode)
         self.stream(req)
 

@@ -10,7 +10,7 @@ import msgspec
 
 from specmesh.decode.config import INITIAL_ACCEPT_LEN_EMA
 from specmesh.decode.draft_confidence import TokenScores
-from specmesh.decode.goodput import Acceptance
+from specmesh.decode.acceptance import Acceptance
 from specmesh.decode.prediction_usage import PredictionUsage
 from specmesh.decode.tail_buffer import TailBuffer
 from specmesh.protocol.enums import FinishReason

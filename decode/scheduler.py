@@ -25,6 +25,7 @@ use the real one, no model needed.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,9 +36,11 @@ from specmesh.decode.confidence_policy import ConfidencePolicy
 from specmesh.decode.goodput import DraftBudget, DraftCaps
 from specmesh.decode.kappa_schedule import KappaSchedule
 from specmesh.decode.request import Request
+from specmesh.decode.speculation_gate import SpeculationGate
 from specmesh.decode.tail_wait import TailWait
 from specmesh.protocol.messages import SamplingParams
 
+log = logging.getLogger(__name__)
 
 #: Factor a request's prediction width grows by after a step that accepted its whole
 #: prediction run (Scheduler.prediction_drafts).
@@ -99,6 +102,9 @@ class Scheduler(Admission, TailWait, ConfidencePolicy):
         #: here, before the forward); default: all
         self.draft_limit: Callable[[Request, list[int]], int] = lambda req, drafts: len(drafts)
         self.init_confidence_policy()  # its budget (decode/confidence_policy.py)
+        #: drafting on or off for the whole verifier, on measured throughput, under the
+        #: goodput policy (decode/speculation_gate.py; None: off)
+        self.speculation_gate = SpeculationGate(log=log.info) if config.goodput_caps else None
 
     # -- the per-step draft plan -----------------------------------------------------------
 
@@ -162,7 +168,7 @@ class Scheduler(Admission, TailWait, ConfidencePolicy):
             # the latest decision was made for other requests: one whose drafts were never
             # verified is owed its first ones, as plan() would decide with them in hand
             return k
-        return caps.cap(req.acceptance.rate, k)
+        return caps.cap(req.acceptance, k)
 
     def plan(self, running: list[Request]) -> list[PlannedRequest]:
         """The verify step's batch: every running request (in order) with its usable drafts,
@@ -179,7 +185,7 @@ class Scheduler(Admission, TailWait, ConfidencePolicy):
         if self.confidence_budget is not None and any(usable):
             caps = self.confidence_caps(running, caps, usable)
         elif self.config.goodput_caps and any(usable):
-            rates = [r.acceptance.rate for r in running]
+            rates = [r.acceptance for r in running]
             decision = self.draft_budget.decide(usable, rates)
             caps = [decision.cap(rate, c) for rate, c in zip(rates, caps)]
             self.goodput_caps = decision
@@ -263,6 +269,8 @@ class Scheduler(Admission, TailWait, ConfidencePolicy):
         self._step_accepts = []
         if self.kappa_schedule is not None:
             self.step_kappa = self.kappa_schedule.kappa_for(len(running))
+        if self.speculation_gate is not None and running:
+            self.step_kappa = None if self.speculation_gate.begin(len(running)) else 0
 
     def end_step(self) -> None:
         """The step begun by :meth:`begin_step` committed: the schedule takes the accepted
@@ -275,12 +283,33 @@ class Scheduler(Admission, TailWait, ConfidencePolicy):
 
     @property
     def current_kappa(self) -> int:
-        """Kappa now: the schedule's latest step kappa, else the default one."""
+        """Kappa now: the schedule's latest step kappa, 0 while the speculation gate has
+        drafting off, else the default one."""
         if self.kappa_schedule is not None:
             return self.kappa_schedule.current_kappa
+        if self.speculation_gate is not None and not self.speculation_gate.on:
+            return 0
         return self.num_speculative_tokens
 
     def observe_forward(self, num_tokens: int, seconds: float, batch: int = 0) -> None:
         """A verify forward of ``batch`` requests (0: not told) over ``num_tokens`` query
         tokens took ``seconds`` (the cost model of ``goodput_drafts``)."""
         self.draft_budget.observe_forward(num_tokens, seconds, batch)
+
+    def drafting_paused(self, req: Request) -> bool:
+        """Whether ``req``'s drafter is told to draft nothing (VerifyCommit.drafting_paused):
+        the speculation gate has drafting off and the request has no prediction to draft
+        from."""
+        gate = self.speculation_gate
+        return gate is not None and not gate.on and not req.prediction_token_ids
+
+    def observe_step_tokens(self, batch: int, num_tokens: int, seconds: float) -> None:
+        """The step begun last (``batch`` requests) committed ``num_tokens`` tokens in
+        ``seconds`` of step time (the speculation gate's measure)."""
+        if self.speculation_gate is not None:
+            self.speculation_gate.end(batch, num_tokens, seconds)
+
+    def observe_step_overhead(self, batch: int, seconds: float) -> None:
+        """A step of ``batch`` requests spent ``seconds`` besides its forward and its tail
+        wait (the goodput cost model's per-step part, decode/goodput.py)."""
+        self.draft_budget.observe_overhead(batch, seconds)

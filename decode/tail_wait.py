@@ -7,7 +7,6 @@ of :class:`decode.scheduler.Scheduler` (its ``config``, ``step_time_ema_s`` and
 from __future__ import annotations
 
 from specmesh.decode.config import STEP_TIME_EMA_WEIGHT
-from specmesh.decode.goodput import expected_tokens
 from specmesh.decode.request import Request
 
 
@@ -27,13 +26,13 @@ class TailWait:
         (``tail_wait_fraction``) of one verify step and, with ``goodput_drafts``, no longer
         than the next draft is worth.
 
-        Waiting ``w`` for a draft of expected gain ``g`` (``rate ** j`` for the request's j-th
-        draft) pays while ``(E + g) / (T + w) > E / T``, i.e. ``w < T * g / E``: ``T`` the
-        step time, ``E`` the tokens the step already expects (one per running request plus
-        the gains of the drafts already there). So a step waits long for a request's first
-        draft, briefly for its second and hardly at all in a large batch, where every
-        request waits with it. (A model drafter streams its drafts one forward apart: a fixed
-        budget spent much of a step waiting for second drafts that came too late.)
+        Waiting ``w`` for a draft of expected gain ``g`` (``Acceptance.gain(j)`` for the request's
+        j-th draft) pays while ``(E + g) / (T + w) > E / T``, i.e. ``w < T * g / E``: ``T`` the step
+        time, ``E`` the tokens the step already expects (one per running request plus the gains of
+        the drafts already there). So a step waits long for a request's first draft, briefly for its
+        second and hardly at all in a large batch, where every request waits with it. (A model
+        drafter streams its drafts one forward apart: a fixed budget spent much of a step waiting
+        for second drafts that came too late.)
         ``waiting``: the requests whose tails may still come (default: ``running``).
         """
         cap = self.config.tail_wait_fraction * self.step_time_ema_s
@@ -43,9 +42,9 @@ class TailWait:
         if not awaited:
             return 0.0
         have = {id(r): len(r.tail.usable(self.drafts_wanted(r))) for r in running}
-        expected = len(running) + sum(expected_tokens(r.acceptance.rate, have[id(r)]) - 1
+        expected = len(running) + sum(r.acceptance.expected(have[id(r)]) - 1
                                       for r in running)
-        gain = max(r.acceptance.rate ** (have[id(r)] + 1) for r in awaited)
+        gain = max(r.acceptance.gain(have[id(r)] + 1) for r in awaited)
         return min(cap, self.step_time_ema_s * gain / expected)
 
     def awaiting_tail(self, running: list[Request]) -> list[Request]:

@@ -202,9 +202,11 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
         frame) and kv_ingest (time writing its frames)."""
         prof = self.profile
         busy = bool(self.lifecycle.running() or self.scheduler.waiting or self._orphans)
+        t_in = time.monotonic()
         self.ingest(0.0 if busy else timeout_s)
         self.lora.reap()
         t0 = time.monotonic()
+        waited = 0.0
         self._check_timeouts()
         self._check_drafters_down()
         self._end_orphans()
@@ -215,8 +217,10 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
             return 0
         if running:
             self.scheduler.begin_step(running)  # the schedule policy's kappa of this step
+            w0 = time.monotonic()
             with prof.phase("tail_wait"):
                 self._wait_for_tails(running)
+            waited = time.monotonic() - w0
             running = self.lifecycle.running()
         if not running:
             return 0
@@ -238,7 +242,13 @@ class VerifierWorker(VerifierDispatch, PeerRoster, PrefillStart, SiblingFork, Dr
                 self.lifecycle.apply(p.request, out, p.from_prediction)
         self.scheduler.end_step()  # the schedule policy sees the step's accepted drafts
         self._count_step(plan, eligible, with_tail)
-        self.scheduler.observe_step_time(time.monotonic() - t0)
+        end = time.monotonic()
+        self.scheduler.observe_step_time(end - t0)
+        if busy:  # (an idle ingest may have blocked for input)
+            self.scheduler.observe_step_overhead(
+                len(plan), end - t_in - waited - self.verify_step.last_forward_s)
+            self.scheduler.observe_step_tokens(
+                len(plan), sum(len(out.token_ids) for out in outputs), end - t_in)
         self.stats.num_steps += 1
         return len(plan)
 

@@ -30,6 +30,7 @@ class DraftState:
     news: bool = True  # synced or committed since the last segment: the verifier may wait
     commit_received_at: float | None = None  # perf_counter() of the last unanswered commit
     num_drafts_wanted: int | None = None  # VerifyCommit's: the verifier's cap (None: kappa)
+    drafting_paused: bool = False  # VerifyCommit's: draft nothing from the method for now
     #: output position -> {candidate: drafts after it} sent as DraftBranches ({}: none made)
     branches: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     #: the request's prediction as a draft source (drafter/prediction.py; None: none)

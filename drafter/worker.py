@@ -246,6 +246,7 @@ class DrafterWorker(MailboxWorker):
                 st.predicted.extend([False] * len(branch))
         st.committed.extend(toks)
         st.num_drafts_wanted = msg.num_drafts_wanted
+        st.drafting_paused = msg.drafting_paused
         st.exhausted = False
         st.news = True
         st.commit_received_at = time.perf_counter()
@@ -409,7 +410,8 @@ class DrafterWorker(MailboxWorker):
         if not n or not pos_cap or len(self.requests) > MAX_BRANCH_REQUESTS or \
                 type(self.proposer).propose_branches is Proposer.propose_branches:
             return 0
-        plan = plan_branches(self.requests.values(), n, pos_cap, self._window)
+        plan = plan_branches([s for s in self.requests.values() if not s.drafting_paused],
+                             n, pos_cap, self._window)
         self._branches_pending = plan.pending
         if not plan.calls:
             return 0
@@ -444,6 +446,8 @@ class DrafterWorker(MailboxWorker):
         """How far ``st``'s path may run past its committed prefix: the configured window or,
         when the verifier said how many drafts it will verify, the same run-ahead multiple of
         that (at least one draft, so a verifier that holds drafts back can still probe)."""
+        if st.drafting_paused:  # the verifier's gate: no drafts, not even a probe's
+            return 0
         if st.num_drafts_wanted is None:
             return self.config.window
         return min(self.config.window, RUN_AHEAD_STEPS * max(st.num_drafts_wanted, 1))

@@ -58,7 +58,8 @@ from msgspec import Meta
 # 17: LoraAdapterOp, LoraAdapterResult (LoRA adapters loaded / unloaded at run time)
 # 18: DraftTailStream trees may carry draft_probs (sampled EAGLE-2 trees: a row per node);
 # verifiers before 18 refuse them
-PROTOCOL_VERSION = 18
+# 19: VerifyCommit.drafting_paused (the verifier's speculation gate, decode/speculation_gate.py)
+PROTOCOL_VERSION = 19
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
@@ -735,13 +736,17 @@ class VerifyCommit(Message, tag=41, kw_only=True):
     next steps (its kappa capped by the request's recent accept length and the step's goodput
     cap, decode/goodput.py); the drafter runs
     ahead by a multiple of it instead of a multiple of kappa, so drafts that would never be
-    verified are not drafted. None: kappa."""
+    verified are not drafted. None: kappa. ``drafting_paused``: the verifier's steps verify
+    none of the method's drafts for now (its speculation gate measured drafting as slower,
+    decode/speculation_gate.py): draft nothing for this request (no probe, no branches) until
+    a commit says otherwise; a prediction is still drafted from."""
 
     request_id: str
     pre_commit_len: int
     committed_token_ids: list[int]
     seed_state: Buffer | None = None  # EAGLE family: [accept_len + 1, hidden_size]
     num_drafts_wanted: NonNegInt | None = None
+    drafting_paused: bool = False
 
     @classmethod
     def example(cls) -> VerifyCommit:

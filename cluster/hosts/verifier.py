@@ -119,6 +119,9 @@ class VerifierHost(RoleHost):
         sched = self.worker.scheduler
         out["current_kappa"] = sched.current_kappa
         out["speculative_policy"] = self.worker.config.speculative_policy
+        # drafting on or off, measured (decode/speculation_gate.py; None: not the goodput policy)
+        gate = sched.speculation_gate
+        out["speculation_gate"] = None if gate is None else gate.snapshot()
         # the confidence policy's predicted vs realised accepted drafts and reliability bins
         budget = getattr(sched, "confidence_budget", None)
         out["confidence_budget"] = None if budget is None else budget.stats.as_dict()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits
+from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits, token_probs
 from specmesh.drafter.eagle.checkpoint import (
     load_head,
     read_head_config,
@@ -121,6 +121,7 @@ class EagleProposer(Proposer):
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
     seed_state = "hidden"
     returns_draft_probs = True
+    returns_token_probs = True
     runs_a_model = True
 
     def __init__(self, head: str | None = None, model: str | None = None,
@@ -202,7 +203,10 @@ class EagleProposer(Proposer):
               index: int) -> tuple[int, torch.Tensor | None]:
         head = self.head
         if how is None or (how.mode == GREEDY and not how.processes):
-            return int(head.target_ids(head.logits(g).argmax())), None
+            logits = head.logits(g).reshape(1, -1)  # [1, draft vocab]
+            best = int(logits[0].argmax())
+            q = token_probs(logits, [best])[0] if how is not None and how.token_probs else None
+            return int(head.target_ids(torch.tensor(best))), q
         full = target_space_logits(head.logits(g).reshape(1, -1), head.config.vocab_size,
                                    head.draft_to_target)
         return how.choose(full, index)
@@ -363,8 +367,14 @@ class EagleProposer(Proposer):
                   or (cur.call.how.mode == GREEDY and not cur.call.how.processes)]
         if greedy:
             g = torch.stack([live[i].st.last_g for i in greedy])
-            ids = self.head.target_ids(self.head.logits(g).argmax(-1)).tolist()
-            picks.update({i: (int(t), None) for i, t in zip(greedy, ids)})
+            logits = self.head.logits(g)  # [n, draft vocab]
+            best = logits.argmax(-1)
+            ids = self.head.target_ids(best).tolist()
+            scored = [j for j, i in enumerate(greedy) if live[i].call.how is not None
+                      and live[i].call.how.token_probs]
+            qs = dict(zip(scored, token_probs(logits[scored], best[scored].tolist()))) \
+                if scored else {}
+            picks.update({i: (int(t), qs.get(j)) for j, (i, t) in enumerate(zip(greedy, ids))})
         for i, cur in live.items():
             if i not in picks:
                 picks[i] = self._pick(cur.st.last_g, cur.call.how, made[i])

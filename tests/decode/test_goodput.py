@@ -9,13 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specmesh.decode.goodput import (
-    PROBE_EVERY,
-    Acceptance,
-    DraftBudget,
-    ForwardCost,
-    expected_tokens,
-)
+from specmesh.decode.acceptance import Acceptance, expected_tokens
+from specmesh.decode.goodput import PROBE_EVERY, DraftBudget, ForwardCost
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -45,6 +40,44 @@ def test_acceptance_rate_stays_a_probability(steps):
     for accepted, drafts in steps:
         a.observe(min(accepted, drafts), drafts)
         assert 0.0 <= a.rate <= 1.0
+        gains = [a.gain(j) for j in range(1, 9)]
+        assert all(0.0 <= g <= 1.0 for g in gains)
+        assert gains == sorted(gains, reverse=True)  # so a cap is a prefix of the drafts
+        assert a.expected(3) == pytest.approx(1.0 + sum(gains[:3]))
+
+
+def test_acceptance_gain_fits_drafts_that_fail_first_or_run_on():
+    """Copied drafts fail at the first position or hold: a request whose 5-draft steps
+    accept 0 or 5 gets a first-draft rate near the share of steps that held and later drafts
+    near 1; one rate for every position credits the first draft with the runs."""
+    a = Acceptance()
+    for i in range(60):
+        a.observe(5 if i % 2 else 0, 5)  # half the steps: all five; half: none
+    assert a.gain(1) == pytest.approx(0.5, abs=0.1)
+    assert a.gain(5) > 0.45 and a.gain(5) == pytest.approx(a.gain(1), rel=0.02)
+    assert a.rate > a.gain(1) + 0.2
+    b = Acceptance()
+    for _ in range(60):
+        b.observe(1, 4)  # the first held, the second failed, every step
+    assert b.gain(1) == pytest.approx(1.0) and b.gain(2) < 0.05
+    c = Acceptance()
+    for _ in range(20):
+        c.observe(1, 1)  # only ever one draft verified: later positions keep their prior
+    assert c.gain(2) == pytest.approx(1.0)
+
+
+def test_budget_does_not_confirm_its_own_low_caps():
+    """A request verified one draft at a time, its first draft held 70 % of the time: the
+    one-rate fit (0.7 at every position) caps it where its later positions were never
+    measured; its two rates leave them at the optimistic start, so the budget verifies
+    more of its drafts and learns them."""
+    a = Acceptance()
+    for i in range(50):
+        a.observe(1 if i % 10 < 7 else 0, 1)
+    one_rate = a.rate
+    assert a.gain(1) == pytest.approx(one_rate)  # one draft a step: the same counts
+    b = _budget({1: 0.10, 2: 0.13, 5: 0.22})  # 30 ms per further token
+    assert b.decide([4], [a]).cap(a, 4) > b.decide([4], [one_rate]).cap(one_rate, 4)
 
 
 def test_forward_cost_interpolates_and_extends():
@@ -164,3 +197,17 @@ def test_drafter_runs_ahead_only_as_far_as_the_verifier_verifies():
     assert outs[0] == outs[1]
     assert c.verifier.stats.num_draft_tokens > 0
     assert st.num_commits > 20 and st.num_draft_tokens_sent < 3.5 * st.num_commits
+
+
+def test_step_overhead_dilutes_what_drafts_cost():
+    """A step's seconds besides its forward (commit, sends, the rule) are paid with or
+    without drafts: counted in, a draft that did not pay against the forward alone does."""
+    b = _budget({1: 0.010, 2: 0.016})
+    assert b.overhead(1) == 0.0 and b.cap([1], [0.5]) == 0  # 1.5 / 16 ms < 1 / 10 ms
+    b.observe_overhead(1, 0.008)
+    assert b.seconds(1, 1) == pytest.approx(0.024)
+    assert b.cap([1], [0.5]) == 1  # 1.5 / 24 ms > 1 / 18 ms
+    b.observe_overhead(4, 0.002)  # other batch sizes: the nearest measured one
+    assert b.overhead(3) == pytest.approx(0.002) and b.overhead(2) == pytest.approx(0.008)
+    b.observe_overhead(1, -1.0)  # a negative reading (clock) is ignored
+    assert b.overhead(1) == pytest.approx(0.008)

@@ -206,12 +206,13 @@ def test_plan_trims_drafts_to_the_token_budget_and_defers_what_does_not_fit():
 def test_tail_wait_budget_is_what_the_next_draft_is_worth():
     """With goodput caps a step waits for a draft no longer than its expected gain pays for
     (w < T * g / E): long for a first draft, briefly for a second, little in a batch."""
-    from specmesh.decode.goodput import Acceptance
+    from specmesh.decode.acceptance import Acceptance
 
     sched = make_scheduler(tail_wait_fraction=0.5, goodput_drafts=True)
     sched.observe_step_time(0.020)
     one = running(make_request("one", kappa=4), sched, output=[1])
-    one.acceptance = Acceptance(accepted=0.4, rejected=0.6)  # rate 0.4
+    one.acceptance = Acceptance(first_accepted=0.4, first_rejected=0.6, later_accepted=0.4,
+                                later_rejected=0.6)  # 0.4 at every position
     one.tail_in_flight = True
     assert sched.tail_wait_budget_s([one]) == pytest.approx(0.020 * 0.4 / 1.0)
     one.tail.add(1, [7], one.output_token_ids, base_committed_len=1)  # its first draft came
@@ -409,3 +410,24 @@ def test_observe_accept_counts_the_method_drafts_after_a_prediction_run():
     sched.observe_accept(req, 3, 6, num_predicted=2)  # method: 1 accepted of 4
     assert req.acceptance.num_steps == 1 and req.prediction_width == 8
     assert req.accept_len_ema == pytest.approx(16 + ACCEPT_LEN_EMA_WEIGHT * (1 - 16))
+
+
+def test_speculation_gate_off_sets_step_kappa_0_and_pauses_the_drafter():
+    """Under the goodput policy the gate's off state makes the step kappa 0 (no drafts
+    verified or waited for; the drafter told to pause, VerifyCommit.drafting_paused); a
+    request with a prediction is not paused; with the goodput caps off there is no gate."""
+    sched = make_scheduler(goodput_drafts=True)
+    gate = sched.speculation_gate
+    assert gate is not None and gate.on
+    req = running(make_request("a", kappa=4), sched, output=[1], drafts=[2, 3, 4])
+    pred = running(make_request("p", kappa=4), sched, output=[1])
+    pred.prediction_token_ids = [5, 6, 7]
+    sched.begin_step([req, pred])
+    assert sched.num_drafts(req) == 4 and not sched.drafting_paused(req)
+    gate.on = False  # as after it measured drafting as slower at this batch
+    sched.begin_step([req, pred])
+    assert sched.num_drafts(req) == 0 and sched.current_kappa == 0
+    assert sched.drafting_paused(req) and not sched.drafting_paused(pred)
+    assert sched.tail_wait_budget_s([req]) == 0.0
+    assert [p.draft_token_ids for p in sched.plan([req])] == [[]]
+    assert make_scheduler().speculation_gate is None

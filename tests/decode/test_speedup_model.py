@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specmesh.decode.goodput import expected_tokens
+from specmesh.decode.acceptance import expected_tokens
 from specmesh.decode.speedup_model import (
     asymptotic_speedup,
     break_even_batch,

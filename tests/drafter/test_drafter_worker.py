@@ -144,6 +144,25 @@ def test_run_ahead_follows_the_drafts_the_verifier_wants():
     _tails(v)
 
 
+def test_a_paused_request_is_not_drafted_until_a_commit_resumes_it():
+    """VerifyCommit.drafting_paused (the verifier's speculation gate has drafting off): the
+    drafter drafts nothing for the request, not even a probe's draft, prepares no branches
+    and waits for messages; the next commit without the flag resumes it."""
+    v, d = _synced_garbage_drafter()
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1,
+                                     committed_token_ids=[999], num_drafts_wanted=0,
+                                     drafting_paused=True))
+    d.step()
+    st = d.requests["r"]
+    assert st.path == [] and not d._has_work()
+    assert d.prepare_branches() == 0 and st.branches == {}
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=2,
+                                     committed_token_ids=[998], num_drafts_wanted=2))
+    d.step()
+    assert len(d.requests["r"].path) == 4  # resumed: twice the drafts wanted
+    _tails(v)
+
+
 def test_a_path_at_its_run_ahead_cap_leaves_the_drafter_waiting_not_spinning():
     """Seen served at 16 concurrent requests: with the verifier's cap (num_drafts_wanted)
     below the window, every path stopped at its run-ahead while ``_has_work`` still measured

@@ -195,3 +195,38 @@ def test_propose_trees_equals_each_request_alone(monkeypatch):
         alone = _ready(head, ctx, truth, topk=3, nodes=7)
         assert (tokens, parents) == alone.propose_tree("r", ctx, call.num_tokens)
         assert rows == [None] * len(tokens) and tokens
+
+
+def test_greedy_chain_q_is_the_head_softmax_at_each_draft():
+    """EAGLE sends a greedy chain draft's q (``returns_token_probs``, for the confidence
+    budget): asked with ``DraftSampling.token_probs`` it drafts the same tokens as without, and
+    each q is the head's softmax at the drafted token over its draft vocabulary, alone
+    (``propose_sampled``) and batched with an unscored request (``propose_many``)."""
+    from specmesh.drafter.draft_sampling import DraftSampling
+    from specmesh.drafter.proposer import ProposeCall
+    from specmesh.protocol.messages import SamplingParams
+
+    head = _head(11)
+    torch.manual_seed(5)
+    ctx = [4, 9, 2, 17, 6]
+    truth = torch.randn(2, D, dtype=torch.float64)
+    plain = _ready(head, ctx, truth).propose("r", ctx, 4)
+    how = DraftSampling(SamplingParams(max_tokens=8), len(ctx), token_probs=True)
+    p = _ready(head, ctx, truth)
+    drafts, qs = p.propose_sampled("r", ctx, 4, how)
+    assert drafts == plain and all(isinstance(q, float) for q in qs)
+    # q by hand: replay the chain, the head's softmax over its draft vocabulary at each draft
+    ref = _ready(head, ctx, truth)
+    st = ref.states["r"]
+    want = []
+    for j in range(4):
+        ref.propose("r", ctx + plain[:j], 1)
+        probs = torch.softmax(head.logits(st.last_g[None]).double(), -1)[0]
+        want.append(float(probs.max()))
+    assert qs == pytest.approx(want, rel=1e-5) and all(0 < q <= 1 for q in qs)  # float32
+    two = _ready(head, ctx, truth)
+    two.open("s", ctx)
+    two.observe_seed_state("s", len(ctx) - 1 - truth.shape[0], truth)
+    (d1, q1), (d2, q2) = two.propose_many([ProposeCall("r", ctx, 4, how),
+                                           ProposeCall("s", ctx, 4, None)])
+    assert d1 == d2 == plain and q1 == pytest.approx(qs, rel=1e-6) and q2 == [None] * 4

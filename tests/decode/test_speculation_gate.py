@@ -1,0 +1,92 @@
+"""The speculation gate (decode/speculation_gate.py): drafting on or off per batch-size bucket,
+on committed tokens per second measured in windows, with probes of the slower state whose
+period doubles while it keeps losing. Its effect on the scheduler: tests/decode/
+test_scheduler.py; on the drafter: tests/drafter/test_drafter_worker.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.decode.speculation_gate import (
+    MAX_PERIOD,
+    MIN_PERIOD,
+    SETTLE_STEPS,
+    WINDOW_STEPS,
+    SpeculationGate,
+    bucket,
+)
+
+
+def run(gate: SpeculationGate, batch: int, rate: dict[bool, float], steps: int) -> list[bool]:
+    """``steps`` steps of ``batch`` requests committing ``rate[on]`` tokens a second (one
+    second per step); the states the gate chose, in order."""
+    seen = []
+    for _ in range(steps):
+        on = gate.begin(batch)
+        seen.append(on)
+        gate.end(batch, int(rate[on]), 1.0)
+    return seen
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_measures_both_states_then_keeps_the_faster():
+    lines = []
+    gate = SpeculationGate(log=lines.append)
+    seen = run(gate, 4, {True: 75, False: 100}, 200)
+    first = WINDOW_STEPS  # on first, one window
+    assert seen[:first] == [True] * first
+    off_from = seen.index(False)
+    assert off_from == first
+    # then off for its settle steps and one window, and it stays off (the faster)
+    assert all(not s for s in seen[off_from:off_from + SETTLE_STEPS + WINDOW_STEPS + 5])
+    assert gate.on is False
+    snap = gate.snapshot()["buckets"]["4"]
+    assert snap["tokens_per_s_on"] == pytest.approx(75)
+    assert snap["tokens_per_s_off"] == pytest.approx(100)
+    assert any("drafting off at batch 4" in ln for ln in lines)
+
+
+def test_probes_the_slower_state_less_often_while_it_keeps_losing():
+    gate = SpeculationGate()
+    seen = run(gate, 4, {True: 75, False: 100}, 4000)
+    probes = gate.stats.num_probes
+    assert probes >= 3
+    # the share of steps spent on the slower state once settled is small
+    tail = seen[2000:]
+    assert tail.count(True) / len(tail) < 0.05
+    snap = gate.snapshot()["buckets"]["4"]
+    assert snap["probe_period_steps"] == MAX_PERIOD
+
+
+def test_a_probe_that_wins_takes_over():
+    gate = SpeculationGate()
+    run(gate, 2, {True: 75, False: 100}, 100)
+    assert gate.on is False
+    seen = run(gate, 2, {True: 200, False: 100}, MIN_PERIOD * 4 + 100)
+    assert gate.on is True and seen[-1] is True
+    assert seen.count(True) > len(seen) / 2  # it stayed on after the probe that won
+
+
+def test_each_bucket_keeps_its_own_choice():
+    gate = SpeculationGate()
+    run(gate, 1, {True: 120, False: 80}, 60)  # batch 1: drafting pays
+    run(gate, 16, {True: 150, False: 200}, 60)  # batch 16: it does not
+    assert gate.begin(16) is False
+    gate.end(16, 200, 1.0)
+    for _ in range(SETTLE_STEPS + 1):  # back at batch 1: its own faster state
+        on = gate.begin(1)
+        gate.end(1, 120 if on else 80, 1.0)
+    assert on is True
+
+
+def test_settle_steps_are_not_measured():
+    gate = SpeculationGate()
+    run(gate, 4, {True: 100, False: 100}, WINDOW_STEPS)  # on measured at 100
+    # the switch to off: its first SETTLE_STEPS steps are slow (the drafter going quiet)
+    for i in range(SETTLE_STEPS + WINDOW_STEPS):
+        assert gate.begin(4) is False
+        gate.end(4, 1 if i < SETTLE_STEPS else 120, 1.0)
+    assert gate.snapshot()["buckets"]["4"]["tokens_per_s_off"] == pytest.approx(120)
