@@ -28,6 +28,8 @@ repeats) and the drafter's stats read once after the runs (``summary["drafter_co
   it were (:func:`decode.speedup_model.conditional_acceptance`);
 - ``accepted_per_step``: accepted drafts per verify step that carried drafts (vLLM's mean
   accept length; a step commits 1 + it tokens: ``tokens_per_step``);
+- ``tree_nodes_per_tree``: nodes per draft tree the drafter sent (EAGLE-2, Medusa, n-gram
+  trees; None when it drafted chains only);
 - ``draft_weights_bytes`` / ``draft_kv_pool_bytes`` (and their sum ``draft_memory_bytes``):
   what the method's proposer reports in the drafter's stats (drafter/draft_memory.py);
 - ``seed_state_bytes_per_request``: bytes of the seed state the prefill role shipped per
@@ -163,7 +165,7 @@ def _alphas(xs: list[float]) -> str:
 def method_table_markdown(summary: dict) -> list[str]:
     """The per-method table as markdown lines (empty without one): a row per method with its
     draft forwards per step, c (and per forward), alpha per position, accepted drafts per
-    step, draft weights and KV, seed-state bytes per request and served tokens/s (with its
+    step, nodes per draft tree, draft weights and KV, seed-state bytes per request and served tokens/s (with its
     ratio to served k=0) at each concurrency; then how each column was measured."""
     table = summary.get("per_method")
     if not table:
@@ -172,10 +174,10 @@ def method_table_markdown(summary: dict) -> list[str]:
     lines = [f"## per draft method (kappa={table['kappa']}; per-step figures at "
              f"C={table['reference']})", "",
              "| method | draft forwards / step | c = t_draft / t_verify | c per forward | "
-             "alpha per position | accepted / step | draft weights | draft KV | "
+             "alpha per position | accepted / step | nodes / tree | draft weights | draft KV | "
              "seed state / request | "
              + " | ".join(f"tokens/s C={c} (x k=0)" for c in levels) + " |",
-             "|---" * (9 + len(levels)) + "|"]
+             "|---" * (10 + len(levels)) + "|"]
     for r in table["rows"]:
         speeds = []
         for c in levels:
@@ -184,7 +186,8 @@ def method_table_markdown(summary: dict) -> list[str]:
                           f"{tps:.2f}" + (f" ({x:.2f}x)" if x is not None else ""))
         lines.append(f"| {r['method']} | {_num(r['forwards_per_step'])} | {_num(r['c'], '.3f')} "
                      f"| {_num(r['c_per_forward'], '.3f')} | {_alphas(r['alpha_per_position'])} "
-                     f"| {_num(r['accepted_per_step'])} | {human_bytes(r['draft_weights_bytes'])} "
+                     f"| {_num(r['accepted_per_step'])} | {_num(r['tree_nodes_per_tree'], '.1f')} "
+                     f"| {human_bytes(r['draft_weights_bytes'])} "
                      f"| {human_bytes(r['draft_kv_pool_bytes'])} "
                      f"| {human_bytes(r['seed_state_bytes_per_request'])} | "
                      + " | ".join(speeds) + " |")
@@ -195,7 +198,8 @@ def method_table_markdown(summary: dict) -> list[str]:
               "step / the verifier's mean forward (the drafting a step costs, in verify "
               "forwards; it runs in its own process, ahead); c per forward: c / forwards",
               "- alpha per position: the chance draft i is accepted once the ones before it "
-              "were; accepted / step: accepted drafts per verify step that carried drafts",
+              "were; accepted / step: accepted drafts per verify step that carried drafts; "
+              "nodes / tree: nodes per draft tree sent (blank: chains only)",
               "- draft weights / KV: as the drafter reports them (a KV that grows per request: "
               "the most it held at once); seed state: prefill -> decode bytes per request",
               "- blank: not measured in this run (not zero)", ""]

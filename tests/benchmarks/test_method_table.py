@@ -120,9 +120,9 @@ def test_method_table_markdown_with_blanks():
     summary["per_method"] = method_table(summary)
     lines = method_table_markdown(summary)
     assert lines[0] == "## per draft method (kappa=3; per-step figures at C=1)"
-    assert ("| eagle | 3.00 | 0.300 | 0.100 | 0.80 / 0.75 / 0.50 | 1.50 | 3.00 MiB | "
+    assert ("| eagle | 3.00 | 0.300 | 0.100 | 0.80 / 0.75 / 0.50 | 1.50 | 8.0 | 3.00 MiB | "
             "1.00 MiB | 1.1 KiB | 50.00 (1.25x) | 120.00 (0.80x) |") in lines
-    assert ("| pard |  | 0.100 |  | 0.50 / 0.40 / 0.50 | 0.80 |  |  |  | 45.00 (1.12x) | "
+    assert ("| pard |  | 0.100 |  | 0.50 / 0.40 / 0.50 | 0.80 |  |  |  |  | 45.00 (1.12x) | "
             "108.00 (0.72x) |") in lines
     assert any("blank: not measured" in line for line in lines)
     # in the bench's printed tables (the per-level tables left out here)
