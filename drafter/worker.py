@@ -558,7 +558,7 @@ class DrafterWorker(MailboxWorker):
         """The method's model forwards since the last step as the ``draft_forwards`` profile
         counter (the bench's draft forwards per verify step; drafter/draft_memory.py); none
         for a method that does not count them."""
-        n = self.proposer.num_draft_forwards
+        n = getattr(self.proposer, "num_draft_forwards", None)  # a duck-typed test proposer
         if n is not None and n > self._forwards_seen:
             self.profile.count("draft_forwards", n - self._forwards_seen)
             self._forwards_seen = n

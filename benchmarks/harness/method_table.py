@@ -165,8 +165,9 @@ def _alphas(xs: list[float]) -> str:
 def method_table_markdown(summary: dict) -> list[str]:
     """The per-method table as markdown lines (empty without one): a row per method with its
     draft forwards per step, c (and per forward), alpha per position, accepted drafts per
-    step, nodes per draft tree, draft weights and KV, seed-state bytes per request and served tokens/s (with its
-    ratio to served k=0) at each concurrency; then how each column was measured."""
+    step, nodes per draft tree, draft weights and KV, seed-state bytes per request and served
+    tokens/s (with its ratio to served k=0) at each concurrency; then how each column was
+    measured."""
     table = summary.get("per_method")
     if not table:
         return []
