@@ -133,3 +133,13 @@ def test_method_table_markdown_with_blanks():
 def test_human_bytes():
     assert [human_bytes(n) for n in (None, 0, 1023, 1024, 1536, 5 << 20, 3 << 30)] == \
         ["", "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "5.00 MiB", "3.00 GiB"]
+
+
+def test_a_tree_listed_first_keeps_its_keys_in_its_label(tiny_model_dir):
+    """Chains vs trees in one run: the EAGLE-2 tree's row is told apart from the chain's
+    whichever is listed first (its set keys are in its label)."""
+    from specmesh.benchmarks.harness.options import parse_drafters
+
+    tree, chain = parse_drafters("eagle:topk=4+nodes=12,eagle", tiny_model_dir)
+    assert (tree.label, chain.label) == ("eagle:topk=4+nodes=12", "eagle")
+    assert parse_drafters("eagle:/a/h+topk=2")[0].label == "eagle:h+topk=2"
