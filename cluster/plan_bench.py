@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from specmesh.cluster.plan_ties import method_ties
 from specmesh.decode.speedup_model import (
     break_even_for_tokens,
     break_even_linear,
@@ -142,7 +143,9 @@ def drafter_plan(summary: dict, label: str, fit: dict | None) -> dict:
 
 def machine_plan(summary: dict) -> dict:
     """Every drafter of a bench ``summary`` (its ``config.drafters``): ``{"model", "dtype",
-    "kappa", "knee", "drafters": [drafter_plan...], "notes"}``.
+    "kappa", "knee", "drafters": [drafter_plan...], "methods" (the chain-vs-parallel ties
+    per method from the bench's per-method table, cluster/plan_ties.py; None without one),
+    "notes"}``.
 
     Raises:
         ValueError: not a ``specmesh bench`` JSON, or one that ran no kappa > 0.
@@ -163,7 +166,7 @@ def machine_plan(summary: dict) -> dict:
     return {"model": config.get("model"), "dtype": config.get("dtype"),
             "kappa": int(config["kappa"]), "knee": fit,
             "drafters": [drafter_plan(summary, label, fit) for label in labels],
-            "notes": notes}
+            "methods": method_ties(summary), "notes": notes}
 
 
 __all__ = ["drafter_plan", "knee", "machine_plan", "measured_crossing"]

@@ -2,12 +2,14 @@
 (decode/speedup_model.py) for the acceptance, draft cost, kappa and forward-cost knee given on
 the command line, as a table or ``--json``; with ``--from-bench`` the same break-even from a
 ``specmesh bench --profile`` JSON, per drafter, for the machine the bench ran on
-(cluster/plan_bench.py)."""
+(cluster/plan_bench.py), and per method of its per-method table the chain-vs-parallel tie
+acceptance for the measured c (cluster/plan_ties.py)."""
 
 from __future__ import annotations
 
 import argparse
 
+from specmesh.cluster.plan_ties import render_ties
 from specmesh.decode.speedup_model import plan
 
 
@@ -30,7 +32,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                         "(default 295)")
     p.add_argument("--from-bench", default=None, metavar="FILE.json",
                    help="a `specmesh bench --profile --json` file: this machine's break-even "
-                        "batch per drafter, from its measured acceptance and forward costs")
+                        "batch per drafter, from its measured acceptance and forward costs, "
+                        "and per method the chain-vs-parallel tie acceptance for its "
+                        "measured c")
     p.add_argument("--json", action="store_true", help="the report as JSON")
 
 
@@ -79,7 +83,8 @@ def render_plan(report: dict) -> str:
 
 
 def render_machine(report: dict) -> str:
-    """The report of :func:`cluster.plan_bench.machine_plan` as text."""
+    """The report of :func:`cluster.plan_bench.machine_plan` as text: the knee, per drafter
+    its break-even batch, then per method the chain-vs-parallel ties (cluster/plan_ties.py)."""
     fit = report["knee"]
     lines = [f"{report['model']} ({report['dtype']}), kappa {report['kappa']}"]
     if fit is not None:
@@ -110,6 +115,7 @@ def render_machine(report: dict) -> str:
                     "above": "above the largest concurrency run",
                     None: "-"}[m["bound"]]
         lines.append(f"  break-even batch, measured: {measured}")
+    lines += render_ties(report.get("methods"), report["kappa"])
     return "\n".join(lines)
 
 

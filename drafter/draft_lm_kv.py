@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from specmesh.drafter.draft_memory import resident_bytes
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
@@ -102,6 +103,24 @@ class DraftLMKV:
         self._kv_vocab_size = config.vocab_size
         self._seqs: dict[str, DraftSeq] = {}
         self._warned: set[str] = set()
+        self._weights_bytes = resident_bytes(model)  # measured once: the weights never change
+
+    # -- what it costs the drafter (drafter/draft_memory.py) -------------------------------
+
+    @property
+    def draft_weights_bytes(self) -> int:
+        """Resident bytes of the draft LM's weights (parameters, buffers, GGUF blocks)."""
+        return self._weights_bytes
+
+    @property
+    def draft_kv_pool_bytes(self) -> int:
+        """Bytes of the preallocated KV pool (all blocks, used or free)."""
+        return resident_bytes(self.kv_cache.data)
+
+    @property
+    def num_draft_forwards(self) -> int:
+        """Draft LM forwards so far (``stats.num_forwards``: drafting and catch-up chunks)."""
+        return self.stats.num_forwards
 
     # -- the Proposer interface's KV part --------------------------------------------------
 

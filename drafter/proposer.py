@@ -123,6 +123,12 @@ class Proposer(ABC):
     #: 'Corpora'): draft tokens it returned, and how many of them it copied from a corpus
     num_draft_tokens_proposed: int = 0
     num_corpus_draft_tokens: int = 0
+    #: what the method costs the drafter (drafter/draft_memory.py; the bench's per-method
+    #: table): resident bytes of its weights, bytes of its draft KV, and the model forwards it
+    #: has run (a batched call counting once); None: not reported (a blank in the bench)
+    draft_weights_bytes: int | None = None
+    draft_kv_pool_bytes: int | None = None
+    num_draft_forwards: int | None = None
 
     @abstractmethod
     def open(self, request_id: str, context_token_ids: list[int]) -> None:

@@ -111,6 +111,7 @@ class DrafterWorker(MailboxWorker):
         self.profile = StepProfile()
         self._gen: torch.Generator | None = None
         self._branches_pending = False  # prepare_branches left work for the next step
+        self._forwards_seen = 0  # the proposer's num_draft_forwards already counted
         #: corpora and the cross-request history (DrafterCorpus), applied in the background
         self.corpus = CorpusLoader(self.proposer, mailbox.name, mailbox.wake)
 
@@ -554,7 +555,17 @@ class DrafterWorker(MailboxWorker):
         sent = self.draft()
         if not self._has_work():
             self.prepare_branches()
+        self._count_forwards()
         return sent
+
+    def _count_forwards(self) -> None:
+        """The method's model forwards since the last step as the ``draft_forwards`` profile
+        counter (the bench's draft forwards per verify step; drafter/draft_memory.py); none
+        for a method that does not count them."""
+        n = getattr(self.proposer, "num_draft_forwards", None)  # a duck-typed test proposer
+        if n is not None and n > self._forwards_seen:
+            self.profile.count("draft_forwards", n - self._forwards_seen)
+            self._forwards_seen = n
 
 
 def _runs(flags: list[bool], start: int, end: int) -> list[tuple[int, int, bool]]:

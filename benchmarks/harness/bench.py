@@ -46,6 +46,7 @@ from specmesh.benchmarks.harness.options import (
     namespace_for,
     with_drafter,
 )
+from specmesh.benchmarks.harness.method_table import method_table
 from specmesh.benchmarks.harness.render import markdown, write_plot
 from specmesh.benchmarks.harness.report import (
     System,
@@ -65,6 +66,7 @@ from specmesh.benchmarks.harness.systems import (
     load_hf_model,
     run_hf,
     run_served,
+    served_drafter_costs,
 )
 from specmesh.cluster.config import ClusterConfig, default_threads
 from specmesh.cluster.options import is_model_drafter
@@ -341,6 +343,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                            f"{res.num_tokens} tokens in {res.seconds:.2f} s, "
                            f"{res.tokens_per_s:.2f} tok/s", file=sys.stderr)
             bar.close()
+            # each method's weights, draft KV and forward count (the per-method table)
+            costs = {label: served_drafter_costs(handles[label]) for label in labels}
         finally:
             if llama is not None:
                 llama.stop_all()
@@ -370,6 +374,8 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
                 for c in opts.concurrency} if adapter_names else None
     summary = summarize(config, runs, level_systems, forward_cost or None, categories,
                         adapters)
+    summary["drafter_costs"] = costs
+    summary["per_method"] = method_table(summary) if kappa > 0 else None
     write_outputs(summary, opts)
     return summary
 

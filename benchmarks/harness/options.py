@@ -53,14 +53,20 @@ class BenchDrafter:
 
 def _label(method: str, kwargs: dict) -> str:
     """The method as users type it (drafter/registry.py), with the last part of the value of
-    its positional option (a head's or a draft model's path) when it has one."""
+    its positional option (a head's or a draft model's path) when it has one, then its other
+    keys that are set, in the schema's order (``eagle:topk=4+nodes=12``: an EAGLE-2 tree is
+    told apart from the chain ``eagle`` whichever is listed first)."""
     # the registry imports the built-in methods (torch) on first use: not at --help
     from specmesh.drafter.registry import get_method, spelling
 
     kind = spelling(method)
-    positional = get_method(method).options.positional
+    schema = get_method(method).options
+    positional = schema.positional
     path = kwargs.get(positional.kwarg) if positional is not None else None
-    return f"{kind}:{PurePath(str(path)).name or path}" if path else kind
+    parts = [str(PurePath(str(path)).name or path)] if path else []
+    parts += [f"{o.key}={kwargs[o.kwarg]}" for o in schema.options
+              if not o.positional and o.kwarg in kwargs]
+    return f"{kind}:{'+'.join(parts)}" if parts else kind
 
 
 def parse_drafters(text: str, model: str | None = None) -> list[BenchDrafter]:

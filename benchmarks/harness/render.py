@@ -4,6 +4,7 @@ functions over the summary dict."""
 
 from __future__ import annotations
 
+from specmesh.benchmarks.harness.method_table import method_table_markdown
 from specmesh.benchmarks.harness.report import mismatch_lines
 
 
@@ -81,7 +82,8 @@ def llama_server_text(info: dict | None) -> str | None:
 
 def markdown(summary: dict) -> str:
     """A header (model, dtype, kappa, draft methods, thread plan, how the served clusters ran,
-    and a loud line per output mismatch), then a table per concurrency level: system, tokens/s
+    and a loud line per output mismatch), the per-method table when the summary has one
+    (benchmarks/harness/method_table.py), then a table per concurrency level: system, tokens/s
     (median), ratio to HF, acceptance rate, mean accept length, acceptance per draft
     position, share of verify steps with drafts, accepted drafts per verify step (all
     steps), identical outputs (vs HF; kappa=K vs kappa=0), TTFT and inter-token latency
@@ -122,6 +124,7 @@ def markdown(summary: dict) -> str:
         lines += [f"**{m}**" for m in loud] + [""]
     lines += sweep_markdown(summary)
     lines += calibration_markdown(summary)
+    lines += method_table_markdown(summary)  # the per-method table (method_table.py)
     for level in summary["levels"].values():
         lines += [f"## concurrency {level['concurrency']} ({level['num_requests']} requests)",
                   "", "| system | tokens/s | x HF | acceptance | mean accept len | "

@@ -277,6 +277,21 @@ def served_snapshot(handle) -> dict:
                                  [d.get("profile") or {} for d in drafted])
 
 
+#: what a drafter's stats report of its method's cost (drafter/draft_memory.py COST_FIELDS)
+DRAFTER_COST_FIELDS = ("draft_weights_bytes", "draft_kv_pool_bytes", "num_draft_forwards")
+
+
+def served_drafter_costs(handle) -> dict:
+    """The cost fields its method reports (:data:`DRAFTER_COST_FIELDS`: weights and draft KV
+    bytes, forwards so far) in the stats of the cluster's first drafter; those it does not
+    report are left out (the bench's per-method table shows them blank). Empty without a
+    drafter."""
+    import ray  # ray: only for the served systems, after use_loopback()
+
+    stats = ray.get([a.stats.remote() for a in handle.drafters()])
+    return {k: stats[0][k] for k in DRAFTER_COST_FIELDS if k in stats[0]} if stats else {}
+
+
 class KappaSampler:
     """While open, samples the verifiers of ``handle`` every ``interval_s``: the policy's
     kappa (``current_kappa`` of their stats: the schedule's step kappa, else the configured

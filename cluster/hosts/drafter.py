@@ -8,6 +8,7 @@ import torch
 
 from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.hosts.base import RoleHost, role_backend, watch_model
+from specmesh.drafter.draft_memory import drafter_costs
 from specmesh.drafter.proposer import DraftTarget
 from specmesh.drafter.registry import create_proposer, seed_state_for
 from specmesh.protocol.enums import Role
@@ -65,6 +66,8 @@ class DrafterHost(RoleHost):
     def stats(self) -> dict:
         out = super().stats()
         out["num_requests"] = len(self.worker.requests)  # per-request draft states held
+        # weights, draft KV and forwards of the method (the bench's per-method table)
+        out.update(drafter_costs(self.worker.proposer))
         return out
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specmesh.drafter.draft_memory import resident_bytes
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits, token_probs
 from specmesh.drafter.eagle.checkpoint import (
     load_head,
@@ -142,6 +143,13 @@ class EagleProposer(Proposer):
         self.seed_hidden_size = self.head.config.seed_width  # the drafter checks row widths
         self.states: dict[str, _HeadState] = {}
         self.num_recomputed_entries = 0
+        #: drafter/draft_memory.py: the head's resident weights (the target's embedding and LM
+        #: head rows it reads included), head forwards run (one per batched extend, tree depth
+        #: or branch peek) and the most bytes its per-request KV buffers held at once (no
+        #: preallocated pool: they grow per request)
+        self.draft_weights_bytes = resident_bytes(self.head)
+        self.num_draft_forwards = 0
+        self.draft_kv_pool_bytes = 0
 
     @classmethod
     def create(cls, kwargs: dict, target: DraftTarget) -> EagleProposer:
@@ -241,6 +249,7 @@ class EagleProposer(Proposer):
                         cur.s += 1
                 if work:
                     self._extend_many(live, work)
+        self._note_kv_bytes()
         return out
 
     def _catch_up(self, live: dict[int, _Cursor]) -> None:
@@ -296,12 +305,15 @@ class EagleProposer(Proposer):
                             self.tree_nodes or self.topk * calls[i].num_tokens, calls[i].how)
                     for i in keys]
             drafted = draft_trees(self.head, jobs)
+        # the trees grow in lockstep: one head forward per depth for all of them
+        self.num_draft_forwards += max((d.num_forwards for d in drafted), default=0)
         for i, d in zip(keys, drafted):
             st = live[i].st
             self.num_tree_forwards += d.num_forwards
             st.entry_tokens.extend(d.branch0_tokens)
             st.outs.extend(d.branch0_outs)
             out[i] = (d.token_ids, d.parents, d.rows)
+        self._note_kv_bytes()
         return out
 
     def _cursors(self, calls: list[ProposeCall]) -> dict[int, _Cursor]:
@@ -352,6 +364,7 @@ class EagleProposer(Proposer):
         keys = list(work)
         items = [(live[i].st.kv, work[i][0], torch.tensor(work[i][1], dtype=torch.long),
                   work[i][2]) for i in keys]
+        self.num_draft_forwards += 1
         for i, g in zip(keys, self.head.extend_many(items)):
             st = live[i].st
             st.entry_tokens.extend(work[i][1])
@@ -408,6 +421,7 @@ class EagleProposer(Proposer):
             if not items:
                 return out
             preds = head.peek_many(items)
+            self.num_draft_forwards += 1
             nxt = head.target_ids(head.logits(torch.cat(preds)).argmax(-1)).tolist()
         lo = 0
         for i, cands in where:
@@ -424,6 +438,12 @@ class EagleProposer(Proposer):
         self.states.pop(request_id, None)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _note_kv_bytes(self) -> None:
+        """Raise ``draft_kv_pool_bytes`` to what the requests' head KV buffers hold now."""
+        held = sum(t.untyped_storage().nbytes() for st in self.states.values()
+                   for t in (*st.kv.key_buffers, *st.kv.value_buffers))
+        self.draft_kv_pool_bytes = max(self.draft_kv_pool_bytes, held)
 
     def _truncate(self, st: _HeadState, end: int) -> None:
         if st.kv.length == 0 or end >= st.kv.end:

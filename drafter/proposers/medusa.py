@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from specmesh.drafter.draft_memory import resident_bytes
 from specmesh.drafter.eagle.checkpoint import target_embeddings, target_identity
 from specmesh.drafter.medusa.checkpoint import load_heads, read_config
 from specmesh.drafter.medusa.heads import MedusaHeads
@@ -111,6 +112,12 @@ class MedusaProposer(Proposer):
         self.seed_hidden_size = cfg.hidden_size
         self.states: dict[str, _State] = {}
         self.num_head_rows = 0  # states the heads ran on (metrics, tests)
+        #: drafter/draft_memory.py: the heads' resident weights (the target's LM head rows
+        #: included), no draft KV (they read the target's last hidden state), one forward per
+        #: batched head run
+        self.draft_weights_bytes = resident_bytes(self.heads)
+        self.draft_kv_pool_bytes = 0
+        self.num_draft_forwards = 0
 
     @classmethod
     def create(cls, kwargs: dict, target: DraftTarget) -> MedusaProposer:
@@ -147,6 +154,7 @@ class MedusaProposer(Proposer):
         for st, rows in zip(todo, top.tolist()):
             st.top = rows
         self.num_head_rows += len(todo)
+        self.num_draft_forwards += 1
 
     def _heads_from(self, request_id: str, context_token_ids: list[int]) -> list[list[int]]:
         """The candidates of the heads that draft the positions after the context, in order

@@ -64,6 +64,8 @@ class NgramProposer(Proposer):
     ), check=_check_lengths)
     draft_shape = "tree"  # a chain when tree_width is 1 or the matches agree
     supports_corpus = True
+    #: no model: no weights, no draft KV, no forwards (drafter/draft_memory.py)
+    draft_weights_bytes = draft_kv_pool_bytes = num_draft_forwards = 0
 
     def __init__(self, min_ngram: int = DEFAULT_MIN_NGRAM, max_ngram: int = DEFAULT_MAX_NGRAM,
                  tree_width: int = DEFAULT_TREE_WIDTH) -> None:

@@ -157,6 +157,9 @@ class SuffixProposer(Proposer):
     ), check=_check)
     supports_corpus = True  # load_corpus / drop_corpus / clear_history (docs/drafters.md)
     draft_shape = "tree"  # a chain when tree_width is 1 or nothing else is likely
+    #: no model: no weights, no draft KV, no forwards (drafter/draft_memory.py; its tries
+    #: are token indexes, not a draft KV)
+    draft_weights_bytes = draft_kv_pool_bytes = num_draft_forwards = 0
 
     def __init__(self, depth: int = DEFAULT_DEPTH, max_match: int = DEFAULT_MAX_MATCH,
                  max_spec_factor: float = DEFAULT_FACTOR,
