@@ -65,6 +65,10 @@ class DrafterHost(RoleHost):
     def stats(self) -> dict:
         out = super().stats()
         out["num_requests"] = len(self.worker.requests)  # per-request draft states held
+        pstats = getattr(self.worker.proposer, "stats", None)
+        for key in ("draft_weights_bytes", "draft_kv_pool_bytes"):  # the bench's method table
+            if isinstance(getattr(pstats, key, None), int):
+                out[key] = getattr(pstats, key)
         return out
 
 
