@@ -116,8 +116,8 @@ class MarkovHead(nn.Module):
 @dataclass
 class MarkovWalk:
     """What one walk of a block gives: ``tokens`` [B, n] (the drafts), ``logits`` [B, n, V']
-    (the corrected logits each was picked from) and ``confidences`` [B, n] float32 in [0, 1]
-    (the confidence head's survival predictions)."""
+    (the corrected logits each was picked from, in the base logits' dtype) and
+    ``confidences`` [B, n] float32 in [0, 1] (the confidence head's survival predictions)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -167,7 +167,7 @@ def markov_walk(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.Tenso
     for j in range(base_logits.shape[1]):
         h = hidden[:, j].to(dtype)
         z, state = head.step(h, embedding[prev].to(dtype), state)
-        step_logits = base_logits[:, j].float() + head.bias(z)[:, :width].float()
+        step_logits = base_logits[:, j] + head.bias(z)[:, :width].to(base_logits.dtype)
         prev = pick(j, step_logits).long()
         tokens.append(prev)
         logits.append(step_logits)

@@ -34,7 +34,13 @@ from specmesh.drafter.draft_model_training import optimizer_and_schedule
 from specmesh.drafter.dspark_markov import MarkovHead
 from specmesh.drafter.eagle.data import Sample, shuffled
 from specmesh.drafter.head_confidences import split_confidences
-from specmesh.drafter.pard_block import IGNORE, CodLayout, cod_layout, collate_layouts, keep_schedule
+from specmesh.drafter.pard_block import (
+    IGNORE,
+    CodLayout,
+    cod_layout,
+    collate_layouts,
+    keep_schedule,
+)
 from specmesh.drafter.proposer import ProposeCall
 
 

@@ -104,9 +104,10 @@ def train_dspark(prep: dict, args: argparse.Namespace, proposer_cls: type) -> di
     head = MarkovHead(kind, hidden, rank, vocab)
     train_backbone = not getattr(args, "dspark_freeze_backbone", False)
     origin = getattr(args, "dspark_backbone", None) or f"target layers {sources}"
-    print(f"DSpark draft: {len(sources)} layers from {origin}, block {block}, mask token {mask_id}; {kind} Markov head of rank {rank} "
-          f"({sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters); backbone "
-          f"{'trained' if train_backbone else 'frozen'}; "
+    head_m = sum(p.numel() for p in head.parameters()) / 1e6
+    print(f"DSpark draft: {len(sources)} layers from {origin}, block {block}, mask token "
+          f"{mask_id}; {kind} Markov head of rank {rank} ({head_m:.2f} M parameters); "
+          f"backbone {'trained' if train_backbone else 'frozen'}; "
           f"{sum(s.num_output_tokens for s in samples['train'])} training tokens", flush=True)
     minutes = getattr(args, "train_minutes", None)
     mask_vec, summary = train(

@@ -55,7 +55,7 @@ def test_builtins_are_every_module_of_the_methods_package():
         assert name in keys and registry.is_builtin(name)
         assert get_method(name).__module__ == f"{builtin_package.__name__}.{name}"
     assert get_method("draft-model") is get_method("draft_model")  # its user spelling
-    assert registry.spellings()[:4] == ["draft-model", "eagle", "medusa", "ngram"]
+    assert registry.spellings()[:4] == ["draft-model", "dspark", "eagle", "medusa"]
 
 
 def test_an_entry_point_plugin_is_found_by_name_and_parsed_with_its_schema(plugins):
