@@ -97,7 +97,7 @@ def test_the_walk_equals_a_position_by_position_reference(kind):
             z, state = head.step(hidden[b:b + 1, j], emb[prev][None], state)
             logits = base[b, j] + head.to_vocab(z)[0]
             assert torch.allclose(walk.logits[b, j], logits)
-            conf = torch.sigmoid(head.confidence(torch.cat([hidden[b, j], z[0]])))
+            conf = torch.sigmoid(head.confidence(torch.cat([hidden[b, j], z[0]]))).detach()
             assert float(walk.confidences[b, j]) == pytest.approx(float(conf))
             prev = int(logits.argmax())
             assert int(walk.tokens[b, j]) == prev
