@@ -98,7 +98,7 @@ def test_the_walk_equals_a_position_by_position_reference(kind):
             logits = base[b, j] + head.to_vocab(z)[0]
             assert torch.allclose(walk.logits[b, j], logits)
             conf = torch.sigmoid(head.confidence(torch.cat([hidden[b, j], z[0]]))).detach()
-            assert float(walk.confidences[b, j]) == pytest.approx(float(conf))
+            assert float(walk.confidences[b, j].detach()) == pytest.approx(float(conf))
             prev = int(logits.argmax())
             assert int(walk.tokens[b, j]) == prev
 
