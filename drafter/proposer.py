@@ -112,6 +112,10 @@ class Proposer(ABC):
     #: probability (a float in place of its row), sent as DraftTailStream.draft_token_probs
     #: for the verifier's confidence budget (decode/confidence_calibration.py)
     returns_token_probs: ClassVar[bool] = False
+    #: whether each row :meth:`propose_many` returns is a drafter.head_confidences
+    #: WithConfidence (the row and a trained confidence head's survival prediction), sent as
+    #: DraftTailStream.draft_confidences for the verifier's confidence budget (dspark)
+    returns_draft_confidences: ClassVar[bool] = False
     #: whether drafting runs a model (torch forwards competing with the verifier's for the
     #: cores): the cluster's default thread plan leaves such a drafter a core of its own
     runs_a_model: ClassVar[bool] = False

@@ -43,6 +43,7 @@ from specmesh.drafter.config import RUN_AHEAD_STEPS, DrafterConfig
 from specmesh.drafter.corpus_loader import CorpusLoader
 from specmesh.drafter.draft_sampling import DraftSampling
 from specmesh.drafter.draft_state import DraftState
+from specmesh.drafter.head_confidences import split_confidences
 from specmesh.drafter.prediction import PredictionDrafter, PredictionIndex, output_tail
 from specmesh.drafter.proposer import ProposeCall, Proposer
 from specmesh.drafter.registry import create_proposer
@@ -379,11 +380,12 @@ class DrafterWorker(MailboxWorker):
                     for a, b, flag in _runs(st.predicted, start, len(st.path))]
         pos = len(st.committed) + start
         for seg, parents, rows, flag in runs:
+            rows, confidences = split_confidences(rows)  # a confidence head's (dspark)
             self.send(st.verifier, DraftTailStream(
                 request_id=st.request_id, base_committed_len=len(st.committed),
                 start_pos=pos, draft_token_ids=seg, draft_probs=self._probs_buffer(rows),
                 parents=parents, from_prediction=flag,
-                draft_token_probs=_token_probs(rows)))
+                draft_token_probs=_token_probs(rows), draft_confidences=confidences))
             pos += len(seg)
             if flag:
                 self.stats.num_prediction_tokens_sent += len(seg)
@@ -496,7 +498,8 @@ class DrafterWorker(MailboxWorker):
                 out[j] = self._take_tree(wants[j][0], call, *tree)
         if calls:
             for j, call, (new, rows) in zip(where, calls, p.propose_many(calls)):
-                rows = list(rows) if call.how is not None else [None] * len(new)
+                keep = call.how is not None or p.returns_draft_confidences
+                rows = list(rows) if keep else [None] * len(new)
                 if len(rows) != len(new):
                     raise ValueError(f"{type(p).__name__} returned {len(rows)} rows for "
                                      f"{len(new)} drafts")

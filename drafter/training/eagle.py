@@ -42,6 +42,7 @@ from specmesh.drafter.eagle.train import (
 )
 from specmesh.drafter.registry import get_method, trainable_methods
 from specmesh.drafter.training.draft_model import train_draft_model
+from specmesh.drafter.training.dspark import add_dspark_options
 from specmesh.drafter.training.record import training_record
 from specmesh.engine.hidden_layers import check_hidden_layers, is_hidden_seed
 
@@ -125,6 +126,7 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="eagle, pard: dtype of the stored weights (bfloat16 halves the file; "
                         "the evaluation runs on the rounded weights)")
+    add_dspark_options(p)  # --markov, --markov-rank, ... (drafter/training/dspark.py)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
