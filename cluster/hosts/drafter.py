@@ -65,6 +65,8 @@ class DrafterHost(RoleHost):
     def stats(self) -> dict:
         out = super().stats()
         out["num_requests"] = len(self.worker.requests)  # per-request draft states held
+        # a model proposer's memory and per-module cost (drafter/proposers/eagle.py)
+        out.update(getattr(self.worker.proposer, "draft_stats", dict)())
         return out
 
 

@@ -12,6 +12,10 @@ drops the entries whose tokens the commit rejected. Drafts are chains over the h
 vocabulary, chosen for the request's sampling (drafter/draft_sampling.py): argmax for greedy
 requests, the coupled rule's Gumbel-max for seeded ones, a sample of the processed head
 distribution (sent as the draft's row) for unseeded sampled ones.
+
+A multi-layer head (``num_steps`` > 1, drafter/eagle/steps.py) keeps a KV per module and runs
+module i at depth i (drafter/eagle/step_draft.py); its resident weights, KV pool and each
+module's milliseconds per drafting call are in :meth:`EagleProposer.draft_stats`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from specmesh.drafter.eagle.checkpoint import (
 )
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
 from specmesh.drafter.eagle.quantize import quantize_head
+from specmesh.drafter.eagle.step_draft import (StepChains, StepClock, StepState,
+                                               catch_up_steps, kv_pool_bytes, truncate_steps)
+from specmesh.drafter.eagle.steps import resident_bytes, step_weight_bytes
 from specmesh.drafter.eagle.tree_draft import MAX_TOPK, TreeJob, draft_trees
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import (BranchCall, DraftTarget, ProposeCall, Proposer,
@@ -62,6 +69,7 @@ class _HeadState:
     kv: HeadKV = field(default_factory=HeadKV)
     entry_tokens: list[int] = field(default_factory=list)  # token each entry read
     outs: list[torch.Tensor] = field(default_factory=list)  # predicted state out of each entry
+    steps: list[StepState] = field(default_factory=list)  # modules 1.. of a multi-layer head
 
     @property
     def last_g(self) -> torch.Tensor | None:
@@ -141,6 +149,7 @@ class EagleProposer(Proposer):
         self.seed_hidden_size = self.head.config.seed_width  # the drafter checks row widths
         self.states: dict[str, _HeadState] = {}
         self.num_recomputed_entries = 0
+        self.clock = StepClock(self.head.config.num_steps)  # per-module time (draft_stats)
 
     @classmethod
     def create(cls, kwargs: dict, target: DraftTarget) -> EagleProposer:
@@ -170,8 +179,12 @@ class EagleProposer(Proposer):
 
     # -- interface -------------------------------------------------------------------------
 
+    def _new_state(self, feats_start: int = -1) -> _HeadState:
+        return _HeadState(feats_start=feats_start, steps=[
+            StepState() for _ in range(self.head.config.num_steps - 1)])
+
     def open(self, request_id: str, context_token_ids: list[int]) -> None:
-        self.states[request_id] = _HeadState()
+        self.states[request_id] = self._new_state()
 
     def observe_seed_state(self, request_id: str, start_position: int, hidden) -> None:  # noqa: ANN001
         st = self.states.get(request_id)
@@ -181,7 +194,7 @@ class EagleProposer(Proposer):
             rows = list(self.head.seed_features(hidden.detach()))
         if st.feats_start < 0 or not st.feats_start <= start_position <= st.feats_end:
             # the first states, or a gap: restart the request's head state from these
-            self.states[request_id] = st = _HeadState(feats_start=start_position)
+            self.states[request_id] = st = self._new_state(start_position)
         old_end = st.feats_end
         keep = start_position - st.feats_start
         st.feats[keep:] = rows
@@ -218,7 +231,11 @@ class EagleProposer(Proposer):
         (:meth:`EagleHead.extend_many`) and one LM-head product per draft depth for the
         greedy ones: the head's weights are read once per round, not once per request.
         Each request's drafts are those :meth:`propose` / :meth:`propose_sampled` give it
-        alone (the head's products are row-invariant)."""
+        alone (the head's products are row-invariant). A multi-layer head drafts depth j
+        with its module j (:meth:`_propose_steps`)."""
+        if self.head.config.num_steps > 1:
+            return self._propose_steps(calls)
+        self.clock.calls += 1
         out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in calls]
         live = self._cursors(calls)
         with torch.inference_mode():
@@ -238,6 +255,58 @@ class EagleProposer(Proposer):
                 if work:
                     self._extend_many(live, work)
         return out
+
+    def _propose_steps(self, calls: list[ProposeCall]
+                       ) -> list[tuple[list[int], list[torch.Tensor | None]]]:
+        """:meth:`propose_many` of a multi-layer head: every module caught up to the context
+        (drafter/eagle/step_draft.py), draft 1 from module 0's last state, draft j from
+        module ``step_of_depth(j)``'s entry on the state draft j - 1 came from (one forward
+        per depth for all requests); a "stop" head ends its chains at its last module."""
+        self.clock.calls += 1
+        out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in calls]
+        live = self._cursors(calls)
+        with torch.inference_mode():
+            self._catch_up(live)
+            self._catch_up_steps(live)
+            chains = StepChains(self.head, self.clock)
+            states = {i: cur.st.last_g for i, cur in live.items()}
+            depth = 1
+            while live:
+                picks = self._pick_many(live, {i: len(out[i][0]) for i in live}, states)
+                reqs = {}
+                for i, cur in live.items():
+                    tok, row = picks[i]
+                    out[i][0].append(tok)
+                    out[i][1].append(row)
+                    if len(out[i][0]) < cur.call.num_tokens:
+                        reqs[i] = ([cur.st, *cur.st.steps], cur.L, states[i], tok)
+                depth += 1
+                states = chains.step(depth, reqs)
+                live = {i: live[i] for i in states}
+        return out
+
+    def _catch_up_steps(self, live: dict[int, _Cursor]) -> None:
+        """Modules 1.. of a multi-layer head brought up to each request's context."""
+        if self.head.config.num_steps > 1:
+            catch_up_steps(self.head, [([cur.st, *cur.st.steps], cur.call.context_token_ids)
+                                       for cur in live.values()], self.clock)
+
+    def draft_stats(self) -> dict:
+        """What the drafter's stats show of the head (cluster/hosts/drafter.py): its modules
+        ``draft_num_steps``, resident weights ``draft_weights_bytes`` (parameters, the copied
+        target embedding and LM-head rows, Q8_0 copies), the KV buffers its requests hold
+        ``draft_kv_pool_bytes`` (every module's), per module the weight bytes one forward
+        reads ``draft_step_weight_bytes`` and its mean milliseconds per drafting call
+        ``draft_step_ms`` (catch-up and drafts: the numerator of its ``c_i``; their sum is
+        the head's ``sum(c_i)`` times the target's step)."""
+        kvs = [kv for st in list(self.states.values())
+               for kv in (st.kv, *(s.kv for s in st.steps))]
+        return {"draft_num_steps": self.head.config.num_steps,
+                "draft_weights_bytes": resident_bytes(self.head),
+                "draft_kv_pool_bytes": kv_pool_bytes(kvs),
+                "draft_step_weight_bytes": step_weight_bytes(self.head),
+                "draft_step_ms": self.clock.ms_per_call(),
+                "draft_step_forwards": list(self.clock.forwards)}
 
     def _catch_up(self, live: dict[int, _Cursor]) -> None:
         """Bring each request's head KV up to its context: per request its true states in one
@@ -283,13 +352,16 @@ class EagleProposer(Proposer):
         it gets alone."""
         out: list[tuple[list[int], list[int], list[torch.Tensor | None]]] = \
             [([], [], []) for _ in calls]
+        self.clock.calls += 1
         live = self._cursors(calls)
         with torch.inference_mode():
             self._catch_up(live)
+            self._catch_up_steps(live)
             keys = list(live)
             jobs = [TreeJob(live[i].st.kv, live[i].st.last_g, len(calls[i].context_token_ids),
                             self.topk, calls[i].num_tokens,
-                            self.tree_nodes or self.topk * calls[i].num_tokens, calls[i].how)
+                            self.tree_nodes or self.topk * calls[i].num_tokens, calls[i].how,
+                            tuple(s.kv for s in live[i].st.steps))
                     for i in keys]
             drafted = draft_trees(self.head, jobs)
         for i, d in zip(keys, drafted):
@@ -348,26 +420,28 @@ class EagleProposer(Proposer):
         keys = list(work)
         items = [(live[i].st.kv, work[i][0], torch.tensor(work[i][1], dtype=torch.long),
                   work[i][2]) for i in keys]
-        for i, g in zip(keys, self.head.extend_many(items)):
+        for i, g in zip(keys, self.clock.run(0, self.head.extend_many, items)):
             st = live[i].st
             st.entry_tokens.extend(work[i][1])
             st.outs.extend(g)
 
-    def _pick_many(self, live: dict[int, _Cursor], made: dict[int, int]
+    def _pick_many(self, live: dict[int, _Cursor], made: dict[int, int],
+                   states: dict[int, torch.Tensor] | None = None
                    ) -> dict[int, tuple[int, torch.Tensor | None]]:
-        """Each live request's next draft from its last predicted state (``made``: drafts it
-        got so far in this call): the greedy ones by one batched argmax, the others one by
-        one (their sampling rule)."""
+        """Each live request's next draft from its last predicted state (``states``, default
+        its head state's last; ``made``: drafts it got so far in this call): the greedy ones
+        by one batched argmax, the others one by one (their sampling rule)."""
+        last = {i: (cur.st.last_g if states is None else states[i]) for i, cur in live.items()}
         picks = {}
         greedy = [i for i, cur in live.items() if cur.call.how is None
                   or (cur.call.how.mode == GREEDY and not cur.call.how.processes)]
         if greedy:
-            g = torch.stack([live[i].st.last_g for i in greedy])
+            g = torch.stack([last[i] for i in greedy])
             ids = self.head.target_ids(self.head.logits(g).argmax(-1)).tolist()
             picks.update({i: (int(t), None) for i, t in zip(greedy, ids)})
         for i, cur in live.items():
             if i not in picks:
-                picks[i] = self._pick(cur.st.last_g, cur.call.how, made[i])
+                picks[i] = self._pick(last[i], cur.call.how, made[i])
         return picks
 
     def propose_branches(self, calls: list[BranchCall]) -> list[dict[int, list[int]]]:
@@ -375,9 +449,14 @@ class EagleProposer(Proposer):
         than the path's (its LM head's top ``num_candidates + 1`` from the state that drafted
         the path token), each with the one draft the head makes after it: the candidates are
         read as sibling entries on the request's head KV (:meth:`EagleHead.peek_many`), all
-        requests in one pass. A request whose head KV does not reach the context is skipped."""
+        requests in one pass. A request whose head KV does not reach the context is skipped.
+        A multi-layer head reads the candidates with its depth-2 module, on that module's KV
+        (none past a 1-draft "stop" head)."""
         out: list[dict[int, list[int]]] = [{} for _ in calls]
         head = self.head
+        step = head.config.step_of_depth(2)
+        if step is None:
+            return out
         items, where = [], []
         with torch.inference_mode():
             for i, call in enumerate(calls):
@@ -388,16 +467,19 @@ class EagleProposer(Proposer):
                         or not st.kv.start <= s < st.kv.end \
                         or st.entry_tokens[:s + 1 - st.kv.start] != ctx[st.kv.start + 1:s + 2]:
                     continue
+                kv = st.kv if step == 0 else st.steps[step - 1].kv
+                if step and not (kv.length and kv.start < s + 1 <= kv.end):
+                    continue
                 g = st.outs[s - st.kv.start]
                 top = head.target_ids(head.logits(g[None])[0].topk(
                     min(call.num_candidates + 1, head.lm_head.shape[0])).indices).tolist()
                 cands = [t for t in top if t != call.path_token_id][:call.num_candidates]
-                items.append((st.kv, s + 1, g[None].expand(len(cands), -1),
+                items.append((kv, s + 1, g[None].expand(len(cands), -1),
                               torch.tensor(cands, dtype=torch.long)))
                 where.append((i, cands))
             if not items:
                 return out
-            preds = head.peek_many(items)
+            preds = head.peek_many(items, step)
             nxt = head.target_ids(head.logits(torch.cat(preds)).argmax(-1)).tolist()
         lo = 0
         for i, cands in where:
@@ -416,12 +498,12 @@ class EagleProposer(Proposer):
     # -- internals -------------------------------------------------------------------------
 
     def _truncate(self, st: _HeadState, end: int) -> None:
-        if st.kv.length == 0 or end >= st.kv.end:
-            return
-        st.kv.truncate(end)
-        keep = st.kv.length
-        del st.entry_tokens[keep:]
-        del st.outs[keep:]
+        if st.kv.length and end < st.kv.end:
+            st.kv.truncate(end)
+            keep = st.kv.length
+            del st.entry_tokens[keep:]
+            del st.outs[keep:]
+        truncate_steps(st, st.steps, end)  # modules 1.. of a multi-layer head
 
 
 def _shipped_head_for(model: str | None) -> Path | None:
