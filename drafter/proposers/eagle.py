@@ -299,8 +299,13 @@ class EagleProposer(Proposer):
         reads ``draft_step_weight_bytes`` and its mean milliseconds per drafting call
         ``draft_step_ms`` (catch-up and drafts: the numerator of its ``c_i``; their sum is
         the head's ``sum(c_i)`` times the target's step)."""
-        kvs = [kv for st in list(self.states.values())
-               for kv in (st.kv, *(s.kv for s in st.steps))]
+        for _ in range(3):  # read from the host's stats thread while the worker drafts
+            try:
+                kvs = [kv for st in list(self.states.values())
+                       for kv in (st.kv, *(s.kv for s in st.steps))]
+                break
+            except RuntimeError:  # the requests changed during the read: read again
+                kvs = []
         return {"draft_num_steps": self.head.config.num_steps,
                 "draft_weights_bytes": resident_bytes(self.head),
                 "draft_kv_pool_bytes": kv_pool_bytes(kvs),

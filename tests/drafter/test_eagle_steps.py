@@ -14,6 +14,7 @@ import torch
 from specmesh.drafter.eagle.checkpoint import load_head, save_head, target_identity
 from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
 from specmesh.drafter.eagle.step_draft import StepChains, StepState, catch_up_steps
+from specmesh.drafter.proposer import BranchCall, ProposeCall
 from specmesh.drafter.proposers.eagle import EagleProposer
 
 V, D = 40, 32
@@ -154,8 +155,6 @@ def test_propose_many_equals_each_request_alone():
     torch.manual_seed(8)
     ctxs = [torch.randint(0, V, (n,)).tolist() for n in (6, 9, 7)]
     truths = [torch.randn(3, D, dtype=torch.float64) for _ in ctxs]
-    from specmesh.drafter.proposer import ProposeCall  # the batched call's type, tests only
-
     prop = EagleProposer(head_module=head)
     for i, (ctx, t) in enumerate(zip(ctxs, truths)):
         prop.open(f"r{i}", ctx)
@@ -235,8 +234,6 @@ def test_branches_read_the_depth_two_module():
     truth = torch.randn(3, D, dtype=torch.float64)
     p = _ready(head, ctx, truth)
     path = p.propose("r", ctx, 2)
-    from specmesh.drafter.proposer import BranchCall  # the branch call's type, tests only
-
     (got,) = p.propose_branches([BranchCall("r", ctx, path[0], 2)])
     assert len(got) == 2 and path[0] not in got
     for cand, after in got.items():  # module 1's draft after the candidate
