@@ -287,6 +287,11 @@ def train_eagle_head(prep: dict, args: argparse.Namespace) -> dict:
         raise SystemExit(f"--num-steps {num_steps}: at least 1")
     init = _init_head(args, lm, embed, lm_head, target) if num_steps > 1 else None
     if init is not None:  # the shape, draft vocabulary and seed state of the head it starts from
+        if tuple(init.config.feature_layers) != tuple(layers):
+            raise SystemExit(f"--init-head reads the target's layers "
+                             f"{list(init.config.feature_layers) or 'final state'}; the data "
+                             f"is generated for --feature-layers {list(layers) or 'none'}: pass "
+                             f"--feature-layers {','.join(map(str, init.config.feature_layers))}")
         cfg = replace(init.config, num_steps=num_steps, after_last_step=args.after_last_step)
         layers, n_draft = cfg.feature_layers, cfg.draft_vocab_size
     else:
