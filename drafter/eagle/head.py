@@ -14,8 +14,9 @@ fused by a linear layer (n*d -> d) into the d-wide state the rest of the head re
 states (pass 2 on, and the chain while drafting) are the head's own d-wide outputs.
 
 A multi-layer head (``num_steps`` > 1, drafter/eagle/steps.py) has one such module per draft
-depth: the one above is module 0, modules 1.. are :class:`~drafter.eagle.steps.StepModule`\ s in
-``steps``; the entry points below take the module to run (``step``, default 0).
+depth: the one above is module 0, modules 1.. are
+:class:`~drafter.eagle.steps.StepModule` modules in ``steps``; the entry points below take the
+module to run (``step``, default 0).
 
 Two entry points share the weights: :meth:`EagleHead.forward_passes` runs ``depth`` unrolled
 passes over whole sequences for training and evaluation (EAGLE-3's "training-time test": pass

@@ -36,8 +36,11 @@ from specmesh.engine.linear import RowInvariantLinear
 
 if TYPE_CHECKING:
     from specmesh.drafter.eagle.config import EagleHeadConfig
-    from specmesh.drafter.eagle.head import EagleHead
     from specmesh.engine.backend import CpuBackend
+
+#: the functions below take the EAGLE head (drafter/eagle/head.py's ``EagleHead``, which
+#: imports this module) as a plain module
+EagleHead = nn.Module
 
 
 class StepModule(nn.Module):

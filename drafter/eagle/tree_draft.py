@@ -230,8 +230,9 @@ def draft_trees(head: EagleHead, jobs: list[TreeJob]) -> list[DraftedTree]:
         for g in live:
             by_step.setdefault(g.step, []).append(g)
         live = [g for grp in by_step.values() for g in grp]
-        outs = [o for m, grp in by_step.items()
-                for o in tree_level_many(head, [g.level() for g in grp], m)]
+        outs = [o for m, grp in by_step.items()  # (a 1-module head's call as it was)
+                for o in (tree_level_many(head, [g.level() for g in grp], m) if m
+                          else tree_level_many(head, [g.level() for g in grp]))]
         for g, out in zip(live, outs):
             g.took(out)
         logits = head.logits(torch.cat(outs)).split([int(o.shape[0]) for o in outs])
