@@ -116,42 +116,67 @@ def catch_up_steps(head: EagleHead, reqs: list[tuple[list[ModuleState], list[int
 
 
 class StepChains:
-    """The chains of several requests after their contexts, one depth at a time: depth j's
-    entries of every request run in one forward of module ``step_of_depth(j)``, each beside
-    its own request's KV of that module; a repeated last module's entries attend to the
-    chain's earlier entries of that module (as the 1-module head's chain does)."""
+    """The chains of several requests after their anchors (the context length whose last
+    true state module 0 read), one entry per depth: the entry of depth j runs module
+    ``step_of_depth(j)`` beside that request's KV of the module; a repeated last module's
+    entries attend to the chain's earlier entries of that module (as the 1-module head's chain
+    does). Entries of the same module for several requests run in one forward. The proposer
+    keeps one per worker, its requests' chains by request id (:meth:`drop` forgets one)."""
 
     def __init__(self, head: EagleHead, clock: StepClock | None = None) -> None:
         self.head, self.clock = head, clock
-        self.trees: dict[tuple[int, int], TreeKV] = {}  # (request key, module) -> entries
-        self.last: dict[int, tuple[int, int]] = {}  # request key -> (module, entry) of last
+        self.trees: dict[tuple, TreeKV] = {}  # (request key, module) -> chain entries
+        self.last: dict = {}  # request key -> (module, entry) of its last entry
+
+    def drop(self, key) -> None:  # noqa: ANN001
+        """Forget request ``key``'s chain."""
+        self.last.pop(key, None)
+        for m in range(self.head.config.num_steps):
+            self.trees.pop((key, m), None)
+
+    def nbytes(self) -> int:
+        """Bytes of the chain entries' keys and values held."""
+        return sum(t.numel() * t.element_size() for tree in list(self.trees.values())
+                   for t in (*tree.keys, *tree.values))
 
     @torch.inference_mode()
-    def step(self, depth: int, reqs: dict[int, tuple[list[ModuleState], int, torch.Tensor,
-                                                         int]]) -> dict[int, torch.Tensor]:
+    def step(self, depth: int, reqs: dict) -> dict:
         """Run depth ``depth`` (>= 2) of the chains ``reqs``: per request key its modules'
-        states, its context length L, the state ``[d]`` the previous depth predicted and the
-        token drafted from it. Returns per key the predicted state ``[d]`` (whose logits are
-        the distribution of draft ``depth``); empty past the last module of a "stop" head."""
-        m = self.head.config.step_of_depth(depth)
-        if m is None or not reqs:
-            return {}
-        items, keys = [], []
-        for key, (mods, L, g, tok) in reqs.items():
-            kv = mods[m].kv
-            tree = self.trees.get((key, m))
-            if tree is None:
-                tree = self.trees[(key, m)] = TreeKV(kv, kv.length if kv.end == L - 1 else 0)
-            last = self.last.get(key)
-            parent = last[1] if last is not None and last[0] == m else -1
-            items.append((tree, g[None], torch.tensor([tok], dtype=torch.long),
-                          torch.tensor([L - 2 + depth - 1], dtype=torch.long), [parent]))
-            keys.append(key)
-        outs = (self.clock.run(m, tree_level_many, self.head, items, m) if self.clock
-                else tree_level_many(self.head, items, m))
-        for key, (tree, *_), out in zip(keys, items, outs):
-            self.last[key] = (m, len(tree) - 1)
-        return {key: out[0] for key, out in zip(keys, outs)}
+        states (:class:`ModuleState`, module 0 first), its anchor L (entries of every module
+        up to position L - 2), the state ``[d]`` the previous depth predicted and the token
+        drafted from it. Returns per key the predicted state ``[d]`` (whose logits are the
+        distribution of draft ``depth``); none past the last module of a "stop" head."""
+        return self.advance({k: (*v, depth) for k, v in reqs.items()})
+
+    @torch.inference_mode()
+    def advance(self, reqs: dict) -> dict:
+        """:meth:`step` with each request at its own depth: ``reqs`` maps a key to ``(mods,
+        L, state, token, depth)``; one forward per module for the requests it runs."""
+        groups: dict[int, list] = {}
+        for key, (mods, L, g, tok, depth) in reqs.items():
+            m = self.head.config.step_of_depth(depth)
+            if m is not None:
+                groups.setdefault(m, []).append((key, mods, L, g, tok, depth))
+        out = {}
+        for m, group in groups.items():
+            items, keys = [], []
+            for key, mods, L, g, tok, depth in group:
+                kv = mods[m].kv
+                tree = self.trees.get((key, m))
+                if tree is None:
+                    tree = self.trees[(key, m)] = TreeKV(kv, kv.length if kv.end == L - 1
+                                                         else 0)
+                last = self.last.get(key)
+                parent = last[1] if last is not None and last[0] == m else -1
+                items.append((tree, g[None], torch.tensor([tok], dtype=torch.long),
+                              torch.tensor([L - 2 + depth - 1], dtype=torch.long), [parent]))
+                keys.append(key)
+            outs = (self.clock.run(m, tree_level_many, self.head, items, m) if self.clock
+                    else tree_level_many(self.head, items, m))
+            for key, (tree, *_), o in zip(keys, items, outs):
+                self.last[key] = (m, len(tree) - 1)
+                out[key] = o[0]
+        return out
 
 
 __all__ = ["ModuleState", "StepChains", "StepClock", "StepState", "catch_up_steps",

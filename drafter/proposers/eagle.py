@@ -70,6 +70,11 @@ class _HeadState:
     entry_tokens: list[int] = field(default_factory=list)  # token each entry read
     outs: list[torch.Tensor] = field(default_factory=list)  # predicted state out of each entry
     steps: list[StepState] = field(default_factory=list)  # modules 1.. of a multi-layer head
+    # a multi-layer head's chain past its anchor (the context length whose last true state
+    # module 0 read): tokens whose entries ran, and the state after each (EagleProposer.chains)
+    chain_anchor: int = -1
+    chain_tokens: list[int] = field(default_factory=list)
+    chain_states: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def last_g(self) -> torch.Tensor | None:
@@ -150,6 +155,7 @@ class EagleProposer(Proposer):
         self.states: dict[str, _HeadState] = {}
         self.num_recomputed_entries = 0
         self.clock = StepClock(self.head.config.num_steps)  # per-module time (draft_stats)
+        self.chains = StepChains(self.head, self.clock)  # multi-layer heads' chains, by request
 
     @classmethod
     def create(cls, kwargs: dict, target: DraftTarget) -> EagleProposer:
@@ -258,38 +264,81 @@ class EagleProposer(Proposer):
 
     def _propose_steps(self, calls: list[ProposeCall]
                        ) -> list[tuple[list[int], list[torch.Tensor | None]]]:
-        """:meth:`propose_many` of a multi-layer head: every module caught up to the context
-        (drafter/eagle/step_draft.py), draft 1 from module 0's last state, draft j from
-        module ``step_of_depth(j)``'s entry on the state draft j - 1 came from (one forward
-        per depth for all requests); a "stop" head ends its chains at its last module."""
+        """:meth:`propose_many` of a multi-layer head. Module 0 reads only true states; every
+        module is caught up to the request's anchor (the context up to the position after its
+        last true state, drafter/eagle/step_draft.py); the context's tokens past the anchor
+        (the drafter's own path: the worker drafts a chain one call per draft) and then the
+        drafts run as one chain, its entry at depth j by module ``step_of_depth(j)``, kept
+        between calls while the path continues it. One forward per module and round for all
+        requests; a "stop" head drafts nothing past its last module."""
         self.clock.calls += 1
         out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in calls]
         live = self._cursors(calls)
         with torch.inference_mode():
-            self._catch_up(live)
-            self._catch_up_steps(live)
-            chains = StepChains(self.head, self.clock)
-            states = {i: cur.st.last_g for i, cur in live.items()}
-            depth = 1
+            self._catch_up(live, chain=False)
+            anchors = self._anchor_steps(live)
+            while True:  # the chain over the path's tokens (none when the cache has them)
+                reqs = {}
+                for i, cur in live.items():
+                    n = len(cur.st.chain_tokens)
+                    if n < cur.L - anchors[i]:
+                        reqs[i] = cur.call.context_token_ids[anchors[i] + n]
+                if not reqs:
+                    break
+                self._advance_chains(live, anchors, reqs)
             while live:
-                picks = self._pick_many(live, {i: len(out[i][0]) for i in live}, states)
+                picks = self._pick_many(live, {i: len(out[i][0]) for i in live},
+                                        {i: cur.st.chain_states[-1] for i, cur in live.items()})
                 reqs = {}
                 for i, cur in live.items():
                     tok, row = picks[i]
                     out[i][0].append(tok)
                     out[i][1].append(row)
                     if len(out[i][0]) < cur.call.num_tokens:
-                        reqs[i] = ([cur.st, *cur.st.steps], cur.L, states[i], tok)
-                depth += 1
-                states = chains.step(depth, reqs)
-                live = {i: live[i] for i in states}
+                        reqs[i] = tok
+                live = {i: live[i] for i in reqs}
+                self._advance_chains(live, anchors, reqs)
         return out
 
-    def _catch_up_steps(self, live: dict[int, _Cursor]) -> None:
-        """Modules 1.. of a multi-layer head brought up to each request's context."""
-        if self.head.config.num_steps > 1:
-            catch_up_steps(self.head, [([cur.st, *cur.st.steps], cur.call.context_token_ids)
-                                       for cur in live.values()], self.clock)
+    def _anchor_steps(self, live: dict[int, _Cursor]) -> dict[int, int]:
+        """Each live request's anchor (module 0 caught up to its true states), modules 1..
+        caught up to it, and its chain cache kept when it still continues the context (else
+        started over from module 0's last state); a request module 0 cannot draft for
+        leaves ``live``."""
+        anchors = {}
+        for i, cur in list(live.items()):
+            st = cur.st
+            anchors[i] = a = min(st.feats_end, cur.L - 1) + 1
+            if st.last_g is None or st.kv.end != a - 1:
+                del live[i]
+        catch_up_steps(self.head, [([cur.st, *cur.st.steps], cur.call.context_token_ids[
+            :anchors[i]]) for i, cur in live.items()], self.clock)
+        for i, cur in live.items():
+            st, a, ctx = cur.st, anchors[i], cur.call.context_token_ids
+            n = len(st.chain_tokens)
+            if st.chain_anchor != a or not st.chain_states or n > cur.L - a \
+                    or st.chain_tokens != ctx[a:a + n]:
+                self.chains.drop(cur.call.request_id)
+                st.chain_anchor, st.chain_tokens, st.chain_states = a, [], [st.last_g]
+        return anchors
+
+    def _advance_chains(self, live: dict[int, _Cursor], anchors: dict[int, int],
+                        tokens: dict[int, int]) -> None:
+        """One chain entry per request of ``tokens`` (request index -> the token it reads);
+        a request whose chain cannot go deeper (a "stop" head's last module) leaves
+        ``live``."""
+        reqs = {live[i].call.request_id: ([live[i].st, *live[i].st.steps], anchors[i],
+                                          live[i].st.chain_states[-1], tok,
+                                          len(live[i].st.chain_states) + 1)
+                for i, tok in tokens.items()}
+        got = self.chains.advance(reqs)
+        for i, tok in tokens.items():
+            st, g = live[i].st, got.get(live[i].call.request_id)
+            if g is None:
+                del live[i]
+            else:
+                st.chain_tokens.append(tok)
+                st.chain_states.append(g)
 
     def draft_stats(self) -> dict:
         """What the drafter's stats show of the head (cluster/hosts/drafter.py): its modules
@@ -303,24 +352,25 @@ class EagleProposer(Proposer):
             try:
                 kvs = [kv for st in list(self.states.values())
                        for kv in (st.kv, *(s.kv for s in st.steps))]
+                chain_bytes = self.chains.nbytes()
                 break
             except RuntimeError:  # the requests changed during the read: read again
-                kvs = []
+                kvs, chain_bytes = [], 0
         return {"draft_num_steps": self.head.config.num_steps,
                 "draft_weights_bytes": resident_bytes(self.head),
-                "draft_kv_pool_bytes": kv_pool_bytes(kvs),
+                "draft_kv_pool_bytes": kv_pool_bytes(kvs) + chain_bytes,
                 "draft_step_weight_bytes": step_weight_bytes(self.head),
                 "draft_step_ms": self.clock.ms_per_call(),
                 "draft_step_forwards": list(self.clock.forwards)}
 
-    def _catch_up(self, live: dict[int, _Cursor]) -> None:
+    def _catch_up(self, live: dict[int, _Cursor], chain: bool = True) -> None:
         """Bring each request's head KV up to its context: per request its true states in one
-        batch, then the chain over known tokens; each round takes every request's next piece
-        (one head forward for all). A request that cannot draft leaves ``live``."""
+        batch, then (``chain``) the chain over known tokens; each round takes every request's
+        next piece (one head forward for all). A request that cannot draft leaves ``live``."""
         while True:
             work = {}
             for i, cur in list(live.items()):
-                piece = self._catch_up_piece(cur)
+                piece = self._catch_up_piece(cur, chain)
                 if piece is False:  # nothing to draft from
                     del live[i]
                 elif piece is not None:
@@ -360,8 +410,12 @@ class EagleProposer(Proposer):
         self.clock.calls += 1
         live = self._cursors(calls)
         with torch.inference_mode():
-            self._catch_up(live)
-            self._catch_up_steps(live)
+            if self.head.config.num_steps > 1:  # a tree at the anchor only (module KVs' end)
+                self._catch_up(live, chain=False)
+                anchors = self._anchor_steps(live)
+                live = {i: cur for i, cur in live.items() if anchors[i] == cur.L}
+            else:
+                self._catch_up(live)
             keys = list(live)
             jobs = [TreeJob(live[i].st.kv, live[i].st.last_g, len(calls[i].context_token_ids),
                             self.topk, calls[i].num_tokens,
@@ -405,16 +459,17 @@ class EagleProposer(Proposer):
         return _Cursor(call, st, L, st.kv.end if st.kv.length else st.feats_start)
 
     @staticmethod
-    def _catch_up_piece(cur: _Cursor) -> tuple | bool | None:
+    def _catch_up_piece(cur: _Cursor, chain: bool = True) -> tuple | bool | None:
         """The request's next catch-up extend ``(features, tokens, start)``, None when it is
-        caught up, False when it cannot draft (no predicted state to chain from)."""
+        caught up (to its true states only without ``chain``), False when it cannot draft (no
+        predicted state to chain from)."""
         st, ctx, s = cur.st, cur.call.context_token_ids, cur.s
         true_hi = min(st.feats_end, cur.L - 1)
         if s < true_hi:
             cur.s = true_hi
             return (torch.stack(st.feats[s - st.feats_start:true_hi - st.feats_start]),
                     ctx[s + 1:true_hi + 1], s)
-        if s <= cur.L - 2:
+        if chain and s <= cur.L - 2:
             if st.last_g is None:
                 return False
             cur.s = s + 1
@@ -499,6 +554,7 @@ class EagleProposer(Proposer):
 
     def close(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.chains.drop(request_id)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -509,6 +565,8 @@ class EagleProposer(Proposer):
             del st.entry_tokens[keep:]
             del st.outs[keep:]
         truncate_steps(st, st.steps, end)  # modules 1.. of a multi-layer head
+        if end < st.chain_anchor - 1:  # its chain attended to dropped entries
+            st.chain_anchor = -1
 
 
 def _shipped_head_for(model: str | None) -> Path | None:

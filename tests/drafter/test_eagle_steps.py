@@ -150,6 +150,35 @@ def test_incremental_drafting_equals_drafting_from_scratch():
     assert [s.kv.start for s in (st, *st.steps)] == [p0, p0 + 1, p0 + 2]
 
 
+@pytest.mark.parametrize("num_steps,after", [(2, "repeat"), (3, "repeat"), (2, "stop")])
+def test_one_draft_per_call_equals_the_whole_chain(num_steps, after):
+    """The worker drafts a chain one call per draft, each call's context the path so far:
+    the drafts are the chain's (module i at depth i, not module 0 again), and the chain's
+    entries are reused, not run again."""
+    head = _head(12, num_steps=num_steps, after=after)
+    torch.manual_seed(12)
+    ctx = [3, 7, 1, 9, 4, 11, 2]
+    truth = torch.randn(4, D, dtype=torch.float64)
+    whole = _ready(head, ctx, truth).propose("r", ctx, 5)
+    assert len(whole) == (5 if after == "repeat" else num_steps)
+    p = _ready(head, ctx, truth)
+    path = []
+    for _ in range(5):
+        path += p.propose("r", ctx + path, 1)
+    assert path == whole
+    forwards = sum(p.clock.forwards[1:])
+    assert forwards == len(whole) - 1 + (num_steps - 1)  # one per draft + modules' catch-up
+    # a commit of 1 draft and a bonus token: the chain starts again from the new anchor
+    committed = ctx + whole[:1] + [(whole[1] + 1) % V]
+    new = torch.randn(2, D, dtype=torch.float64)
+    p.rollback("r", len(ctx) + 1)
+    p.observe_seed_state("r", len(ctx) - 1, new)
+    fresh = EagleProposer(head_module=head)
+    fresh.open("r", committed)
+    fresh.observe_seed_state("r", len(ctx) - 1 - truth.shape[0], torch.cat([truth, new]))
+    assert p.propose("r", committed, 3) == fresh.propose("r", committed, 3)
+
+
 def test_propose_many_equals_each_request_alone():
     head = _head(6, num_steps=2)
     torch.manual_seed(8)
@@ -276,6 +305,7 @@ def test_checkpoint_round_trip_and_draft_stats(tmp_path):
     st = p2.states["r"]
     kv_bytes = [sum(t.numel() * 4 for t in (*kv.key_buffers, *kv.value_buffers))
                 for kv in (st.kv, st.steps[0].kv)]
-    assert s2["draft_kv_pool_bytes"] == sum(kv_bytes) and kv_bytes[1] > 0
+    chain = p2.chains.nbytes()  # the chain's entries beside the modules' KVs
+    assert s2["draft_kv_pool_bytes"] == sum(kv_bytes) + chain and kv_bytes[1] > 0 and chain > 0
     assert s1["draft_kv_pool_bytes"] == kv_bytes[0]
     assert all(f > 0 for f in s2["draft_step_forwards"])
