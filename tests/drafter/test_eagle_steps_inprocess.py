@@ -45,9 +45,11 @@ def test_two_module_head_chains_and_trees_equal_plain_decode(tiny_model_dir,
         got = spec.generate(prompts, sp)
         assert [o.token_ids for o in got] == want, topk
         assert sum(o.spec.num_accepted_tokens for o in got) > 0, topk
-        # drafts past depth 1 (module 1's) reached the verifier
+        # drafts past depth 1 (module 1's) reached the verifier and some were accepted
         assert sum(o.spec.num_draft_tokens for o in got) \
             > sum(o.spec.num_verify_steps for o in got), topk
+        per_pos = spec.verifier.stats.num_accepted_tokens_per_pos
+        assert len(per_pos) > 1 and per_pos[1] > 0, (topk, per_pos)
         stats = proposer.draft_stats()
         assert stats["draft_num_steps"] == 2 and stats["draft_step_forwards"][1] > 0
         assert stats["draft_weights_bytes"] > 0
