@@ -97,6 +97,14 @@ def tiny_fused_eagle_head(tiny_model_dir, tmp_path_factory):
     return _train_tiny_head(tiny_model_dir, tmp_path_factory, ["--feature-layers", "1,0"])
 
 
+@pytest.fixture(scope="session")
+def tiny_eagle_steps_head(tiny_model_dir, tmp_path_factory, tiny_eagle_head):
+    """As ``tiny_eagle_head``, a 2-module (multi-layer) EAGLE head trained by ``specmesh
+    train-drafter --num-steps 2`` from ``tiny_eagle_head`` (module 0 frozen)."""
+    return _train_tiny_head(tiny_model_dir, tmp_path_factory,
+                            ["--num-steps", "2", "--init-head", tiny_eagle_head[0]])
+
+
 def _train_tiny_head(tiny_model_dir, tmp_path_factory, extra_args):  # noqa: ANN001, ANN202
     import json
 

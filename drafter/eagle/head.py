@@ -13,6 +13,11 @@ outputs of those target decoder layers side by side (low, middle and high), each
 fused by a linear layer (n*d -> d) into the d-wide state the rest of the head reads; predicted
 states (pass 2 on, and the chain while drafting) are the head's own d-wide outputs.
 
+A multi-layer head (``num_steps`` > 1, drafter/eagle/steps.py) has one such module per draft
+depth: the one above is module 0, modules 1.. are
+:class:`~drafter.eagle.steps.StepModule` modules in ``steps``; the entry points below take the
+module to run (``step``, default 0).
+
 Two entry points share the weights: :meth:`EagleHead.forward_passes` runs ``depth`` unrolled
 passes over whole sequences for training and evaluation (EAGLE-3's "training-time test": pass
 k sees the features pass k-1 predicted, as drafting does), and :meth:`EagleHead.extend` runs
@@ -28,6 +33,7 @@ from torch import nn
 from specmesh.drafter.eagle.config import EagleHeadConfig
 from specmesh.drafter.eagle.head_kv import HeadKV
 from specmesh.drafter.eagle.layer import DecoderLayer, RMSNorm
+from specmesh.drafter.eagle.steps import StepModule, forward_steps
 from specmesh.engine import onednn
 from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.engine.linear import RowInvariantLinear
@@ -35,7 +41,8 @@ from specmesh.kernels.gguf_matmul import gguf_matmul
 
 
 class EagleHead(nn.Module):
-    """Trainable parameters: ``fc`` (2d -> d), ``layers``, ``norm``. Frozen buffers set by
+    """Trainable parameters: ``fc`` (2d -> d), ``layers``, ``norm`` (module 0) and, for a
+    multi-layer head, ``steps`` (modules 1 .. num_steps - 1). Frozen buffers set by
     :meth:`set_target_weights`: ``embed`` [vocab, d] and ``lm_head`` [draft_vocab, d] with
     ``draft_to_target`` [draft_vocab] (target token id of each draft-vocabulary row).
     Inference runs its products on prepacked oneDNN weights (engine/onednn.py) where
@@ -60,6 +67,8 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, backend)
                                      for _ in range(config.num_layers)])
         self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.steps = nn.ModuleList([StepModule(config, backend)
+                                    for _ in range(config.num_steps - 1)])
         n_draft = config.draft_vocab_size or config.vocab_size
         self.register_buffer("embed", torch.zeros(config.vocab_size, d), persistent=False)
         self.register_buffer("lm_head", torch.zeros(n_draft, d), persistent=False)
@@ -92,6 +101,19 @@ class EagleHead(nn.Module):
         self.embed = embed.detach().to(dtype).clone()
         self.lm_head = lm_head.detach()[ids].to(dtype).clone()
         self.draft_to_target = ids.clone()
+
+    def step_parts(self, step: int) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
+        """``(fc, layers, norm)`` of module ``step`` (0: the head's own).
+
+        Raises:
+            IndexError: no such module.
+        """
+        if step == 0:
+            return self.fc, self.layers, self.norm
+        if not 0 < step < self.config.num_steps:
+            raise IndexError(f"module {step} of a {self.config.num_steps}-module EAGLE head")
+        s = self.steps[step - 1]
+        return s.fc, s.layers, s.norm
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):  # noqa: ANN202
         freqs = positions.float()[..., None] * self._inv_freq.to(positions.device)
@@ -151,7 +173,11 @@ class EagleHead(nn.Module):
             ``depth`` tensors [B, S, d] of predicted features; pass k's row s predicts the
             feature at s + 1, whose LM-head argmax is the k-th draft of a chain started from
             true features up to entry s - k + 1. Row s < k - 1 of pass k has no such chain.
+            A multi-layer head runs :func:`~drafter.eagle.steps.forward_steps` (fewer
+            passes when it stops at its last module).
         """
+        if self.config.num_steps > 1:
+            return forward_steps(self, features, next_tokens, positions, depth)
         features = self.seed_features(features)
         B, S, _ = features.shape
         dtype = features.dtype
@@ -192,7 +218,7 @@ class EagleHead(nn.Module):
 
     @torch.inference_mode()
     def extend(self, kv: HeadKV, features: torch.Tensor, next_tokens: torch.Tensor,
-               start: int) -> torch.Tensor:
+               start: int, step: int = 0) -> torch.Tensor:
         """Append entries at positions ``[start, start + n)`` to one request's ``kv``.
 
         Args:
@@ -201,23 +227,26 @@ class EagleHead(nn.Module):
                 or the one the previous entry predicted.
             next_tokens: LongTensor [n], the token after each entry's position.
 
+            step: the module to run (its own ``kv``).
+
         Returns:
             predicted features [n, d]; row i predicts the target's feature at ``start + i + 1``.
 
         Raises:
             ValueError: ``kv`` does not end at ``start``.
         """
-        return self.extend_many([(kv, features, next_tokens, start)])[0]
+        return self.extend_many([(kv, features, next_tokens, start)], step)[0]
 
     @torch.inference_mode()
-    def extend_many(self, items: list[tuple[HeadKV, torch.Tensor, torch.Tensor, int]]
-                    ) -> list[torch.Tensor]:
+    def extend_many(self, items: list[tuple[HeadKV, torch.Tensor, torch.Tensor, int]],
+                    step: int = 0) -> list[torch.Tensor]:
         """:meth:`extend` for several requests at once: ``items`` are ``(kv, features [n_i,
         d], next_tokens [n_i], start_i)``, one per request (distinct ``kv``). The products
         (fusion, projections, MLP) run once over all ``sum(n_i)`` rows, so their weights are
         read once per call instead of once per request; attention runs per request over its
         own KV. Each row's result does not depend on the other requests (row-invariant
-        products, engine/linear.py).
+        products, engine/linear.py). ``step``: the module to run, every ``kv`` being that
+        module's.
 
         Returns:
             per item the predicted features [n_i, d].
@@ -237,11 +266,12 @@ class EagleHead(nn.Module):
         pos = torch.cat([torch.arange(s, s + n, device=device)
                          for (_, _, _, s), n in zip(items, sizes)])
         x, cos, sin = self._entry_inputs([f for _, f, _, _ in items],
-                                         [t for _, _, t, _ in items], pos)
+                                         [t for _, _, t, _ in items], pos, step)
         for kv, _, _, start in items:
             if kv.length == 0:
                 kv.start, kv.n = start, 0
-        for li, layer in enumerate(self.layers):
+        _, layers, norm = self.step_parts(step)
+        for li, layer in enumerate(layers):
             q, k, v = layer.qkv(x, cos, sin)  # [nh, T, hd], [nkv, T, hd]
             parts, lo = [], 0
             for (kv, _, _, _), n in zip(items, sizes):
@@ -258,26 +288,29 @@ class EagleHead(nn.Module):
             x = layer.finish(x, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
         for (kv, _, _, _), n in zip(items, sizes):
             kv.commit(n)
-        return list(self.norm(x).split(sizes))
+        return list(norm(x).split(sizes))
 
     def _entry_inputs(self, features: list[torch.Tensor], next_tokens: list[torch.Tensor],
-                      positions: torch.Tensor):  # noqa: ANN202
+                      positions: torch.Tensor, step: int = 0):  # noqa: ANN202
         """The fused inputs ``x`` [T, d] of entries (states and next tokens of every item, in
-        order) and the RoPE ``cos, sin`` [T, hd] of their ``positions`` [T]."""
+        order) through module ``step``'s fusion layer and the RoPE ``cos, sin`` [T, hd] of
+        their ``positions`` [T]."""
         dtype = self.fc.weight.dtype
         cos, sin = self._cos_sin(positions, dtype)
         feats = torch.cat([f.to(dtype) for f in features])
         toks = torch.cat([t.reshape(-1) for t in next_tokens])
-        return self.fc(torch.cat([self.embed[toks], feats], dim=-1)), cos, sin
+        fc = self.step_parts(step)[0]
+        return fc(torch.cat([self.embed[toks], feats], dim=-1)), cos, sin
 
     @torch.inference_mode()
-    def peek_many(self, items: list[tuple[HeadKV, int, torch.Tensor, torch.Tensor]]
-                  ) -> list[torch.Tensor]:
+    def peek_many(self, items: list[tuple[HeadKV, int, torch.Tensor, torch.Tensor]],
+                  step: int = 0) -> list[torch.Tensor]:
         """Sibling entries, without writing any KV: per item ``(kv, end, features [m, d],
         next_tokens [m])``, m entries all at position ``end``, each attending to ``kv``'s
         entries before ``end`` and to itself only (one level of a token tree): what
         :meth:`extend` would predict for each of them alone on ``kv`` cut at ``end``. The
-        products run once over every item's rows, as in :meth:`extend_many`.
+        products run once over every item's rows, as in :meth:`extend_many`; ``step``: the
+        module to run, every ``kv`` being that module's.
 
         Returns:
             per item the predicted features [m, d].
@@ -295,8 +328,9 @@ class EagleHead(nn.Module):
         pos = torch.cat([torch.full((m,), end, dtype=torch.long, device=device)
                          for (_, end, _, _), m in zip(items, sizes)])
         x, cos, sin = self._entry_inputs([f for _, _, f, _ in items],
-                                         [t for _, _, _, t in items], pos)
-        for li, layer in enumerate(self.layers):
+                                         [t for _, _, _, t in items], pos, step)
+        _, layers, norm = self.step_parts(step)
+        for li, layer in enumerate(layers):
             q, k, v = layer.qkv(x, cos, sin)
             parts, lo = [], 0
             for (kv, end, _, _), m in zip(items, sizes):
@@ -310,7 +344,7 @@ class EagleHead(nn.Module):
                     enable_gqa=layer.nh != layer.nkv))
                 lo += m
             x = layer.finish(x, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
-        return list(self.norm(x).split(sizes))
+        return list(norm(x).split(sizes))
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -46,7 +46,7 @@ class TreeKV:
 @torch.inference_mode()
 def tree_level(head: EagleHead, tree: TreeKV, features: torch.Tensor,
                next_tokens: torch.Tensor, positions: torch.Tensor,
-               parents: list[int]) -> torch.Tensor:
+               parents: list[int], step: int = 0) -> torch.Tensor:
     """Run ``m`` tree entries of one depth in one forward and append them to ``tree``.
 
     Args:
@@ -56,6 +56,7 @@ def tree_level(head: EagleHead, tree: TreeKV, features: torch.Tensor,
         next_tokens: LongTensor ``[m]``, each entry's own token (target ids).
         positions: LongTensor ``[m]`` absolute positions (RoPE).
         parents: per entry the tree entry of its parent (-1: none, a depth-1 node).
+        step: the head's module to run (drafter/eagle/steps.py), ``tree`` over its KV.
 
     Returns:
         predicted states ``[m, d]``; row i's logits are the distribution of entry i's
@@ -65,18 +66,19 @@ def tree_level(head: EagleHead, tree: TreeKV, features: torch.Tensor,
     Raises:
         ValueError: a parent that is not an earlier tree entry, or sizes that differ.
     """
-    return tree_level_many(head, [(tree, features, next_tokens, positions, parents)])[0]
+    return tree_level_many(head, [(tree, features, next_tokens, positions, parents)], step)[0]
 
 
 @torch.inference_mode()
 def tree_level_many(head: EagleHead, items: list[tuple[TreeKV, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, list[int]]],
-                    ) -> list[torch.Tensor]:
+                    step: int = 0) -> list[torch.Tensor]:
     """:func:`tree_level` for several requests' trees at once, ``items`` its arguments
     ``(tree, features, next_tokens, positions, parents)`` per request (distinct trees): the
     products run once over every item's rows (the head's weights read once per depth, as
     :meth:`EagleHead.extend_many` does for chains), attention per item over its own KV and
-    tree. Each item's result is the one it gets alone (row-invariant products).
+    tree. Each item's result is the one it gets alone (row-invariant products). ``step``:
+    the module to run (every tree over that module's KV).
 
     Raises:
         ValueError: as :func:`tree_level`, or a tree listed twice.
@@ -100,9 +102,10 @@ def tree_level_many(head: EagleHead, items: list[tuple[TreeKV, torch.Tensor, tor
         masks.append(own)
         sizes.append(m)
     x, cos, sin = head._entry_inputs([it[1] for it in items], [it[2] for it in items],
-                                     torch.cat([it[3] for it in items]))
+                                     torch.cat([it[3] for it in items]), step)
     first = [not it[0].keys for it in items]
-    for li, layer in enumerate(head.layers):
+    _, layers, norm = head.step_parts(step)
+    for li, layer in enumerate(layers):
         q, k, v = layer.qkv(x, cos, sin)  # [nh, sum m, hd], [nkv, sum m, hd]
         parts, lo = [], 0
         for (tree, _, _, _, _), own, m, new in zip(items, masks, sizes, first):
@@ -131,7 +134,7 @@ def tree_level_many(head: EagleHead, items: list[tuple[TreeKV, torch.Tensor, tor
         anc[T:, :T] = own
         anc[T:, T:] = torch.eye(m, dtype=torch.bool, device=x.device)
         tree.anc = anc
-    return list(head.norm(x).split(sizes))
+    return list(norm(x).split(sizes))
 
 
 __all__ = ["TreeKV", "tree_level", "tree_level_many"]

@@ -139,7 +139,11 @@ def acceptance(head: EagleHead, data: list[Window], depth: int,
                batch_size: int = 16) -> list[float]:
     """Acceptance per draft position 1..depth over every chain start in ``data``: the share of
     chains whose first k drafts all equal the target's greedy tokens (a label outside the
-    draft vocabulary counts as a miss)."""
+    draft vocabulary counts as a miss); a multi-layer head that stops at its last module has
+    no position past it."""
+    c = head.config
+    if c.after_last_step == "stop":
+        depth = min(depth, c.num_steps)
     hits = torch.zeros(depth)
     total = 0
     dtype = head.fc.weight.dtype
@@ -177,14 +181,16 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
           pass_decay: float = 0.8, reg_weight: float = 0.5, soft_weight: float = 0.0,
           autocast_dtype: torch.dtype | None = None,
           log=None,  # noqa: ANN001
-          progress: bool = True) -> dict:
+          progress: bool = True, max_seconds: float | None = None) -> dict:
     """AdamW with linear warm-up and cosine decay over ``epochs`` (may be fractional) of
     ``train_windows``; returns a summary (steps, seconds, entries/s, last loss).
 
     ``autocast_dtype`` (e.g. ``torch.bfloat16``): mixed precision, the forward and backward
     products run in that dtype under ``torch.autocast`` while the weights, the optimizer state
     and the loss stay in the head's dtype (faster than float32 on a CPU with bf16 products;
-    docs/benchmarks.md, 'Training')."""
+    docs/benchmarks.md, 'Training'). ``max_seconds``: stop after that much training (a bounded
+    run on a shared host; the summary says how many steps it made). Only parameters that
+    require grad are trained (a multi-layer head's frozen module 0)."""
     if head.config.feature_layers and (reg_weight or soft_weight):
         raise ValueError("a fused-feature head (feature_layers) has no d-wide true feature to "
                          "regress onto or to take target probabilities from: reg_weight and "
@@ -212,8 +218,11 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
     while step < total_steps:
         order = shuffled(train_windows, seed + epoch)
         epoch += 1
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            break
         for lo in range(0, len(order), batch_size):
-            if step >= total_steps:
+            if step >= total_steps or (max_seconds is not None
+                                       and time.perf_counter() - t0 > max_seconds):
                 break
             feats, toks, labels, pos, valid = collate(order[lo:lo + batch_size], dtype)
             for g in opt.param_groups:
@@ -239,6 +248,7 @@ def train(head: EagleHead, train_windows: list[Window], *, epochs: float, batch_
     bar.close()
     head.eval()
     secs = time.perf_counter() - t0
-    return {"steps": step, "seconds": round(secs, 1), "entries_per_s": round(entries / secs, 1),
+    return {"steps": step, "planned_steps": total_steps, "seconds": round(secs, 1),
+            "entries_per_s": round(entries / secs, 1),
             "last_loss": round(loss_val, 4), "epochs": epochs,
             "autocast": str(autocast_dtype).replace("torch.", "") if autocast_dtype else None}

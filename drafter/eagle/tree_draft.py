@@ -6,6 +6,12 @@ The request's head KV must end at the context's second-to-last position (the pro
 catch-up, drafter/proposers/eagle.py), and ``root_state`` is the state its last entry predicted
 (whose logits are the distribution of the first draft).
 
+A multi-layer head (drafter/eagle/steps.py) expands the nodes of depth d with its module for
+depth d + 1, over that module's KV (``TreeJob.step_kvs``): nodes run by different modules never
+attend to each other (each module's entry sees its context entries and itself), nodes run by a
+repeated last module attend to their ancestors run by it, as a 1-module head's tree does. Its
+branch 0 does not join any KV (the proposer rebuilds the modules' context entries).
+
 Two kinds of tree, by the request's sampling (drafter/draft_sampling.py):
 
 - deterministic (greedy and seeded requests, and sampled ones with penalties or token
@@ -80,7 +86,8 @@ class TreeJob:
     """One request's tree to draft (:func:`draft_trees`): its head ``kv`` (ending at
     ``context_len - 1``), ``root_state`` ``[d]`` (the state the last entry predicted), the
     tree's ``topk``, ``depth`` and ``max_nodes``, and the sampling ``how`` (None: as a greedy
-    request)."""
+    request); ``step_kvs``: a multi-layer head's KVs of modules 1.. (each ending at
+    ``context_len - 1`` where not empty)."""
 
     kv: HeadKV
     root_state: torch.Tensor
@@ -89,6 +96,7 @@ class TreeJob:
     depth: int
     max_nodes: int
     how: DraftSampling | None = None
+    step_kvs: tuple[HeadKV, ...] = ()
 
 
 class _Growing:
@@ -101,14 +109,24 @@ class _Growing:
             raise ValueError(f"head KV holds [{kv.start}, {kv.end}); a tree after "
                              f"{job.context_len} tokens needs it to end at {job.context_len - 1}")
         self.head, self.job = head, job
-        self.tree = TreeKV(kv, kv.length)
+        c = head.config
+        kvs = (kv, *job.step_kvs)
+        if len(kvs) != c.num_steps or any(k.length and k.end != job.context_len - 1
+                                          for k in kvs):
+            raise ValueError(f"a tree of a {c.num_steps}-module head needs its {c.num_steps} "
+                             f"KVs ending at {job.context_len - 1}")
+        self.tree = TreeKV(kv, kv.length)  # module 0's (the 1-module head's only one)
+        self.trees = {0: self.tree}
+        self.kvs = kvs
+        self.entry_of: dict[int, tuple[int, int]] = {}  # node -> (module, its tree entry)
         self.states: list[torch.Tensor] = []  # predicted state of each tree entry
         self.sampled = samples_tree(job.how)
         self.children = SampledChildren(job.how.generator) if self.sampled else top_children
         self.nodes: list[TreeNode] = []
         self.frontier: list[int] = []
         root = self.rows(head.logits(job.root_state[None]))[0]
-        self.steps = grow_tree_steps(root, job.topk, job.depth, job.max_nodes, self.children)
+        depth = job.depth if c.after_last_step == "repeat" else min(job.depth, c.num_steps)
+        self.steps = grow_tree_steps(root, job.topk, depth, job.max_nodes, self.children)
         self.advance(None)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
@@ -131,24 +149,36 @@ class _Growing:
             self.nodes, self.frontier = done.value, []
             return False
 
+    @property
+    def step(self) -> int:
+        """The module that runs the frontier (nodes of one depth d: module of depth d + 1)."""
+        return self.head.config.step_of_depth(self.nodes[self.frontier[0]].depth + 1)
+
     def level(self) -> tuple:
-        """The frontier's :func:`tree_level_many` item."""
+        """The frontier's :func:`tree_level_many` item (for module :attr:`step`)."""
         nodes, device = self.nodes, self.job.root_state.device
+        m = self.step
+        if m not in self.trees:
+            self.trees[m] = TreeKV(self.kvs[m], self.kvs[m].length)
         feats, toks, pos, parents = [], [], [], []
         for f in self.frontier:
             up = nodes[f].parent
             feats.append(self.job.root_state if up < 0 else self.states[nodes[up].expanded])
             toks.append(nodes[f].draft_id)
             pos.append(self.job.context_len - 2 + nodes[f].depth)
-            parents.append(-1 if up < 0 else nodes[up].expanded)
-        return (self.tree, torch.stack(feats),
+            run = self.entry_of.get(up)
+            parents.append(run[1] if run is not None and run[0] == m else -1)
+        return (self.trees[m], torch.stack(feats),
                 self.to_target(torch.tensor(toks, dtype=torch.long, device=device)),
                 torch.tensor(pos, dtype=torch.long, device=device), parents)
 
     def took(self, out: torch.Tensor) -> None:
         """The frontier's predicted states ``out`` ``[m, d]`` came back from the forward."""
+        m = self.step
+        at = len(self.trees[m]) - len(self.frontier)
         for j, f in enumerate(self.frontier):
             self.nodes[f].expanded = len(self.states)
+            self.entry_of[f] = (m, at + j)
             self.states.append(out[j])
 
     def finish(self) -> DraftedTree:
@@ -162,8 +192,9 @@ class _Growing:
         rows = ([sibling_row(nodes, i, self.children.rows).cpu() for i in order]
                 if self.sampled else [None] * len(order))
         # branch 0: from the root, each node's first child; its prefix of run entries joins kv
+        # (a 1-module head's: a multi-layer head's entries belong to several modules)
         b0_entries, b0_tokens, node = [], [], -1
-        while True:
+        while self.head.config.num_steps == 1:
             nxt = next((j for j, p in enumerate(parents) if p == node), None)
             if nxt is None or nodes[order[nxt]].expanded < 0:
                 break
@@ -195,7 +226,13 @@ def draft_trees(head: EagleHead, jobs: list[TreeJob]) -> list[DraftedTree]:
     growing = [_Growing(head, job) for job in jobs]
     live = [g for g in growing if g.frontier]
     while live:
-        outs = tree_level_many(head, [g.level() for g in live])
+        by_step: dict[int, list[_Growing]] = {}  # lockstep: one module per depth for all
+        for g in live:
+            by_step.setdefault(g.step, []).append(g)
+        live = [g for grp in by_step.values() for g in grp]
+        outs = [o for m, grp in by_step.items()  # (a 1-module head's call as it was)
+                for o in (tree_level_many(head, [g.level() for g in grp], m) if m
+                          else tree_level_many(head, [g.level() for g in grp]))]
         for g, out in zip(live, outs):
             g.took(out)
         logits = head.logits(torch.cat(outs)).split([int(o.shape[0]) for o in outs])

@@ -12,6 +12,10 @@ drops the entries whose tokens the commit rejected. Drafts are chains over the h
 vocabulary, chosen for the request's sampling (drafter/draft_sampling.py): argmax for greedy
 requests, the coupled rule's Gumbel-max for seeded ones, a sample of the processed head
 distribution (sent as the draft's row) for unseeded sampled ones.
+
+A multi-layer head (``num_steps`` > 1, drafter/eagle/steps.py) keeps a KV per module and runs
+module i at depth i (drafter/eagle/step_draft.py); its resident weights, KV pool and each
+module's milliseconds per drafting call are in :meth:`EagleProposer.draft_stats`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from specmesh.drafter.eagle.checkpoint import (
 )
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
 from specmesh.drafter.eagle.quantize import quantize_head
+from specmesh.drafter.eagle.step_draft import (StepChains, StepClock, StepState,
+                                               catch_up_steps, kv_pool_bytes, truncate_steps)
+from specmesh.drafter.eagle.steps import resident_bytes, step_weight_bytes
 from specmesh.drafter.eagle.tree_draft import MAX_TOPK, TreeJob, draft_trees
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import (BranchCall, DraftTarget, ProposeCall, Proposer,
@@ -63,6 +70,12 @@ class _HeadState:
     kv: HeadKV = field(default_factory=HeadKV)
     entry_tokens: list[int] = field(default_factory=list)  # token each entry read
     outs: list[torch.Tensor] = field(default_factory=list)  # predicted state out of each entry
+    steps: list[StepState] = field(default_factory=list)  # modules 1.. of a multi-layer head
+    # a multi-layer head's chain past its anchor (the context length whose last true state
+    # module 0 read): tokens whose entries ran, and the state after each (EagleProposer.chains)
+    chain_anchor: int = -1
+    chain_tokens: list[int] = field(default_factory=list)
+    chain_states: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def last_g(self) -> torch.Tensor | None:
@@ -150,6 +163,8 @@ class EagleProposer(Proposer):
         self.draft_weights_bytes = resident_bytes(self.head)
         self.num_draft_forwards = 0
         self.draft_kv_pool_bytes = 0
+        self.clock = StepClock(self.head.config.num_steps)  # per-module time (draft_stats)
+        self.chains = StepChains(self.head, self.clock)  # multi-layer heads' chains, by request
 
     @classmethod
     def create(cls, kwargs: dict, target: DraftTarget) -> EagleProposer:
@@ -179,8 +194,12 @@ class EagleProposer(Proposer):
 
     # -- interface -------------------------------------------------------------------------
 
+    def _new_state(self, feats_start: int = -1) -> _HeadState:
+        return _HeadState(feats_start=feats_start, steps=[
+            StepState() for _ in range(self.head.config.num_steps - 1)])
+
     def open(self, request_id: str, context_token_ids: list[int]) -> None:
-        self.states[request_id] = _HeadState()
+        self.states[request_id] = self._new_state()
 
     def observe_seed_state(self, request_id: str, start_position: int, hidden) -> None:  # noqa: ANN001
         st = self.states.get(request_id)
@@ -190,7 +209,7 @@ class EagleProposer(Proposer):
             rows = list(self.head.seed_features(hidden.detach()))
         if st.feats_start < 0 or not st.feats_start <= start_position <= st.feats_end:
             # the first states, or a gap: restart the request's head state from these
-            self.states[request_id] = st = _HeadState(feats_start=start_position)
+            self.states[request_id] = st = self._new_state(start_position)
         old_end = st.feats_end
         keep = start_position - st.feats_start
         st.feats[keep:] = rows
@@ -230,7 +249,11 @@ class EagleProposer(Proposer):
         (:meth:`EagleHead.extend_many`) and one LM-head product per draft depth for the
         greedy ones: the head's weights are read once per round, not once per request.
         Each request's drafts are those :meth:`propose` / :meth:`propose_sampled` give it
-        alone (the head's products are row-invariant)."""
+        alone (the head's products are row-invariant). A multi-layer head drafts depth j
+        with its module j (:meth:`_propose_steps`)."""
+        if self.head.config.num_steps > 1:
+            return self._propose_steps(calls)
+        self.clock.calls += 1
         out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in calls]
         live = self._cursors(calls)
         with torch.inference_mode():
@@ -252,14 +275,115 @@ class EagleProposer(Proposer):
         self._note_kv_bytes()
         return out
 
-    def _catch_up(self, live: dict[int, _Cursor]) -> None:
+    def _propose_steps(self, calls: list[ProposeCall]
+                       ) -> list[tuple[list[int], list[torch.Tensor | None]]]:
+        """:meth:`propose_many` of a multi-layer head. Module 0 reads only true states; every
+        module is caught up to the request's anchor (the context up to the position after its
+        last true state, drafter/eagle/step_draft.py); the context's tokens past the anchor
+        (the drafter's own path: the worker drafts a chain one call per draft) and then the
+        drafts run as one chain, its entry at depth j by module ``step_of_depth(j)``, kept
+        between calls while the path continues it. One forward per module and round for all
+        requests; a "stop" head drafts nothing past its last module."""
+        self.clock.calls += 1
+        out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in calls]
+        live = self._cursors(calls)
+        with torch.inference_mode():
+            self._catch_up(live, chain=False)
+            anchors = self._anchor_steps(live)
+            while True:  # the chain over the path's tokens (none when the cache has them)
+                reqs = {}
+                for i, cur in live.items():
+                    n = len(cur.st.chain_tokens)
+                    if n < cur.L - anchors[i]:
+                        reqs[i] = cur.call.context_token_ids[anchors[i] + n]
+                if not reqs:
+                    break
+                self._advance_chains(live, anchors, reqs)
+            while live:
+                picks = self._pick_many(live, {i: len(out[i][0]) for i in live},
+                                        {i: cur.st.chain_states[-1] for i, cur in live.items()})
+                reqs = {}
+                for i, cur in live.items():
+                    tok, row = picks[i]
+                    out[i][0].append(tok)
+                    out[i][1].append(row)
+                    if len(out[i][0]) < cur.call.num_tokens:
+                        reqs[i] = tok
+                live = {i: live[i] for i in reqs}
+                self._advance_chains(live, anchors, reqs)
+        return out
+
+    def _anchor_steps(self, live: dict[int, _Cursor]) -> dict[int, int]:
+        """Each live request's anchor (module 0 caught up to its true states), modules 1..
+        caught up to it, and its chain cache kept when it still continues the context (else
+        started over from module 0's last state); a request module 0 cannot draft for
+        leaves ``live``."""
+        anchors = {}
+        for i, cur in list(live.items()):
+            st = cur.st
+            anchors[i] = a = min(st.feats_end, cur.L - 1) + 1
+            if st.last_g is None or st.kv.end != a - 1:
+                del live[i]
+        catch_up_steps(self.head, [([cur.st, *cur.st.steps], cur.call.context_token_ids[
+            :anchors[i]]) for i, cur in live.items()], self.clock)
+        for i, cur in live.items():
+            st, a, ctx = cur.st, anchors[i], cur.call.context_token_ids
+            n = len(st.chain_tokens)
+            if st.chain_anchor != a or not st.chain_states or n > cur.L - a \
+                    or st.chain_tokens != ctx[a:a + n]:
+                self.chains.drop(cur.call.request_id)
+                st.chain_anchor, st.chain_tokens, st.chain_states = a, [], [st.last_g]
+        return anchors
+
+    def _advance_chains(self, live: dict[int, _Cursor], anchors: dict[int, int],
+                        tokens: dict[int, int]) -> None:
+        """One chain entry per request of ``tokens`` (request index -> the token it reads);
+        a request whose chain cannot go deeper (a "stop" head's last module) leaves
+        ``live``."""
+        reqs = {live[i].call.request_id: ([live[i].st, *live[i].st.steps], anchors[i],
+                                          live[i].st.chain_states[-1], tok,
+                                          len(live[i].st.chain_states) + 1)
+                for i, tok in tokens.items()}
+        got = self.chains.advance(reqs)
+        for i, tok in tokens.items():
+            st, g = live[i].st, got.get(live[i].call.request_id)
+            if g is None:
+                del live[i]
+            else:
+                st.chain_tokens.append(tok)
+                st.chain_states.append(g)
+
+    def draft_stats(self) -> dict:
+        """What the drafter's stats show of the head (cluster/hosts/drafter.py): its modules
+        ``draft_num_steps``, resident weights ``draft_weights_bytes`` (parameters, the copied
+        target embedding and LM-head rows, Q8_0 copies), the KV buffers its requests hold
+        ``draft_kv_pool_bytes`` (every module's), per module the weight bytes one forward
+        reads ``draft_step_weight_bytes`` and its mean milliseconds per drafting call
+        ``draft_step_ms`` (catch-up and drafts: the numerator of its ``c_i``; their sum is
+        the head's ``sum(c_i)`` times the target's step)."""
+        for _ in range(3):  # read from the host's stats thread while the worker drafts
+            try:
+                kvs = [kv for st in list(self.states.values())
+                       for kv in (st.kv, *(s.kv for s in st.steps))]
+                chain_bytes = self.chains.nbytes()
+                break
+            except RuntimeError:  # the requests changed during the read: read again
+                kvs, chain_bytes = [], 0
+        return {"draft_num_steps": self.head.config.num_steps,
+                "draft_weights_bytes": resident_bytes(self.head),
+                "draft_kv_pool_bytes": kv_pool_bytes(kvs) + chain_bytes,
+                "draft_step_weight_bytes": step_weight_bytes(self.head),
+                "draft_step_ms": self.clock.ms_per_call(),
+                "draft_step_forwards": list(self.clock.forwards)}
+
+    def _catch_up(self, live: dict[int, _Cursor], chain: bool = True) -> None:
         """Bring each request's head KV up to its context: per request its true states in one
-        batch, then the chain over known tokens; each round takes every request's next piece
-        (one head forward for all). A request that cannot draft leaves ``live``."""
+        batch, then (``chain``) the chain over known tokens; each round takes every request's
+        next piece (one head forward for all). A request that cannot draft leaves ``live``."""
         while True:
             work = {}
             for i, cur in list(live.items()):
-                piece = self._catch_up_piece(cur)
+                piece = self._catch_up_piece(cur, chain)
                 if piece is False:  # nothing to draft from
                     del live[i]
                 elif piece is not None:
@@ -296,13 +420,20 @@ class EagleProposer(Proposer):
         it gets alone."""
         out: list[tuple[list[int], list[int], list[torch.Tensor | None]]] = \
             [([], [], []) for _ in calls]
+        self.clock.calls += 1
         live = self._cursors(calls)
         with torch.inference_mode():
-            self._catch_up(live)
+            if self.head.config.num_steps > 1:  # a tree at the anchor only (module KVs' end)
+                self._catch_up(live, chain=False)
+                anchors = self._anchor_steps(live)
+                live = {i: cur for i, cur in live.items() if anchors[i] == cur.L}
+            else:
+                self._catch_up(live)
             keys = list(live)
             jobs = [TreeJob(live[i].st.kv, live[i].st.last_g, len(calls[i].context_token_ids),
                             self.topk, calls[i].num_tokens,
-                            self.tree_nodes or self.topk * calls[i].num_tokens, calls[i].how)
+                            self.tree_nodes or self.topk * calls[i].num_tokens, calls[i].how,
+                            tuple(s.kv for s in live[i].st.steps))
                     for i in keys]
             drafted = draft_trees(self.head, jobs)
         # the trees grow in lockstep: one head forward per depth for all of them
@@ -344,16 +475,17 @@ class EagleProposer(Proposer):
         return _Cursor(call, st, L, st.kv.end if st.kv.length else st.feats_start)
 
     @staticmethod
-    def _catch_up_piece(cur: _Cursor) -> tuple | bool | None:
+    def _catch_up_piece(cur: _Cursor, chain: bool = True) -> tuple | bool | None:
         """The request's next catch-up extend ``(features, tokens, start)``, None when it is
-        caught up, False when it cannot draft (no predicted state to chain from)."""
+        caught up (to its true states only without ``chain``), False when it cannot draft (no
+        predicted state to chain from)."""
         st, ctx, s = cur.st, cur.call.context_token_ids, cur.s
         true_hi = min(st.feats_end, cur.L - 1)
         if s < true_hi:
             cur.s = true_hi
             return (torch.stack(st.feats[s - st.feats_start:true_hi - st.feats_start]),
                     ctx[s + 1:true_hi + 1], s)
-        if s <= cur.L - 2:
+        if chain and s <= cur.L - 2:
             if st.last_g is None:
                 return False
             cur.s = s + 1
@@ -365,21 +497,23 @@ class EagleProposer(Proposer):
         items = [(live[i].st.kv, work[i][0], torch.tensor(work[i][1], dtype=torch.long),
                   work[i][2]) for i in keys]
         self.num_draft_forwards += 1
-        for i, g in zip(keys, self.head.extend_many(items)):
+        for i, g in zip(keys, self.clock.run(0, self.head.extend_many, items)):
             st = live[i].st
             st.entry_tokens.extend(work[i][1])
             st.outs.extend(g)
 
-    def _pick_many(self, live: dict[int, _Cursor], made: dict[int, int]
+    def _pick_many(self, live: dict[int, _Cursor], made: dict[int, int],
+                   states: dict[int, torch.Tensor] | None = None
                    ) -> dict[int, tuple[int, torch.Tensor | None]]:
-        """Each live request's next draft from its last predicted state (``made``: drafts it
-        got so far in this call): the greedy ones by one batched argmax, the others one by
-        one (their sampling rule)."""
+        """Each live request's next draft from its last predicted state (``states``, default
+        its head state's last; ``made``: drafts it got so far in this call): the greedy ones
+        by one batched argmax, the others one by one (their sampling rule)."""
+        last = {i: (cur.st.last_g if states is None else states[i]) for i, cur in live.items()}
         picks = {}
         greedy = [i for i, cur in live.items() if cur.call.how is None
                   or (cur.call.how.mode == GREEDY and not cur.call.how.processes)]
         if greedy:
-            g = torch.stack([live[i].st.last_g for i in greedy])
+            g = torch.stack([last[i] for i in greedy])
             logits = self.head.logits(g)  # [n, draft vocab]
             best = logits.argmax(-1)
             ids = self.head.target_ids(best).tolist()
@@ -390,7 +524,7 @@ class EagleProposer(Proposer):
             picks.update({i: (int(t), qs.get(j)) for j, (i, t) in enumerate(zip(greedy, ids))})
         for i, cur in live.items():
             if i not in picks:
-                picks[i] = self._pick(cur.st.last_g, cur.call.how, made[i])
+                picks[i] = self._pick(last[i], cur.call.how, made[i])
         return picks
 
     def propose_branches(self, calls: list[BranchCall]) -> list[dict[int, list[int]]]:
@@ -398,9 +532,14 @@ class EagleProposer(Proposer):
         than the path's (its LM head's top ``num_candidates + 1`` from the state that drafted
         the path token), each with the one draft the head makes after it: the candidates are
         read as sibling entries on the request's head KV (:meth:`EagleHead.peek_many`), all
-        requests in one pass. A request whose head KV does not reach the context is skipped."""
+        requests in one pass. A request whose head KV does not reach the context is skipped.
+        A multi-layer head reads the candidates with its depth-2 module, on that module's KV
+        (none past a 1-draft "stop" head)."""
         out: list[dict[int, list[int]]] = [{} for _ in calls]
         head = self.head
+        step = head.config.step_of_depth(2)
+        if step is None:
+            return out
         items, where = [], []
         with torch.inference_mode():
             for i, call in enumerate(calls):
@@ -411,16 +550,19 @@ class EagleProposer(Proposer):
                         or not st.kv.start <= s < st.kv.end \
                         or st.entry_tokens[:s + 1 - st.kv.start] != ctx[st.kv.start + 1:s + 2]:
                     continue
+                kv = st.kv if step == 0 else st.steps[step - 1].kv
+                if step and not (kv.length and kv.start < s + 1 <= kv.end):
+                    continue
                 g = st.outs[s - st.kv.start]
                 top = head.target_ids(head.logits(g[None])[0].topk(
                     min(call.num_candidates + 1, head.lm_head.shape[0])).indices).tolist()
                 cands = [t for t in top if t != call.path_token_id][:call.num_candidates]
-                items.append((st.kv, s + 1, g[None].expand(len(cands), -1),
+                items.append((kv, s + 1, g[None].expand(len(cands), -1),
                               torch.tensor(cands, dtype=torch.long)))
                 where.append((i, cands))
             if not items:
                 return out
-            preds = head.peek_many(items)
+            preds = head.peek_many(items, step)
             self.num_draft_forwards += 1
             nxt = head.target_ids(head.logits(torch.cat(preds)).argmax(-1)).tolist()
         lo = 0
@@ -436,6 +578,7 @@ class EagleProposer(Proposer):
 
     def close(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.chains.drop(request_id)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -446,12 +589,14 @@ class EagleProposer(Proposer):
         self.draft_kv_pool_bytes = max(self.draft_kv_pool_bytes, held)
 
     def _truncate(self, st: _HeadState, end: int) -> None:
-        if st.kv.length == 0 or end >= st.kv.end:
-            return
-        st.kv.truncate(end)
-        keep = st.kv.length
-        del st.entry_tokens[keep:]
-        del st.outs[keep:]
+        if st.kv.length and end < st.kv.end:
+            st.kv.truncate(end)
+            keep = st.kv.length
+            del st.entry_tokens[keep:]
+            del st.outs[keep:]
+        truncate_steps(st, st.steps, end)  # modules 1.. of a multi-layer head
+        if end < st.chain_anchor - 1:  # its chain attended to dropped entries
+            st.chain_anchor = -1
 
 
 def _shipped_head_for(model: str | None) -> Path | None:

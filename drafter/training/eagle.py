@@ -9,7 +9,10 @@ can be re-run, by either method); then the trainer ``--method`` declares (drafte
 - ``eagle``: pick the draft vocabulary; train an EAGLE head (drafter/eagle/train.py, progress
   bar with loss and tokens/s); evaluate acceptance per draft position on the held-out prompts
   and on every ``--eval-prompts`` file; write the checkpoint (safetensors + config.json naming
-  the target, the command, the numbers).
+  the target, the command, the numbers). ``--num-steps N`` trains a multi-layer head
+  (drafter/eagle/steps.py): N modules, module i drafting depth i on the states module i - 1
+  predicts, each started from ``--init-head`` (default: the head shipped for the target),
+  module 0 frozen unless ``--train-first-step``.
 - ``draft-model``: a small Llama with the target's shape and vocabulary
   (drafter/training/draft_model.py, drafter/draft_model_training.py), written as a Hugging Face
   dir for ``--drafter draft-model:PATH``.
@@ -24,13 +27,16 @@ import hashlib
 import importlib.util
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from specmesh.data.prompts import load_prompts_file
-from specmesh.drafter.eagle.checkpoint import round_weights, save_head, target_identity
+from specmesh.drafter.eagle.checkpoint import (load_head, round_weights, save_head,
+                                               target_identity)
+from specmesh.drafter.eagle.config import AFTER_LAST_STEP
 from specmesh.drafter.eagle.data import chat_token_ids, generate_samples, split_by_prompt
 from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
 from specmesh.drafter.eagle.train import (
@@ -46,6 +52,8 @@ from specmesh.drafter.training.dspark import add_dspark_options
 from specmesh.drafter.training.record import training_record
 from specmesh.engine.hidden_layers import check_hidden_layers, is_hidden_seed
 
+#: where shipped heads live (drafter/proposers/eagle.py reads them): <dir>/<target, lower case>/
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 #: the bundled prompt sets (data/)
 PROMPTS_DIR = Path(next(iter(importlib.util.find_spec("specmesh.data").submodule_search_locations)))
 DEFAULT_TRAIN_PROMPTS = (PROMPTS_DIR / "drafter_train.jsonl", PROMPTS_DIR / "drafter_train_extra.jsonl",
@@ -85,6 +93,18 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="eagle: target decoder layers whose outputs the head fuses (EAGLE-3, "
                         "e.g. 2,15,26; 'auto' = 2, L/2, L-4); default: the final-norm state "
                         "(EAGLE-1)")
+    p.add_argument("--num-steps", type=int, default=1,
+                   help="eagle: distinct modules, module i drafting depth i (multi-layer "
+                        "EAGLE); above 1 every module starts from --init-head")
+    p.add_argument("--after-last-step", choices=AFTER_LAST_STEP, default="repeat",
+                   help="eagle --num-steps: past the last module repeat it recurrently, or "
+                        "stop the chain")
+    p.add_argument("--init-head", default=None,
+                   help="eagle --num-steps > 1: the head whose module 0 every module starts "
+                        "from (default: the head shipped for the target; 'none': random)")
+    p.add_argument("--train-first-step", action="store_true",
+                   help="eagle --num-steps > 1 from --init-head: train module 0 too (default: "
+                        "frozen, as the head it came from)")
     p.add_argument("--depth", type=int, default=3,
                    help="eagle: unrolled passes (training-time test)")
     p.add_argument("--init-layers", choices=["first", "spread", "random"], default="first",
@@ -101,7 +121,7 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="pard: COD keeps mask copy i of an anchor with probability "
                         "max(ratio^(i-1), 0.2)")
     p.add_argument("--train-minutes", type=float, default=None,
-                   help="pard: stop training after this many minutes (a bounded run)")
+                   help="pard, eagle: stop training after this many minutes (a bounded run)")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--batch-size", type=int, default=16,
                    help="windows (eagle) or whole samples (draft-model) per step")
@@ -264,14 +284,33 @@ def train_eagle_head(prep: dict, args: argparse.Namespace) -> dict:
     target = target_identity(lm.name, lm.config, embed)
     n_draft = args.draft_vocab_size if args.draft_vocab_size < lm.config.vocab_size else 0
     layers = args.resolved_feature_layers
-    cfg = EagleHeadConfig.for_target(lm.config, draft_vocab_size=n_draft,
-                                     num_layers=args.num_layers or 1, target=target,
-                                     feature_layers=layers)
+    num_steps = getattr(args, "num_steps", 1)
+    if num_steps < 1:
+        raise SystemExit(f"--num-steps {num_steps}: at least 1")
+    init = _init_head(args, lm, embed, lm_head, target) if num_steps > 1 else None
+    if init is not None:  # the shape, draft vocabulary and seed state of the head it starts from
+        if tuple(init.config.feature_layers) != tuple(layers):
+            raise SystemExit(f"--init-head reads the target's layers "
+                             f"{list(init.config.feature_layers) or 'final state'}; the data "
+                             f"is generated for --feature-layers {list(layers) or 'none'}: pass "
+                             f"--feature-layers {','.join(map(str, init.config.feature_layers))}")
+        cfg = replace(init.config, num_steps=num_steps, after_last_step=args.after_last_step)
+        layers, n_draft = cfg.feature_layers, cfg.draft_vocab_size
+    else:
+        cfg = EagleHeadConfig.for_target(lm.config, draft_vocab_size=n_draft,
+                                         num_layers=args.num_layers or 1, target=target,
+                                         feature_layers=layers, num_steps=num_steps,
+                                         after_last_step=getattr(args, "after_last_step",
+                                                                 "repeat"))
     reg_weight = args.reg_weight if args.reg_weight is not None else (0.0 if layers else 0.5)
     torch.manual_seed(args.seed)
     head = EagleHead(cfg)
-    ids = (draft_vocabulary(samples["train"], n_draft, tuple(lm.config.eos_token_ids))
-           if n_draft else None)
+    if init is not None:
+        ids = init.draft_to_target
+        _start_from(head, init, freeze_first=not args.train_first_step)
+    else:
+        ids = (draft_vocabulary(samples["train"], n_draft, tuple(lm.config.eos_token_ids))
+               if n_draft else None)
     head.set_target_weights(embed.float(), lm_head.float(), ids)
     to_draft = torch.full((lm.config.vocab_size,), -1, dtype=torch.long)
     to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel())
@@ -279,8 +318,10 @@ def train_eagle_head(prep: dict, args: argparse.Namespace) -> dict:
     print(f"head ({cfg.seed_state}): {head.num_trainable_parameters() / 1e6:.2f} M parameters, draft vocabulary "
           f"{head.lm_head.shape[0]}, {sum(len(w.labels) for w in train_w)} training entries",
           flush=True)
+    minutes = getattr(args, "train_minutes", None)
     summary = train(head, train_w, epochs=args.epochs, batch_size=args.batch_size,
-                    lr=args.lr, depth=args.depth, seed=args.seed,
+                    lr=args.lr, depth=max(args.depth, num_steps), seed=args.seed,
+                    max_seconds=None if minutes is None else 60 * minutes,
                     soft_weight=args.soft_weight, reg_weight=reg_weight,
                     autocast_dtype=None if args.autocast == "none" else getattr(torch, args.autocast))
     save_dtype = getattr(torch, args.save_dtype)
@@ -297,3 +338,49 @@ def train_eagle_head(prep: dict, args: argparse.Namespace) -> dict:
     out = save_head(head, args.out, training, dtype=save_dtype)
     print(f"wrote {out} in {training['total_seconds'] / 60:.1f} min total", flush=True)
     return evaluation
+
+
+def _init_head(args, lm, embed: torch.Tensor, lm_head: torch.Tensor,  # noqa: ANN001
+               target: dict) -> EagleHead | None:
+    """The 1-module head a multi-layer head starts from (``--init-head``; default the one
+    shipped for the target, drafter/heads/), None for 'none' or when none is shipped.
+
+    Raises:
+        SystemExit: ``--init-head`` names a head that is not a 1-module head of this target.
+    """
+    path = args.init_head
+    if path == "none":
+        return None
+    if path is None:
+        shipped = SHIPPED_HEADS / lm.name.lower()
+        if not (shipped / "config.json").is_file():
+            print(f"no head shipped for {lm.name}: modules start random", flush=True)
+            return None
+        path = shipped
+    try:
+        head = load_head(path, embed, lm_head, target)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--init-head {path}: {err}") from None
+    if head.config.num_steps != 1:
+        raise SystemExit(f"--init-head {path}: a {head.config.num_steps}-module head; "
+                         f"start from a 1-module head")
+    print(f"modules start from the head at {path}", flush=True)
+    return head
+
+
+def _start_from(head: EagleHead, init: EagleHead, freeze_first: bool) -> None:
+    """Every module of ``head`` starts as ``init``'s only one (module 0 with the EAGLE-3
+    fusion too); module 0 frozen when ``freeze_first``."""
+    state = {k: v for k, v in init.state_dict().items()}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if unexpected or any(not k.startswith("steps.") for k in missing):
+        raise SystemExit(f"--init-head does not fit: missing {missing}, unexpected {unexpected}")
+    for step in head.steps:
+        step.fc.load_state_dict(head.fc.state_dict())
+        step.layers.load_state_dict(head.layers.state_dict())
+        step.norm.load_state_dict(head.norm.state_dict())
+    if freeze_first:
+        for p in head.parameters():
+            p.requires_grad_(False)
+        for step in head.steps:
+            step.requires_grad_(True)
