@@ -82,15 +82,6 @@ def step_weight_bytes(head: EagleHead) -> list[int]:
     return [first + lm] + [_read_bytes(s) + lm for s in head.steps]
 
 
-def resident_bytes(head: EagleHead) -> int:
-    """Bytes the head holds in memory: its parameters and buffers (the copied target
-    embedding and the LM head's draft-vocabulary rows among them) plus any Q8_0 copies."""
-    n = sum(t.numel() * t.element_size() for t in (*head.parameters(), *head.buffers()))
-    n += sum(sub._blocks.nbytes for sub in head.modules()
-             if getattr(sub, "_blocks", None) is not None)
-    return n + (head.lm_head_blocks[0].nbytes if head.lm_head_blocks is not None else 0)
-
-
 def forward_steps(head: EagleHead, features: torch.Tensor, next_tokens: torch.Tensor,
                   positions: torch.Tensor, depth: int) -> list[torch.Tensor]:
     """``depth`` passes of a multi-layer head over whole sequences (training, evaluation):
@@ -148,4 +139,4 @@ def forward_steps(head: EagleHead, features: torch.Tensor, next_tokens: torch.Te
     return outs
 
 
-__all__ = ["StepModule", "forward_steps", "resident_bytes", "step_weight_bytes"]
+__all__ = ["StepModule", "forward_steps", "step_weight_bytes"]

@@ -38,7 +38,7 @@ from specmesh.drafter.eagle.head import EagleHead, HeadKV
 from specmesh.drafter.eagle.quantize import quantize_head
 from specmesh.drafter.eagle.step_draft import (StepChains, StepClock, StepState,
                                                catch_up_steps, kv_pool_bytes, truncate_steps)
-from specmesh.drafter.eagle.steps import resident_bytes, step_weight_bytes
+from specmesh.drafter.eagle.steps import step_weight_bytes
 from specmesh.drafter.eagle.tree_draft import MAX_TOPK, TreeJob, draft_trees
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import (BranchCall, DraftTarget, ProposeCall, Proposer,
