@@ -56,7 +56,10 @@ class VerifierConfig:
     request's measured acceptance and the forward's measured cost per token count
     (decode/goodput.py, SmartSpec arXiv 2406.14066; 0 drafts when verifying them costs more
     than they bring; the cluster turns it on, off here so a bare worker verifies every draft
-    it is given). ``draft_method`` is told to the
+    it is given). ``speculation_gate``: with the goodput caps, turn drafting off where it
+    measures slower (decode/speculation_gate.py; the command line's ``--speculation-gate``,
+    on by default there; off here and in ``ClusterConfig.create`` so a test's acceptance does
+    not depend on its machine's timing). ``draft_method`` is told to the
     prefill worker so that it ships the right seed state. ``seed_state``: the seed state that
     method needs (``""`` none, ``"hidden"`` the target's final hidden states, which the verify
     forward then returns and DraftSync / VerifyCommit carry; the cluster fills it from the
@@ -119,6 +122,7 @@ class VerifierConfig:
     eos_token_ids: tuple[int, ...] = ()
     adaptive_drafts: bool = True
     goodput_drafts: bool = False
+    speculation_gate: bool = False
     verify_rule: str = AUTO_VERIFY_RULE
     synthetic_acceptance: tuple[float, ...] = ()
     max_tree_nodes: int = 0
@@ -210,3 +214,9 @@ class VerifierConfig:
         """Whether each step's drafts are capped for goodput (``goodput_drafts`` under the
         goodput policy, decode/goodput.py)."""
         return self.goodput_drafts and self.speculative_policy == "goodput"
+
+    @property
+    def gates_speculation(self) -> bool:
+        """Whether drafting is turned on and off on measured throughput
+        (``speculation_gate`` with the goodput caps, decode/speculation_gate.py)."""
+        return self.speculation_gate and self.goodput_caps

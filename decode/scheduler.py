@@ -104,7 +104,8 @@ class Scheduler(Admission, TailWait, ConfidencePolicy):
         self.init_confidence_policy()  # its budget (decode/confidence_policy.py)
         #: drafting on or off for the whole verifier, on measured throughput, under the
         #: goodput policy (decode/speculation_gate.py; None: off)
-        self.speculation_gate = SpeculationGate(log=log.info) if config.goodput_caps else None
+        self.speculation_gate = SpeculationGate(log=log.info) \
+            if config.gates_speculation else None
 
     # -- the per-step draft plan -----------------------------------------------------------
 

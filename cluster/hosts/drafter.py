@@ -66,10 +66,10 @@ class DrafterHost(RoleHost):
     def stats(self) -> dict:
         out = super().stats()
         out["num_requests"] = len(self.worker.requests)  # per-request draft states held
-        # weights, draft KV and forwards of the method (the bench's per-method table)
-        out.update(drafter_costs(self.worker.proposer))
         # a multi-layer EAGLE head's per-module figures (drafter/proposers/eagle.py draft_stats)
         out.update(getattr(self.worker.proposer, "draft_stats", dict)())
+        # weights, draft KV and forwards of the method (the bench's per-method table)
+        out.update(drafter_costs(self.worker.proposer))
         return out
 
 

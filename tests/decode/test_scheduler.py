@@ -415,8 +415,9 @@ def test_observe_accept_counts_the_method_drafts_after_a_prediction_run():
 def test_speculation_gate_off_sets_step_kappa_0_and_pauses_the_drafter():
     """Under the goodput policy the gate's off state makes the step kappa 0 (no drafts
     verified or waited for; the drafter told to pause, VerifyCommit.drafting_paused); a
-    request with a prediction is not paused; with the goodput caps off there is no gate."""
-    sched = make_scheduler(goodput_drafts=True)
+    request with a prediction is not paused; without the goodput caps, or not asked for
+    (``speculation_gate``, on by default on the command line), there is no gate."""
+    sched = make_scheduler(goodput_drafts=True, speculation_gate=True)
     gate = sched.speculation_gate
     assert gate is not None and gate.on
     req = running(make_request("a", kappa=4), sched, output=[1], drafts=[2, 3, 4])
@@ -431,3 +432,5 @@ def test_speculation_gate_off_sets_step_kappa_0_and_pauses_the_drafter():
     assert sched.tail_wait_budget_s([req]) == 0.0
     assert [p.draft_token_ids for p in sched.plan([req])] == [[]]
     assert make_scheduler().speculation_gate is None
+    assert make_scheduler(goodput_drafts=True).speculation_gate is None  # not asked for
+    assert make_scheduler(speculation_gate=True).speculation_gate is None  # no goodput caps
