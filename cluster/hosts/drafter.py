@@ -9,7 +9,7 @@ import torch
 from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.hosts.base import RoleHost, role_backend, watch_model
 from specmesh.drafter.proposer import DraftTarget
-from specmesh.drafter.registry import create_proposer, seed_state_for
+from specmesh.drafter.registry import create_proposer, get_method, seed_state_for
 from specmesh.protocol.enums import Role
 from specmesh.protocol.zmq_transport import PeerInfo
 
@@ -28,6 +28,12 @@ def cluster_seed_state(cfg: ClusterConfig) -> str:
     head, ``"hidden:L1,L2,..."`` read from the head's config), which the prefill and verifier
     hosts configure their workers with before any drafter runs."""
     return seed_state_for(cfg.drafter.method, cfg.drafter.method_kwargs, draft_target(cfg))
+
+
+def reads_target_kv(cfg: ClusterConfig) -> bool:
+    """Whether the drafters of ``cfg`` read the verifier's KV pool (frozen-KV MTP): the
+    verifier then keeps it in shared memory (engine/shared_kv.py)."""
+    return bool(get_method(cfg.drafter.method).reads_target_kv)
 
 
 def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, ANN201
@@ -53,6 +59,8 @@ class DrafterHost(RoleHost):
 
         proposer = build_proposer(self.cfg, self.model_identity())
         worker = DrafterWorker(self.cfg.drafter, self.mailbox, proposer)
+        if proposer.reads_target_kv:  # a verifier off this node is refused at Hello
+            self.mailbox.hello_check = proposer.check_verifier_hello
         _watch_models(worker.proposer)
         return worker
 
@@ -65,6 +73,9 @@ class DrafterHost(RoleHost):
     def stats(self) -> dict:
         out = super().stats()
         out["num_requests"] = len(self.worker.requests)  # per-request draft states held
+        memory = getattr(self.worker.proposer, "draft_memory", None)
+        if memory is not None:  # draft_weights_bytes, draft_kv_pool_bytes (docs/drafters.md)
+            out.update(memory())
         return out
 
 

@@ -49,13 +49,15 @@ def plugins(tmp_path, monkeypatch):
 
 def test_builtins_are_every_module_of_the_methods_package():
     modules = {m.name for m in pkgutil.iter_modules(builtin_package.__path__)}
-    assert modules == {"ngram", "eagle", "draft_model", "suffix", "pard", "medusa"}
+    assert modules == {"ngram", "eagle", "draft_model", "suffix", "pard", "medusa",
+                       "frozen_kv_mtp"}
     keys = registered_methods()
     for name in modules:  # each module registers the method named after it
         assert name in keys and registry.is_builtin(name)
         assert get_method(name).__module__ == f"{builtin_package.__name__}.{name}"
     assert get_method("draft-model") is get_method("draft_model")  # its user spelling
-    assert registry.spellings()[:4] == ["draft-model", "eagle", "medusa", "ngram"]
+    assert registry.spellings()[:5] == ["draft-model", "eagle", "frozen-kv-mtp", "medusa",
+                                        "ngram"]
 
 
 def test_an_entry_point_plugin_is_found_by_name_and_parsed_with_its_schema(plugins):
