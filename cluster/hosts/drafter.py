@@ -32,8 +32,12 @@ def cluster_seed_state(cfg: ClusterConfig) -> str:
 
 def reads_target_kv(cfg: ClusterConfig) -> bool:
     """Whether the drafters of ``cfg`` read the verifier's KV pool (frozen-KV MTP): the
-    verifier then keeps it in shared memory (engine/shared_kv.py)."""
-    return bool(get_method(cfg.drafter.method).reads_target_kv)
+    verifier then keeps it in shared memory (engine/shared_kv.py); False for a method the
+    registry does not know (the drafter fails at startup with the reason)."""
+    try:
+        return bool(get_method(cfg.drafter.method).reads_target_kv)
+    except KeyError:
+        return False
 
 
 def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, ANN201
@@ -59,7 +63,7 @@ class DrafterHost(RoleHost):
 
         proposer = build_proposer(self.cfg, self.model_identity())
         worker = DrafterWorker(self.cfg.drafter, self.mailbox, proposer)
-        if proposer.reads_target_kv:  # a verifier off this node is refused at Hello
+        if getattr(proposer, "reads_target_kv", False):  # a verifier off this node: refused
             self.mailbox.hello_check = proposer.check_verifier_hello
         _watch_models(worker.proposer)
         return worker
