@@ -199,7 +199,7 @@ def test_an_entry_points_class_name_must_be_its_name(plugins):
 def test_train_drafter_finds_trainers_in_the_registry():
     from specmesh.cluster.cli import build_parser
 
-    assert trainable_methods() == ["draft-model", "eagle", "medusa", "pard"]
+    assert trainable_methods() == ["draft-model", "eagle", "frozen-kv-mtp", "medusa", "pard"]
     assert get_method("ngram").trainer is None
     args = build_parser().parse_args(["train-drafter", "--method", "draft-model", "--out", "x"])
     assert args.method == "draft-model"
