@@ -37,7 +37,7 @@ class VerifierHost(RoleHost):
                          seed_state=v.seed_state or cluster_seed_state(self.cfg))
         worker = VerifierWorker(config, self.mailbox, runner, bm)
         if share_kv:  # announced in Hello; each request's committed rows go with its commits
-            worker.share_kv = True
+            worker.lifecycle.share_kv = True
             self.mailbox.shared_kv = runner.kv_cache.shared_file.describe()
         worker.set_grammar_compiler(compiler_for(loaded.tokenizer, config.eos_token_ids,
                                                  loaded.config.vocab_size))
