@@ -141,7 +141,7 @@ def train(model: FrozenKVAssistant, seqs: list[TargetSequence], *, epochs: float
             (loss / n).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            last = float(loss) / n
+            last = float(loss.detach()) / n
         sched.step()
         step += 1
         if progress:
