@@ -38,10 +38,7 @@ SHM_DIR = "/dev/shm"
 
 def shared_kv_dir() -> str:
     """The directory pool files go to: ``/dev/shm`` where it is a writable directory, else
-    the temp directory (``SPECMESH_SHARED_KV_DIR`` overrides both)."""
-    forced = os.environ.get("SPECMESH_SHARED_KV_DIR")
-    if forced:
-        return forced
+    the temp directory."""
     if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK):
         return SHM_DIR
     return tempfile.gettempdir()
