@@ -13,7 +13,7 @@ from specmesh.decode.rules import outputs_exact
 from specmesh.decode.worker import VerifierWorker
 from specmesh.drafter.config import DrafterConfig
 from specmesh.drafter.proposer import Proposer
-from specmesh.drafter.registry import seed_state_for, seed_state_kinds
+from specmesh.drafter.registry import get_method, seed_state_for, seed_state_kinds
 from specmesh.drafter.worker import DrafterWorker
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.config import ModelConfig
@@ -21,10 +21,12 @@ from specmesh.engine.dtypes import resolve_kv_cache_dtype
 from specmesh.engine.grammar import GrammarCompiler
 from specmesh.engine.kv_cache import KVCache
 from specmesh.engine.runner import ModelRunner
+from specmesh.engine.shared_kv import SharedKVFile
 from specmesh.prefill.config import PrefillConfig
 from specmesh.prefill.worker import PrefillWorker
 from specmesh.protocol.enums import FinishReason
-from specmesh.protocol.messages import GenerateRequest, SamplingParams, TokenLogprobs, TokenStream
+from specmesh.protocol.messages import (PROTOCOL_VERSION, GenerateRequest, Hello, SamplingParams,
+                                        TokenLogprobs, TokenStream)
 from specmesh.protocol.spec_stats import SpecStats
 from specmesh.protocol.transport import InProcHub
 
@@ -95,12 +97,20 @@ class InProcessCluster:
         self.hub = InProcHub()
         dtype = resolve_kv_cache_dtype(kv_cache_dtype, model.dtype)
 
-        def runner() -> tuple[ModelRunner, BlockManager]:
-            cache = KVCache(config, num_kv_blocks, block_size, dtype, model.device)
+        def runner(shared: bool = False) -> tuple[ModelRunner, BlockManager]:
+            pool = SharedKVFile(VERIFIER, (config.num_layers, 2, num_kv_blocks * block_size,
+                                           config.num_kv_heads, config.head_dim),
+                                dtype, block_size) if shared else None
+            cache = KVCache(config, num_kv_blocks, block_size, dtype, model.device,
+                            storage=pool.tensor if pool is not None else None)
+            cache.shared_file = pool
             return ModelRunner(model, config, cache), BlockManager(num_kv_blocks, block_size)
 
+        # a frozen-KV drafter reads the verifier's KV: in shared memory, as served
+        reads_kv = getattr(proposer if proposer is not None else get_method(draft_method),
+                           "reads_target_kv", False)
         p_runner, p_bm = runner()
-        v_runner, v_bm = runner()
+        v_runner, v_bm = runner(shared=reads_kv)
         seed = proposer.seed_state if proposer is not None else seed_state_for(
             draft_method, (drafter_options or {}).get("method_kwargs"))
         self.prefill = PrefillWorker(
@@ -128,6 +138,13 @@ class InProcessCluster:
         self.drafter = DrafterWorker(DrafterConfig(method=draft_method, window=w, max_segment=w,
                                                    **d_opts),
                                      self.hub.mailbox("drafter-0"), proposer)
+        if reads_kv:  # the Hello a served verifier sends, and the drafter's check of it
+            self.verifier.lifecycle.share_kv = True
+            why = self.drafter.proposer.check_verifier_hello(VERIFIER, Hello(
+                protocol_version=PROTOCOL_VERSION, role="verifier", instance_id=VERIFIER,
+                incarnation=1, shared_kv=v_runner.kv_cache.shared_file.describe()))
+            if why:
+                raise ValueError(why)
         if tokenizer is not None:  # structured output: both roles mask (engine/grammar.py)
             grammars = GrammarCompiler(tokenizer, tuple(eos_token_ids), config.vocab_size)
             self.verifier.set_grammar_compiler(grammars)

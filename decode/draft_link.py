@@ -11,6 +11,7 @@ from __future__ import annotations
 from specmesh.decode.draft_probs import checked_draft_probs
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.decode.seed_state import sync_buffer
+from specmesh.decode.target_kv import target_kv_rows
 from specmesh.protocol.enums import DRAFT_CLOSE_ABORT
 from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.messages import DraftBranches, DraftClose, DraftSync, DraftTailStream
@@ -18,6 +19,10 @@ from specmesh.protocol.messages import DraftBranches, DraftClose, DraftSync, Dra
 
 class DraftLink:
     """Opens requests on drafters and applies what drafters send (see the module docstring)."""
+
+    #: the KV pool is in shared memory for a frozen-KV drafter: DraftSync and VerifyCommit
+    #: carry each request's committed rows (decode/target_kv.py)
+    share_kv: bool = False
 
     def open_draft(self, req: Request) -> None:
         """Assign ``req`` a drafter (least loaded) and open it there with DraftSync; without
@@ -34,7 +39,8 @@ class DraftLink:
         if self.send(req.drafter, DraftSync(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 committed_token_ids=list(req.output_token_ids), sampling=req.sampling,
-                seed_state=seed, prediction_token_ids=req.prediction_token_ids)):
+                seed_state=seed, prediction_token_ids=req.prediction_token_ids,
+                target_kv=target_kv_rows(req, self.share_kv))):
             req.num_draft_syncs += 1
             req.tail_in_flight = True  # (a failed send put the request on plain decode)
 

@@ -22,6 +22,7 @@ from specmesh.decode.request_start import RequestStart
 from specmesh.decode.scheduler import Scheduler
 from specmesh.decode.seed_state import SeedWindow, commit_buffer
 from specmesh.decode.siblings import SiblingGroups
+from specmesh.decode.target_kv import target_kv_rows
 from specmesh.decode.stats import VerifierStats
 from specmesh.decode.verify_step import VerifyOutput
 from specmesh.protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
@@ -139,7 +140,8 @@ class RequestLifecycle(DraftLink, RequestStart):
                     request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
                     committed_token_ids=committed, seed_state=commit_buffer(seed_rows),
                     num_drafts_wanted=self.scheduler.drafts_wanted(req),
-                    drafting_paused=self.scheduler.drafting_paused(req))):
+                    drafting_paused=self.scheduler.drafting_paused(req),
+                    target_kv=target_kv_rows(req, self.share_kv))):
                 req.tail_in_flight = True  # (a failed send put the request on plain decode)
         self.stream(req)
 

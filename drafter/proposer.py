@@ -120,6 +120,11 @@ class Proposer(ABC):
     #: cores): the cluster's default thread plan leaves such a drafter a core of its own
     runs_a_model: ClassVar[bool] = False
     seed_hidden_size: int | None = None
+    #: whether the method reads the target's committed KV (frozen-KV MTP,
+    #: drafter/proposers/frozen_kv_mtp.py): the verifier then keeps its KV pool in shared
+    #: memory and tells each request's committed rows (:meth:`observe_target_kv`), and the
+    #: drafter serves only verifiers on its own node (:meth:`check_verifier_hello`)
+    reads_target_kv: ClassVar[bool] = False
     #: whether the method drafts from corpora loaded at run time (:meth:`load_corpus`,
     #: :meth:`drop_corpus`; ``specmesh serve --corpus``, ``POST /v1/specmesh/corpus``)
     supports_corpus: ClassVar[bool] = False
@@ -202,6 +207,18 @@ class Proposer(ABC):
         and after each VerifyCommit (``accept_len + 1`` rows, ending at the same place).
         Only for methods whose ``seed_state`` is not empty; the default ignores them. May
         raise ValueError for states it cannot use: the drafter then asks for a DraftSync."""
+
+    def observe_target_kv(self, request_id: str, verifier: str, rows) -> None:  # noqa: ANN001
+        """The committed rows of the request in verifier ``verifier``'s shared KV pool
+        (``rows``: protocol.messages.TargetKVRows), after :meth:`open` and after each commit
+        is applied. Only for methods whose ``reads_target_kv`` is True; the default ignores
+        them."""
+
+    def check_verifier_hello(self, verifier: str, hello) -> str:  # noqa: ANN001
+        """Why this drafter refuses the Hello of ``verifier`` (protocol.messages.Hello), ""
+        to accept it; asked only of methods whose ``reads_target_kv`` is True (the default
+        accepts)."""
+        return ""
 
     def propose_branches(self, calls: list[BranchCall]) -> list[dict[int, list[int]]]:
         """Drafts prepared for verification outcomes other than the path (the speculation

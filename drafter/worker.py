@@ -174,6 +174,8 @@ class DrafterWorker(MailboxWorker):
             st.prediction = PredictionDrafter(PredictionIndex(msg.prediction_token_ids))
         self.requests[msg.request_id] = st
         self.proposer.open(msg.request_id, st.context)
+        if msg.target_kv is not None and self.proposer.reads_target_kv:  # frozen-KV MTP
+            self.proposer.observe_target_kv(st.request_id, peer, msg.target_kv)
         if self._wants_seed(msg.seed_state):  # rows end at position len(context) - 2
             try:
                 hidden = hidden_rows(msg.seed_state, self.proposer.seed_hidden_size)
@@ -257,6 +259,8 @@ class DrafterWorker(MailboxWorker):
             # the catch-up and the next draft (a few ms served), so that it does
             # not spend its tail wait on a second draft that cannot arrive within it.
             self._send_segment(st)
+        if msg.target_kv is not None and self.proposer.reads_target_kv:  # frozen-KV MTP
+            self.proposer.observe_target_kv(st.request_id, peer, msg.target_kv)
         if hidden is not None and toks:  # the rows of the tokens new to us, after any rollback
             new = hidden[hidden.shape[0] - len(toks):]
             start = len(st.prompt_token_ids) + pre - 1

@@ -40,9 +40,14 @@ class KVCache:
     (round to nearest even), and every attention path reads the stored values (widened
     exactly), so a verify step reads the same K/V a one-token step would.
 
+    ``shared_file``: the engine.shared_kv.SharedKVFile whose mapping holds ``data`` when the
+    pool is shared with a frozen-KV drafter (kept alive with the cache), else None.
+
     Raises:
         ValueError: ``num_blocks < 1``, ``block_size < 1`` or an unsupported dtype.
     """
+
+    shared_file = None
 
     def __init__(
         self,
@@ -51,7 +56,11 @@ class KVCache:
         block_size: int,
         dtype: str | torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        storage: torch.Tensor | None = None,
     ) -> None:
+        """``storage``: a zeroed tensor of the cache's shape and dtype to keep the KV in
+        instead of a new one (the pool in shared memory a frozen-KV drafter reads,
+        engine/shared_kv.py); ValueError when its shape, dtype or device differ."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -64,11 +73,15 @@ class KVCache:
         self.num_layers = config.num_layers
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.data = torch.zeros(
-            (config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (config.num_layers, 2, num_blocks * block_size, config.num_kv_heads,
+                 config.head_dim)
+        if storage is not None and (tuple(storage.shape) != shape or storage.dtype != self.dtype
+                                    or storage.device != self.device):
+            raise ValueError(f"storage {tuple(storage.shape)} {storage.dtype} on "
+                             f"{storage.device} != the cache's {shape} {self.dtype} on "
+                             f"{self.device}")
+        self.data = storage if storage is not None else torch.zeros(
+            shape, dtype=self.dtype, device=self.device)
 
     @property
     def bytes_per_token(self) -> int:

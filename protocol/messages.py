@@ -59,7 +59,10 @@ from msgspec import Meta
 # 18: DraftTailStream trees may carry draft_probs (sampled EAGLE-2 trees: a row per node);
 # verifiers before 18 refuse them
 # 19: VerifyCommit.drafting_paused (the verifier's speculation gate, decode/speculation_gate.py)
-PROTOCOL_VERSION = 19
+# 20: SharedKVPool (Hello.shared_kv: the verifier's KV pool in shared memory, for a frozen-KV
+# MTP drafter on its node) and TargetKVRows (DraftSync / VerifyCommit.target_kv: a request's
+# committed rows in it)
+PROTOCOL_VERSION = 20
 PLACEHOLDER_TOKEN_ID = -1
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
@@ -399,8 +402,61 @@ class SamplingParams(Message, tag=2, kw_only=True):
 
 
 @register
+class SharedKVPool(Message, tag=70, kw_only=True):
+    """Where a verifier keeps its paged KV pool in shared memory, so that a drafter on the same
+    node can map it read-only (a frozen-KV MTP assistant, drafter/proposers/frozen_kv_mtp.py,
+    which owns no KV pool of its own; docs/drafters.md, 'Frozen-KV MTP').
+
+    ``node``: the verifier's node identity (protocol/colocation.py: host name and boot id);
+    ``path``: the file that backs the pool; ``device`` / ``inode``: that file's identity
+    (``os.stat``), so a drafter that sees another file under the same path refuses it;
+    ``shape``: the pool tensor's ``[num_layers, 2, num_slots, num_kv_heads, head_dim]``
+    (engine/kv_cache.py), C order; ``dtype``: its element type (a name of
+    :data:`DTYPE_ITEMSIZE`); ``block_size``: tokens per KV block (slot = block id *
+    block_size + offset)."""
+
+    node: str
+    path: str
+    device: NonNegInt
+    inode: NonNegInt
+    shape: list[NonNegInt]
+    dtype: str
+    block_size: PositiveInt
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool: the product of ``shape`` times the dtype's size."""
+        return buffer_nbytes(self.dtype, tuple(self.shape))
+
+    @classmethod
+    def example(cls) -> SharedKVPool:
+        return cls(node="host-a/6f1c", path="/dev/shm/specmesh-kv-verifier-0-1-42",
+                   device=25, inode=1234, shape=[30, 2, 4096, 3, 64], dtype="bfloat16",
+                   block_size=16)
+
+
+@register
+class TargetKVRows(Message, tag=71, kw_only=True):
+    """Verifier -> drafter, with DraftSync and VerifyCommit when the verifier shares its KV
+    pool (:class:`SharedKVPool`): the request's ``block_table`` (enough blocks for
+    ``num_rows`` positions) and ``num_rows``, the positions whose K/V the verifier has written
+    and committed (prompt + committed output but the last token, ``Request.kv_len``). A drafter
+    reads rows ``[0, num_rows)`` only: rows past it may hold rejected drafts, and blocks of a
+    request the verifier finished (DraftClose) belong to another request next."""
+
+    block_table: list[NonNegInt]
+    num_rows: NonNegInt
+
+    @classmethod
+    def example(cls) -> TargetKVRows:
+        return cls(block_table=[4, 9], num_rows=20)
+
+
+@register
 class Hello(Message, tag=10, kw_only=True):
-    """First message on every connection, repeated after a reconnect."""
+    """First message on every connection, repeated after a reconnect. ``shared_kv``: a
+    verifier that keeps its KV pool in shared memory says where (:class:`SharedKVPool`; a
+    drafter whose method reads it refuses a Hello without one, or from another node)."""
 
     protocol_version: int
     role: str  # a protocol.enums.Role value: prefill | verifier | drafter | gateway
@@ -408,6 +464,7 @@ class Hello(Message, tag=10, kw_only=True):
     incarnation: int  # a restarted process has a new one
     model: ModelIdentity | None = None
     draft_method: str = ""
+    shared_kv: SharedKVPool | None = None
 
     @classmethod
     def example(cls) -> Hello:
@@ -720,6 +777,7 @@ class DraftSync(Message, tag=40, kw_only=True):
     sampling: SamplingParams
     seed_state: Buffer | None = None
     prediction_token_ids: list[TokenId] | None = None
+    target_kv: TargetKVRows | None = None  # a verifier that shares its KV pool (Hello.shared_kv)
 
     @classmethod
     def example(cls) -> DraftSync:
@@ -747,6 +805,7 @@ class VerifyCommit(Message, tag=41, kw_only=True):
     seed_state: Buffer | None = None  # EAGLE family: [accept_len + 1, hidden_size]
     num_drafts_wanted: NonNegInt | None = None
     drafting_paused: bool = False
+    target_kv: TargetKVRows | None = None  # a verifier that shares its KV pool (Hello.shared_kv)
 
     @classmethod
     def example(cls) -> VerifyCommit:
@@ -1022,5 +1081,5 @@ __all__ = [
     "DraftClose",
     "DraftNeedSync", "DrafterCorpus", "DrafterCorpusRelayed", "DrafterCorpusResult",
     "CORPUS_CHUNK_TOKENS", "MAX_CORPUS_TOKENS", "MAX_CORPUS_NAME_LEN",
-    "LoraAdapterOp", "LoraAdapterResult", "MAX_LORA_ADAPTERS",
+    "LoraAdapterOp", "LoraAdapterResult", "MAX_LORA_ADAPTERS", "SharedKVPool", "TargetKVRows",
 ]

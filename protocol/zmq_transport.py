@@ -44,7 +44,8 @@ from specmesh.protocol.codec import encode
 from specmesh.protocol.curve import CurveKeys, RosterAuthenticator, make_client, make_server
 from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.handshake import PeerInfo, ack_refusal, hello_refusal
-from specmesh.protocol.messages import PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity
+from specmesh.protocol.messages import (PROTOCOL_VERSION, Hello, HelloAck, ModelIdentity,
+                                        SharedKVPool)
 from specmesh.protocol.transport import Envelope, Mailbox, PeerUnavailable, decode_envelope
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,12 @@ class ZmqMailbox(Mailbox):
         self.draft_method = draft_method
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self.on_hello = on_hello
+        #: the verifier's KV pool in shared memory, announced in every Hello (None: none)
+        self.shared_kv: SharedKVPool | None = None
+        #: an acceptor's own check of a Hello that passed the handshake's rules: ``(peer,
+        #: hello) -> why it is refused`` ("" accepts); a frozen-KV drafter refuses a verifier
+        #: off its node there (protocol/colocation.py)
+        self.hello_check: Callable[[str, Hello], str] | None = None
         # the ZAP handler binds per context: a Curve mailbox owns one
         self.ctx = zmq.Context() if curve else zmq.Context.instance()
         self.auth: RosterAuthenticator | None = None
@@ -177,7 +184,7 @@ class ZmqMailbox(Mailbox):
     def hello(self) -> Hello:
         return Hello(protocol_version=PROTOCOL_VERSION, role=self.role, instance_id=self.name,
                      incarnation=self.incarnation, model=self.model,
-                     draft_method=self.draft_method)
+                     draft_method=self.draft_method, shared_kv=self.shared_kv)
 
     # -- connections (call from the owning thread, or before it starts) ---------------------
 
@@ -428,6 +435,8 @@ class ZmqMailbox(Mailbox):
         if isinstance(msg, Hello):
             why = hello_refusal(msg, peer, self.model, role=self.role,
                                 draft_method=self.draft_method)
+            if not why and self.hello_check is not None:
+                why = self.hello_check(peer, msg)
             ack = HelloAck(accepted=not why, protocol_version=PROTOCOL_VERSION, role=self.role,
                            instance_id=self.name, incarnation=self.incarnation,
                            model=self.model, draft_method=self.draft_method, error=why)

@@ -32,6 +32,7 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.devices import resolve_device
 from specmesh.engine.dtypes import resolve_kv_cache_dtype
 from specmesh.engine.kv_cache import KVCache, num_blocks_for_memory
+from specmesh.engine.shared_kv import SharedKVFile
 from specmesh.engine.lora_modules import adapter_set_identity, parse_lora_modules
 from specmesh.engine.openmp import run_in_released_thread
 from specmesh.protocol.curve import CurveKeys, curve_enabled, roster_keys
@@ -299,12 +300,14 @@ def role_backend(cfg: ClusterConfig):  # noqa: ANN201 - an engine.backend.CpuBac
     return backend
 
 
-def loaded_runner(cfg: ClusterConfig):
+def loaded_runner(cfg: ClusterConfig, shared_kv_owner: str = ""):
     """Load the target with the role's CPU backend (:func:`role_backend`) and build
     (LoadedModel, ModelRunner, BlockManager) with ``cfg.kv_cache_mb`` of KV in blocks of
     ``cfg.block_size``, in ``cfg.kv_cache_dtype``.
 
-    Loads ``cfg.lora_modules`` into the model (engine/lora.py).
+    Loads ``cfg.lora_modules`` into the model (engine/lora.py). ``shared_kv_owner``: keep the
+    KV pool in a shared-memory file named after it (engine/shared_kv.py; the cache's
+    ``shared_file``), for a frozen-KV drafter on this node; "": an ordinary tensor.
 
     Raises:
         ValueError: the KV memory holds no block, or a KV cache dtype the model (or its
@@ -321,7 +324,14 @@ def loaded_runner(cfg: ClusterConfig):
     n = num_blocks_for_memory(loaded.config, cfg.block_size, kv_dtype, cfg.kv_cache_mb << 20)
     if n < 1:
         raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds no block of {cfg.block_size} tokens")
-    cache = KVCache(loaded.config, n, cfg.block_size, kv_dtype, loaded.model.device)
+    shared = None
+    if shared_kv_owner:  # the pool in /dev/shm, mapped read-only by a co-located drafter
+        shape = (loaded.config.num_layers, 2, n * cfg.block_size, loaded.config.num_kv_heads,
+                 loaded.config.head_dim)
+        shared = SharedKVFile(shared_kv_owner, shape, kv_dtype, cfg.block_size)
+    cache = KVCache(loaded.config, n, cfg.block_size, kv_dtype, loaded.model.device,
+                    storage=shared.tensor if shared is not None else None)
+    cache.shared_file = shared
     if cfg.lora_modules:  # the adapters requests select with model: NAME
         load_lora_modules(loaded.model, parse_lora_modules(cfg.lora_modules))
     watch_model(loaded.model)  # a long forward is progress for the health check

@@ -10,7 +10,7 @@ from specmesh.cluster.config import ClusterConfig
 from specmesh.cluster.hosts.base import RoleHost, role_backend, watch_model
 from specmesh.drafter.draft_memory import drafter_costs
 from specmesh.drafter.proposer import DraftTarget
-from specmesh.drafter.registry import create_proposer, seed_state_for
+from specmesh.drafter.registry import create_proposer, get_method, seed_state_for
 from specmesh.protocol.enums import Role
 from specmesh.protocol.zmq_transport import PeerInfo
 
@@ -29,6 +29,16 @@ def cluster_seed_state(cfg: ClusterConfig) -> str:
     head, ``"hidden:L1,L2,..."`` read from the head's config), which the prefill and verifier
     hosts configure their workers with before any drafter runs."""
     return seed_state_for(cfg.drafter.method, cfg.drafter.method_kwargs, draft_target(cfg))
+
+
+def reads_target_kv(cfg: ClusterConfig) -> bool:
+    """Whether the drafters of ``cfg`` read the verifier's KV pool (frozen-KV MTP): the
+    verifier then keeps it in shared memory (engine/shared_kv.py); False for a method the
+    registry does not know (the drafter fails at startup with the reason)."""
+    try:
+        return bool(get_method(cfg.drafter.method).reads_target_kv)
+    except KeyError:
+        return False
 
 
 def build_proposer(cfg: ClusterConfig, target_identity=None):  # noqa: ANN001, ANN201
@@ -54,6 +64,8 @@ class DrafterHost(RoleHost):
 
         proposer = build_proposer(self.cfg, self.model_identity())
         worker = DrafterWorker(self.cfg.drafter, self.mailbox, proposer)
+        if getattr(proposer, "reads_target_kv", False):  # a verifier off this node: refused
+            self.mailbox.hello_check = proposer.check_verifier_hello
         _watch_models(worker.proposer)
         return worker
 
@@ -68,6 +80,9 @@ class DrafterHost(RoleHost):
         out["num_requests"] = len(self.worker.requests)  # per-request draft states held
         # a multi-layer EAGLE head's per-module figures (drafter/proposers/eagle.py draft_stats)
         out.update(getattr(self.worker.proposer, "draft_stats", dict)())
+        memory = getattr(self.worker.proposer, "draft_memory", None)
+        if memory is not None:  # frozen-KV MTP: the draft KV it does not allocate
+            out.update(memory())
         # weights, draft KV and forwards of the method (the bench's per-method table)
         out.update(drafter_costs(self.worker.proposer))
         return out

@@ -22,10 +22,12 @@ class VerifierHost(RoleHost):
         from specmesh.decode.core_sharing import CoreSharing
         from specmesh.decode.worker import VerifierWorker
         from specmesh.engine.grammar import compiler_for
-        from specmesh.cluster.hosts.drafter import cluster_seed_state
+        from specmesh.cluster.hosts.drafter import cluster_seed_state, reads_target_kv
         from specmesh.cluster.verify_cost import verifier_cost_table
 
-        loaded, runner, bm = loaded_runner(self.cfg)
+        # a frozen-KV drafter reads the KV pool: keep it in shared memory (engine/shared_kv.py)
+        share_kv = reads_target_kv(self.cfg)
+        loaded, runner, bm = loaded_runner(self.cfg, self.instance_id if share_kv else "")
         v = self.cfg.verifier
         max_len = min(v.max_model_len, loaded.config.max_position_embeddings)
         # the seed state its draft method needs (decode/ cannot ask drafter/)
@@ -34,6 +36,9 @@ class VerifierHost(RoleHost):
                          eos_token_ids=tuple(loaded.config.eos_token_ids),
                          seed_state=v.seed_state or cluster_seed_state(self.cfg))
         worker = VerifierWorker(config, self.mailbox, runner, bm)
+        if share_kv:  # announced in Hello; each request's committed rows go with its commits
+            worker.lifecycle.share_kv = True
+            self.mailbox.shared_kv = runner.kv_cache.shared_file.describe()
         worker.set_grammar_compiler(compiler_for(loaded.tokenizer, config.eos_token_ids,
                                                  loaded.config.vocab_size))
         self._on_cpu = loaded.model.device.type == "cpu"

@@ -121,7 +121,11 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="pard: COD keeps mask copy i of an anchor with probability "
                         "max(ratio^(i-1), 0.2)")
     p.add_argument("--train-minutes", type=float, default=None,
-                   help="pard, eagle: stop training after this many minutes (a bounded run)")
+                   help="pard, eagle, frozen-kv-mtp: stop training after this many minutes "
+                        "(a bounded run)")
+    p.add_argument("--target-layer", type=int, default=None,
+                   help="frozen-kv-mtp: the target layer whose K/V the assistant reads "
+                        "(default: the last)")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--batch-size", type=int, default=16,
                    help="windows (eagle) or whole samples (draft-model) per step")
