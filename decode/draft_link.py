@@ -37,6 +37,7 @@ class DraftLink:
                 seed_state=seed, prediction_token_ids=req.prediction_token_ids)):
             req.num_draft_syncs += 1
             req.tail_in_flight = True  # (a failed send put the request on plain decode)
+            self.stats.seed_state_sent_bytes += seed.nbytes if seed is not None else 0
 
     def set_drafters(self, drafter_peers: list[str]) -> None:
         """Replace the known drafters; a running request whose drafter vanished is re-opened
