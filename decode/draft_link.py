@@ -43,6 +43,7 @@ class DraftLink:
                 target_kv=target_kv_rows(req, self.share_kv))):
             req.num_draft_syncs += 1
             req.tail_in_flight = True  # (a failed send put the request on plain decode)
+            self.stats.seed_state_sent_bytes += seed.nbytes if seed is not None else 0
 
     def set_drafters(self, drafter_peers: list[str]) -> None:
         """Replace the known drafters; a running request whose drafter vanished is re-opened

@@ -136,13 +136,15 @@ class RequestLifecycle(DraftLink, RequestStart):
         req.tail.on_commit(req.output_token_ids)
         self.stats.num_branch_hits += req.tail.stats.num_branch_hits - hits
         if req.drafter is not None and committed and notify_drafter:
+            seed = commit_buffer(seed_rows)
             if self.send(req.drafter, VerifyCommit(
                     request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
-                    committed_token_ids=committed, seed_state=commit_buffer(seed_rows),
+                    committed_token_ids=committed, seed_state=seed,
                     num_drafts_wanted=self.scheduler.drafts_wanted(req),
                     drafting_paused=self.scheduler.drafting_paused(req),
                     target_kv=target_kv_rows(req, self.share_kv))):
                 req.tail_in_flight = True  # (a failed send put the request on plain decode)
+                self.stats.seed_state_sent_bytes += seed.nbytes if seed is not None else 0
         self.stream(req)
 
     def stream(self, req: Request, finished: bool = False) -> None:

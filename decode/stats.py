@@ -39,6 +39,9 @@ class VerifierStats(SpecStats):
     #: prompt position, decode/seed_state.py), bytes and requests that carried one
     seed_state_bytes: int = 0
     num_seed_states: int = 0
+    #: draft seed state sent to drafters (target hidden rows of committed tokens with
+    #: VerifyCommit, the window with DraftSync: EAGLE family, DFlash), bytes
+    seed_state_sent_bytes: int = 0
     ttft_seconds_total: float = 0.0
     num_ttft: int = 0
 

@@ -18,6 +18,8 @@ can be re-run, by either method); then the trainer ``--method`` declares (drafte
   dir for ``--drafter draft-model:PATH``.
 - ``pard``: the same small Llama trained to fill a block of mask tokens (drafter/training/pard.py,
   drafter/pard_training.py), for ``--drafter pard:PATH``.
+- ``dflash``: a block drafter over the target's hidden states (drafter/training/dflash.py,
+  drafter/dflash_training.py), for ``--drafter dflash:PATH``.
 """
 
 from __future__ import annotations
@@ -90,9 +92,9 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers", type=int, default=None,
                    help="layers of the head (eagle, default 1) or the draft model (default 2)")
     p.add_argument("--feature-layers", default="",
-                   help="eagle: target decoder layers whose outputs the head fuses (EAGLE-3, "
-                        "e.g. 2,15,26; 'auto' = 2, L/2, L-4); default: the final-norm state "
-                        "(EAGLE-1)")
+                   help="eagle, dflash: target decoder layers whose outputs the head fuses "
+                        "(EAGLE-3, e.g. 2,15,26; 'auto' = 2, L/2, L-4); default: the final-norm "
+                        "state (EAGLE-1)")
     p.add_argument("--num-steps", type=int, default=1,
                    help="eagle: distinct modules, module i drafting depth i (multi-layer "
                         "EAGLE); above 1 every module starts from --init-head")
@@ -116,13 +118,13 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="draft-model: also train the embedding and LM head (default: the "
                         "target's, frozen)")
     p.add_argument("--block", type=int, default=None,
-                   help="pard: drafts per forward the draft model is trained for (K, default 4)")
+                   help="pard, dflash: drafts per forward the draft is trained for (K, default 4)")
     p.add_argument("--cod-ratio", type=float, default=0.7,
                    help="pard: COD keeps mask copy i of an anchor with probability "
                         "max(ratio^(i-1), 0.2)")
     p.add_argument("--train-minutes", type=float, default=None,
-                   help="pard, eagle, frozen-kv-mtp: stop training after this many minutes "
-                        "(a bounded run)")
+                   help="pard, eagle, dflash, frozen-kv-mtp: stop training after this many "
+                        "minutes (a bounded run)")
     p.add_argument("--target-layer", type=int, default=None,
                    help="frozen-kv-mtp: the target layer whose K/V the assistant reads "
                         "(default: the last)")

@@ -38,7 +38,7 @@ def test_drafters_forms_and_labels(tiny_model_dir):
 @pytest.mark.parametrize("text,match", [
     ("ngram,hydra",
      r"--drafters: --drafter 'hydra': unknown drafting method 'hydra'; known: "
-     r"draft-model, dspark, eagle, frozen-kv-mtp, medusa, ngram"),
+     r"dflash, draft-model, dspark, eagle, frozen-kv-mtp, medusa, ngram"),
     ("ngram,draft-model", r"--drafters: .*key 'model' is required.*the draft model"),
     (" , ", r"--drafters: no draft method given"),
     ("ngram,ngram", r"--drafters: 'ngram' is the same method as 'ngram'"),

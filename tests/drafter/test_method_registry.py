@@ -50,14 +50,14 @@ def plugins(tmp_path, monkeypatch):
 def test_builtins_are_every_module_of_the_methods_package():
     modules = {m.name for m in pkgutil.iter_modules(builtin_package.__path__)}
     assert modules == {"ngram", "eagle", "draft_model", "suffix", "pard", "medusa", "dspark",
-                       "frozen_kv_mtp"}
+                       "frozen_kv_mtp", "dflash"}
     keys = registered_methods()
     for name in modules:  # each module registers the method named after it
         assert name in keys and registry.is_builtin(name)
         assert get_method(name).__module__ == f"{builtin_package.__name__}.{name}"
     assert get_method("draft-model") is get_method("draft_model")  # its user spelling
-    assert registry.spellings()[:5] == ["draft-model", "dspark", "eagle", "frozen-kv-mtp",
-                                        "medusa"]
+    assert registry.spellings()[:5] == ["dflash", "draft-model", "dspark", "eagle",
+                                        "frozen-kv-mtp"]
 
 
 def test_an_entry_point_plugin_is_found_by_name_and_parsed_with_its_schema(plugins):
@@ -199,8 +199,8 @@ def test_an_entry_points_class_name_must_be_its_name(plugins):
 def test_train_drafter_finds_trainers_in_the_registry():
     from specmesh.cluster.cli import build_parser
 
-    assert trainable_methods() == ["draft-model", "dspark", "eagle", "frozen-kv-mtp", "medusa",
-                                  "pard"]
+    assert trainable_methods() == ["dflash", "draft-model", "dspark", "eagle", "frozen-kv-mtp",
+                                  "medusa", "pard"]
     assert get_method("ngram").trainer is None
     args = build_parser().parse_args(["train-drafter", "--method", "draft-model", "--out", "x"])
     assert args.method == "draft-model"

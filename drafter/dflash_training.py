@@ -1,0 +1,227 @@
+"""Training and evaluating a DFlash draft (``specmesh train-drafter --method dflash``).
+
+Data: the target's own greedy outputs with the hidden states it computed on the way
+(drafter/eagle/data.py: ``features`` are the rows at positions ``prompt_len - 1 ..``, the rows
+a served request's context holds: the prefill's last prompt row, then one per commit; with
+``--feature-layers`` the outputs of those target layers side by side). Labels are the
+target's greedy tokens.
+
+Objective (DFlash's block cross-entropy; DeepSpec ``config/dflash``: random anchors, loss
+weight decaying exponentially over the block position, gamma = 4): for an anchor position
+``a`` of a sample, the block is ``[x_a, .., x_{a+r}, MASK x k]`` at positions ``a ..`` with
+the context rows at positions ``< a``; mask row j (at ``q = a + r + j``) is labelled with the
+target's greedy token at ``q``, weight ``exp(-(j - 1) / gamma)``. ``r`` (real tokens past the
+anchor, what a served block carries when the drafter runs ahead of the verifier) is 0 for half
+the forwards and uniform in ``1 .. max_run_ahead`` for the others; every block has ``k`` mask
+rows, as served. Up to ``anchors`` anchors of a sample share one forward
+(:meth:`DFlashDraft.training_logits`).
+
+Acceptance at draft position k (:func:`acceptance`) is measured with the serving proposer on
+the held-out samples: at every output position but the first, one block forward from the true
+prefix with the true context rows, and position k counts a hit when drafts 1..k all equal the
+target's next k tokens (the numbers of the other methods count the same way).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specmesh.drafter.dflash_model import MASK, DFlashDraft
+from specmesh.drafter.draft_model_training import optimizer_and_schedule
+from specmesh.drafter.eagle.data import Sample, shuffled
+from specmesh.drafter.proposer import ProposeCall
+
+#: DFlash's decay of the loss weight over the block position (DeepSpec's gamma)
+DEFAULT_GAMMA = 4.0
+#: label of a row without loss
+IGNORE = -100
+
+
+def block_layout(sample: Sample, block: int, run_ahead: int, max_anchors: int,
+                 generator: torch.Generator | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The blocks of up to ``max_anchors`` random anchors of ``sample`` with ``run_ahead``
+    real tokens past each anchor (module docstring): ``(block_ids [A, B], block_starts [A],
+    labels [A, B])``, ``B = 1 + run_ahead + block``, labels IGNORE on the real rows and past
+    the sample's end; None when the sample has no anchor for it.
+
+    Raises:
+        ValueError: ``block < 1`` or ``run_ahead < 0``.
+    """
+    if block < 1 or run_ahead < 0:
+        raise ValueError(f"need block >= 1 and run_ahead >= 0, got {block}, {run_ahead}")
+    ids, labels_all, p = sample.token_ids, sample.label_ids, sample.prompt_len
+    n = len(ids)
+    anchors = list(range(p, n - 1 - run_ahead))  # a context row (p - 1) and one label
+    if not anchors:
+        return None
+    if len(anchors) > max_anchors:
+        pick = torch.randperm(len(anchors), generator=generator)[:max_anchors].sort().values
+        anchors = [anchors[i] for i in pick.tolist()]
+    B = 1 + run_ahead + block
+    block_ids = torch.full((len(anchors), B), MASK, dtype=torch.long)
+    labels = torch.full((len(anchors), B), IGNORE, dtype=torch.long)
+    for i, a in enumerate(anchors):
+        block_ids[i, :run_ahead + 1] = torch.tensor(ids[a:a + run_ahead + 1])
+        for j in range(run_ahead + 1, B):
+            if a + j < n:
+                labels[i, j] = labels_all[a + j]
+    return block_ids, torch.tensor(anchors, dtype=torch.long), labels
+
+
+def position_weights(block: int, run_ahead: int, gamma: float = DEFAULT_GAMMA) -> torch.Tensor:
+    """Loss weight of each row of a block [1 + run_ahead + block]: 0 on the real rows,
+    ``exp(-(j - 1) / gamma)`` on mask row j = 1 .. block."""
+    w = torch.zeros(1 + run_ahead + block)
+    w[1 + run_ahead:] = torch.exp(-torch.arange(block, dtype=torch.float) / gamma)
+    return w
+
+
+def sample_loss(draft: DFlashDraft, sample: Sample, block: int, run_ahead: int,
+                max_anchors: int, generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``(sum of weighted cross-entropies, sum of weights, labelled rows)`` of one sample's
+    blocks (:func:`block_layout`); None when it has none."""
+    layout = block_layout(sample, block, run_ahead, max_anchors, generator)
+    if layout is None:
+        return None
+    block_ids, starts, labels = layout
+    sel = labels != IGNORE
+    if not bool(sel.any()):
+        return None
+    rows = sample.features.float()
+    logits = draft.training_logits(rows, sample.prompt_len - 1, block_ids, starts, sel)
+    w = position_weights(block, run_ahead).expand_as(labels)[sel]
+    ce = F.cross_entropy(logits.float(), labels[sel], reduction="none")
+    return (ce * w).sum(), w.sum(), int(sel.sum())
+
+
+def init_for_training(draft: DFlashDraft, target_layers: list) -> None:  # noqa: ANN001
+    """Start ``draft`` from the target: layer i from ``target_layers[i]``, the fusion as the
+    mean of the feature layers' states (identity blocks / n), the mask vector as the mean
+    embedding row."""
+    c = draft.config
+    n_feat = max(1, len(c.feature_layers))
+    with torch.no_grad():
+        draft.init_from_target(target_layers)
+        eye = torch.eye(c.hidden_size) / n_feat
+        draft.fc.weight.copy_(torch.cat([eye] * n_feat, dim=1))
+        draft.mask_embedding.copy_(draft.embed.float().mean(0))
+
+
+def train(draft: DFlashDraft, samples: list[Sample], *, epochs: float, batch_size: int,
+          lr: float, seed: int = 0, warmup_steps: int = 20, max_anchors: int = 64,
+          max_run_ahead: int | None = None, max_seconds: float | None = None,
+          autocast_dtype: torch.dtype | None = None, progress: bool = True) -> dict:
+    """AdamW over ``epochs`` of ``samples`` (or until ``max_seconds``) on the block objective
+    (module docstring); the target's embedding and LM head are buffers (frozen). Returns a
+    summary.
+
+    Raises:
+        ValueError: no sample with two output tokens.
+    """
+    block = draft.config.block
+    run_max = block if max_run_ahead is None else max_run_ahead
+    samples = [s for s in samples if s.num_output_tokens > 1]
+    if not samples:
+        raise ValueError("no training sample has more than 1 output token")
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in draft.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt, total_steps, lr_at = optimizer_and_schedule(
+        params, len(samples), epochs=epochs, batch_size=batch_size, lr=lr,
+        warmup_steps=warmup_steps)
+    draft.train()
+    t0 = time.perf_counter()
+    rows = step = epoch = 0
+    loss_val = float("nan")
+    stopped_early = False
+    bar = tqdm(total=total_steps, desc="train dflash", unit="step", disable=not progress)
+    while step < total_steps and not stopped_early:
+        order = shuffled(samples, seed + epoch)
+        epoch += 1
+        for lo in range(0, len(order), batch_size):
+            if step >= total_steps:
+                break
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                stopped_early = True
+                break
+            r = 0 if run_max == 0 or torch.rand(1, generator=gen).item() < 0.5 else \
+                int(torch.randint(1, run_max + 1, (1,), generator=gen))
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            total = weight = None
+            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                                enabled=autocast_dtype is not None):
+                for s in order[lo:lo + batch_size]:
+                    part = sample_loss(draft, s, block, r, max_anchors, gen)
+                    if part is None:
+                        continue
+                    total = part[0] if total is None else total + part[0]
+                    weight = part[1] if weight is None else weight + part[1]
+                    rows += part[2]
+            if total is None:
+                continue
+            loss = total / weight
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            loss_val = float(loss.detach())
+            bar.set_postfix(loss=f"{loss_val:.3f}",
+                            rows_s=f"{rows / (time.perf_counter() - t0):.0f}")
+            bar.update(1)
+    bar.close()
+    draft.eval()
+    secs = time.perf_counter() - t0
+    return {"steps": step, "planned_steps": total_steps, "stopped_at_time_limit": stopped_early,
+            "seconds": round(secs, 1), "labelled_rows_per_s": round(rows / max(secs, 1e-9), 1),
+            "last_loss": round(loss_val, 4) if math.isfinite(loss_val) else None,
+            "epochs": epochs, "block": block, "max_run_ahead": run_max,
+            "max_anchors": max_anchors, "gamma": DEFAULT_GAMMA,
+            "autocast": str(autocast_dtype).replace("torch.", "") if autocast_dtype else "none"}
+
+
+@torch.inference_mode()
+def acceptance(proposer: Any, samples: list[Sample], depth: int,
+               batch_size: int = 16) -> list[float]:
+    """Acceptance per draft position 1..``depth`` of ``proposer`` (a DFlashProposer) over the
+    output positions of ``samples`` but the first (module docstring); ``batch_size`` samples
+    share each block forward (``propose_many``)."""
+    hits = [0] * depth
+    total = 0
+    samples = [s for s in samples if s.num_output_tokens > 1]
+    for lo in range(0, len(samples), batch_size):
+        group = samples[lo:lo + batch_size]
+        names = [f"eval-{lo + i}" for i in range(len(group))]
+        for name, s in zip(names, group):
+            proposer.open(name, s.token_ids[:s.prompt_len + 1])
+            proposer.observe_seed_state(name, s.prompt_len - 1, s.features.float())
+        nxt = [s.prompt_len + 1 for s in group]
+        while True:
+            act = [i for i, s in enumerate(group) if nxt[i] < len(s.token_ids)]
+            if not act:
+                break
+            out = proposer.propose_many([ProposeCall(names[i], group[i].token_ids[:nxt[i]],
+                                                     depth) for i in act])
+            for i, (drafts, _) in zip(act, out):
+                ids = group[i].token_ids
+                for k in range(depth):
+                    if (k >= len(drafts) or nxt[i] + k >= len(ids)
+                            or drafts[k] != ids[nxt[i] + k]):
+                        break
+                    hits[k] += 1
+                total += 1
+                nxt[i] += 1
+        for name in names:
+            proposer.close(name)
+    return [h / max(total, 1) for h in hits]
