@@ -5,7 +5,10 @@ A checkpoint directory holds:
 
 - ``backbone/``: the parallel block draft, a PARD checkpoint (drafter/pard_files.py: the
   draft's layers, final norm and mask vector; the embedding and LM head are the target's,
-  read at load time), so the block forward is PARD's;
+  read at load time), so the block forward is PARD's; or, when ``config.json`` names one in
+  ``backbone`` (a path relative to the checkpoint), that PARD checkpoint: a draft whose heads
+  were trained on a frozen backbone that ships anyway (the SmolLM2 one reads ``../pard``)
+  need not carry a second copy of it;
 - ``markov.safetensors``: the Markov and confidence heads (drafter/dspark_markov.py,
   ``MarkovHead``'s parameter names);
 - ``config.json``: ``format``, ``markov`` (the head's shape), ``markov_rank``, ``block``,
@@ -98,6 +101,12 @@ def load_markov_head(path: str | Path, meta: dict, hidden_size: int, vocab_size:
     return head.to(device).eval()
 
 
+def backbone_dir(path: str | Path, meta: dict) -> Path:
+    """The PARD checkpoint a DSpark checkpoint at ``path`` (its config.json ``meta``) drafts
+    with: ``meta["backbone"]`` relative to ``path`` when given, else ``path``/backbone."""
+    return (Path(path) / meta.get("backbone", BACKBONE)).resolve()
+
+
 def build_dspark(path: str | Path, target_files: str | Path, target_name: str,
                  dtype: torch.dtype = torch.float32, device: Any = "cpu",
                  backend: Any = None) -> tuple[torch.nn.Module, Any, MarkovHead, dict]:
@@ -109,12 +118,13 @@ def build_dspark(path: str | Path, target_files: str | Path, target_name: str,
             .HeadMismatch: trained for another target.
     """
     meta = read_dspark_config(path)
-    read_pard_config(Path(path) / BACKBONE)
-    model, config, _ = build_pard_model(Path(path) / BACKBONE, target_files, target_name,
-                                        dtype, device, backend)
+    backbone = backbone_dir(path, meta)
+    read_pard_config(backbone)
+    model, config, _ = build_pard_model(backbone, target_files, target_name, dtype, device,
+                                        backend)
     head = load_markov_head(path, meta, config.hidden_size, config.vocab_size, device)
     return model, config, head, meta
 
 
-__all__ = ["BACKBONE", "FORMAT", "HEADS", "build_dspark", "load_markov_head",
+__all__ = ["BACKBONE", "FORMAT", "HEADS", "backbone_dir", "build_dspark", "load_markov_head",
            "read_dspark_config", "save_dspark", "shipped_dspark"]

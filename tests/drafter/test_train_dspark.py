@@ -106,3 +106,15 @@ def test_rank_zero_is_refused_before_training(tiny_model_dir, tmp_path):
                                       "0", "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="markov_rank must be a positive"):
         train_dspark({"lm": None, "samples": {}}, args, object)
+
+
+def test_a_checkpoint_may_read_its_backbone_from_another_directory(tmp_path):
+    """config.json ``backbone``: a path relative to the checkpoint (the shipped SmolLM2 draft
+    reads the shipped PARD draft, ``../pard``); without it, ``backbone/`` inside."""
+    from specmesh.drafter.dspark_files import backbone_dir, shipped_dspark
+
+    assert backbone_dir(tmp_path / "d", {}) == (tmp_path / "d" / BACKBONE).resolve()
+    assert backbone_dir(tmp_path / "d", {"backbone": "../pard"}) == (tmp_path / "pard").resolve()
+    shipped = shipped_dspark("SmolLM2-135M-Instruct")
+    assert shipped is not None and not (shipped / BACKBONE).exists()
+    assert (backbone_dir(shipped, read_dspark_config(shipped)) / "pard.safetensors").is_file()
