@@ -24,18 +24,15 @@ target's next k tokens (the numbers of the other methods count the same way).
 
 from __future__ import annotations
 
-import math
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from specmesh.drafter.dflash_model import MASK, DFlashDraft
-from specmesh.drafter.draft_model_training import optimizer_and_schedule
-from specmesh.drafter.eagle.data import Sample, shuffled
+from specmesh.drafter.eagle.data import Sample
 from specmesh.drafter.proposer import ProposeCall
+from specmesh.drafter.train_steps import TrainSteps
 
 #: DFlash's decay of the loss weight over the block position (DeepSpec's gamma)
 DEFAULT_GAMMA = 4.0
@@ -136,56 +133,28 @@ def train(draft: DFlashDraft, samples: list[Sample], *, epochs: float, batch_siz
     params = [p for p in draft.parameters()]
     for p in params:
         p.requires_grad_(True)
-    opt, total_steps, lr_at = optimizer_and_schedule(
-        params, len(samples), epochs=epochs, batch_size=batch_size, lr=lr,
-        warmup_steps=warmup_steps)
+    steps = TrainSteps(params, samples, epochs=epochs, batch_size=batch_size, lr=lr,
+                       warmup_steps=warmup_steps, seed=seed, max_seconds=max_seconds,
+                       desc="train dflash", progress=progress)
     draft.train()
-    t0 = time.perf_counter()
-    rows = step = epoch = 0
-    loss_val = float("nan")
-    stopped_early = False
-    bar = tqdm(total=total_steps, desc="train dflash", unit="step", disable=not progress)
-    while step < total_steps and not stopped_early:
-        order = shuffled(samples, seed + epoch)
-        epoch += 1
-        for lo in range(0, len(order), batch_size):
-            if step >= total_steps:
-                break
-            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                stopped_early = True
-                break
-            r = 0 if run_max == 0 or torch.rand(1, generator=gen).item() < 0.5 else \
-                int(torch.randint(1, run_max + 1, (1,), generator=gen))
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            total = weight = None
-            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
-                                enabled=autocast_dtype is not None):
-                for s in order[lo:lo + batch_size]:
-                    part = sample_loss(draft, s, block, r, max_anchors, gen)
-                    if part is None:
-                        continue
-                    total = part[0] if total is None else total + part[0]
-                    weight = part[1] if weight is None else weight + part[1]
-                    rows += part[2]
-            if total is None:
-                continue
-            loss = total / weight
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            loss_val = float(loss.detach())
-            bar.set_postfix(loss=f"{loss_val:.3f}",
-                            rows_s=f"{rows / (time.perf_counter() - t0):.0f}")
-            bar.update(1)
-    bar.close()
+    for group in steps:
+        r = 0 if run_max == 0 or torch.rand(1, generator=gen).item() < 0.5 else \
+            int(torch.randint(1, run_max + 1, (1,), generator=gen))
+        total = weight = None
+        rows = 0
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            for s in group:
+                part = sample_loss(draft, s, block, r, max_anchors, gen)
+                if part is None:
+                    continue
+                total = part[0] if total is None else total + part[0]
+                weight = part[1] if weight is None else weight + part[1]
+                rows += part[2]
+        if total is not None:  # (a batch with no anchor takes no step)
+            steps.update(total / weight, rows)
     draft.eval()
-    secs = time.perf_counter() - t0
-    return {"steps": step, "planned_steps": total_steps, "stopped_at_time_limit": stopped_early,
-            "seconds": round(secs, 1), "labelled_rows_per_s": round(rows / max(secs, 1e-9), 1),
-            "last_loss": round(loss_val, 4) if math.isfinite(loss_val) else None,
+    return {**steps.summary(),
             "epochs": epochs, "block": block, "max_run_ahead": run_max,
             "max_anchors": max_anchors, "gamma": DEFAULT_GAMMA,
             "autocast": str(autocast_dtype).replace("torch.", "") if autocast_dtype else "none"}

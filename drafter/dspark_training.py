@@ -23,16 +23,13 @@ those whose earlier drafts were all right, per position, and the Brier score).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from specmesh.drafter.draft_model_training import optimizer_and_schedule
 from specmesh.drafter.dspark_markov import MarkovHead
-from specmesh.drafter.eagle.data import Sample, shuffled
+from specmesh.drafter.eagle.data import Sample
 from specmesh.drafter.head_confidences import split_confidences
 from specmesh.drafter.pard_block import (
     IGNORE,
@@ -42,6 +39,7 @@ from specmesh.drafter.pard_block import (
     keep_schedule,
 )
 from specmesh.drafter.proposer import ProposeCall
+from specmesh.drafter.train_steps import TrainSteps
 
 
 def row_structure(layout: CodLayout, num_real: int, label_ids: list[int]
@@ -167,56 +165,28 @@ def train(draft: Any, head: MarkovHead, samples: list[Sample], *, mask_token_id:
         params += [p for p in draft.parameters() if id(p) not in frozen] + [mask_vec]
     else:
         mask_vec.requires_grad_(False)
-    opt, total_steps, lr_at = optimizer_and_schedule(
-        params, len(samples), epochs=epochs, batch_size=batch_size, lr=lr,
-        warmup_steps=warmup_steps)
+    steps = TrainSteps(params, samples, epochs=epochs, batch_size=batch_size, lr=lr,
+                       warmup_steps=warmup_steps, seed=seed, max_seconds=max_seconds,
+                       desc="train dspark", progress=progress)
     draft.train(train_backbone)
     head.train()
-    t0 = time.perf_counter()
-    rows = step = epoch = 0
     parts: dict[str, float] = {}
-    loss_val = float("nan")
-    stopped_early = False
-    bar = tqdm(total=total_steps, desc="train dspark", unit="step", disable=not progress)
-    while step < total_steps and not stopped_early:
-        order = shuffled(samples, seed + epoch)
-        epoch += 1
-        for lo in range(0, len(order), batch_size):
-            if step >= total_steps:
-                break
-            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                stopped_early = True
-                break
-            group = order[lo:lo + batch_size]
-            layouts = [cod_layout(s.token_ids, s.label_ids, s.prompt_len - 1, block,
-                                  mask_token_id, keep, gen) for s in group]
-            batch = collate(layouts, [row_structure(x, len(s.token_ids), s.label_ids)
-                                      for x, s in zip(layouts, group)])
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
-                                enabled=autocast_dtype is not None):
-                loss, parts = dspark_loss(draft, head, mask_vec, batch, mask_token_id,
-                                          confidence_weight=confidence_weight,
-                                          train_backbone=train_backbone)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            rows += int((batch["labels"] != IGNORE).sum())
-            step += 1
-            loss_val = float(loss.detach())
-            bar.set_postfix(loss=f"{loss_val:.3f}", acc=f"{parts['accuracy']:.2f}",
-                            rows_s=f"{rows / (time.perf_counter() - t0):.0f}")
-            bar.update(1)
-    bar.close()
+    for group in steps:
+        layouts = [cod_layout(s.token_ids, s.label_ids, s.prompt_len - 1, block,
+                              mask_token_id, keep, gen) for s in group]
+        batch = collate(layouts, [row_structure(x, len(s.token_ids), s.label_ids)
+                                  for x, s in zip(layouts, group)])
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            loss, parts = dspark_loss(draft, head, mask_vec, batch, mask_token_id,
+                                      confidence_weight=confidence_weight,
+                                      train_backbone=train_backbone)
+        steps.update(loss, int((batch["labels"] != IGNORE).sum()),
+                     acc=f"{parts['accuracy']:.2f}")
     draft.eval()
     head.eval()
-    secs = time.perf_counter() - t0
     return mask_vec.detach(), {
-        "steps": step, "planned_steps": total_steps, "stopped_at_time_limit": stopped_early,
-        "seconds": round(secs, 1), "labelled_rows_per_s": round(rows / max(secs, 1e-9), 1),
-        "last_loss": round(loss_val, 4), "last_parts": {k: round(v, 4) for k, v in parts.items()},
+        **steps.summary(), "last_parts": {k: round(v, 4) for k, v in parts.items()},
         "epochs": epochs, "block": block, "backbone_trained": train_backbone,
         "confidence_weight": confidence_weight, "cod_keep": [round(k, 4) for k in keep],
         "autocast": str(autocast_dtype).replace("torch.", "") if autocast_dtype else "none"}

@@ -21,17 +21,15 @@ numbers count the same way).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from specmesh.drafter.draft_model_training import optimizer_and_schedule
-from specmesh.drafter.eagle.data import Sample, shuffled
+from specmesh.drafter.eagle.data import Sample
 from specmesh.drafter.pard_block import IGNORE, cod_layout, collate_layouts, keep_schedule
 from specmesh.drafter.proposer import ProposeCall
+from specmesh.drafter.train_steps import TrainSteps
 
 
 def choose_mask_token(tokenizer: Any, samples: list[Sample], vocab_size: int) -> int:
@@ -88,50 +86,21 @@ def train(draft: Any, samples: list[Sample], *, mask_token_id: int, block: int, 
     for p in draft.parameters():
         p.requires_grad_(id(p) not in frozen)
     params.append(mask_embedding)
-    opt, total_steps, lr_at = optimizer_and_schedule(
-        params, len(samples), epochs=epochs, batch_size=batch_size, lr=lr,
-        warmup_steps=warmup_steps)
+    steps = TrainSteps(params, samples, epochs=epochs, batch_size=batch_size, lr=lr,
+                       warmup_steps=warmup_steps, seed=seed, max_seconds=max_seconds,
+                       desc="train pard", progress=progress)
     draft.train()
-    t0 = time.perf_counter()
-    rows = step = epoch = 0
-    loss_val = float("nan")
-    stopped_early = False
-    bar = tqdm(total=total_steps, desc="train pard", unit="step", disable=not progress)
-    while step < total_steps and not stopped_early:
-        order = shuffled(samples, seed + epoch)
-        epoch += 1
-        for lo in range(0, len(order), batch_size):
-            if step >= total_steps:
-                break
-            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                stopped_early = True
-                break
-            layouts = [cod_layout(s.token_ids, s.label_ids, s.prompt_len - 1, block,
-                                  mask_token_id, keep, gen) for s in order[lo:lo + batch_size]]
-            ids, pos, labels, mask4d = collate_layouts(layouts)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
-                                enabled=autocast_dtype is not None):
-                loss = pard_loss(draft, mask_embedding, ids, pos, labels, mask4d,
-                                 mask_token_id)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            rows += int((labels != IGNORE).sum())
-            step += 1
-            loss_val = float(loss.detach())
-            bar.set_postfix(loss=f"{loss_val:.3f}",
-                            rows_s=f"{rows / (time.perf_counter() - t0):.0f}")
-            bar.update(1)
-    bar.close()
+    for group in steps:
+        layouts = [cod_layout(s.token_ids, s.label_ids, s.prompt_len - 1, block,
+                              mask_token_id, keep, gen) for s in group]
+        ids, pos, labels, mask4d = collate_layouts(layouts)
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            loss = pard_loss(draft, mask_embedding, ids, pos, labels, mask4d, mask_token_id)
+        steps.update(loss, int((labels != IGNORE).sum()))
     draft.eval()
-    secs = time.perf_counter() - t0
     return mask_embedding.detach(), {
-        "steps": step, "planned_steps": total_steps, "stopped_at_time_limit": stopped_early,
-        "seconds": round(secs, 1), "labelled_rows_per_s": round(rows / max(secs, 1e-9), 1),
-        "last_loss": round(loss_val, 4), "epochs": epochs, "block": block,
+        **steps.summary(), "epochs": epochs, "block": block,
         "cod_keep": [round(k, 4) for k in keep],
         "autocast": str(autocast_dtype).replace("torch.", "") if autocast_dtype else "none"}
 
