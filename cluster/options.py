@@ -87,12 +87,13 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "measured cost of verify forwards (decode/goodput.py, SmartSpec arXiv "
                         "2406.14066; none where verifying them costs more than they bring); "
                         "off: every usable draft up to kappa")
-    p.add_argument("--speculation-gate", default="on", choices=("on", "off"),
+    p.add_argument("--speculation-gate", default="off", choices=("on", "off"),
                    help="on (with the goodput caps): drafting is turned off where committed "
                         "tokens per second measured without it beat those measured with it, "
                         "per batch-size bucket, and tried again now and then "
                         "(decode/speculation_gate.py; docs/verification.md, 'Speculation "
-                        "gate'); off: drafting always on")
+                        "gate'); off (default until its sweep is measured): drafting always "
+                        "on")
     p.add_argument("--speculative-policy", default=None, choices=SPECULATIVE_POLICIES,
                    help="how many drafts each verify step carries, within kappa: goodput "
                         "(default: the per-request caps, --goodput-drafts), schedule (SGLang's "
@@ -208,7 +209,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               draft_method=method, drafter_method_kwargs=dict(method_kwargs),
               verify_rule=getattr(args, "verify_rule", "auto"),
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
-              speculation_gate=getattr(args, "speculation_gate", "on") == "on",
+              speculation_gate=getattr(args, "speculation_gate", "off") == "on",
               **policy_settings(args),
               **cost_table_settings(args),
               **synthetic_settings(args),

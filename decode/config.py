@@ -57,9 +57,9 @@ class VerifierConfig:
     (decode/goodput.py, SmartSpec arXiv 2406.14066; 0 drafts when verifying them costs more
     than they bring; the cluster turns it on, off here so a bare worker verifies every draft
     it is given). ``speculation_gate``: with the goodput caps, turn drafting off where it
-    measures slower (decode/speculation_gate.py; the command line's ``--speculation-gate``,
-    on by default there; off here and in ``ClusterConfig.create`` so a test's acceptance does
-    not depend on its machine's timing). ``draft_method`` is told to the
+    measures slower (decode/speculation_gate.py; the command line's ``--speculation-gate on``;
+    off by default until the adaptive sweep has measured it, and a test's acceptance must not
+    depend on its machine's timing). ``draft_method`` is told to the
     prefill worker so that it ships the right seed state. ``seed_state``: the seed state that
     method needs (``""`` none, ``"hidden"`` the target's final hidden states, which the verify
     forward then returns and DraftSync / VerifyCommit carry; the cluster fills it from the

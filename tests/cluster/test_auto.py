@@ -384,12 +384,13 @@ def test_config_settings_record_a_whole_cluster(tiny_model_dir):
     assert got["drafter"]["value"] == ["ngram", {"min_ngram": 1}]
 
 
-def test_serve_gates_speculation_by_default_and_can_turn_it_off():
-    """`specmesh serve` runs the speculation gate with the goodput caps unless told
-    `--speculation-gate off` (decode/speculation_gate.py); a cluster built in code does not."""
+def test_serve_gates_speculation_when_asked():
+    """`specmesh serve --speculation-gate on` runs the speculation gate with the goodput caps
+    (decode/speculation_gate.py); off by default, without the caps, and in code."""
     from specmesh.cluster.config import ClusterConfig
 
-    assert _serve_config().verifier.gates_speculation
-    assert not _serve_config("--speculation-gate", "off").verifier.gates_speculation
-    assert not _serve_config("--goodput-drafts", "off").verifier.gates_speculation
+    assert _serve_config("--speculation-gate", "on").verifier.gates_speculation
+    assert not _serve_config().verifier.gates_speculation
+    assert not _serve_config("--speculation-gate", "on", "--goodput-drafts", "off"
+                             ).verifier.gates_speculation
     assert not ClusterConfig.create(model="m").verifier.gates_speculation
