@@ -162,7 +162,7 @@ class EagleProposer(Proposer):
         #: preallocated pool: they grow per request)
         self.draft_weights_bytes = resident_bytes(self.head)
         self.num_draft_forwards = 0
-        self.draft_kv_pool_bytes = 0
+        self._kv_peak = 0  # the most bytes held, sampled when a request closes
         self.clock = StepClock(self.head.config.num_steps)  # per-module time (draft_stats)
         self.chains = StepChains(self.head, self.clock)  # multi-layer heads' chains, by request
 
@@ -272,7 +272,6 @@ class EagleProposer(Proposer):
                         cur.s += 1
                 if work:
                     self._extend_many(live, work)
-        self._note_kv_bytes()
         return out
 
     def _propose_steps(self, calls: list[ProposeCall]
@@ -444,7 +443,6 @@ class EagleProposer(Proposer):
             st.entry_tokens.extend(d.branch0_tokens)
             st.outs.extend(d.branch0_outs)
             out[i] = (d.token_ids, d.parents, d.rows)
-        self._note_kv_bytes()
         return out
 
     def _cursors(self, calls: list[ProposeCall]) -> dict[int, _Cursor]:
@@ -577,16 +575,22 @@ class EagleProposer(Proposer):
             self._truncate(st, num_context_tokens - 1)
 
     def close(self, request_id: str) -> None:
+        self._kv_peak = max(self._kv_peak, self._kv_held())
         self.states.pop(request_id, None)
         self.chains.drop(request_id)
 
+    @property
+    def draft_kv_pool_bytes(self) -> int:
+        """The most bytes the requests' head KV buffers held at once (no preallocated pool:
+        they grow per request): read when the stats are, sampled when a request closes,
+        never on the drafting path."""
+        return max(self._kv_peak, self._kv_held())
+
     # -- internals -------------------------------------------------------------------------
 
-    def _note_kv_bytes(self) -> None:
-        """Raise ``draft_kv_pool_bytes`` to what the requests' head KV buffers hold now."""
-        held = sum(t.untyped_storage().nbytes() for st in self.states.values()
+    def _kv_held(self) -> int:
+        return sum(t.untyped_storage().nbytes() for st in list(self.states.values())
                    for t in (*st.kv.key_buffers, *st.kv.value_buffers))
-        self.draft_kv_pool_bytes = max(self.draft_kv_pool_bytes, held)
 
     def _truncate(self, st: _HeadState, end: int) -> None:
         if st.kv.length and end < st.kv.end:
