@@ -5,7 +5,7 @@ The chapter's model (decode/speedup_model.py) needs four numbers; a bench run me
 
 - ``t_star``, the knee of the verify forward's cost: ``--profile`` times a forward of 1 and of
   ``kappa + 1`` tokens per request at every concurrency (``forward_cost_by_level``,
-  benchmarks/harness/forward_cost.py), points ``(N query tokens, ms)``. A least-squares line
+  benchmarks/harness/method_table.py), points ``(N query tokens, ms)``. A least-squares line
   ``t(N) = a + b*N`` through them is the roofline ``a * max(1, N / t_star)`` smoothed at the
   knee, ``t_star = a / b``: the token count at which the forward's per-token compute equals
   its fixed cost (reading the weights once). ``t_T = a + b`` is a batch-1 decode step;

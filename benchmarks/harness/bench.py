@@ -24,8 +24,8 @@ output of its own prompt (a gateway without that endpoint is noted in the report
 Modules: options (the command's options and the compared methods), systems (served,
 in-process, Hugging Face), llama_server (the llama.cpp peer), report (counter and profile
 deltas, the summary), latency (TTFT and inter-token latency percentiles), render (markdown,
-plot), forward_cost (the measured forward-cost ratio of ``--profile``); the prompts come from
-specmesh.data.prompts.
+plot), method_table (the per-method table and the forward-cost ratio of ``--profile``); the
+prompts come from specmesh.data.prompts.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
     forward_cost: dict[str, dict] = {}  # per concurrency: its batch's forward cost ratio
     if opts.profile and kappa > 0:
         # torch and the model runner, only with --profile
-        from specmesh.benchmarks.harness.forward_cost import forward_cost_ratio
+        from specmesh.benchmarks.harness.method_table import forward_cost_ratio
 
         ctx = min(200, loaded.config.max_position_embeddings - kappa - 1)
         for level in opts.concurrency:

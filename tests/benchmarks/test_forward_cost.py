@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specmesh.benchmarks.harness.forward_cost import forward_cost_ratio
+from specmesh.benchmarks.harness.method_table import forward_cost_ratio
 from helpers.models import tiny_llama
 
 
