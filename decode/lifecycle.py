@@ -20,9 +20,8 @@ from specmesh.decode.kv_receiver import KVReceiver
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.decode.request_start import RequestStart
 from specmesh.decode.scheduler import Scheduler
-from specmesh.decode.seed_state import SeedWindow, commit_buffer
+from specmesh.decode.seed_state import SeedWindow
 from specmesh.decode.siblings import SiblingGroups
-from specmesh.decode.target_kv import target_kv_rows
 from specmesh.decode.stats import VerifierStats
 from specmesh.decode.verify_step import VerifyOutput
 from specmesh.protocol.enums import DRAFT_CLOSE_ABORT, DRAFT_CLOSE_FINISHED, FinishReason
@@ -32,7 +31,6 @@ from specmesh.protocol.messages import (
     PrefillCancel,
     PrefillDone,
     TokenStream,
-    VerifyCommit,
 )
 
 Send = Callable[[str | None, object], object]
@@ -135,16 +133,8 @@ class RequestLifecycle(DraftLink, RequestStart):
         hits = req.tail.stats.num_branch_hits
         req.tail.on_commit(req.output_token_ids)
         self.stats.num_branch_hits += req.tail.stats.num_branch_hits - hits
-        if req.drafter is not None and committed and notify_drafter:
-            seed = commit_buffer(seed_rows)
-            if self.send(req.drafter, VerifyCommit(
-                    request_id=req.request_id, pre_commit_len=req.committed_len - len(committed),
-                    committed_token_ids=committed, seed_state=seed,
-                    num_drafts_wanted=self.scheduler.drafts_wanted(req),
-                    drafting_paused=self.scheduler.drafting_paused(req),
-                    target_kv=target_kv_rows(req, self.share_kv))):
-                req.tail_in_flight = True  # (a failed send put the request on plain decode)
-                self.stats.seed_state_sent_bytes += seed.nbytes if seed is not None else 0
+        if notify_drafter:
+            self.notify_commit(req, len(committed), seed_rows)
         self.stream(req)
 
     def stream(self, req: Request, finished: bool = False) -> None:
@@ -189,6 +179,8 @@ class RequestLifecycle(DraftLink, RequestStart):
         self.scheduler.dequeue(req)
         self.siblings.unlink(req)  # waiting siblings of a leader are prefilled on their own
         if req.drafter is not None:
+            if FinishReason(reason).is_success:
+                self.flush_held_commits(req)
             close = DRAFT_CLOSE_FINISHED if FinishReason(reason).is_success else DRAFT_CLOSE_ABORT
             self.send(req.drafter, DraftClose(request_id=req.request_id, reason=close))
         self.stream(req, finished=True)

@@ -77,6 +77,9 @@ class Request:
     num_draft_syncs: int = 0  # DraftSyncs sent for it (open, re-opens after a drafter change)
     spec_enabled: bool = True  # False once quarantined
     tail_in_flight: bool = False  # the drafter got news it has not answered yet
+    #: the committed length its drafter last heard of while the speculation gate holds its
+    #: commits back (None: none held; decode/draft_link.py, DraftLink.notify_commit)
+    commits_held_from: int | None = None
     seed_window: object | None = None  # decode.seed_state.SeedWindow (draft seed state)
     finish_reason: FinishReason | None = None
     error: str = ""

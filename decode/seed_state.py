@@ -51,6 +51,13 @@ class SeedWindow:
             self.rows = self.rows[extra:].clone()  # let go of the older storage
             self.start += extra
 
+    def rows_from(self, start: int) -> torch.Tensor | None:
+        """The rows at positions ``[start, end)``; None when the window does not reach back to
+        ``start`` (or holds nothing)."""
+        if self.rows is None or not self.start <= start <= self.end:
+            return None
+        return self.rows[start - self.start:]
+
     def rows_before(self, context_len: int) -> tuple[int, torch.Tensor] | None:
         """``(start, rows)`` of every row held when they end at position ``context_len - 2``
         (what a DraftSync of that context carries); None when there are none or they do not

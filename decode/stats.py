@@ -42,6 +42,9 @@ class VerifierStats(SpecStats):
     #: draft seed state sent to drafters (target hidden rows of committed tokens with
     #: VerifyCommit, the window with DraftSync: EAGLE family, DFlash), bytes
     seed_state_sent_bytes: int = 0
+    #: commits held from paused drafters and sent as one VerifyCommit when drafting resumed
+    #: (decode/draft_link.py, DraftLink.notify_commit)
+    num_held_commit_flushes: int = 0
     ttft_seconds_total: float = 0.0
     num_ttft: int = 0
 
