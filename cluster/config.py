@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from specmesh.decode.config import VerifierConfig
 from specmesh.drafter.config import DrafterConfig
+from specmesh.drafter.registry import runs_a_model
 from specmesh.engine.backend import BackendOverrides
 from specmesh.engine.devices import check_device
 from specmesh.engine.dtypes import MODEL_DTYPES, model_dtype, resolve_kv_cache_dtype
@@ -25,6 +26,8 @@ from specmesh.protocol.enums import Role
 ROLES = tuple(r.value for r in Role)
 #: ``ClusterConfig.transport`` values (protocol/curve.py resolves ``auto`` where a role runs)
 TRANSPORTS = ("auto", "curve", "insecure")
+#: ``ClusterConfig.speculation_gate_mode`` values ("": the verifier's ``speculation_gate`` as set)
+SPECULATION_GATE_MODES = ("", "auto", "on", "off")
 #: Ray namespace of a cluster's named actors (controller, roles) unless its config names another.
 DEFAULT_NAMESPACE = "specmesh"
 
@@ -120,6 +123,12 @@ class ClusterConfig:
     #: ``max_restarts``); the soak (benchmarks/soak.py) kills roles more often than that
     max_restarts: int = 3
     lora_modules: tuple[str, ...] = ()
+    #: the command line's ``--speculation-gate``: ``on`` / ``off`` set the verifier's
+    #: ``speculation_gate``; ``auto`` turns it on for a drafter that runs a model (its forwards
+    #: compete with the verifier's for the cores, a cost only measuring sees,
+    #: decode/speculation_gate.py) and off for one that runs none (n-gram, suffix: nothing to
+    #: gain); resolved again whenever the draft method changes. "": as the verifier's is set.
+    speculation_gate_mode: str = ""
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
         max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
@@ -152,6 +161,13 @@ class ClusterConfig:
             raise ValueError("block_size and kv_cache_mb must be >= 1")
         if self.stream_idle_timeout_s is not None and not self.stream_idle_timeout_s > 0:
             raise ValueError("stream_idle_timeout_s must be > 0 (None: no timeout)")
+        if self.speculation_gate_mode not in SPECULATION_GATE_MODES:
+            raise ValueError(f"speculation_gate_mode must be one of {SPECULATION_GATE_MODES}, "
+                             f"got {self.speculation_gate_mode!r}")
+        if self.speculation_gate_mode:
+            gate = self.speculation_gate_mode == "on" or (
+                self.speculation_gate_mode == "auto" and runs_a_model(self.verifier.draft_method))
+            object.__setattr__(self, "verifier", replace(self.verifier, speculation_gate=gate))
         if self.drafter.method != self.verifier.draft_method:
             raise ValueError(f"drafter method {self.drafter.method!r} != the verifier's "
                              f"draft_method {self.verifier.draft_method!r}")

@@ -87,13 +87,15 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "measured cost of verify forwards (decode/goodput.py, SmartSpec arXiv "
                         "2406.14066; none where verifying them costs more than they bring); "
                         "off: every usable draft up to kappa")
-    p.add_argument("--speculation-gate", default="off", choices=("on", "off"),
-                   help="on (with the goodput caps): drafting is turned off where committed "
-                        "tokens per second measured without it beat those measured with it, "
-                        "per batch-size bucket, and tried again now and then "
+    p.add_argument("--speculation-gate", default="auto", choices=("auto", "on", "off"),
+                   help="with the goodput caps, drafting turned off where committed tokens per "
+                        "second measured without it beat those measured with it, per "
+                        "batch-size bucket, and tried again now and then "
                         "(decode/speculation_gate.py; docs/verification.md, 'Speculation "
-                        "gate'); off (default until its sweep is measured): drafting always "
-                        "on")
+                        "gate'). auto (default): on for a drafter that runs a model (EAGLE, "
+                        "draft model, PARD, DFlash, ...: its forwards compete with the "
+                        "verifier's for the cores), off for n-gram and suffix; on; off: "
+                        "drafting always on")
     p.add_argument("--speculative-policy", default=None, choices=SPECULATIVE_POLICIES,
                    help="how many drafts each verify step carries, within kappa: goodput "
                         "(default: the per-request caps, --goodput-drafts), schedule (SGLang's "
@@ -209,7 +211,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               draft_method=method, drafter_method_kwargs=dict(method_kwargs),
               verify_rule=getattr(args, "verify_rule", "auto"),
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
-              speculation_gate=getattr(args, "speculation_gate", "off") == "on",
+              speculation_gate_mode=getattr(args, "speculation_gate", "auto"),
               **policy_settings(args),
               **cost_table_settings(args),
               **synthetic_settings(args),

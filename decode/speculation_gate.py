@@ -18,7 +18,14 @@ are alike in cost), and keeps the faster. It is an explore-exploit loop:
   :data:`SETTLE_STEPS` after a switch (the drafter goes quiet or catches up then); a window
   folds into the state's rate with weight :data:`RATE_WEIGHT`;
 - a bucket with a state not yet measured tries it after the current window (on first);
-- otherwise the faster state runs, and after ``period`` steps in it the other is tried for
+- a step whose batch falls in another bucket than the step before takes that bucket's
+  choice at once, leaving the window it was measuring open (a bucket change ends a stretch:
+  requests finished or arrived);
+- otherwise the faster state runs (drafting only where it is faster by :data:`ON_MARGIN`:
+  what a switch costs besides the measured steps, the drafter's catch-up and the held
+  commits sent at once, falls on the drafting side, and a tie within the noise should not
+  leave a user slower than without speculation), and after ``period`` steps in it the other
+  is tried for
   one window again (the machine, the prompts or the acceptance may have moved); each time
   the probe loses the period doubles, up to :data:`MAX_PERIOD`, and it drops back to
   :data:`MIN_PERIOD` when it wins. A probe that loses by 25 % costs
@@ -41,6 +48,8 @@ SETTLE_STEPS = 2
 WINDOW_STEPS = 8
 #: Weight of a new window in a state's rate.
 RATE_WEIGHT = 0.5
+#: Drafting is the faster state only when its rate beats the other's by this share.
+ON_MARGIN = 0.03
 #: Steps in the faster state before the other is tried again: the first and the longest.
 MIN_PERIOD = 32
 MAX_PERIOD = 512
@@ -68,7 +77,7 @@ class _Bucket:
         on, off = self.rate[True], self.rate[False]
         if on is None or off is None:
             return None
-        return on >= off
+        return on > off * (1.0 + ON_MARGIN)
 
 
 @dataclass
@@ -96,14 +105,19 @@ class SpeculationGate:
         self._settle = 0  # steps left unmeasured after the last switch
         self._pending = True  # the current state owes a complete window
         self._probing = False
+        self._bucket: int | None = None  # the bucket of the step begun last
         self._log = log
 
     def begin(self, batch: int) -> bool:
         """The step about to run has ``batch`` requests: whether it drafts."""
-        b = self._buckets.setdefault(bucket(batch), _Bucket())
-        if self._settle or self._pending:
-            return self.on  # measure the current state to the end of its window first
+        k = bucket(batch)
+        b = self._buckets.setdefault(k, _Bucket())
+        moved, self._bucket = self._bucket is not None and k != self._bucket, k
         best = b.best()
+        if moved and best is not None:  # another bucket, whose choice is known: take it
+            self._pending = self._probing = False
+        elif self._settle or self._pending:
+            return self.on  # measure the current state to the end of its window first
         if best is None:  # a state this bucket has not measured: measure it
             if b.rate[self.on] is None:
                 self._pending = True
@@ -179,5 +193,5 @@ class SpeculationGate:
                       f"without {b.rate[False]:.1f})")
 
 
-__all__ = ["MAX_PERIOD", "MIN_PERIOD", "RATE_WEIGHT", "SETTLE_STEPS", "WINDOW_STEPS",
+__all__ = ["MAX_PERIOD", "MIN_PERIOD", "ON_MARGIN", "RATE_WEIGHT", "SETTLE_STEPS", "WINDOW_STEPS",
            "GateStats", "SpeculationGate", "bucket"]

@@ -384,13 +384,28 @@ def test_config_settings_record_a_whole_cluster(tiny_model_dir):
     assert got["drafter"]["value"] == ["ngram", {"min_ngram": 1}]
 
 
-def test_serve_gates_speculation_when_asked():
-    """`specmesh serve --speculation-gate on` runs the speculation gate with the goodput caps
-    (decode/speculation_gate.py); off by default, without the caps, and in code."""
+def test_serve_gates_speculation_for_model_drafters_by_default():
+    """`specmesh serve --speculation-gate auto` (the default) runs the speculation gate with
+    the goodput caps (decode/speculation_gate.py) for a drafter that runs a model and not for
+    n-gram; on / off as asked; never without the caps or in code unless asked; re-resolved
+    when the draft method changes (the bench runs each method from one config)."""
+    from dataclasses import replace
+
     from specmesh.cluster.config import ClusterConfig
 
-    assert _serve_config("--speculation-gate", "on").verifier.gates_speculation
-    assert not _serve_config().verifier.gates_speculation
+    assert not _serve_config("--drafter", "ngram").verifier.gates_speculation
+    assert _serve_config("--drafter", "ngram", "--speculation-gate", "on"
+                         ).verifier.gates_speculation
+    eagle = ClusterConfig.create(model="m", draft_method="eagle", speculation_gate_mode="auto")
+    assert eagle.verifier.gates_speculation
+    assert not ClusterConfig.create(model="m", draft_method="eagle",
+                                    speculation_gate_mode="off").verifier.gates_speculation
+    ngram = replace(eagle, verifier=replace(eagle.verifier, draft_method="ngram"),
+                    drafter=replace(eagle.drafter, method="ngram"))
+    assert not ngram.verifier.gates_speculation
     assert not _serve_config("--speculation-gate", "on", "--goodput-drafts", "off"
                              ).verifier.gates_speculation
     assert not ClusterConfig.create(model="m").verifier.gates_speculation
+    assert not ClusterConfig.create(model="m", draft_method="eagle").verifier.gates_speculation
+    with pytest.raises(ValueError, match="speculation_gate_mode"):
+        ClusterConfig.create(model="m", speculation_gate_mode="sometimes")

@@ -10,6 +10,7 @@ import pytest
 from specmesh.decode.speculation_gate import (
     MAX_PERIOD,
     MIN_PERIOD,
+    ON_MARGIN,
     SETTLE_STEPS,
     WINDOW_STEPS,
     SpeculationGate,
@@ -90,3 +91,27 @@ def test_settle_steps_are_not_measured():
         assert gate.begin(4) is False
         gate.end(4, 1 if i < SETTLE_STEPS else 120, 1.0)
     assert gate.snapshot()["buckets"]["4"]["tokens_per_s_off"] == pytest.approx(120)
+
+
+def test_drafting_must_win_by_the_margin():
+    """A tie within ON_MARGIN goes to no drafting (what a switch costs falls on drafting's
+    side); a clear win keeps drafting on."""
+    gate = SpeculationGate()
+    run(gate, 4, {True: 100 * (1 + ON_MARGIN / 2), False: 100}, 100)
+    assert gate.on is False
+    gate = SpeculationGate()
+    run(gate, 4, {True: 100 * (1 + 3 * ON_MARGIN), False: 100}, 100)
+    assert gate.on is True
+
+
+def test_a_batch_in_another_bucket_takes_its_choice_at_once():
+    """The batch moved (requests finished or arrived): the step takes the new bucket's known
+    choice at once, not after the settle steps and the window of the switch it just made."""
+    gate = SpeculationGate()
+    at_1, at_16 = {True: 80, False: 120}, {True: 200, False: 150}
+    run(gate, 1, at_1, 60)  # batch 1: drafting does not pay
+    run(gate, 16, at_16, 60)  # batch 16: it does
+    run(gate, 1, at_1, 60)
+    assert gate.on is False
+    assert run(gate, 16, at_16, 1) == [True]  # a switch: settle steps, then a window owed
+    assert run(gate, 1, at_1, 1) == [False]  # yet batch 1's choice applies at once
