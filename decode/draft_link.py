@@ -42,6 +42,7 @@ class DraftLink:
         """(Re-)open ``req`` on its drafter: the committed prefix is the truth it aligns to."""
         req.tail.reset(req.committed_len)
         req.commits_held_from = None  # the sync carries every committed token
+        req.drafter_told_paused = False  # (a DraftSync opens the request drafting)
         seed = sync_buffer(req.seed_window, req.prompt_len + req.committed_len)
         if self.send(req.drafter, DraftSync(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
@@ -61,7 +62,8 @@ class DraftLink:
         commit (seed rows copied out and encoded), the send, and the drafter's decode and
         ingest on cores the verifier's forward needs (measured on 2 cores, EAGLE at 4
         streams: commit 0.66 ms against 0.17 ms, forward 18.4 ms against 17.7 ms, drafting
-        paused on 95 % of the steps). So the commits are held (``req.commits_held_from``:
+        paused on 95 % of the steps). So once a commit has told the drafter it is paused
+        (``drafting_paused``: it stops drafting and preparing branches) the commits are held (``req.commits_held_from``:
         the committed length the drafter last heard of) and sent as one VerifyCommit when
         drafting resumes or the request ends, with the seed rows the window still holds; a
         hold longer than the window (decode/seed_state.py, MAX_SEED_ROWS) re-opens the
@@ -70,7 +72,8 @@ class DraftLink:
         if req.drafter is None or not num_committed:
             return
         pre = req.committed_len - num_committed
-        if self.scheduler.drafting_paused(req) and not self.share_kv:
+        if self.scheduler.drafting_paused(req) and req.drafter_told_paused \
+                and not self.share_kv:
             if req.commits_held_from is None:
                 req.commits_held_from = pre
             return
@@ -87,13 +90,14 @@ class DraftLink:
     def send_commit(self, req: Request, pre_commit_len: int, seed_rows=None) -> None:  # noqa: ANN001
         """VerifyCommit of ``req``'s output from ``pre_commit_len`` on."""
         seed = commit_buffer(seed_rows)
+        paused = self.scheduler.drafting_paused(req)
         if self.send(req.drafter, VerifyCommit(
                 request_id=req.request_id, pre_commit_len=pre_commit_len,
                 committed_token_ids=req.output_token_ids[pre_commit_len:], seed_state=seed,
-                num_drafts_wanted=self.scheduler.drafts_wanted(req),
-                drafting_paused=self.scheduler.drafting_paused(req),
+                num_drafts_wanted=self.scheduler.drafts_wanted(req), drafting_paused=paused,
                 target_kv=target_kv_rows(req, self.share_kv))):
             req.tail_in_flight = True  # (a failed send put the request on plain decode)
+            req.drafter_told_paused = paused
             self.stats.seed_state_sent_bytes += seed.nbytes if seed is not None else 0
 
     def flush_held_commits(self, req: Request) -> None:

@@ -80,6 +80,7 @@ class Request:
     #: the committed length its drafter last heard of while the speculation gate holds its
     #: commits back (None: none held; decode/draft_link.py, DraftLink.notify_commit)
     commits_held_from: int | None = None
+    drafter_told_paused: bool = False  # the last VerifyCommit said drafting_paused
     seed_window: object | None = None  # decode.seed_state.SeedWindow (draft seed state)
     finish_reason: FinishReason | None = None
     error: str = ""

@@ -1,5 +1,6 @@
 """Commits held from a paused drafter (decode/draft_link.py, DraftLink.notify_commit): while the
-speculation gate has drafting off the verifier sends its drafter no VerifyCommit; when drafting
+speculation gate has drafting off the verifier sends its drafter no VerifyCommit after the
+one that tells it so; when drafting
 resumes one VerifyCommit carries every token committed meanwhile with their target hidden
 states (equal to a plain forward's), or, past the seed window, a DraftSync re-opens the
 request; a request that ends while held has its commits sent before DraftClose. Through the
@@ -112,11 +113,13 @@ def test_commits_while_paused_are_held_and_sent_as_one_with_their_rows(tiny):
     model, cfg, ref = tiny
     c, prop, seen = _run(tiny, range(2, 12), max_tokens=60)
     commits = [m for m in seen if isinstance(m, VerifyCommit)]
-    # steps 2 .. 11 commit one token each (no drafts verified) and send nothing: the first
-    # commit after them carries the ten held tokens and the resumed step's
-    # (a step commits at most kappa + 1 = 4 tokens)
-    flush = next(m for m in commits if len(m.committed_token_ids) >= 11)
+    # steps 2 .. 11 commit one token each (no drafts verified): step 2's commit tells the
+    # drafter it is paused, 3 .. 11 send nothing, and the first commit after them carries
+    # the nine held tokens and the resumed step's (a step commits at most kappa + 1 = 4)
+    flush = next(m for m in commits if len(m.committed_token_ids) >= 10)
     i = commits.index(flush)
+    assert [m.drafting_paused for m in commits[:i]].count(True) == 1
+    assert commits[i - 1].drafting_paused and len(commits[i - 1].committed_token_ids) == 1
     assert all(not m.drafting_paused for m in commits[i:])
     assert commits[i - 1].pre_commit_len + len(commits[i - 1].committed_token_ids) \
         == flush.pre_commit_len  # contiguous: nothing was lost
@@ -147,4 +150,5 @@ def test_a_request_that_ends_while_held_sends_its_commits_before_the_close(tiny)
     assert isinstance(seen[-1], DraftClose) and isinstance(seen[-2], VerifyCommit)
     last = seen[-2]
     assert last.pre_commit_len + len(last.committed_token_ids) == 30  # the whole output
-    assert len(commits) <= 3  # steps 0 and 1, then the one held from step 2 on
+    # steps 0 and 1, step 2's telling the drafter it is paused, then the one held from 3 on
+    assert len(commits) <= 4 and commits[-2].drafting_paused
