@@ -52,7 +52,11 @@ RATE_WEIGHT = 0.5
 ON_MARGIN = 0.03
 #: Steps in the faster state before the other is tried again: the first and the longest.
 MIN_PERIOD = 32
-MAX_PERIOD = 512
+MAX_PERIOD = 1024
+#: Share of a bucket's throughput its probes may cost: a probe that lost by ``loss`` (1 -
+#: slower rate / faster) costs about ``(SETTLE_STEPS + WINDOW_STEPS) * loss`` steps, so the
+#: next waits at least that over this share (a probe that lost by half: ~500 steps).
+PROBE_BUDGET = 0.01
 
 
 def bucket(batch: int) -> int:
@@ -78,6 +82,14 @@ class _Bucket:
         if on is None or off is None:
             return None
         return on > off * (1.0 + ON_MARGIN)
+
+    def budget_period(self) -> int:
+        """Steps between probes that keep their cost within :data:`PROBE_BUDGET`."""
+        on, off = self.rate[True], self.rate[False]
+        if not on or not off:
+            return MIN_PERIOD
+        loss = 1.0 - min(on, off) / max(on, off)
+        return int((SETTLE_STEPS + WINDOW_STEPS) * loss / PROBE_BUDGET)
 
 
 @dataclass
@@ -113,7 +125,7 @@ class SpeculationGate:
         k = bucket(batch)
         b = self._buckets.setdefault(k, _Bucket())
         moved, self._bucket = self._bucket is not None and k != self._bucket, k
-        best = b.best()
+        best = self._choice(k, b)
         if moved and best is not None:  # another bucket, whose choice is known: take it
             self._pending = self._probing = False
         elif self._settle or self._pending:
@@ -126,7 +138,8 @@ class SpeculationGate:
             return self.on
         if self._probing:  # the probe's window is complete: back to the faster state
             self._probing = False
-            b.period = MIN_PERIOD if best == self.on else min(2 * b.period, MAX_PERIOD)
+            b.period = MIN_PERIOD if best == self.on else \
+                min(max(2 * b.period, b.budget_period()), MAX_PERIOD)
             self._switch(best)
         elif best != self.on:  # another bucket's state, or the rates crossed
             self._switch(best)
@@ -138,8 +151,27 @@ class SpeculationGate:
             return self.on
         if b.announced != best:
             b.announced = best
+            b.period = max(b.period, min(b.budget_period(), MAX_PERIOD))
             self._announce(batch, b)
         return self.on
+
+    def _choice(self, k: int, b: _Bucket) -> bool | None:
+        """Bucket ``k``'s faster state: measured, or inferred from the buckets around it
+        while one of its states is not measured yet. Drafting pays less the larger the batch
+        (the break-even batch, docs/verification.md): where a smaller batch measured drafting
+        as slower, this one does not try it first, and where a larger one measured it
+        faster, this one does not try without it first; its probes still measure the other
+        state later. None: measure."""
+        best = b.best()
+        if best is not None:
+            return best
+        if b.rate[True] is None and any(o.best() is False for j, o in self._buckets.items()
+                                        if j < k):
+            return False
+        if b.rate[False] is None and any(o.best() is True for j, o in self._buckets.items()
+                                         if j > k):
+            return True
+        return None
 
     def end(self, batch: int, num_tokens: int, seconds: float) -> None:
         """The step begun last committed ``num_tokens`` tokens in ``seconds`` of step time
@@ -153,8 +185,9 @@ class SpeculationGate:
             return
         if seconds <= 0 or batch <= 0:
             return
-        b = self._buckets.setdefault(bucket(batch), _Bucket())
-        if not self._probing and b.best() == self.on:
+        k = bucket(batch)
+        b = self._buckets.setdefault(k, _Bucket())
+        if not self._probing and self._choice(k, b) == self.on:
             b.since_probe += 1
         win = b.window[self.on]
         win[0] += num_tokens
@@ -188,10 +221,11 @@ class SpeculationGate:
 
     def _announce(self, batch: int, b: _Bucket) -> None:
         if self._log is not None:
+            on, off = (f"{r:.1f}" if r is not None else "not measured"
+                       for r in (b.rate[True], b.rate[False]))
             self._log(f"adaptive: drafting {'on' if self.on else 'off'} at batch {batch} "
-                      f"(committed tokens/s with drafting {b.rate[True]:.1f}, "
-                      f"without {b.rate[False]:.1f})")
+                      f"(committed tokens/s with drafting {on}, without {off})")
 
 
-__all__ = ["MAX_PERIOD", "MIN_PERIOD", "ON_MARGIN", "RATE_WEIGHT", "SETTLE_STEPS", "WINDOW_STEPS",
+__all__ = ["MAX_PERIOD", "MIN_PERIOD", "ON_MARGIN", "PROBE_BUDGET", "RATE_WEIGHT", "SETTLE_STEPS", "WINDOW_STEPS",
            "GateStats", "SpeculationGate", "bucket"]

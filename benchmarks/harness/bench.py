@@ -187,14 +187,19 @@ def llama_peer(opts: BenchOptions, model: str | None) -> tuple[str, str, str] | 
     return binary, how, str(gguf)
 
 
-def start_llama(llama: LlamaServers, model: str, prompt: dict, num_prompt_tokens: int) -> bool:
-    """Start the llama-servers and warm each up with ``prompt``; returns whether they count
-    the ``num_prompt_tokens`` specmesh's tokenizer does (the same chat template), printing a
-    warning when not."""
+def start_llama(llama: LlamaServers, model: str, prompts: list[dict],
+                num_prompt_tokens: int) -> bool:
+    """Start the llama-servers and warm each up with every prompt (as the served clusters
+    are: report.WARMUP_NOTE); returns whether they count the ``num_prompt_tokens``
+    specmesh's tokenizer does for the first (the same chat template), printing a warning
+    when not."""
     print(f"[bench] starting llama-server ({', '.join(llama.configs)})", file=sys.stderr,
           flush=True)
     llama.start_all()
-    counted = {n: llama.warm_up(n, model, prompt["messages"]) for n in llama.configs}
+    counted = {n: llama.warm_up(n, model, prompts[0]["messages"]) for n in llama.configs}
+    for n in llama.configs:
+        for p in prompts[1:]:
+            llama.warm_up(n, model, p["messages"])
     same = all(n == num_prompt_tokens for n in counted.values())
     if not same:
         print(f"[bench] llama-server counts {counted} prompt tokens for the first prompt, "
@@ -304,13 +309,13 @@ def bench(cfg: ClusterConfig, opts: BenchOptions, handle=None) -> dict:
             clients = {label: openai_client(h.url, h.api_key) for label, h in handles.items()}
             for label in labels:
                 handles[label].set_num_speculative_tokens(kappa)
-                run_openai(clients[label], model, prompts[:1], 4, "warmup")
+                run_openai(clients[label], model, prompts, 4, "warmup")  # report.WARMUP_NOTE
                 if opts.predictions and kappa > 0:  # a server refusing them fails here
                     check_predictions(clients[label], model, prompts)
             if hf_model is not None:
                 run_hf(hf_model, tokenizer, prompts[:1], 4, "warmup", eos)
             if llama is not None:
-                llama_info["prompt_tokens_match"] = start_llama(llama, model, prompts[0],
+                llama_info["prompt_tokens_match"] = start_llama(llama, model, prompts,
                                                                 len(prompt_ids[0]))
             schedule = _schedule(opts.concurrency, kappa, opts.repeats, labels, served_only,
                                  baselines, opts.llama_spec_type, bool(adapter_names))
@@ -489,7 +494,7 @@ def sweep(cfg: ClusterConfig, opts: BenchOptions) -> dict:
             clients = {key: openai_client(h.url, h.api_key) for key, h in handles.items()}
             for key, h in handles.items():
                 h.set_num_speculative_tokens(top)
-                run_openai(clients[key], model, prompts[:1], 4, "warmup")
+                run_openai(clients[key], model, prompts, 4, "warmup")  # report.WARMUP_NOTE
             schedule = _sweep_schedule(opts.concurrency, systems, opts.repeats)
             bar = tqdm(schedule, desc="sweep", unit="run", disable=not opts.progress,
                        file=sys.stderr)

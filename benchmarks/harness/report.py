@@ -692,6 +692,14 @@ def history_notes(cleared: dict[str, list[bool]]) -> list[str]:
     return out
 
 
+#: How the systems were warmed up (a line of every report's notes).
+WARMUP_NOTE = ("warm-up: every served cluster (and llama-server) was sent each prompt once "
+               "(4 tokens) before the timed passes, so every pass of every system finds the "
+               "prompts in its prefix cache alike (with one warm-up prompt the first pass on "
+               "each cluster prefilled cold: a policy's own cluster paid that in its only "
+               "pass, the fixed kappas shared it)")
+
+
 def run_notes(prompts: Sequence[dict], levels: Sequence[int], cleared: dict[str, list[bool]],
               predictions: bool) -> list[str]:
     """The config's ``notes``, header lines of the tables: the drafters' history
@@ -699,7 +707,7 @@ def run_notes(prompts: Sequence[dict], levels: Sequence[int], cleared: dict[str,
     only the served ones can fail to be); the levels whose requests repeat prompts within a
     pass (concurrency above the number of prompts); and how the prompts' ``prediction`` was
     used (sent with ``predictions`` on the served kappa > 0 requests only, else not)."""
-    out = history_notes(cleared)
+    out = [*history_notes(cleared), *([WARMUP_NOTE] if cleared else [])]
     for level in levels:
         if level > len(prompts):
             out.append(f"concurrency {level}: the {len(prompts)} prompts are cycled to "

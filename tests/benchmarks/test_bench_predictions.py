@@ -160,7 +160,7 @@ def test_options_predictions_and_the_workload_set():
 
 
 def test_notes_say_what_was_cleared_and_sent():
-    from specmesh.benchmarks.harness.report import run_notes
+    from specmesh.benchmarks.harness.report import WARMUP_NOTE, run_notes
 
     prompts = PROMPTS  # two of three carry a prediction
     notes = run_notes(prompts, [1, 4], {"ngram": [True, True], "suffix": [False, False]},
@@ -169,9 +169,10 @@ def test_notes_say_what_was_cleared_and_sent():
                                f"(POST {CLEAR_HISTORY_PATH}) before every served pass (ngram)")
     assert notes[1].startswith("**drafters' cross-request memory NOT cleared on the suffix "
                                "cluster (2 of 2 passes)") and "HTTP 404" in notes[1]
-    assert notes[2].startswith("concurrency 4: the 3 prompts are cycled to 4 requests")
-    assert notes[3].startswith("Predicted Outputs: 2 of 3 prompts carry a prediction, sent")
-    assert len(notes) == 4
+    assert notes[2] == WARMUP_NOTE  # served passes: each prompt sent once before them
+    assert notes[3].startswith("concurrency 4: the 3 prompts are cycled to 4 requests")
+    assert notes[4].startswith("Predicted Outputs: 2 of 3 prompts carry a prediction, sent")
+    assert len(notes) == 5
     off = run_notes(prompts[:1], [1], {}, predictions=False)
     assert off == []  # no served pass, no prediction, no cycling: nothing to say
     off = run_notes(prompts, [1], {"ngram": [True]}, predictions=False)

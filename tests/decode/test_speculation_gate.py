@@ -11,6 +11,7 @@ from specmesh.decode.speculation_gate import (
     MAX_PERIOD,
     MIN_PERIOD,
     ON_MARGIN,
+    PROBE_BUDGET,
     SETTLE_STEPS,
     WINDOW_STEPS,
     SpeculationGate,
@@ -66,7 +67,8 @@ def test_a_probe_that_wins_takes_over():
     gate = SpeculationGate()
     run(gate, 2, {True: 75, False: 100}, 100)
     assert gate.on is False
-    seen = run(gate, 2, {True: 200, False: 100}, MIN_PERIOD * 4 + 100)
+    # (it lost by 25 %: the next probe waits for the probe budget, ~250 steps)
+    seen = run(gate, 2, {True: 200, False: 100}, 800)
     assert gate.on is True and seen[-1] is True
     assert seen.count(True) > len(seen) / 2  # it stayed on after the probe that won
 
@@ -115,3 +117,32 @@ def test_a_batch_in_another_bucket_takes_its_choice_at_once():
     assert gate.on is False
     assert run(gate, 16, at_16, 1) == [True]  # a switch: settle steps, then a window owed
     assert run(gate, 1, at_1, 1) == [False]  # yet batch 1's choice applies at once
+
+
+def test_a_probe_that_lost_badly_waits_for_the_probe_budget():
+    """A state that lost by half is tried again only after ~(settle + window) * 0.5 /
+    PROBE_BUDGET steps, not after MIN_PERIOD: its probes cost ~1 % of the throughput."""
+    gate = SpeculationGate()
+    seen = run(gate, 16, {True: 50, False: 100}, 1200)
+    first_off = seen.index(False)
+    probes = [i for i in range(first_off + 1, len(seen)) if seen[i] and not seen[i - 1]]
+    wait = int((SETTLE_STEPS + WINDOW_STEPS) * 0.5 / PROBE_BUDGET)
+    assert probes and probes[0] - first_off >= wait > MIN_PERIOD
+    assert seen[first_off:].count(True) / len(seen[first_off:]) < 0.03
+
+
+def test_a_bucket_infers_its_first_choice_from_its_neighbours():
+    """Drafting measured slower at batch 4 is not tried first at batch 16 (larger batches
+    gain less from it); measured faster at batch 16, it is not turned off first at batch 4.
+    The inferred bucket still measures the other state at its first probe."""
+    gate = SpeculationGate()
+    run(gate, 4, {True: 60, False: 100}, 60)
+    assert run(gate, 16, {True: 60, False: 100}, 1) == [False]
+    snap = gate.snapshot()["buckets"]["16"]
+    assert snap["tokens_per_s_on"] is None  # never tried there
+    gate = SpeculationGate()
+    run(gate, 16, {True: 150, False: 100}, 60)
+    assert run(gate, 4, {True: 150, False: 100}, 1) == [True]
+    seen = run(gate, 4, {True: 150, False: 100}, MIN_PERIOD + 40)
+    assert False in seen  # the probe of the state it skipped
+    assert gate.snapshot()["buckets"]["4"]["tokens_per_s_off"] is not None
