@@ -17,7 +17,10 @@ are alike in cost), and keeps the faster. It is an explore-exploit loop:
 - a bucket measures each state in windows of :data:`WINDOW_STEPS` steps, skipping the first
   :data:`SETTLE_STEPS` after a switch (the drafter goes quiet or catches up then); a window
   folds into the state's rate with weight :data:`RATE_WEIGHT`;
-- a bucket with a state not yet measured tries it after the current window (on first);
+- a bucket with a state not yet measured tries it after the current window (on first),
+  unless its neighbours decided (:meth:`SpeculationGate._choice`: drafting pays less the
+  larger the batch, so above a bucket where it lost it starts off, below one where it won
+  it starts on);
 - a step whose batch falls in another bucket than the step before takes that bucket's
   choice at once, leaving the window it was measuring open (a bucket change ends a stretch:
   requests finished or arrived);
@@ -25,11 +28,10 @@ are alike in cost), and keeps the faster. It is an explore-exploit loop:
   what a switch costs besides the measured steps, the drafter's catch-up and the held
   commits sent at once, falls on the drafting side, and a tie within the noise should not
   leave a user slower than without speculation), and after ``period`` steps in it the other
-  is tried for
-  one window again (the machine, the prompts or the acceptance may have moved); each time
-  the probe loses the period doubles, up to :data:`MAX_PERIOD`, and it drops back to
-  :data:`MIN_PERIOD` when it wins. A probe that loses by 25 % costs
-  ``window / (period + window)`` of that: 1.5 % at the longest period.
+  is tried for one window again (the machine, the prompts or the acceptance may have
+  moved); each time the probe loses the period at least doubles, and is at least what keeps
+  probes within :data:`PROBE_BUDGET` of the throughput given how much it lost, up to
+  :data:`MAX_PERIOD`; it drops back to :data:`MIN_PERIOD` when the probe wins.
 
 Off means no step verifies the method's drafts (the step kappa is 0) and each request's
 drafter is told to pause (VerifyCommit.drafting_paused: no drafts, no prepared branches);
