@@ -161,10 +161,21 @@ class EagleProposer(Proposer):
         #: or branch peek) and the most bytes its per-request KV buffers held at once (no
         #: preallocated pool: they grow per request)
         self.draft_weights_bytes = resident_bytes(self.head)
-        self.num_draft_forwards = 0
-        self._kv_peak = 0  # the most bytes held, sampled when a request closes
         self.clock = StepClock(self.head.config.num_steps)  # per-module time (draft_stats)
+        self._module0_forwards = 0  # module 0's forwards and the trees' depth forwards
+        self._kv_peak = 0  # the most bytes held, sampled when a request closes
         self.chains = StepChains(self.head, self.clock)  # multi-layer heads' chains, by request
+
+    @property
+    def num_draft_forwards(self) -> int:
+        """Head forwards run (one per batched extend, tree depth or branch peek): module 0's
+        and the trees' as they run, plus a multi-layer head's modules 1.. (their chains and
+        catch-ups, timed and counted by the step clock)."""
+        return self._module0_forwards + sum(self.clock.forwards[1:])
+
+    @num_draft_forwards.setter
+    def num_draft_forwards(self, value: int) -> None:
+        self._module0_forwards = value - sum(self.clock.forwards[1:])
 
     @classmethod
     def create(cls, kwargs: dict, target: DraftTarget) -> EagleProposer:

@@ -116,6 +116,22 @@ def test_stop_head_drafts_at_most_num_steps():
     assert tokens and max(_depth(parents, j) for j in range(len(parents))) <= 2
 
 
+def test_every_module_forward_is_counted_as_a_draft_forward():
+    """A 3-module head's chain of 3 drafts runs module 0, 1 and 2 (and catches modules 1..
+    up over the context): num_draft_forwards counts them all, as the bench's forward cost
+    and the drafter's stats read it, not module 0's alone."""
+    head = _head(5, num_steps=3, after="stop")
+    ctx = [3, 7, 1, 9, 4, 11]
+    p = _ready(head, ctx, torch.randn(3, D, dtype=torch.float64))
+    assert len(p.propose("r", ctx, 3)) == 3
+    assert p.clock.forwards[1] >= 1 and p.clock.forwards[2] >= 1
+    assert p.num_draft_forwards >= 3
+    assert p.num_draft_forwards == p.clock.forwards[0] + sum(p.clock.forwards[1:])
+    before = p.num_draft_forwards
+    p.num_draft_forwards += 1  # a tree depth or branch peek adds to it as before
+    assert p.num_draft_forwards == before + 1
+
+
 def _fresh(head, feats, start, ctx, n):
     p = EagleProposer(head_module=head)
     p.open("r", ctx)
