@@ -112,15 +112,18 @@ def test_commits_for_endless_unknown_requests_leave_bounded_state():
     assert need == n
 
 
-def _synced_garbage_drafter():
+def _synced_garbage_drafter(runs_a_model: bool = True):
     """(verifier mailbox, drafter with window 8 that drafts token 999 only) after one DraftSync
-    of request "r" and one step."""
+    of request "r" and one step; its proposer declares ``runs_a_model`` (a model drafter's
+    run-ahead follows the verifier's cap)."""
     from helpers.proposers import GarbageProposer
 
     hub = InProcHub()
     v = hub.mailbox("verifier-0")
+    proposer = GarbageProposer(999)
+    proposer.runs_a_model = runs_a_model
     d = DrafterWorker(DrafterConfig(window=8, max_segment=8), hub.mailbox("drafter-0"),
-                      GarbageProposer(999))
+                      proposer)
     v.send("drafter-0", DraftSync(request_id="r", prompt_token_ids=[1, 2, 3],
                                   committed_token_ids=[2], sampling=SamplingParams()))
     d.step()
@@ -141,6 +144,17 @@ def test_run_ahead_follows_the_drafts_the_verifier_wants():
         pre += 1
         d.step()
         assert len(d.requests["r"].path) == run_ahead, wanted
+    _tails(v)
+
+
+def test_a_drafter_that_runs_no_model_keeps_its_whole_window():
+    """Drafts that cost no forward (n-gram, suffix) run ahead by the whole window whatever
+    the verifier's cap: its caps can only take the drafts they are offered."""
+    v, d = _synced_garbage_drafter(runs_a_model=False)
+    v.send("drafter-0", VerifyCommit(request_id="r", pre_commit_len=1,
+                                     committed_token_ids=[999], num_drafts_wanted=1))
+    d.step()
+    assert len(d.requests["r"].path) == 8
     _tails(v)
 
 
