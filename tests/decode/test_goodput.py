@@ -189,7 +189,10 @@ def test_drafter_runs_ahead_only_as_far_as_the_verifier_verifies():
     _, model, cfg = tiny_llama(seed=0, dtype=torch.float64, vocab_size=96)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3]]
     outs = []
-    for k, proposer in ((0, None), (4, GarbageProposer(96))):
+    garbage = GarbageProposer(96)
+    garbage.runs_a_model = True  # a model drafter's run-ahead follows the cap (one that runs
+    # none keeps its whole window: tests/drafter/test_drafter_worker.py)
+    for k, proposer in ((0, None), (4, garbage)):
         c = InProcessCluster(model, cfg, num_speculative_tokens=k, num_kv_blocks=64,
                              block_size=4, proposer=proposer, goodput_drafts=True)
         outs.append([o.token_ids for o in c.generate(prompts, SamplingParams(max_tokens=24))])
