@@ -33,7 +33,8 @@ def test_bench_concurrency_levels_outputs(ray_session, tiny_model_dir, tmp_path,
                "--prompts", str(prompts), "--profile", "--json", str(out_json),
                "--markdown", str(out_md), "--plot", str(out_png),
                "--drafters", f"ngram,eagle:{head}",
-               "--baselines", "hf,llama-server", "--llama-server", str(tmp_path / "none")])
+               "--baselines", "hf,llama-server", "--llama-server", str(tmp_path / "none"),
+               "--speculation-gate", "off"])  # drafting always on: drafts are asserted
     assert rc == 0  # every method's output identical to kappa = 0's
     summary = json.loads(out_json.read_text())
     assert summary["mismatches"] == []
