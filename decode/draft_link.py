@@ -63,8 +63,9 @@ class DraftLink:
         ingest on cores the verifier's forward needs (measured on 2 cores, EAGLE at 4
         streams: commit 0.66 ms against 0.17 ms, forward 18.4 ms against 17.7 ms, drafting
         paused on 95 % of the steps). So once a commit has told the drafter it is paused
-        (``drafting_paused``: it stops drafting and preparing branches) the commits are held (``req.commits_held_from``:
-        the committed length the drafter last heard of) and sent as one VerifyCommit when
+        (``drafting_paused``: it stops drafting and preparing branches) the commits are held
+        (``req.commits_held_from``: the committed length the drafter last heard of) and sent
+        as one VerifyCommit when
         drafting resumes or the request ends, with the seed rows the window still holds; a
         hold longer than the window (decode/seed_state.py, MAX_SEED_ROWS) re-opens the
         request with a DraftSync instead. A request whose drafter reads the target's KV
@@ -96,7 +97,9 @@ class DraftLink:
                 committed_token_ids=req.output_token_ids[pre_commit_len:], seed_state=seed,
                 num_drafts_wanted=self.scheduler.drafts_wanted(req), drafting_paused=paused,
                 target_kv=target_kv_rows(req, self.share_kv))):
-            req.tail_in_flight = True  # (a failed send put the request on plain decode)
+            # a paused drafter answers with no tail: none is owed, so the step that resumes
+            # drafting does not wait for one (a failed send put the request on plain decode)
+            req.tail_in_flight = not paused
             req.drafter_told_paused = paused
             self.stats.seed_state_sent_bytes += seed.nbytes if seed is not None else 0
 

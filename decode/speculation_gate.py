@@ -229,5 +229,6 @@ class SpeculationGate:
                       f"(committed tokens/s with drafting {on}, without {off})")
 
 
-__all__ = ["MAX_PERIOD", "MIN_PERIOD", "ON_MARGIN", "PROBE_BUDGET", "RATE_WEIGHT", "SETTLE_STEPS", "WINDOW_STEPS",
+__all__ = ["MAX_PERIOD", "MIN_PERIOD", "ON_MARGIN", "PROBE_BUDGET", "RATE_WEIGHT", "SETTLE_STEPS",
+           "WINDOW_STEPS",
            "GateStats", "SpeculationGate", "bucket"]
