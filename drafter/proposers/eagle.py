@@ -53,13 +53,16 @@ from specmesh.engine.sampling import GREEDY
 
 log = logging.getLogger(__name__)
 
-#: where shipped heads live: <dir>/<target name, lower case>/
+#: where shipped heads live: <dir>/<target name, lower case>/ (a multi-layer head of N modules:
+#: <dir>/<target name, lower case>-eagle-<N>step/)
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 
 
-def shipped_head(target_name: str) -> Path | None:
-    """The head shipped for the target called ``target_name``, or None."""
-    p = SHIPPED_HEADS / target_name.lower()
+def shipped_head(target_name: str, num_steps: int = 1) -> Path | None:
+    """The head of ``num_steps`` modules shipped for the target called ``target_name``, or
+    None."""
+    name = target_name.lower() + (f"-eagle-{num_steps}step" if num_steps > 1 else "")
+    p = SHIPPED_HEADS / name
     return p if (p / "config.json").is_file() else None
 
 
@@ -121,6 +124,9 @@ class EagleProposer(Proposer):
     options = OptionSchema((
         Option("head", "path", "the head's checkpoint directory (specmesh train-drafter "
                "--method eagle --out DIR)", "the head shipped for the target", positional=True),
+        Option("steps", int, "modules of the shipped head when no head is given (multi-layer "
+               "EAGLE: module i drafts depth i; 2: the two-module head shipped for the "
+               "target)", 1, kwarg="num_steps", minimum=1, maximum=8),
         Option("dtype", str, "dtype of the head's weights", "the cluster's dtype",
                choices=tuple(d for d in MODEL_DTYPES if d != "float16")),
         Option("topk", int, "EAGLE-2 draft trees: children per expanded node and nodes "
@@ -141,7 +147,7 @@ class EagleProposer(Proposer):
     def __init__(self, head: str | None = None, model: str | None = None,
                  dtype: str = "float32", head_module: EagleHead | None = None,
                  backend: CpuBackend | None = None, topk: int = 1,
-                 tree_nodes: int | None = None) -> None:
+                 tree_nodes: int | None = None, num_steps: int = 1) -> None:
         if not 1 <= topk <= MAX_TOPK or (tree_nodes is not None and tree_nodes < 1):
             raise ValueError(f"need 1 <= topk <= {MAX_TOPK} and tree_nodes >= 1, got "
                              f"topk {topk}, tree_nodes {tree_nodes}")
@@ -151,7 +157,7 @@ class EagleProposer(Proposer):
         self.draft_shape = "tree" if topk > 1 else "chain"
         self.num_tree_forwards = 0  # tree-depth forwards run (metrics, tests)
         self.head = head_module if head_module is not None else load_eagle_head(
-            head, model, dtype, backend)
+            head, model, dtype, backend, num_steps)
         self.seed_state = self.head.config.seed_state  # "hidden" or "hidden:L1,L2,L3"
         self.seed_hidden_size = self.head.config.seed_width  # the drafter checks row widths
         self.states: dict[str, _HeadState] = {}
@@ -197,7 +203,7 @@ class EagleProposer(Proposer):
             return kwargs["head_module"].config.seed_state
         try:
             model = kwargs.get("model", target.model if target is not None else None)
-            path = kwargs.get("head") or _shipped_head_for(model)
+            path = kwargs.get("head") or _shipped_head_for(model, kwargs.get("num_steps", 1))
             return read_head_config(path).seed_state if path else cls.seed_state
         except (OSError, ValueError) as err:
             log.warning("EAGLE seed state: %s; assuming %r", err, cls.seed_state)
@@ -614,13 +620,14 @@ class EagleProposer(Proposer):
             st.chain_anchor = -1
 
 
-def _shipped_head_for(model: str | None) -> Path | None:
-    return shipped_head(model_identity(model, "float32", 16)["name"])
+def _shipped_head_for(model: str | None, num_steps: int = 1) -> Path | None:
+    return shipped_head(model_identity(model, "float32", 16)["name"], num_steps)
 
 
 def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32",
-                    backend: CpuBackend | None = None) -> EagleHead:
-    """The head at ``head`` (or the one shipped for ``model``) with only the target's embedding
+                    backend: CpuBackend | None = None, num_steps: int = 1) -> EagleHead:
+    """The head at ``head`` (or the one of ``num_steps`` modules shipped for ``model``: a
+    multi-layer head for more than one) with only the target's embedding
     and LM head loaded from its weights, computing with ``backend`` (engine/backend.py; None:
     the process's default); a float32 head on CPU computes on Q8_0 blocks where the backend
     has ``eagle_q8_0`` on (drafter/eagle/quantize.py).
@@ -628,13 +635,23 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32",
     Raises:
         FileNotFoundError: no head given and none shipped for the target; missing weights.
         drafter.eagle.checkpoint.HeadMismatch: the head was trained for another target.
+        ValueError: ``num_steps`` differs from the given head's modules.
     """
     from transformers import AutoConfig  # transformers: slow to import, only to load a head
 
     files = model_files(model)
     name = model_identity(model, "float32", 16)["name"]
     if head is None:
-        head = shipped_or_raise(shipped_head(name), "EAGLE head", name, "eagle")
+        found = shipped_head(name, num_steps)
+        if found is None and num_steps > 1:
+            raise FileNotFoundError(
+                f"no {num_steps}-module EAGLE head shipped for {name!r}: train one with "
+                f"`specmesh train-drafter --method eagle --num-steps {num_steps}` and pass "
+                f"--drafter eagle:PATH")
+        head = shipped_or_raise(found, "EAGLE head", name, "eagle")
+    elif num_steps != 1 and read_head_config(head).num_steps != num_steps:
+        raise ValueError(f"eagle:steps={num_steps} but the head at {head} has "
+                         f"{read_head_config(head).num_steps} modules")
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(files))
     embed, lm_head = target_embeddings(files)
     loaded = load_head(head, embed, lm_head, target_identity(name, config, embed),
