@@ -214,8 +214,8 @@ class Proposer(ABC):
         Only for methods whose ``seed_state`` is not empty; the default ignores them. May
         raise ValueError for states it cannot use: the drafter then asks for a DraftSync."""
 
-    def make_prefill_seed(self, request_id: str, context_token_ids: list[int], hidden,  # noqa: ANN001
-                          topk: int):  # noqa: ANN201 - a protocol.messages.DraftSeed or None
+    def make_prefill_seed(self, request_id: str, context_token_ids: list[int],
+                          hidden, topk: int):  # noqa: ANN001, ANN201 - a DraftSeed or None
         """The method's first draft step for a request, run at the prefill (methods whose
         ``makes_prefill_seed`` is True): ``context_token_ids`` the prompt and its first output
         token, ``hidden`` (torch.Tensor ``[1, seed width]``) the target's seed state at the last

@@ -20,7 +20,7 @@ states, head and catch-up), which exposes them as ``make_prefill_seed`` /
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -30,8 +30,8 @@ from specmesh.engine.dtypes import dtype_name
 from specmesh.engine.frames import buffer_to_tensor, tensor_to_buffer
 from specmesh.protocol.messages import MAX_DRAFT_SEED_TOPK, DraftSeed
 
-if TYPE_CHECKING:
-    from specmesh.drafter.proposers.eagle import EagleProposer
+#: a ``drafter.proposers.eagle.EagleProposer`` (not imported: it imports this module)
+EagleProposer = Any
 
 log = logging.getLogger(__name__)
 

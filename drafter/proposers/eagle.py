@@ -231,8 +231,8 @@ class EagleProposer(Proposer):
             self.num_recomputed_entries += st.kv.end - old_end
             self._truncate(st, old_end)
 
-    def make_prefill_seed(self, request_id: str, context_token_ids: list[int], hidden,  # noqa: ANN001
-                          topk: int):  # noqa: ANN201
+    def make_prefill_seed(self, request_id: str, context_token_ids: list[int],
+                          hidden, topk: int):  # noqa: ANN001, ANN201
         """The head's entry at the last prompt position as a DraftSeed (run at the prefill;
         drafter/eagle/prefill_seed.py ``make_seed``)."""
         return make_seed(self, request_id, context_token_ids, hidden, topk)
