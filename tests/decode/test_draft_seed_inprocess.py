@@ -1,9 +1,9 @@
 """The EAGLE draft seed across P/D through the in-process workers (real encoded messages):
 the prefill runs the head's first step (PrefillDone.draft_seed), the verifier keeps it and
 sends it with the first DraftSync, the drafter adopts it; greedy output equals plain decode
-with drafts accepted and a head entry fewer per request. A malformed seed (refused by the verifier, or
-well formed but refused by the drafter) and a seeder that raises cost only the seed: every
-request completes with the same output."""
+with drafts accepted and a head entry fewer per request. A malformed seed (refused by the
+verifier, or well formed but refused by the drafter) and a seeder that raises cost only the
+seed: every request completes with the same output."""
 
 from __future__ import annotations
 
