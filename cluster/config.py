@@ -129,6 +129,11 @@ class ClusterConfig:
     #: decode/speculation_gate.py) and off for one that runs none (n-gram, suffix: nothing to
     #: gain); resolved again whenever the draft method changes. "": as the verifier's is set.
     speculation_gate_mode: str = ""
+    #: the command line's ``--prefill-draft-seed``: the prefill runs the draft method's first
+    #: step after the prompt and ships it (PrefillDone.draft_seed), for a method that
+    #: declares it (EAGLE: ``makes_prefill_seed``; cluster/prefill_seeder.py); off: the drafter
+    #: runs it (docs/drafters.md, 'The seed across P/D')
+    prefill_draft_seed: bool = True
     verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(
         max_num_seqs=32, goodput_drafts=True))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)

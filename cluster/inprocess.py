@@ -8,12 +8,14 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from specmesh.cluster.prefill_seeder import seeder_of
 from specmesh.decode.config import VerifierConfig
 from specmesh.decode.rules import outputs_exact
 from specmesh.decode.worker import VerifierWorker
 from specmesh.drafter.config import DrafterConfig
 from specmesh.drafter.proposer import Proposer
-from specmesh.drafter.registry import get_method, seed_state_for, seed_state_kinds
+from specmesh.drafter.registry import (create_proposer, get_method, makes_prefill_seed,
+                                      seed_state_for, seed_state_kinds)
 from specmesh.drafter.worker import DrafterWorker
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.config import ModelConfig
@@ -80,6 +82,10 @@ class InProcessCluster:
     ``kv_cache_dtype``: both KV caches' dtype (``--kv-cache-dtype``; ``auto``: the model's).
     ``tokenizer``: the target's Hugging Face tokenizer, for structured output (requests with
     a ``SamplingParams.grammar``); None: such requests are refused.
+    ``prefill_draft_seed`` (``--prefill-draft-seed``): the prefill runs the draft method's first
+    step (PrefillDone.draft_seed, cluster/prefill_seeder.py) with ``prefill_seeder`` (a
+    proposer of the method; default: one built from the registry as the drafter's is, when no
+    ``proposer`` replaces the method; a given ``proposer`` gets no seeder unless one is passed).
 
     Raises:
         ValueError: a KV cache dtype the model cannot have (engine/dtypes.py), or a setting
@@ -93,7 +99,9 @@ class InProcessCluster:
                  window: int | None = None, prefill_chunk_size: int = 512,
                  max_num_seqs: int = 64, drafter_options: dict | None = None,
                  prefill_options: dict | None = None, kv_cache_dtype: str = "auto",
-                 tokenizer=None, **verifier_options) -> None:  # noqa: ANN001
+                 tokenizer=None, prefill_draft_seed: bool = True,
+                 prefill_seeder: Proposer | None = None,
+                 **verifier_options) -> None:  # noqa: ANN001
         self.hub = InProcHub()
         dtype = resolve_kv_cache_dtype(kv_cache_dtype, model.dtype)
 
@@ -118,6 +126,12 @@ class InProcessCluster:
                           seed_states={**seed_state_kinds(), draft_method: seed},
                           **(prefill_options or {})),
             self.hub.mailbox("prefill-0"), p_runner, p_bm)
+        if prefill_draft_seed and prefill_seeder is None and proposer is None \
+                and makes_prefill_seed(draft_method):  # as the drafter builds its own
+            prefill_seeder = create_proposer(draft_method,
+                                             (drafter_options or {}).get("method_kwargs"))
+        if prefill_draft_seed and prefill_seeder is not None:
+            self.prefill.draft_seeders = {draft_method: seeder_of(prefill_seeder)}
         max_len = max_model_len or min(config.max_position_embeddings, num_kv_blocks * block_size)
         self.verifier = VerifierWorker(
             VerifierConfig(num_speculative_tokens=num_speculative_tokens,

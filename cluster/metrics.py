@@ -149,8 +149,13 @@ class RoleCollector:
         yield _counter("specmesh:stale_tail_tokens", "Draft tail tokens discarded as stale",
                        st.num_stale_tail_tokens, labels)
         yield _counter("specmesh:seed_state_bytes", "Draft seed-state bytes received with "
-                       "PrefillDone (hidden states of the last prompt position)",
+                       "PrefillDone (hidden states of the last prompt position, draft seeds)",
                        st.seed_state_bytes, labels)
+        yield _counter("specmesh:draft_seed_bytes", "Draft seed bytes received with "
+                       "PrefillDone (the draft head's first step run at the prefill)",
+                       st.draft_seed_bytes, labels)
+        yield _counter("specmesh:bad_draft_seeds", "Malformed draft seeds ignored",
+                       st.num_bad_draft_seeds, labels)
         kv = h.worker.kv.stats
         yield _counter("specmesh:kv_transfer_bytes", "KV bytes received from prefill",
                        kv.num_bytes, labels)

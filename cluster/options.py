@@ -96,6 +96,13 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "draft model, PARD, DFlash, ...: its forwards compete with the "
                         "verifier's for the cores), off for n-gram and suffix; on; off: "
                         "drafting always on")
+    p.add_argument("--prefill-draft-seed", default="on", choices=("on", "off"),
+                   help="on (default): for a drafting method that declares it (EAGLE), the "
+                        "prefill runs the draft head's first step after the prompt and ships "
+                        "it with the first token (its top-k, output state and K/V: SGLang's "
+                        "P/D EAGLE seed), so the drafter's first round runs no catch-up "
+                        "forward (docs/drafters.md, 'The seed across P/D'); off: the drafter "
+                        "runs it")
     p.add_argument("--speculative-policy", default=None, choices=SPECULATIVE_POLICIES,
                    help="how many drafts each verify step carries, within kappa: goodput "
                         "(default: the per-request caps, --goodput-drafts), schedule (SGLang's "
@@ -212,6 +219,7 @@ def cluster_config(args: argparse.Namespace, settings: dict | None = None, **ove
               verify_rule=getattr(args, "verify_rule", "auto"),
               goodput_drafts=getattr(args, "goodput_drafts", "on") == "on",
               speculation_gate_mode=getattr(args, "speculation_gate", "auto"),
+              prefill_draft_seed=getattr(args, "prefill_draft_seed", "on") == "on",
               **policy_settings(args),
               **cost_table_settings(args),
               **synthetic_settings(args),

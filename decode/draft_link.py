@@ -44,14 +44,21 @@ class DraftLink:
         req.commits_held_from = None  # the sync carries every committed token
         req.drafter_told_paused = False  # (a DraftSync opens the request drafting)
         seed = sync_buffer(req.seed_window, req.prompt_len + req.committed_len)
+        # the prefill's draft seed: on the first DraftSync only, while the output is just the
+        # first token the seed read and the sync carries the prompt's last row (else stale)
+        dseed, req.draft_seed = req.draft_seed, None
+        if dseed is not None and (req.committed_len != 1 or seed is None
+                                  or req.output_token_ids[0] != dseed.token_id):
+            dseed = None
         if self.send(req.drafter, DraftSync(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 committed_token_ids=list(req.output_token_ids), sampling=req.sampling,
                 seed_state=seed, prediction_token_ids=req.prediction_token_ids,
-                target_kv=target_kv_rows(req, self.share_kv))):
+                target_kv=target_kv_rows(req, self.share_kv), draft_seed=dseed)):
             req.num_draft_syncs += 1
             req.tail_in_flight = True  # (a failed send put the request on plain decode)
             self.stats.seed_state_sent_bytes += seed.nbytes if seed is not None else 0
+            self.stats.num_draft_seeds_sent += dseed is not None
 
     def notify_commit(self, req: Request, num_committed: int, seed_rows=None) -> None:  # noqa: ANN001
         """Tell ``req``'s drafter about the ``num_committed`` tokens it just committed

@@ -82,6 +82,8 @@ class Request:
     commits_held_from: int | None = None
     drafter_told_paused: bool = False  # the last VerifyCommit said drafting_paused
     seed_window: object | None = None  # decode.seed_state.SeedWindow (draft seed state)
+    #: the prefill's DraftSeed (PrefillDone.draft_seed), until its first DraftSync sends it
+    draft_seed: object | None = None
     finish_reason: FinishReason | None = None
     error: str = ""
     spec: SpecStats = field(default_factory=SpecStats)

@@ -8,13 +8,17 @@ of :class:`decode.lifecycle.RequestLifecycle` (its ``requests``, ``stats``, ``pr
 
 from __future__ import annotations
 
+import logging
 import time
 
 from specmesh.decode.kv_receiver import Transfer
 from specmesh.decode.request import Request, RequestStatus
 from specmesh.decode.seed_state import window_from_prefill
+from specmesh.protocol.cross_checks import draft_seed_error
 from specmesh.protocol.enums import FinishReason
-from specmesh.protocol.messages import Buffer
+from specmesh.protocol.messages import Buffer, DraftSeed
+
+log = logging.getLogger(__name__)
 
 
 class RequestStart:
@@ -37,7 +41,8 @@ class RequestStart:
                 self.profile.observe("kv_ingest", t.ingest_s)
             if req.fork_targets and self.fork_siblings is not None:
                 self.fork_siblings(req, done)  # before the leader can finish and free its KV
-            self.start(req, done.first_token_id, done.num_bytes, done.seed_state, t)
+            self.start(req, done.first_token_id, done.num_bytes, done.seed_state, t,
+                       done.draft_seed)
 
     def on_prefill_done(self, t: Transfer) -> None:
         """``t``'s PrefillDone arrived before all its frames: its first token is committed and
@@ -79,10 +84,11 @@ class RequestStart:
         return True
 
     def start(self, req: Request, first_token_id: int, num_kv_bytes: int,
-              seed_state: Buffer | None = None, transfer: Transfer | None = None) -> None:
+              seed_state: Buffer | None = None, transfer: Transfer | None = None,
+              draft_seed: DraftSeed | None = None) -> None:
         """The KV transfer of ``req`` completed: commit the prefill's first token (unless
         :meth:`on_prefill_done` did), open the request on a drafter (with the prefill's
-        ``seed_state``) and stream the token."""
+        ``seed_state`` and ``draft_seed``: :meth:`keep_draft_seed`) and stream the token."""
         self.stats.kv_transfer_bytes += num_kv_bytes
         if seed_state is not None:  # the P/D seed's cost per request (docs/drafters.md)
             self.stats.seed_state_bytes += seed_state.nbytes
@@ -93,6 +99,8 @@ class RequestStart:
         if self.wants_hidden(req):
             req.seed_window = window_from_prefill(seed_state, req.prompt_len,
                                                   self.hidden_size, self.dtype)
+        if draft_seed is not None:
+            self.keep_draft_seed(req, draft_seed, first_token_id)
         req.status = RequestStatus.RUNNING
         new = self.first_token(req, first_token_id, transfer)
         req.tail.reset(req.committed_len)
@@ -100,3 +108,24 @@ class RequestStart:
             self.open_draft(req)  # DraftSync carries the first token: no VerifyCommit for it
         if new:
             self._after_commit(req, [first_token_id], notify_drafter=False)
+
+    def keep_draft_seed(self, req: Request, seed: DraftSeed, first_token_id: int) -> None:
+        """Keep the prefill's draft seed on ``req`` for its first DraftSync
+        (decode/draft_link.py) when it is well formed for it (protocol/cross_checks.py
+        ``draft_seed_error``: its entry at the last prompt position, ids in the vocabulary,
+        ...) and the request drafts from hidden states with a window to send; its bytes count
+        in ``seed_state_bytes`` (the P/D seed's cost per request) and ``draft_seed_bytes``. A
+        malformed one is ignored (logged, ``num_bad_draft_seeds``): the drafter then runs that
+        step itself. A sibling whose first token is not the seed's shares none."""
+        why = draft_seed_error(seed, self.vocab_size, position=req.prompt_len - 1)
+        if why:
+            self.stats.num_bad_draft_seeds += 1
+            log.warning("draft seed of %s ignored: %s", req.request_id, why)
+            return
+        self.stats.num_draft_seeds += 1
+        self.stats.draft_seed_bytes += seed.nbytes
+        self.stats.seed_state_bytes += seed.nbytes
+        if self.profile is not None:
+            self.profile.count("draft_seed_bytes", seed.nbytes)
+        if seed.token_id == first_token_id and req.seed_window is not None:
+            req.draft_seed = seed

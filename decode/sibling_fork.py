@@ -41,5 +41,6 @@ class SiblingFork:
                 sib.add_logprobs(done.sibling_logprobs[i], 1)
             if sib.sampling.prompt_logprobs is not None:
                 sib.prompt_logprobs = done.prompt_logprobs
-            self.lifecycle.start(sib, tokens[i], 0, done.seed_state)
+            # the leader's draft seed too: kept for a sibling whose first token is the seed's
+            self.lifecycle.start(sib, tokens[i], 0, done.seed_state, draft_seed=done.draft_seed)
         self.siblings.unlink(leader)

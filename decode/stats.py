@@ -39,6 +39,13 @@ class VerifierStats(SpecStats):
     #: prompt position, decode/seed_state.py), bytes and requests that carried one
     seed_state_bytes: int = 0
     num_seed_states: int = 0
+    #: the prefill's draft seeds (PrefillDone.draft_seed: the draft head's first step, SGLang's
+    #: P/D EAGLE seed; DraftSeed.nbytes, counted in seed_state_bytes too), requests that carried
+    #: a well-formed one, malformed ones ignored, and seeds sent on with a first DraftSync
+    draft_seed_bytes: int = 0
+    num_draft_seeds: int = 0
+    num_bad_draft_seeds: int = 0
+    num_draft_seeds_sent: int = 0
     #: draft seed state sent to drafters (target hidden rows of committed tokens with
     #: VerifyCommit, the window with DraftSync: EAGLE family, DFlash), bytes
     seed_state_sent_bytes: int = 0

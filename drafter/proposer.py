@@ -125,6 +125,12 @@ class Proposer(ABC):
     #: memory and tells each request's committed rows (:meth:`observe_target_kv`), and the
     #: drafter serves only verifiers on its own node (:meth:`check_verifier_hello`)
     reads_target_kv: ClassVar[bool] = False
+    #: whether the method's first draft step can run at the prefill (EAGLE family, SGLang's
+    #: P/D EAGLE seed; docs/drafters.md 'The seed across P/D'): the cluster builds a prefill-
+    #: side instance whose :meth:`make_prefill_seed` runs it after the prompt, PrefillDone and
+    #: the first DraftSync carry it, and the drafter's :meth:`adopt_prefill_seed` installs it
+    #: instead of running it. Needs a ``seed_state`` (the step reads it)
+    makes_prefill_seed: ClassVar[bool] = False
     #: whether the method drafts from corpora loaded at run time (:meth:`load_corpus`,
     #: :meth:`drop_corpus`; ``specmesh serve --corpus``, ``POST /v1/specmesh/corpus``)
     supports_corpus: ClassVar[bool] = False
@@ -207,6 +213,25 @@ class Proposer(ABC):
         and after each VerifyCommit (``accept_len + 1`` rows, ending at the same place).
         Only for methods whose ``seed_state`` is not empty; the default ignores them. May
         raise ValueError for states it cannot use: the drafter then asks for a DraftSync."""
+
+    def make_prefill_seed(self, request_id: str, context_token_ids: list[int],
+                          hidden, topk: int):  # noqa: ANN001, ANN201 - a DraftSeed or None
+        """The method's first draft step for a request, run at the prefill (methods whose
+        ``makes_prefill_seed`` is True): ``context_token_ids`` the prompt and its first output
+        token, ``hidden`` (torch.Tensor ``[1, seed width]``) the target's seed state at the last
+        prompt position, ``topk`` the most likely tokens to report (at most 16). Returns a
+        ``protocol.messages.DraftSeed``, or None (the default: nothing to seed). Leaves no
+        request state behind. May raise ValueError for rows it cannot read (the prefill ships
+        no seed then)."""
+        return None
+
+    def adopt_prefill_seed(self, request_id: str, context_token_ids: list[int],
+                           seed) -> bool:  # noqa: ANN001
+        """Install the prefill's DraftSeed ``seed`` in the request's state, after :meth:`open`
+        and :meth:`observe_seed_state`, so that drafting does not run that step again; the
+        drafts are those it would make without it. Returns False, changing nothing, when the
+        seed does not fit the request or the method (the default: never adopted)."""
+        return False
 
     def observe_target_kv(self, request_id: str, verifier: str, rows) -> None:  # noqa: ANN001
         """The committed rows of the request in verifier ``verifier``'s shared KV pool

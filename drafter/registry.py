@@ -64,6 +64,16 @@ def _check_declarations(cls: type[Proposer]) -> None:
         problems.append("options is not a drafter.options.OptionSchema")
     if cls.trainer is not None and not callable(cls.trainer):
         problems.append("trainer is neither None nor callable")
+    seeds = getattr(cls, "makes_prefill_seed", False)
+    if not isinstance(seeds, bool):
+        problems.append("makes_prefill_seed is not a bool")
+    elif seeds:
+        if not cls.seed_state:
+            problems.append("makes_prefill_seed without a seed_state (the step reads it)")
+        lacking = [m for m in ("make_prefill_seed", "adopt_prefill_seed")
+                   if getattr(cls, m, None) in (None, getattr(Proposer, m))]
+        if lacking:
+            problems.append(f"makes_prefill_seed without {' and '.join(lacking)}")
     if problems:
         raise TypeError(f"drafting method {cls.__name__!r}: " + "; ".join(problems))
 
@@ -259,6 +269,13 @@ def seed_state_kinds() -> dict[str, str]:
     return {name: cls.seed_state for name, cls in sorted(_REGISTRY.items()) if cls.seed_state}
 
 
+def makes_prefill_seed(method: str) -> bool:
+    """Whether the method ``method`` runs its first draft step at the prefill
+    (:attr:`Proposer.makes_prefill_seed`); False for an unknown name."""
+    cls = _lenient(method)
+    return bool(cls.makes_prefill_seed) if cls is not None else False
+
+
 def runs_a_model(method: str) -> bool:
     """Whether the method ``method`` runs a model (:attr:`Proposer.runs_a_model`: its drafts
     cost forwards that compete with the verifier's for the cores); False for an unknown
@@ -290,6 +307,7 @@ def trainable_methods() -> list[str]:
 
 
 __all__ = ["BUILTIN_PACKAGE", "ENTRY_POINT_GROUP", "create_proposer", "get_method",
-           "get_proposer", "is_builtin", "load_plugins", "method_key", "register_proposer",
+           "get_proposer", "is_builtin", "load_plugins", "makes_prefill_seed", "method_key",
+           "register_proposer",
            "registered_methods", "runs_a_model", "seed_state_for", "seed_state_kinds",
            "seed_state_of", "spelling", "spellings", "supports_corpus", "trainable_methods"]

@@ -51,6 +51,7 @@ from specmesh.drafter.seed_state import hidden_rows
 from specmesh.engine.frames import tensor_to_buffer
 from specmesh.engine.sampling import GREEDY, sampling_mode
 from specmesh.engine.token_tree import first_branch
+from specmesh.protocol.cross_checks import draft_seed_error
 from specmesh.protocol.errors import ProtocolError
 from specmesh.protocol.messages import (
     Buffer,
@@ -58,6 +59,7 @@ from specmesh.protocol.messages import (
     DraftClose,
     DraftNeedSync,
     DrafterCorpus,
+    DraftSeed,
     DraftSync,
     DraftTailStream,
     VerifyCommit,
@@ -91,6 +93,9 @@ class DrafterStats:
     num_prediction_tokens_sent: int = 0  # drafts copied from requests' predictions
     num_corpora: int = 0  # corpora held (DrafterCorpus loads)
     num_corpus_tokens: int = 0  # their tokens
+    #: prefill draft seeds (DraftSync.draft_seed) the proposer installed / ignored
+    num_draft_seeds_adopted: int = 0
+    num_draft_seeds_refused: int = 0
 
 
 class DrafterWorker(MailboxWorker):
@@ -134,7 +139,10 @@ class DrafterWorker(MailboxWorker):
         least one) end at position ``len(context) - 2``, a VerifyCommit's (one per committed
         token) start at ``prompt_len + pre_commit_len - 1``; the proposer observes them after
         ``open`` / after the commit is applied (rollback included). Rows that do not fit (count,
-        width, dtype) are a protocol error for the request: DraftNeedSync."""
+        width, dtype) are a protocol error for the request: DraftNeedSync. A DraftSync's
+        ``draft_seed`` (the prefill's first draft step) is then given to a proposer that
+        ``makes_prefill_seed`` to adopt; one that is malformed or does not fit is ignored
+        (logged, ``num_draft_seeds_refused``) and the proposer runs that step itself."""
         msg = env.msg
         if isinstance(msg, ProtocolError):
             self.stats.num_protocol_errors += 1
@@ -186,6 +194,26 @@ class DrafterWorker(MailboxWorker):
                 self.proposer.observe_seed_state(st.request_id, start, hidden)
             except ValueError as err:
                 self._need_sync(st, f"bad seed state: {err}")
+                return
+            if msg.draft_seed is not None and getattr(self.proposer, "makes_prefill_seed", False):
+                self._adopt_seed(st, msg.draft_seed)
+
+    def _adopt_seed(self, st: DraftState, seed: DraftSeed) -> None:
+        """The prefill's first draft step (DraftSync.draft_seed) installed in the proposer's
+        state for ``st`` (after its seed rows), counted adopted or refused: a seed that is
+        malformed or does not fit is ignored (logged) and the proposer runs the step itself."""
+        why = draft_seed_error(seed, position=len(st.context) - 2, token_id=st.context[-1])
+        try:
+            ok = not why and self.proposer.adopt_prefill_seed(st.request_id, st.context, seed)
+        except Exception as err:  # noqa: BLE001 - a seed must never stop the drafter
+            log.warning("adopting the draft seed of %s failed", st.request_id, exc_info=True)
+            why, ok = f"{type(err).__name__}: {err}", False
+        if ok:
+            self.stats.num_draft_seeds_adopted += 1
+        else:
+            self.stats.num_draft_seeds_refused += 1
+            if why:
+                log.warning("draft seed of %s ignored: %s", st.request_id, why)
 
     def _on_commit(self, peer: str, msg: VerifyCommit) -> None:
         st = self.requests.get(msg.request_id)

@@ -5,8 +5,10 @@ Each step takes the next batch off its queue (prefill/batching.py: several whole
 one forward when that shortens their times to first token, or one prompt, in chunks of
 ``chunk_size`` tokens when long), claims their blocks in its own KV cache (prefill/claims.py),
 runs them and samples each request's output position 0 (prefill/forward.py,
-prefill/first_token.py). Then, per request, PrefillDone first (the first token, the frame count
-and byte total of the transfer, and the seed state of the request's draft method), so the
+prefill/first_token.py), and the first draft step of methods that have a seeder
+(prefill/draft_seed.py). Then, per request, PrefillDone first (the first token, the frame count
+and byte total of the transfer, the seed state of the request's draft method and its draft
+seed), so the
 verifier can stream the first token while the KV is still on its way; then each request's KV
 as KVFrames (prefill/kv_frames.py). KV frames and PrefillDone go on the same ordered channel.
 A PrefillCancel is acknowledged once no frame of that transfer can follow.
@@ -35,6 +37,7 @@ from specmesh.engine.runner import ModelRunner
 from specmesh.prefill.batching import PrefillCost, batch_length
 from specmesh.prefill.claims import can_allocate, claim_blocks, tokens_to_compute, unclaim
 from specmesh.prefill.config import PrefillConfig
+from specmesh.prefill.draft_seed import DraftSeeder, draft_seeds
 from specmesh.prefill.forward import prefill_forward
 from specmesh.prefill.kv_frames import kv_frames, send_frames
 from specmesh.prefill.lora_ops import PrefillLora
@@ -107,6 +110,10 @@ class PrefillWorker(MailboxWorker):
             q.req.lora_name == name for q in self.queue))
         runtime.on_freed = self._drop_cached_blocks
         self.lora = PrefillLora(runtime, self.send, config.instance_id)
+        #: draft method -> its seeder: the method's first draft step run after the forward,
+        #: shipped as PrefillDone.draft_seed (prefill/draft_seed.py; set by the cluster from
+        #: the drafter registry, ``--prefill-draft-seed``; empty: none)
+        self.draft_seeders: dict[str, DraftSeeder] = {}
 
     @property
     def num_unused_blocks(self) -> int:
@@ -278,6 +285,11 @@ class PrefillWorker(MailboxWorker):
                 firsts, seeds, logprobs, siblings = prefill_forward(
                     self.runner, self.config, self.prefix_cache is not None, self.grammars,
                     self._generator, reqs, tables, starts)
+            if self.draft_seeders:
+                with self.profile.phase("draft_seed"):
+                    dseeds = draft_seeds(self.draft_seeders, reqs, firsts, seeds, self.stats)
+            else:
+                dseeds = [None] * len(reqs)
             if len(reqs) > 1 or computed[0] <= self.config.chunk_size:  # one forward: a point
                 self.cost_models.setdefault(threads, PrefillCost()).observe(
                     sum(computed), time.monotonic() - t0)
@@ -287,8 +299,8 @@ class PrefillWorker(MailboxWorker):
                 frames = [kv_frames(self.runner.kv_cache, self.model_config.num_layers,
                                     self.config, r, t, n)
                           for r, t, n in zip(reqs, tables, sizes)]
-                for item, first, seed, fs, (lp, prompt_lp), (sib, sib_lps), cached in zip(
-                        batch, firsts, seeds, frames, logprobs, siblings, starts):
+                for item, first, seed, dseed, fs, (lp, prompt_lp), (sib, sib_lps), cached in zip(
+                        batch, firsts, seeds, dseeds, frames, logprobs, siblings, starts):
                     req = item.req
                     self.send(item.peer, PrefillDone(
                         request_id=req.request_id, transfer_id=req.transfer_id,
@@ -296,7 +308,7 @@ class PrefillWorker(MailboxWorker):
                         num_bytes=sum(f.kv.nbytes for f in fs), seed_state=seed,
                         logprobs=lp, prompt_logprobs=prompt_lp,
                         sibling_first_token_ids=sib, sibling_logprobs=sib_lps,
-                        num_cached_tokens=cached))
+                        num_cached_tokens=cached, draft_seed=dseed))
                 for item, fs in zip(batch, frames):
                     self._send_frames(item.peer, fs)
             done = True

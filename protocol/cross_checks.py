@@ -8,6 +8,9 @@ operation's op, name and chunks (:func:`check_drafter_corpus`), its results' op 
 check
 returns "" when the message is fine, else why not (the codec raises it as a ProtocolError).
 Constructing a message locally runs none of them.
+
+:func:`draft_seed_error` is not one of the codec's checks: a malformed DraftSeed must not fail
+the PrefillDone or DraftSync that carries it, so its receivers call it and drop the seed.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from typing import Any
 from specmesh.protocol.enums import CorpusOp, CorpusStatus, LoraOp
 from specmesh.protocol.messages import (
     CORPUS_CHUNK_TOKENS,
+    MAX_DRAFT_SEED_TOPK,
     MAX_CORPUS_NAME_LEN,
     MAX_CORPUS_TOKENS,
     MAX_LORA_ADAPTERS,
     DraftBranches,
     DrafterCorpus,
+    DraftSeed,
     DrafterCorpusRelayed,
     DrafterCorpusResult,
     DraftTailStream,
@@ -197,6 +202,46 @@ def check_token_stream(m: TokenStream) -> str:
 def check_prefill_done(m: PrefillDone) -> str:
     """Why ``m``'s logprobs are malformed: one for the first token ("" when fine)."""
     return token_logprobs_error(m.logprobs, 1) or token_logprobs_error(m.prompt_logprobs)
+
+
+_FLOAT_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
+
+
+def draft_seed_error(seed: DraftSeed, vocab_size: int | None = None,
+                     position: int | None = None, token_id: int | None = None) -> str:
+    """Why draft seed ``seed`` is malformed ("" when it is not): top-k lists of different
+    lengths, empty or longer than MAX_DRAFT_SEED_TOPK, ids outside ``[0, vocab_size)`` (when
+    given) or repeated, probabilities outside [0, 1] (NaN included) or not likeliest first,
+    ``draft_hidden`` not a floating ``[1, d]`` matrix, ``draft_kv`` not a ``[layers, 2, heads,
+    1, head_dim]`` array of its dtype, and a ``position`` / ``token_id`` other than the
+    receiver's (when given: ``prompt_len - 1`` and the first token). Pure Python: the values
+    inside the buffers are the drafter's to check (drafter/eagle/prefill_seed.py)."""
+    ids, probs = seed.topk_ids, seed.topk_probs
+    if len(ids) != len(probs):
+        return f"{len(ids)} top-k ids and {len(probs)} probabilities"
+    if not 1 <= len(ids) <= MAX_DRAFT_SEED_TOPK:
+        return f"{len(ids)} top-k entries (want 1 .. {MAX_DRAFT_SEED_TOPK})"
+    hi = vocab_size if vocab_size is not None else float("inf")
+    if any(type(t) is not int or not 0 <= t < hi for t in [*ids, seed.token_id]):
+        return f"a token id outside [0, {vocab_size})"
+    if len(set(ids)) != len(ids):
+        return "repeated top-k ids"
+    if not all(0.0 <= q <= 1.0 for q in probs):  # NaN fails too
+        return "top-k probabilities outside [0, 1]"
+    if any(a < b for a, b in zip(probs, probs[1:])):
+        return "top-k probabilities not likeliest first"
+    h, kv = seed.draft_hidden, seed.draft_kv
+    if h.dtype not in _FLOAT_DTYPES or len(h.shape) != 2 or h.shape[0] != 1 or not h.shape[1]:
+        return f"draft_hidden {h.dtype}{list(h.shape)}: want a floating [1, d]"
+    if kv.dtype != h.dtype or len(kv.shape) != 5 or kv.shape[1] != 2 or kv.shape[3] != 1 \
+            or not all(kv.shape):
+        return (f"draft_kv {kv.dtype}{list(kv.shape)}: want {h.dtype} [layers, 2, heads, 1, "
+                "head_dim]")
+    if position is not None and seed.position != position:
+        return f"position {seed.position}, the request's last prompt position is {position}"
+    if token_id is not None and seed.token_id != token_id:
+        return f"token {seed.token_id}, the request's first token is {token_id}"
+    return ""
 
 
 #: message class -> check of the decoded message returning an error ("" when valid)

@@ -62,8 +62,12 @@ from msgspec import Meta
 # 20: SharedKVPool (Hello.shared_kv: the verifier's KV pool in shared memory, for a frozen-KV
 # MTP drafter on its node) and TargetKVRows (DraftSync / VerifyCommit.target_kv: a request's
 # committed rows in it)
-PROTOCOL_VERSION = 20
+# 21: DraftSeed (PrefillDone / DraftSync.draft_seed: the EAGLE head's first draft step run at
+# the prefill, SGLang's P/D EAGLE seed: top-k ids and probabilities, head state and head K/V)
+PROTOCOL_VERSION = 21
 PLACEHOLDER_TOKEN_ID = -1
+#: most top-k entries a DraftSeed carries (SGLang's MetadataBuffers hold 16 per request)
+MAX_DRAFT_SEED_TOPK = 16
 #: most top logprobs a request may ask per position (vLLM's default ``max_logprobs``, OpenAI's
 #: ``top_logprobs`` limit)
 MAX_LOGPROBS = 20
@@ -453,6 +457,51 @@ class TargetKVRows(Message, tag=71, kw_only=True):
 
 
 @register
+class DraftSeed(Message, tag=72, kw_only=True):
+    """The draft head's first step, run by the prefill worker after the prompt (EAGLE family,
+    docs/drafters.md 'The seed across P/D'): what SGLang's P/D EAGLE ships per request
+    (``output_topk_p`` / ``output_topk_index`` and the draft's hidden state in
+    ``disaggregation/utils.py`` MetadataBuffers, plus the draft KV), so the drafter's first
+    round recomputes nothing. Prefill -> verifier in PrefillDone, verifier -> drafter in the
+    request's first DraftSync.
+
+    ``position``: the head entry's context position (``p - 1`` for a ``p``-token prompt; it
+    read the target's seed state there); ``token_id``: the token that entry read (output
+    position 0, the prefill's first token); ``topk_ids``: target-vocabulary ids of the entry's
+    draft distribution's top k, likeliest first (1 .. :data:`MAX_DRAFT_SEED_TOPK`);
+    ``topk_probs``: their probabilities under the head (float); ``draft_hidden``: the head's
+    output state of the entry, ``[1, d]`` in the head's dtype (what the next draft step reads);
+    ``draft_kv``: the entry's keys and values in the head's layout, ``[num_layers, 2,
+    num_kv_heads, 1, head_dim]`` (0 keys, 1 values), same dtype (module 0 of a multi-layer
+    head).
+
+    Not checked by the codec: a malformed seed must not fail its PrefillDone or DraftSync.
+    Receivers check it (protocol/cross_checks.py ``draft_seed_error``, the drafter its shapes
+    against its head) and ignore one that does not fit, drafting without it.
+    """
+
+    position: int
+    token_id: int
+    topk_ids: list[int]
+    topk_probs: list[float]
+    draft_hidden: Buffer
+    draft_kv: Buffer
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes: both buffers plus 8 per top-k id and probability (msgpack int64 /
+        float64)."""
+        return self.draft_hidden.nbytes + self.draft_kv.nbytes + 8 * (
+            len(self.topk_ids) + len(self.topk_probs))
+
+    @classmethod
+    def example(cls) -> DraftSeed:
+        return cls(position=2, token_id=42, topk_ids=[42, 7], topk_probs=[0.75, 0.125],
+                   draft_hidden=Buffer("float32", (1, 4), bytes(16)),
+                   draft_kv=Buffer("float32", (1, 2, 1, 1, 2), bytes(16)))
+
+
+@register
 class Hello(Message, tag=10, kw_only=True):
     """First message on every connection, repeated after a reconnect. ``shared_kv``: a
     verifier that keeps its KV pool in shared memory says where (:class:`SharedKVPool`; a
@@ -725,6 +774,9 @@ class PrefillDone(Message, tag=32, kw_only=True):
     #: prompt tokens whose KV came from the prefill's prefix cache (not computed): its
     #: leading full blocks; OpenAI's ``usage.prompt_tokens_details.cached_tokens``
     num_cached_tokens: int = 0
+    #: the draft head's first step over the prompt (EAGLE family, :class:`DraftSeed`), when
+    #: the prefill runs it for the request's draft method (``--prefill-draft-seed``)
+    draft_seed: DraftSeed | None = None
 
     @classmethod
     def example(cls) -> PrefillDone:
@@ -778,6 +830,9 @@ class DraftSync(Message, tag=40, kw_only=True):
     seed_state: Buffer | None = None
     prediction_token_ids: list[TokenId] | None = None
     target_kv: TargetKVRows | None = None  # a verifier that shares its KV pool (Hello.shared_kv)
+    #: the prefill's draft seed (:class:`DraftSeed`), on a request's first DraftSync only,
+    #: while the committed output is just the first token (a later one would be stale)
+    draft_seed: DraftSeed | None = None
 
     @classmethod
     def example(cls) -> DraftSync:
@@ -1082,4 +1137,5 @@ __all__ = [
     "DraftNeedSync", "DrafterCorpus", "DrafterCorpusRelayed", "DrafterCorpusResult",
     "CORPUS_CHUNK_TOKENS", "MAX_CORPUS_TOKENS", "MAX_CORPUS_NAME_LEN",
     "LoraAdapterOp", "LoraAdapterResult", "MAX_LORA_ADAPTERS", "SharedKVPool", "TargetKVRows",
+    "DraftSeed", "MAX_DRAFT_SEED_TOPK",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
+
 from specmesh.cluster.hosts.base import RoleHost, loaded_runner, peers_of
 from specmesh.engine.cpu_load import free_cpus
 from specmesh.protocol.enums import Role
@@ -18,6 +20,7 @@ class PrefillHost(RoleHost):
     def build_worker(self):
         # built in the role process only: the prefill worker brings torch and the triton kernels
         from specmesh.cluster.hosts.drafter import cluster_seed_state
+        from specmesh.cluster.prefill_seeder import prefill_seeders
         from specmesh.drafter.registry import seed_state_kinds
         from specmesh.engine.grammar import compiler_for
         from specmesh.prefill.worker import PrefillWorker
@@ -28,6 +31,10 @@ class PrefillHost(RoleHost):
                  **self.cfg.prefill.seed_states}
         config = replace(self.cfg.prefill, instance_id=self.instance_id, seed_states=seeds)
         worker = PrefillWorker(config, self.mailbox, runner, bm)
+        # the draft method's first step after the prompt (--prefill-draft-seed), computed as
+        # the drafter role would (its spec, dtype and backend; its identity: no LoRA)
+        worker.draft_seeders = prefill_seeders(
+            self.cfg, msgspec.structs.replace(self.model_identity(), lora_adapters=""))
         worker.grammars = compiler_for(loaded.tokenizer, loaded.config.eos_token_ids,
                                        loaded.config.vocab_size)
         if runner.device.type == "cpu":  # the verifier's cores, while it pauses for a prompt

@@ -35,6 +35,7 @@ from specmesh.drafter.eagle.checkpoint import (
     target_identity,
 )
 from specmesh.drafter.eagle.head import EagleHead, HeadKV
+from specmesh.drafter.eagle.prefill_seed import adopt_seed, make_seed
 from specmesh.drafter.eagle.quantize import quantize_head
 from specmesh.drafter.eagle.step_draft import (StepChains, StepClock, StepState,
                                                catch_up_steps, kv_pool_bytes, truncate_steps)
@@ -143,6 +144,7 @@ class EagleProposer(Proposer):
     returns_draft_probs = True
     returns_token_probs = True
     runs_a_model = True
+    makes_prefill_seed = True  # the first entry runs at the prefill (drafter/eagle/prefill_seed.py)
 
     def __init__(self, head: str | None = None, model: str | None = None,
                  dtype: str = "float32", head_module: EagleHead | None = None,
@@ -162,6 +164,7 @@ class EagleProposer(Proposer):
         self.seed_hidden_size = self.head.config.seed_width  # the drafter checks row widths
         self.states: dict[str, _HeadState] = {}
         self.num_recomputed_entries = 0
+        self.num_prefill_seeds_adopted = 0  # first entries taken from the prefill's DraftSeed
         #: drafter/draft_memory.py: the head's resident weights (the target's embedding and LM
         #: head rows it reads included), head forwards run (one per batched extend, tree depth
         #: or branch peek) and the most bytes its per-request KV buffers held at once (no
@@ -233,6 +236,20 @@ class EagleProposer(Proposer):
         if st.kv.end > old_end:  # entries computed from predicted states: recompute them
             self.num_recomputed_entries += st.kv.end - old_end
             self._truncate(st, old_end)
+
+    def make_prefill_seed(self, request_id: str, context_token_ids: list[int],
+                          hidden, topk: int):  # noqa: ANN001, ANN201
+        """The head's entry at the last prompt position as a DraftSeed (run at the prefill;
+        drafter/eagle/prefill_seed.py ``make_seed``)."""
+        return make_seed(self, request_id, context_token_ids, hidden, topk)
+
+    def adopt_prefill_seed(self, request_id: str, context_token_ids: list[int],
+                           seed) -> bool:  # noqa: ANN001
+        """Install the prefill's DraftSeed instead of running that entry (drafter/eagle/
+        prefill_seed.py ``adopt_seed``); counted in ``num_prefill_seeds_adopted``."""
+        adopted = adopt_seed(self, request_id, context_token_ids, seed)
+        self.num_prefill_seeds_adopted += adopted
+        return adopted
 
     def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
         return self._draft(request_id, context_token_ids, num_tokens, None)[0]
@@ -376,7 +393,8 @@ class EagleProposer(Proposer):
         ``draft_kv_pool_bytes`` (every module's), per module the weight bytes one forward
         reads ``draft_step_weight_bytes`` and its mean milliseconds per drafting call
         ``draft_step_ms`` (catch-up and drafts: the numerator of its ``c_i``; their sum is
-        the head's ``sum(c_i)`` times the target's step)."""
+        the head's ``sum(c_i)`` times the target's step), and the prefill draft seeds it
+        installed instead of running their entry ``num_prefill_seeds_adopted``."""
         for _ in range(3):  # read from the host's stats thread while the worker drafts
             try:
                 kvs = [kv for st in list(self.states.values())
@@ -390,7 +408,8 @@ class EagleProposer(Proposer):
                 "draft_kv_pool_bytes": kv_pool_bytes(kvs) + chain_bytes,
                 "draft_step_weight_bytes": step_weight_bytes(self.head),
                 "draft_step_ms": self.clock.ms_per_call(),
-                "draft_step_forwards": list(self.clock.forwards)}
+                "draft_step_forwards": list(self.clock.forwards),
+                "num_prefill_seeds_adopted": self.num_prefill_seeds_adopted}
 
     def _catch_up(self, live: dict[int, _Cursor], chain: bool = True) -> None:
         """Bring each request's head KV up to its context: per request its true states in one
