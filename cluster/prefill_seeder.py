@@ -7,11 +7,15 @@ cannot import drafter/: the prefill worker only sees the callable
 
 from __future__ import annotations
 
+import logging
+
 from specmesh.cluster.config import ClusterConfig
 from specmesh.drafter.proposer import Proposer
 from specmesh.drafter.registry import makes_prefill_seed
 from specmesh.prefill.draft_seed import DraftSeeder
 from specmesh.protocol.messages import MAX_DRAFT_SEED_TOPK
+
+log = logging.getLogger(__name__)
 
 
 def seeder_of(proposer: Proposer) -> DraftSeeder:
@@ -30,17 +34,21 @@ def prefill_seeders(cfg: ClusterConfig,
     """Draft method -> seeder for the prefill workers of ``cfg``: the drafter's method when
     ``cfg.prefill_draft_seed`` is on and the method ``makes_prefill_seed``, else none.
     ``target_identity``: the drafter's ModelIdentity (None: read from the model's files).
-
-    Raises:
-        KeyError, ValueError, FileNotFoundError: what building the drafter's proposer raises
-            (the drafter role fails with the same).
+    A proposer that cannot be built here (a head path that exists only on the drafter's node,
+    a file that does not load) costs the seed, never the prefill role: logged, no seeder (the
+    drafter runs the first step itself, as with ``--prefill-draft-seed off``).
     """
     method = cfg.drafter.method
     if not cfg.prefill_draft_seed or not makes_prefill_seed(method):
         return {}
     from specmesh.cluster.hosts.drafter import build_proposer  # torch: role processes only
 
-    return {method: seeder_of(build_proposer(cfg, target_identity))}
+    try:
+        return {method: seeder_of(build_proposer(cfg, target_identity))}
+    except Exception as err:  # noqa: BLE001 - the seed is an optimisation
+        log.warning("--prefill-draft-seed: no %s proposer at the prefill (%s: %s); the drafter "
+                    "runs the first draft step itself", method, type(err).__name__, err)
+        return {}
 
 
 __all__ = ["prefill_seeders", "seeder_of"]

@@ -46,3 +46,13 @@ def test_the_seeder_reports_the_drafters_topk_capped(topk, want):
     p = _Topk(topk)
     seeder_of(p)("r", [1, 2], torch.zeros(1, 4))
     assert p.calls == [want]
+
+
+def test_a_proposer_the_prefill_cannot_build_costs_the_seed_not_the_role(tmp_path, caplog):
+    """A head path that exists only on the drafter's node: the prefill gets no seeder (logged)
+    and starts; the drafter runs the first draft step itself."""
+    cfg = ClusterConfig.create(model="m", draft_method="eagle", method_kwargs={
+        "head": str(tmp_path / "only-on-the-drafter-node")})
+    with caplog.at_level("WARNING"):
+        assert prefill_seeders(cfg) == {}
+    assert "no eagle proposer at the prefill" in caplog.text

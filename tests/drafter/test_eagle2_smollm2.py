@@ -4,33 +4,20 @@ and code prompts, and the trees accept more drafts per verify step than the head
 
 import pytest
 
-from specmesh.cluster.inprocess import InProcessCluster
-from specmesh.data.prompts import load_prompts_file
-from specmesh.drafter.eagle.data import chat_token_ids
+from helpers.smollm2_heldout import smollm2_heldout
 from specmesh.drafter.proposers.eagle import EagleProposer
-from specmesh.drafter.training.eagle import PROMPTS_DIR
-from specmesh.engine.loader import load_model
-from specmesh.protocol.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
 def test_shipped_head_trees_equal_plain_decode_and_accept_more_per_step():
-    lm = load_model(None, "float32")
-    chat = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_chat.jsonl"))[:2]
-    code = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_code.jsonl"))[:2]
-    prompts = chat_token_ids(lm.tokenizer, chat + code)
-    sp = SamplingParams(max_tokens=32)
-    eos = lm.config.eos_token_ids
-    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
-                             eos_token_ids=eos).generate(prompts, sp)
+    held = smollm2_heldout()
     per_step = {}
     for topk in (1, 4):
         proposer = EagleProposer(model=None, topk=topk, tree_nodes=12)
-        cluster = InProcessCluster(lm.model, lm.config, num_speculative_tokens=4,
-                                   eos_token_ids=eos, draft_method="eagle", proposer=proposer)
-        spec = cluster.generate(prompts, sp)
-        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        cluster = held.cluster(4, draft_method="eagle", proposer=proposer)
+        spec = cluster.generate(held.prompts, held.sampling)
+        assert [o.token_ids for o in spec] == held.plain
         accepted = sum(o.spec.num_accepted_tokens for o in spec)
         steps = sum(o.spec.num_verify_steps for o in spec)
         assert accepted > 0

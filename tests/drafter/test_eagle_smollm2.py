@@ -4,15 +4,11 @@ drafts accepted; `--drafter auto` picks it for SmolLM2 where the cores allow."""
 
 import pytest
 
-from specmesh.data.prompts import load_prompts_file
+from helpers.smollm2_heldout import smollm2_heldout
 from specmesh.cluster.drafter_option import parse_drafter
-from specmesh.cluster.inprocess import InProcessCluster
-from specmesh.drafter.training.eagle import PROMPTS_DIR
 from specmesh.drafter.eagle.checkpoint import read_head_config
-from specmesh.drafter.eagle.data import chat_token_ids
 from specmesh.drafter.proposers.eagle import EagleProposer, shipped_head
-from specmesh.engine.loader import SMOLLM2_NAME, load_model
-from specmesh.protocol.messages import SamplingParams
+from specmesh.engine.loader import SMOLLM2_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +34,10 @@ def test_a_head_is_shipped_for_smollm2_and_auto_picks_it_where_it_pays(monkeypat
 
 
 def test_shipped_head_greedy_equals_plain_decode_with_drafts_accepted():
-    lm = load_model(None, "float32")
-    chat = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_chat.jsonl"))[:2]
-    code = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_code.jsonl"))[:2]
-    prompts = chat_token_ids(lm.tokenizer, chat + code)
-    sp = SamplingParams(max_tokens=32)
-    eos = lm.config.eos_token_ids
-    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
-                             eos_token_ids=eos).generate(prompts, sp)
-    spec = InProcessCluster(lm.model, lm.config, num_speculative_tokens=4, eos_token_ids=eos,
-                            draft_method="eagle",
-                            proposer=EagleProposer(model=None)).generate(prompts, sp)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    held = smollm2_heldout()
+    spec = held.cluster(4, draft_method="eagle", proposer=EagleProposer(model=None)).generate(
+        held.prompts, held.sampling)
+    assert [o.token_ids for o in spec] == held.plain
     drafted = sum(o.spec.num_draft_tokens for o in spec)
     accepted = sum(o.spec.num_accepted_tokens for o in spec)
     assert drafted > 0 and accepted > 0.1 * drafted

@@ -5,16 +5,12 @@ code prompts with drafts accepted at depth 1 and at depth 2 (module 1's)."""
 
 import pytest
 
+from helpers.smollm2_heldout import smollm2_heldout
 from specmesh.cluster.drafter_option import parse_drafter
-from specmesh.cluster.inprocess import InProcessCluster
-from specmesh.data.prompts import load_prompts_file
 from specmesh.drafter.eagle.checkpoint import read_head_config
-from specmesh.drafter.eagle.data import chat_token_ids
 from specmesh.drafter.proposer import DraftTarget
 from specmesh.drafter.proposers.eagle import EagleProposer, shipped_head
-from specmesh.drafter.training.eagle import PROMPTS_DIR
-from specmesh.engine.loader import SMOLLM2_NAME, load_model
-from specmesh.protocol.messages import SamplingParams
+from specmesh.engine.loader import SMOLLM2_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -33,20 +29,12 @@ def test_a_two_module_head_is_shipped_for_smollm2_and_steps_selects_it():
 
 
 def test_shipped_two_module_head_greedy_equals_plain_with_depth_two_drafts_accepted():
-    lm = load_model(None, "float32")
-    chat = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_chat.jsonl"))[:2]
-    code = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_code.jsonl"))[:2]
-    prompts = chat_token_ids(lm.tokenizer, chat + code)
-    sp = SamplingParams(max_tokens=32)
-    eos = lm.config.eos_token_ids
-    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
-                             eos_token_ids=eos).generate(prompts, sp)
+    held = smollm2_heldout()
     proposer = EagleProposer.create({"num_steps": 2}, DraftTarget())
     assert proposer.head.config.num_steps == 2
-    spec = InProcessCluster(lm.model, lm.config, num_speculative_tokens=3, eos_token_ids=eos,
-                            draft_method="eagle", proposer=proposer)
-    got = spec.generate(prompts, sp)
-    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    spec = held.cluster(3, draft_method="eagle", proposer=proposer)
+    got = spec.generate(held.prompts, held.sampling)
+    assert [o.token_ids for o in got] == held.plain
     drafted = sum(o.spec.num_draft_tokens for o in got)
     accepted = sum(o.spec.num_accepted_tokens for o in got)
     assert drafted > 0 and accepted > 0.1 * drafted

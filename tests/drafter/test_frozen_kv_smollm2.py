@@ -6,15 +6,11 @@ prompts with drafts accepted."""
 
 import pytest
 
+from helpers.smollm2_heldout import smollm2_heldout
 from specmesh.cluster.drafter_option import parse_drafter
-from specmesh.cluster.inprocess import InProcessCluster
-from specmesh.data.prompts import load_prompts_file
-from specmesh.drafter.eagle.data import chat_token_ids
 from specmesh.drafter.proposer import DraftTarget
 from specmesh.drafter.proposers.frozen_kv_mtp import FrozenKVMTPProposer, shipped_assistant
-from specmesh.drafter.training.eagle import PROMPTS_DIR
-from specmesh.engine.loader import SMOLLM2_NAME, load_model
-from specmesh.protocol.messages import SamplingParams
+from specmesh.engine.loader import SMOLLM2_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +23,11 @@ def test_an_assistant_is_shipped_for_smollm2():
 
 
 def test_shipped_assistant_greedy_equals_plain_decode_with_drafts_accepted():
-    lm = load_model(None, "float32")
-    chat = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_chat.jsonl"))[:2]
-    code = load_prompts_file(str(PROMPTS_DIR / "drafter_heldout_code.jsonl"))[:2]
-    prompts = chat_token_ids(lm.tokenizer, chat + code)
-    sp = SamplingParams(max_tokens=32)
-    eos = lm.config.eos_token_ids
-    plain = InProcessCluster(lm.model, lm.config, num_speculative_tokens=0,
-                             eos_token_ids=eos).generate(prompts, sp)
+    held = smollm2_heldout()
     proposer = FrozenKVMTPProposer.create({}, DraftTarget())
-    spec = InProcessCluster(lm.model, lm.config, num_speculative_tokens=3, eos_token_ids=eos,
-                            draft_method="frozen_kv_mtp", proposer=proposer)
-    got = spec.generate(prompts, sp)
-    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    spec = held.cluster(3, draft_method="frozen_kv_mtp", proposer=proposer)
+    got = spec.generate(held.prompts, held.sampling)
+    assert [o.token_ids for o in got] == held.plain
     drafted = sum(o.spec.num_draft_tokens for o in got)
     assert drafted > 0 and sum(o.spec.num_accepted_tokens for o in got) > 0.05 * drafted
     stats = proposer.draft_memory()
