@@ -125,9 +125,6 @@ class EagleProposer(Proposer):
     options = OptionSchema((
         Option("head", "path", "the head's checkpoint directory (specmesh train-drafter "
                "--method eagle --out DIR)", "the head shipped for the target", positional=True),
-        Option("steps", int, "modules of the shipped head when no head is given (multi-layer "
-               "EAGLE: module i drafts depth i; 2: the two-module head shipped for the "
-               "target)", 1, kwarg="num_steps", minimum=1, maximum=8),
         Option("dtype", str, "dtype of the head's weights", "the cluster's dtype",
                choices=tuple(d for d in MODEL_DTYPES if d != "float16")),
         Option("topk", int, "EAGLE-2 draft trees: children per expanded node and nodes "
@@ -137,6 +134,9 @@ class EagleProposer(Proposer):
                "cumulative draft probability (SGLang's --speculative-num-draft-tokens "
                "less the root)", "topk * depth", kwarg="tree_nodes", minimum=1,
                flag="--eagle-tree-nodes"),
+        Option("steps", int, "modules of the shipped head when no head is given (multi-layer "
+               "EAGLE: module i drafts depth i; 2: the two-module head shipped for the "
+               "target)", 1, kwarg="num_steps", minimum=1, maximum=8),
     ))
     trainer = staticmethod(_train)
     max_drafts_per_call = 1  # a forward per draft: stream each one as it is made
