@@ -11,8 +11,9 @@ import msgspec
 import pytest
 import torch
 
+from helpers.proposers import NullProposer
 from specmesh.drafter.eagle.head import EagleHead, EagleHeadConfig
-from specmesh.drafter.proposer import ProposeCall, Proposer
+from specmesh.drafter.proposer import ProposeCall
 from specmesh.drafter.proposers.eagle import EagleProposer
 from specmesh.drafter.registry import makes_prefill_seed, register_proposer
 from specmesh.engine.frames import buffer_to_tensor, tensor_to_buffer
@@ -191,22 +192,10 @@ def test_topk_capped_and_short_context():
 
 
 def test_registry_refuses_a_seed_declaration_without_its_methods():
-    class NoSeed(Proposer):
+    class NoSeed(NullProposer):
         name = "no-seed-test"
         seed_state = "hidden"
         makes_prefill_seed = True
-
-        def open(self, request_id, context_token_ids):
-            pass
-
-        def propose(self, request_id, context_token_ids, num_tokens):
-            return []
-
-        def rollback(self, request_id, num_context_tokens):
-            pass
-
-        def close(self, request_id):
-            pass
 
     with pytest.raises(TypeError, match="make_prefill_seed and adopt_prefill_seed"):
         register_proposer(NoSeed)

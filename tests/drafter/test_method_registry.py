@@ -14,6 +14,7 @@ from helpers.plugins import COPYCAT_SOURCE, HALF_SOURCE, forget_modules, write_d
 
 import specmesh.drafter.proposers as builtin_package
 import specmesh.drafter.registry as registry
+from helpers.proposers import NullProposer
 from specmesh.cluster.drafter_option import drafter_help, parse_drafter
 from specmesh.drafter.proposer import Proposer
 from specmesh.drafter.registry import (
@@ -158,20 +159,8 @@ def test_builtin_user_spellings_cannot_be_shadowed_either(plugins):
 
 
 def test_a_plugin_module_cannot_take_a_builtin_or_a_registered_name(plugins):
-    class Impostor(Proposer):
+    class Impostor(NullProposer):
         name = "ngram"
-
-        def open(self, request_id, context_token_ids):
-            pass
-
-        def propose(self, request_id, context_token_ids, num_tokens):
-            return []
-
-        def rollback(self, request_id, num_context_tokens):
-            pass
-
-        def close(self, request_id):
-            pass
 
     with pytest.raises(ValueError, match=r"'ngram' is built in \(specmesh.drafter.proposers."
                                          r"ngram.NgramProposer\): module .*test_method_registry "

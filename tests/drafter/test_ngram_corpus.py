@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specmesh.drafter.proposers  # noqa: F401
+from helpers.proposers import NullProposer
 from specmesh.drafter import corpus_index
 from specmesh.drafter.corpus_index import MAX_CANDIDATES, CorpusIndex
-from specmesh.drafter.proposer import CorpusUnsupported, Proposer
+from specmesh.drafter.proposer import CorpusUnsupported
 from specmesh.drafter.proposers.ngram import LONG_KEY, NgramProposer
 
 rng = random.Random(11)
@@ -165,20 +166,8 @@ def test_bad_token_ids_are_refused_and_leave_the_corpora_alone():
         CorpusIndex({"a": [1, 2]}, [0])
 
 
-class _Plain(Proposer):
+class _Plain(NullProposer):
     name = "plain-corpus-test"
-
-    def open(self, request_id, context_token_ids):
-        pass
-
-    def propose(self, request_id, context_token_ids, num_tokens):
-        return []
-
-    def rollback(self, request_id, num_context_tokens):
-        pass
-
-    def close(self, request_id):
-        pass
 
 
 def test_a_method_without_memory_refuses_corpora_and_has_no_history():

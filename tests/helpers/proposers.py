@@ -1,9 +1,26 @@
-"""Test-only drafting methods: an oracle that proposes the known greedy continuation and a
-garbage one that proposes random tokens."""
+"""Test-only drafting methods: an oracle that proposes the known greedy continuation, a
+garbage one that proposes random tokens, and a null one that drafts nothing (for tests of
+what a class declares)."""
 
 import random
 
 from specmesh.drafter.proposer import Proposer
+
+
+class NullProposer(Proposer):
+    """Drafts nothing and keeps no state: subclass it to test declarations and registration."""
+
+    def open(self, request_id, context_token_ids):
+        pass
+
+    def propose(self, request_id, context_token_ids, num_tokens):
+        return []
+
+    def rollback(self, request_id, num_context_tokens):
+        pass
+
+    def close(self, request_id):
+        pass
 
 
 class OracleProposer(Proposer):
