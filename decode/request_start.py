@@ -125,7 +125,8 @@ class RequestStart:
         self.stats.num_draft_seeds += 1
         self.stats.draft_seed_bytes += seed.nbytes
         self.stats.seed_state_bytes += seed.nbytes
-        if self.profile is not None:
+        if self.profile is not None:  # the bench's per-request seed bytes include it
             self.profile.count("draft_seed_bytes", seed.nbytes)
+            self.profile.count("seed_state_bytes", seed.nbytes)
         if seed.token_id == first_token_id and req.seed_window is not None:
             req.draft_seed = seed

@@ -72,6 +72,9 @@ def test_seeded_output_equals_plain_with_the_seeds_adopted(setup):
     assert v.num_draft_seeds == v.num_draft_seeds_sent == n and v.num_bad_draft_seeds == 0
     assert v.draft_seed_bytes > 0
     assert v.seed_state_bytes > v.draft_seed_bytes  # both seeds: the per-request column
+    counters = seeded.verifier.profile.counters  # what the bench's per-method table reads
+    assert counters["draft_seed_bytes"] == v.draft_seed_bytes
+    assert counters["seed_state_bytes"] == v.seed_state_bytes
     d = seeded.drafter
     assert d.stats.num_draft_seeds_adopted == n and d.stats.num_draft_seeds_refused == 0
     assert d.proposer.draft_stats()["num_prefill_seeds_adopted"] == n
