@@ -329,14 +329,17 @@ class Proposer(ABC):
 DRAFT_SHAPES = ("chain", "tree")
 
 
-def shipped_or_raise(found: object, what: str, target_name: str, method: str) -> str:
+def shipped_or_raise(found: object, what: str, target_name: str, method: str,
+                     train_args: str = "") -> str:
     """``found`` (the path of what is shipped for the target, or None) as a string.
 
     Raises:
-        FileNotFoundError: nothing shipped, naming the ``specmesh train-drafter`` command.
+        FileNotFoundError: nothing shipped, naming the ``specmesh train-drafter`` command
+            (``train_args``: its options beyond ``--method``).
     """
     if found is None:
+        command = f"specmesh train-drafter --method {method}" + (f" {train_args}" if train_args
+                                                                 else "")
         raise FileNotFoundError(f"no {what} shipped for {target_name!r}: train one with "
-                                f"`specmesh train-drafter --method {method}` and pass "
-                                f"--drafter {method}:PATH")
+                                f"`{command}` and pass --drafter {method}:PATH")
     return str(found)

@@ -661,16 +661,12 @@ def load_eagle_head(head: str | None, model: str | None, dtype: str = "float32",
     files = model_files(model)
     name = model_identity(model, "float32", 16)["name"]
     if head is None:
-        found = shipped_head(name, num_steps)
-        if found is None and num_steps > 1:
-            raise FileNotFoundError(
-                f"no {num_steps}-module EAGLE head shipped for {name!r}: train one with "
-                f"`specmesh train-drafter --method eagle --num-steps {num_steps}` and pass "
-                f"--drafter eagle:PATH")
-        head = shipped_or_raise(found, "EAGLE head", name, "eagle")
-    elif num_steps != 1 and read_head_config(head).num_steps != num_steps:
-        raise ValueError(f"eagle:steps={num_steps} but the head at {head} has "
-                         f"{read_head_config(head).num_steps} modules")
+        multi = num_steps > 1
+        head = shipped_or_raise(shipped_head(name, num_steps),
+                                f"{num_steps}-module EAGLE head" if multi else "EAGLE head",
+                                name, "eagle", f"--num-steps {num_steps}" if multi else "")
+    elif num_steps != 1 and (have := read_head_config(head).num_steps) != num_steps:
+        raise ValueError(f"eagle:steps={num_steps} but the head at {head} has {have} modules")
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(files))
     embed, lm_head = target_embeddings(files)
     loaded = load_head(head, embed, lm_head, target_identity(name, config, embed),
