@@ -2,7 +2,8 @@
 serving.
 
 A checkpoint directory holds ``dflash.safetensors``: the draft's own weights (``fc``,
-``hidden_norm``, ``layers.*``, ``norm``, ``mask_embedding``; drafter/dflash_model.py), and
+``hidden_norm``, ``layers.*``, ``norm``, ``mask_embedding``; drafter/dflash_model.py; with a
+draft vocabulary also ``draft_to_target``, int64), and
 ``config.json``: ``format``, ``config`` (:class:`DFlashConfig`: the shape, the target layers
 its context rows carry, the block, the target it was trained for) and how it was trained. The
 target's embedding and LM head are not stored: they are read from the target's weights at
@@ -43,7 +44,8 @@ def save_dflash(draft: DFlashDraft, path: str | Path, training: dict | None = No
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()}
+    tensors = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in draft.state_dict().items()}
     save_file(tensors, str(out / WEIGHTS))
     meta = {"format": FORMAT, "config": draft.config.to_dict(), "training": training or {}}
     (out / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
@@ -86,11 +88,18 @@ def load_dflash(path: str | Path, target_files: str | Path, target_name: str,
     target_cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(target_files))
     check_target(cfg.target, target_identity(target_name, target_cfg, embed), str(path))
     draft = DFlashDraft(cfg, backend)
-    tensors = {k: v.float() for k, v in load_file(str(Path(path) / WEIGHTS)).items()}
+    tensors = {k: v.float() if v.is_floating_point() else v
+               for k, v in load_file(str(Path(path) / WEIGHTS)).items()}
+    ids = tensors.pop("draft_to_target", None)
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
+    missing = [k for k in missing if k != "draft_to_target"]
+    if missing or unexpected or (ids is None) != (cfg.draft_vocab_size == 0):
         raise ValueError(f"DFlash weights at {path} do not fit its config: missing {missing}, "
-                         f"unexpected {unexpected}")
+                         f"unexpected {unexpected}, draft vocabulary "
+                         f"{'absent' if ids is None else tuple(ids.shape)} for draft_vocab_size "
+                         f"{cfg.draft_vocab_size}")
+    if ids is not None:
+        draft.set_draft_vocabulary(ids)
     draft = draft.to(device=device, dtype=dtype)
     draft.set_target_weights(embed.to(device), lm_head.to(device))
     return draft.eval().requires_grad_(False)

@@ -50,8 +50,11 @@ class DFlashConfig:
     """Shape of a DFlash draft. ``hidden_size``, heads, ``intermediate_size`` and
     ``vocab_size`` follow the target; ``num_layers`` draft layers; ``feature_layers``: the
     target decoder layers whose outputs a context row carries (empty: the final-norm state);
-    ``block``: k, the most drafts one forward makes (mask rows); ``target``: the model it was
-    trained for (drafter/eagle/checkpoint.py ``target_identity``)."""
+    ``block``: k, the most drafts one forward makes (mask rows); ``draft_vocab_size``: rows
+    of the target's LM head the draft scores (0: all; otherwise the checkpoint's
+    ``draft_to_target`` ids, FR-Spec arXiv 2502.14856 / EAGLE-3's draft vocabulary: the LM
+    head is most of a draft forward's cost); ``target``: the model it was trained for
+    (drafter/eagle/checkpoint.py ``target_identity``)."""
 
     hidden_size: int
     num_heads: int
@@ -64,6 +67,7 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     feature_layers: tuple[int, ...] = ()
+    draft_vocab_size: int = 0
     target: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,6 +75,14 @@ class DFlashConfig:
         if self.num_layers < 1 or self.block < 1:
             raise ValueError(f"a DFlash draft needs num_layers >= 1 and block >= 1, got "
                              f"{self.num_layers}, {self.block}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} is not in 0 .. "
+                             f"{self.vocab_size}")
+
+    @property
+    def num_draft_logits(self) -> int:
+        """Columns of the draft's logits: ``draft_vocab_size``, or the whole vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def seed_state(self) -> str:
@@ -93,8 +105,8 @@ class DFlashConfig:
 
     @classmethod
     def for_target(cls, target_config, num_layers: int = 1, block: int = 4,  # noqa: ANN001
-                   feature_layers: tuple[int, ...] = (), target: dict | None = None
-                   ) -> DFlashConfig:
+                   feature_layers: tuple[int, ...] = (), target: dict | None = None,
+                   draft_vocab_size: int = 0) -> DFlashConfig:
         """A draft of the target's layer shape (``target_config``: engine.config.ModelConfig).
 
         Raises:
@@ -108,7 +120,7 @@ class DFlashConfig:
                    intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
                    num_layers=num_layers, block=block, rms_norm_eps=c.rms_norm_eps,
                    rope_theta=c.rope_theta, feature_layers=tuple(feature_layers),
-                   target=dict(target or {}))
+                   draft_vocab_size=draft_vocab_size, target=dict(target or {}))
 
 
 #: one layer's context K/V: k, v [num_kv_heads, n, head_dim] (RoPE applied to k)
@@ -117,8 +129,10 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 class DFlashDraft(nn.Module):
     """Trainable: ``fc``, ``hidden_norm``, ``layers``, ``norm``, ``mask_embedding``. Frozen
-    buffers set by :meth:`set_target_weights`: the target's ``embed`` and ``lm_head``
-    [vocab, d] (module docstring). Products compute with ``backend`` (engine/backend.py;
+    buffers set by :meth:`set_target_weights`: the target's ``embed`` [vocab, d] and the rows
+    ``draft_to_target`` [num_draft_logits] of its LM head, ``lm_head`` [num_draft_logits, d]
+    (module docstring; ``draft_to_target`` is stored in the checkpoint when the draft has a
+    draft vocabulary). Products compute with ``backend`` (engine/backend.py;
     None: the process's default)."""
 
     def __init__(self, config: DFlashConfig, backend: CpuBackend | None = None) -> None:
@@ -133,15 +147,34 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(d))
         self.register_buffer("embed", torch.zeros(config.vocab_size, d), persistent=False)
-        self.register_buffer("lm_head", torch.zeros(config.vocab_size, d), persistent=False)
+        n = config.num_draft_logits
+        self.register_buffer("lm_head", torch.zeros(n, d), persistent=False)
+        self.register_buffer("draft_to_target", torch.arange(n),
+                             persistent=config.draft_vocab_size > 0)
         self._inv_freq = 1.0 / config.rope_theta ** (
             torch.arange(0, config.head_dim, 2).float() / config.head_dim)
 
     # -- weights ---------------------------------------------------------------------------
 
+    def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
+        """The target ids [draft_vocab_size] the draft's logits score, before
+        :meth:`set_target_weights` (a checkpoint load sets them from its weights).
+
+        Raises:
+            ValueError: a draft without a draft vocabulary, ids of another count or outside
+                the vocabulary.
+        """
+        c = self.config
+        ids = draft_to_target.long()
+        if c.draft_vocab_size == 0 or tuple(ids.shape) != (c.draft_vocab_size,) or (
+                int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size):
+            raise ValueError(f"draft vocabulary of shape {tuple(ids.shape)} does not fit "
+                             f"draft_vocab_size {c.draft_vocab_size} / vocab {c.vocab_size}")
+        self.draft_to_target = ids.to(self.draft_to_target.device).clone()
+
     def set_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Install the target's embedding and LM head, [vocab, d] each (a tied model: the
-        same tensor twice).
+        same tensor twice); only the ``draft_to_target`` rows of the LM head are kept.
 
         Raises:
             ValueError: shapes that do not fit the config.
@@ -153,7 +186,8 @@ class DFlashDraft(nn.Module):
                              f"{c.vocab_size}, hidden {c.hidden_size}")
         dtype = self.fc.weight.dtype
         self.embed = embed.detach().to(dtype).clone()
-        self.lm_head = lm_head.detach().to(dtype).clone()
+        rows = self.draft_to_target.to(lm_head.device)
+        self.lm_head = lm_head.detach()[rows].to(dtype).contiguous()
 
     def init_from_target(self, target_layers: list[nn.Module]) -> None:
         """Start draft layer ``i`` from the engine decoder layer ``target_layers[i]``
@@ -218,8 +252,24 @@ class DFlashDraft(nn.Module):
         return torch.where(is_mask[:, None], self.mask_embedding.to(emb.dtype), emb)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target LM head's logits [..., vocab] of final hidden states [..., d]."""
+        """Draft logits [..., num_draft_logits] of final hidden states [..., d]: column i
+        scores target id ``draft_to_target[i]``."""
         return F.linear(hidden, self.lm_head)
+
+    def draft_columns(self, token_ids: torch.Tensor, missing: int = -100) -> torch.Tensor:
+        """The logit column of each target id in ``token_ids`` (same shape), ``missing``
+        where the draft vocabulary lacks the id (a training label it cannot score)."""
+        if self.config.draft_vocab_size == 0:
+            return token_ids
+        table = torch.full((self.config.vocab_size,), missing, dtype=torch.long,
+                           device=token_ids.device)
+        ids = self.draft_to_target.to(token_ids.device)
+        table[ids] = torch.arange(ids.shape[0], device=token_ids.device)
+        return torch.where(token_ids >= 0, table[token_ids.clamp(min=0)], token_ids)
+
+    def target_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Target token ids of logit ``columns`` (any shape)."""
+        return self.draft_to_target.to(columns.device)[columns]
 
     # -- serving ---------------------------------------------------------------------------
 

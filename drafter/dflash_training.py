@@ -89,6 +89,7 @@ def sample_loss(draft: DFlashDraft, sample: Sample, block: int, run_ahead: int,
     if layout is None:
         return None
     block_ids, starts, labels = layout
+    labels = draft.draft_columns(labels, IGNORE)  # ids outside a draft vocabulary: no loss
     sel = labels != IGNORE
     if not bool(sel.any()):
         return None

@@ -42,7 +42,7 @@ import torch
 from specmesh.drafter.dflash_files import load_dflash, read_dflash_config, shipped_dflash
 from specmesh.drafter.dflash_kv import ContextKV
 from specmesh.drafter.dflash_model import MASK, DFlashDraft
-from specmesh.drafter.draft_sampling import DraftSampling, token_probs
+from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits, token_probs
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer, shipped_or_raise
 from specmesh.drafter.registry import register_proposer
@@ -247,15 +247,21 @@ class DFlashProposer(Proposer):
 
     def _pick(self, logits: torch.Tensor, how: DraftSampling | None
               ) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Drafts from the mask rows' logits [n, vocab] (row j: draft j)."""
+        """Drafts from the mask rows' logits [n, num_draft_logits] (row j: draft j; a draft
+        vocabulary's rows are laid out over the target's ids, -inf elsewhere, before a
+        sampled pick, so ``draft_probs`` is the distribution the draft was drawn from)."""
+        draft = self.draft
         if how is None or (how.mode == GREEDY and not how.processes):
-            ids = logits.argmax(dim=-1).tolist()
+            cols = logits.argmax(dim=-1)
+            ids = draft.target_ids(cols).tolist()
             if how is not None and how.token_probs:  # q for the verifier's confidence budget
-                return ids, token_probs(logits, ids)
+                return ids, token_probs(logits, cols.tolist())
             return ids, [None] * len(ids)
         drafts, rows = [], []
+        to_target = draft.draft_to_target if draft.config.draft_vocab_size else None
         for j in range(logits.shape[0]):
-            tok, row = how.choose(logits[j:j + 1], j)
+            row = target_space_logits(logits[j:j + 1], self.vocab_size, to_target)
+            tok, row = how.choose(row, j)
             drafts.append(tok)
             rows.append(row)
         return drafts, rows

@@ -2,7 +2,8 @@
 (target loaded, prompts split, the target's greedy outputs generated with the hidden states of
 ``--feature-layers``, e.g. ``auto``; none: the final-norm state), build a DFlash draft of
 ``--num-layers`` layers (default 1, started from the target's first layers) for blocks of
-``--block`` drafts (default 4), train it on the block objective (drafter/dflash_training.py;
+``--block`` drafts (default 4) scoring the ``--draft-vocab-size`` most frequent output tokens
+(0: the whole vocabulary), train it on the block objective (drafter/dflash_training.py;
 stopped after ``--train-minutes`` when given), evaluate acceptance per draft position with the
 serving proposer on the held-out prompts and every ``--eval-prompts`` file, and write the
 checkpoint (drafter/dflash_files.py; ``--save-dtype bfloat16`` halves it).
@@ -16,7 +17,7 @@ import argparse
 import torch
 
 from specmesh.drafter.eagle.checkpoint import round_weights, target_identity
-from specmesh.drafter.eagle.train import acceptance_report
+from specmesh.drafter.eagle.train import acceptance_report, draft_vocabulary
 from specmesh.drafter.training.record import training_record
 
 DEFAULT_NUM_LAYERS = 1
@@ -37,16 +38,22 @@ def train_dflash(prep: dict, args: argparse.Namespace, proposer_cls: type) -> di
     lm_head = lm.model.lm_head.weight.detach()
     num_layers = args.num_layers or DEFAULT_NUM_LAYERS
     block = getattr(args, "block", None) or DEFAULT_BLOCK
+    vocab = lm.config.vocab_size
+    n_draft = args.draft_vocab_size if 0 < args.draft_vocab_size < vocab else 0
     cfg = DFlashConfig.for_target(lm.config, num_layers=num_layers, block=block,
                                   feature_layers=args.resolved_feature_layers,
-                                  target=target_identity(lm.name, lm.config, embed))
+                                  target=target_identity(lm.name, lm.config, embed),
+                                  draft_vocab_size=n_draft)
     torch.manual_seed(args.seed)
     draft = DFlashDraft(cfg)
+    if n_draft:  # the most frequent output tokens score (the LM head is the forward's cost)
+        draft.set_draft_vocabulary(draft_vocabulary(samples["train"], n_draft,
+                                                    tuple(lm.config.eos_token_ids)))
     draft.set_target_weights(embed.float(), lm_head.float())
     init_for_training(draft, list(lm.model.model.layers[:num_layers]))
     print(f"DFlash draft ({cfg.seed_state}): {num_layers} layers, "
           f"{draft.num_own_parameters() / 1e6:.2f} M parameters besides the target's embedding "
-          f"and LM head; block {block}; "
+          f"and LM head ({cfg.num_draft_logits} of its rows scored); block {block}; "
           f"{sum(s.num_output_tokens for s in samples['train'])} training tokens", flush=True)
     minutes = getattr(args, "train_minutes", None)
     summary = train(draft, samples["train"], epochs=args.epochs, batch_size=args.batch_size,

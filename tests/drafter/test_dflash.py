@@ -20,12 +20,16 @@ from specmesh.protocol.messages import SamplingParams
 VOCAB, D, BLOCK = 40, 16, 3
 
 
-def _draft(seed: int = 0, num_layers: int = 2, feature_layers=(1, 0)) -> DFlashDraft:
+def _draft(seed: int = 0, num_layers: int = 2, feature_layers=(1, 0),
+           draft_vocab: list[int] | None = None) -> DFlashDraft:
     cfg = DFlashConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=4,
                        intermediate_size=32, vocab_size=VOCAB, num_layers=num_layers,
-                       block=BLOCK, feature_layers=feature_layers)
+                       block=BLOCK, feature_layers=feature_layers,
+                       draft_vocab_size=len(draft_vocab or []))
     torch.manual_seed(seed)
     draft = DFlashDraft(cfg).double()
+    if draft_vocab:
+        draft.set_draft_vocabulary(torch.tensor(draft_vocab))
     with torch.no_grad():
         for p in draft.parameters():
             p.normal_(0, 0.4)
@@ -243,3 +247,63 @@ def test_sampled_rows_are_each_positions_own_distribution():
             torch.testing.assert_close(row, outs[0][1][j])
             assert row.shape == (VOCAB,) and float(row[t]) > 0
             assert abs(float(row.sum()) - 1) < 1e-5
+
+
+# -- a draft vocabulary (FR-Spec / EAGLE-3: the LM head scores the frequent ids only) --------
+
+SUBSET = [1, 4, 7, 9, 12, 20, 33, 39]
+
+
+def test_a_draft_vocabulary_scores_its_rows_of_the_target_head_only():
+    full, sub = _draft(9), _draft(9, draft_vocab=SUBSET)
+    assert sub.lm_head.shape == (len(SUBSET), D)
+    torch.testing.assert_close(sub.lm_head, full.lm_head[SUBSET])
+    h = _serve(sub, _rows(4), 0, [7] + [MASK] * BLOCK, 4)
+    torch.testing.assert_close(sub.logits(h), full.logits(h)[:, SUBSET])
+    cols = sub.draft_columns(torch.tensor([4, 5, MASK, 39, -100]), missing=-100)
+    assert cols.tolist() == [1, -100, MASK, 7, -100]
+    assert sub.target_ids(torch.tensor([0, 7])).tolist() == [1, 39]
+
+
+def test_greedy_and_sampled_drafts_stay_inside_the_draft_vocabulary():
+    draft = _draft(10, draft_vocab=SUBSET)
+    p = _proposer(draft)
+    ctx = [3, 4, 5, 6, 7]
+    rows = _rows(4)
+    _open(p, "r", ctx, rows)
+    how = DraftSampling(SamplingParams(max_tokens=8), 0, token_probs=True)
+    drafts, probs = p.propose_sampled("r", ctx, BLOCK, how)
+    logits = draft.logits(_serve(draft, rows, 0, [7] + [MASK] * BLOCK, 4))[1:]
+    assert drafts == [SUBSET[c] for c in logits.argmax(-1).tolist()]
+    torch.testing.assert_close(torch.tensor(probs),
+                               torch.softmax(logits.float(), -1).max(-1).values,
+                               rtol=1e-5, atol=1e-6)
+    sp = SamplingParams(max_tokens=8, temperature=1.5)
+    outside = [t for t in range(VOCAB) if t not in SUBSET]
+    for seed in range(4):
+        how = DraftSampling(sp, 0, generator=torch.Generator().manual_seed(seed))
+        drafts, dist = p.propose_sampled("r", ctx, BLOCK, how)
+        for t, row in zip(drafts, dist):
+            assert t in SUBSET and row.shape == (VOCAB,) and float(row[t]) > 0
+            assert float(row[outside].abs().sum()) == 0
+            assert abs(float(row.sum()) - 1) < 1e-5
+
+
+def test_a_draft_vocabulary_survives_save_and_load(tmp_path, monkeypatch):
+    from specmesh.drafter import dflash_files
+
+    draft = _draft(11, draft_vocab=SUBSET).float()
+    g = torch.Generator().manual_seed(12)
+    embed, head = torch.randn(VOCAB, D, generator=g), torch.randn(VOCAB, D, generator=g)
+    draft.set_target_weights(embed, head)
+    dflash_files.save_dflash(draft, tmp_path, dtype=torch.bfloat16)
+    monkeypatch.setattr(dflash_files, "target_embeddings", lambda files: (embed, head))
+    monkeypatch.setattr(dflash_files, "check_target", lambda *a: None)
+    monkeypatch.setattr(dflash_files.ModelConfig, "from_hf", staticmethod(lambda c: None))
+    monkeypatch.setattr(dflash_files, "target_identity", lambda *a: {})
+    import transformers
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda f: None)
+    back = dflash_files.load_dflash(tmp_path, "unused", "t")
+    assert back.draft_to_target.dtype == torch.long
+    assert back.draft_to_target.tolist() == SUBSET
+    torch.testing.assert_close(back.lm_head, head[SUBSET])

@@ -54,6 +54,8 @@ def test_checkpoint_holds_the_drafts_own_weights_only(trained):
     tensors = load_file(str(out / WEIGHTS))
     assert not any(k.startswith(("embed", "lm_head")) or "embed_tokens" in k for k in tensors)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "mask_embedding"} <= set(tensors)
+    ids = tensors.pop("draft_to_target")  # the draft vocabulary (--draft-vocab-size)
+    assert ids.dtype == torch.int64 and ids.shape == (cfg.draft_vocab_size,) > (0,)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
 
