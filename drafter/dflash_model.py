@@ -24,6 +24,14 @@ are the context rows at positions ``< a`` followed by the block's own, attention
 non-causal (every block row sees the whole block). Mask row ``j`` predicts the token AT its
 position (``a + r + j``): ``k`` drafts per forward, none of which saw another.
 
+Anchor input (``anchor_input``, a specmesh variant for drafts of one or two layers): every
+block row's input also carries ``anchor_fc([c_{a-1}; e(x_a)])``, the fused target row just
+before the block and the embedding of the block's first token (what an EAGLE head's input
+pairs, arXiv 2401.15077). Through attention alone a one-layer draft reads a context row only
+through its ``num_kv_heads * head_dim`` value dimensions; this hands the block the whole
+state the target's last row carries. ``anchor_fc`` starts at zero (training starts from plain
+DFlash); the context KV then also holds the fused rows (one more entry after the layers').
+
 Training (:meth:`DFlashDraft.training_logits`) runs many anchors of one sample in one forward
 under a boolean attention mask and computes exactly what serving computes for each anchor.
 """
@@ -40,6 +48,7 @@ from specmesh.drafter.eagle.layer import DecoderLayer, RMSNorm, rope
 from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.engine.hidden_layers import check_hidden_layers, hidden_seed_kind
 from specmesh.engine.linear import RowInvariantLinear
+from specmesh.kernels.gguf_matmul import gguf_matmul
 
 #: the token id that marks a mask row in a block (never a vocabulary id)
 MASK = -1
@@ -54,7 +63,8 @@ class DFlashConfig:
     of the target's LM head the draft scores (0: all; otherwise the checkpoint's
     ``draft_to_target`` ids, FR-Spec arXiv 2502.14856 / EAGLE-3's draft vocabulary: the LM
     head is most of a draft forward's cost); ``target``: the model it was trained for
-    (drafter/eagle/checkpoint.py ``target_identity``)."""
+    (drafter/eagle/checkpoint.py ``target_identity``); ``anchor_input``: the block's rows
+    also read the anchor (module docstring)."""
 
     hidden_size: int
     num_heads: int
@@ -68,6 +78,7 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     feature_layers: tuple[int, ...] = ()
     draft_vocab_size: int = 0
+    anchor_input: bool = False
     target: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -106,7 +117,7 @@ class DFlashConfig:
     @classmethod
     def for_target(cls, target_config, num_layers: int = 1, block: int = 4,  # noqa: ANN001
                    feature_layers: tuple[int, ...] = (), target: dict | None = None,
-                   draft_vocab_size: int = 0) -> DFlashConfig:
+                   draft_vocab_size: int = 0, anchor_input: bool = False) -> DFlashConfig:
         """A draft of the target's layer shape (``target_config``: engine.config.ModelConfig).
 
         Raises:
@@ -120,7 +131,8 @@ class DFlashConfig:
                    intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
                    num_layers=num_layers, block=block, rms_norm_eps=c.rms_norm_eps,
                    rope_theta=c.rope_theta, feature_layers=tuple(feature_layers),
-                   draft_vocab_size=draft_vocab_size, target=dict(target or {}))
+                   draft_vocab_size=draft_vocab_size, anchor_input=anchor_input,
+                   target=dict(target or {}))
 
 
 #: one layer's context K/V: k, v [num_kv_heads, n, head_dim] (RoPE applied to k)
@@ -146,11 +158,18 @@ class DFlashDraft(nn.Module):
                                      for _ in range(config.num_layers)])
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(d))
+        if config.anchor_input:
+            self.anchor_fc = RowInvariantLinear(2 * d, d, bias=False, backend=backend)
+            with torch.no_grad():
+                self.anchor_fc.weight.zero_()
         self.register_buffer("embed", torch.zeros(config.vocab_size, d), persistent=False)
         n = config.num_draft_logits
         self.register_buffer("lm_head", torch.zeros(n, d), persistent=False)
         self.register_buffer("draft_to_target", torch.arange(n),
                              persistent=config.draft_vocab_size > 0)
+        #: Q8_0 blocks of ``lm_head`` and the (data_ptr, _version) they expand to, for serving
+        #: (drafter/eagle/quantize.py ``quantize_rows``; None: the float product)
+        self.lm_head_blocks = None
         self._inv_freq = 1.0 / config.rope_theta ** (
             torch.arange(0, config.head_dim, 2).float() / config.head_dim)
 
@@ -243,6 +262,8 @@ class DFlashDraft(nn.Module):
             k = layer.k_proj(c).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
             v = layer.v_proj(c).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
             out.append((rope(k, cos, sin), v))
+        if cfg.anchor_input:  # the fused rows themselves, for the next block's anchor
+            out.append((c[None], c[None, :, :0]))
         return out
 
     def block_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -251,9 +272,18 @@ class DFlashDraft(nn.Module):
         emb = self.embed[token_ids.clamp(min=0)]
         return torch.where(is_mask[:, None], self.mask_embedding.to(emb.dtype), emb)
 
+    def anchor(self, fused_row: torch.Tensor, first_ids: torch.Tensor) -> torch.Tensor:
+        """``anchor_fc([c; e(x)])`` [n, d] of fused rows [n, d] and block-first ids [n]."""
+        return self.anchor_fc(torch.cat([fused_row.to(self.embed.dtype),
+                                         self.embed[first_ids]], dim=-1))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., num_draft_logits] of final hidden states [..., d]: column i
         scores target id ``draft_to_target[i]``."""
+        b = self.lm_head_blocks
+        if b is not None and hidden.dim() == 2 and hidden.dtype == torch.float32 \
+                and hidden.is_cpu and b[1] == (self.lm_head.data_ptr(), self.lm_head._version):
+            return gguf_matmul(hidden, b[0])
         return F.linear(hidden, self.lm_head)
 
     def draft_columns(self, token_ids: torch.Tensor, missing: int = -100) -> torch.Tensor:
@@ -285,6 +315,11 @@ class DFlashDraft(nn.Module):
         pos = torch.tensor([s + j for (_, _, s), n in zip(blocks, lengths) for j in range(n)],
                            dtype=torch.long, device=dev)
         x = self.block_embeddings(ids)
+        if self.config.anchor_input:  # each block's anchor on all its rows
+            fused = torch.stack([ctx[-1][0][0, -1] for ctx, _, _ in blocks])
+            first = torch.tensor([b[0] for _, b, _ in blocks], dtype=torch.long, device=dev)
+            x = x + self.anchor(fused, first).repeat_interleave(
+                torch.tensor(lengths, device=dev), dim=0)
         cos, sin = self._cos_sin(pos, x.dtype)
         rep = self.config.num_heads // self.config.num_kv_heads
         for li, layer in enumerate(self.layers):
@@ -318,6 +353,9 @@ class DFlashDraft(nn.Module):
         ctx_pos = torch.arange(rows_start, rows_start + n, device=dev)
         pos = (block_starts[:, None] + torch.arange(B, device=dev)).reshape(-1)
         x = self.block_embeddings(block_ids.reshape(-1))
+        if self.config.anchor_input:  # the row before each block, its first token
+            u = self.anchor(c[block_starts - rows_start - 1], block_ids[:, 0])
+            x = x + u.repeat_interleave(B, dim=0)
         cos, sin = self._cos_sin(pos, x.dtype)
         anchor = torch.arange(A, device=dev).repeat_interleave(B)
         sees_ctx = ctx_pos[None, :] < block_starts[anchor][:, None]  # [A*B, n]

@@ -20,8 +20,8 @@ The choices (fields of :class:`CpuBackend`, in :data:`CHOICES`):
   needs a C++ compiler.
 - ``compiled_stack``: all decoder layers of a float32 forward in one compiled call
   (:mod:`engine.compiled_stack`); needs the three kernels above.
-- ``eagle_q8_0``: a float32 EAGLE head rounded to Q8_0 blocks (drafter/eagle/quantize.py);
-  needs ``gguf_matmul``.
+- ``eagle_q8_0``: a float32 EAGLE head (and a DFlash draft, drafter/proposers/dflash.py)
+  rounded to Q8_0 blocks (drafter/eagle/quantize.py); needs ``gguf_matmul``.
 
 A choice that is on still applies only to tensors it takes (its dtypes, CPU, no autograd): a
 float64 model runs its torch paths whatever the backend says. A compiled kernel is built on

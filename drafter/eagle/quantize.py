@@ -30,6 +30,38 @@ from specmesh.kernels import gguf_matmul
 from specmesh.kernels.gguf_matmul import BlockWeight
 
 
+def quantize_linears(module: torch.nn.Module, backend: CpuBackend) -> int:
+    """Round every :class:`RowInvariantLinear` of ``module`` (whose input width is a whole
+    number of Q8_0 blocks) to Q8_0 in place and compute it on its blocks. Returns how many;
+    0 where ``backend`` has ``eagle_q8_0`` off, the kernel is unavailable or the weights are
+    not float32 on CPU."""
+    if not backend.eagle_q8_0.on or not gguf_matmul.available():
+        return 0
+    n = 0
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, RowInvariantLinear) and m.in_features % gguf_matmul.BLOCK == 0 \
+                    and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+                blocks = BlockWeight.quantize_q8_0(m.weight)
+                m.weight.copy_(blocks.dequantize())
+                m.attach_blocks(blocks)
+                n += 1
+    return n
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[BlockWeight, tuple[int, int]] | None:
+    """Round a frozen [rows, d] float32 CPU product weight (an LM head) to Q8_0 in place:
+    ``(blocks, (data_ptr, _version))``, the key that says the blocks still expand to it; None
+    where ``d`` is not a whole number of blocks or the kernel is unavailable."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" \
+            or weight.shape[1] % gguf_matmul.BLOCK or not gguf_matmul.available():
+        return None
+    with torch.no_grad():
+        blocks = BlockWeight.quantize_q8_0(weight)
+        weight.copy_(blocks.dequantize())
+    return blocks, (weight.data_ptr(), weight._version)
+
+
 def quantize_head(head: EagleHead, backend: CpuBackend | None = None) -> int:
     """Round ``head``'s linear layers and LM head to Q8_0 in place and compute them on their
     blocks (inference only: the blocks drop out as soon as a weight changes). ``backend``: the
@@ -40,21 +72,9 @@ def quantize_head(head: EagleHead, backend: CpuBackend | None = None) -> int:
     if not backend.eagle_q8_0.on or w.dtype != torch.float32 \
             or w.device.type != "cpu" or not gguf_matmul.available():
         return 0
-    n = 0
-    with torch.no_grad():
-        for module in head.modules():
-            if isinstance(module, RowInvariantLinear) \
-                    and module.in_features % gguf_matmul.BLOCK == 0:
-                blocks = BlockWeight.quantize_q8_0(module.weight)
-                module.weight.copy_(blocks.dequantize())
-                module.attach_blocks(blocks)
-                n += 1
-        if head.lm_head.shape[1] % gguf_matmul.BLOCK == 0:
-            blocks = BlockWeight.quantize_q8_0(head.lm_head.float())
-            head.lm_head.copy_(blocks.dequantize())
-            head.lm_head_blocks = (blocks, (head.lm_head.data_ptr(), head.lm_head._version))
-            n += 1
-    return n
+    n = quantize_linears(head, backend)
+    head.lm_head_blocks = quantize_rows(head.lm_head)
+    return n + (head.lm_head_blocks is not None)
 
 
-__all__ = ["quantize_head"]
+__all__ = ["quantize_head", "quantize_linears", "quantize_rows"]

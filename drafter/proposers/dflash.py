@@ -43,10 +43,12 @@ from specmesh.drafter.dflash_files import load_dflash, read_dflash_config, shipp
 from specmesh.drafter.dflash_kv import ContextKV
 from specmesh.drafter.dflash_model import MASK, DFlashDraft
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits, token_probs
+from specmesh.drafter.eagle.quantize import quantize_linears, quantize_rows
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer, shipped_or_raise
 from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.training.dflash import train_dflash
+from specmesh.engine.backend import CpuBackend, default_backend
 from specmesh.engine.devices import resolve_device
 from specmesh.engine.dtypes import MODEL_DTYPES, model_dtype
 from specmesh.engine.loader import model_files, model_name
@@ -73,6 +75,21 @@ class DFlashStats:
 def _train(prep: dict, args) -> dict:  # noqa: ANN001
     """``specmesh train-drafter --method dflash``: drafter/training/dflash.py."""
     return train_dflash(prep, args, DFlashProposer)
+
+
+def quantize_draft(draft: DFlashDraft, backend: CpuBackend) -> int:
+    """Round a float32 CPU draft's products (its linear layers and its rows of the target's
+    LM head) to Q8_0 blocks and compute on them, as the EAGLE head does
+    (drafter/eagle/quantize.py: a draft forward reads a quarter of the bytes; drafts are
+    proposals, the verifier stays exact). Returns how many products run on blocks (0: the
+    backend's ``eagle_q8_0`` off, the kernel unavailable, or not a float32 CPU draft)."""
+    if not backend.eagle_q8_0.on or draft.fc.weight.dtype != torch.float32 \
+            or draft.fc.weight.device.type != "cpu":
+        return 0
+    n = quantize_linears(draft, backend)
+    if n:
+        draft.lm_head_blocks = quantize_rows(draft.lm_head)
+    return n + (draft.lm_head_blocks is not None)
 
 
 @register_proposer
@@ -117,11 +134,14 @@ class DFlashProposer(Proposer):
         path = kwargs.pop("model", None) or shipped_or_raise(shipped_dflash(name),
                                                              "DFlash draft", name, "dflash")
         dtype = model_dtype(kwargs.pop("dtype", target.dtype))
-        draft = load_dflash(path, files, name, dtype, resolve_device(target.device),
-                            target.backend)
+        backend = target.backend if target.backend is not None else default_backend()
+        draft = load_dflash(path, files, name, dtype, resolve_device(target.device), backend)
+        on_blocks = quantize_draft(draft, backend)
         log.info("DFlash draft %s for %s: %d layers, block %d, seed state %s, %.2f M "
-                 "parameters", path, name, draft.config.num_layers, draft.config.block,
-                 draft.config.seed_state, draft.num_own_parameters() / 1e6)
+                 "parameters, %d of %d draft-vocabulary rows scored, %d products on Q8_0 "
+                 "blocks", path, name, draft.config.num_layers, draft.config.block,
+                 draft.config.seed_state, draft.num_own_parameters() / 1e6,
+                 draft.config.num_draft_logits, draft.config.vocab_size, on_blocks)
         return cls(draft, **kwargs)
 
     @classmethod
@@ -238,6 +258,9 @@ class DFlashProposer(Proposer):
             self.stats.num_no_context += 1
             return None
         use = min(ctx.end, L - 1)  # rows at positions < use; the block starts at use
+        if use <= ctx.start and self.draft.config.anchor_input:  # no row before the block
+            self.stats.num_no_context += 1
+            return None
         if L - 1 - use > self.max_run_ahead:
             self.stats.num_no_context += 1
             return None

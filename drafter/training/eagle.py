@@ -119,6 +119,10 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                         "target's, frozen)")
     p.add_argument("--block", type=int, default=None,
                    help="pard, dflash: drafts per forward the draft is trained for (K, default 4)")
+    p.add_argument("--anchor-input", choices=["on", "off"], default="on",
+                   help="dflash: every block row also reads the fused target row before the "
+                        "block and the block's first token (drafter/dflash_model.py, 'Anchor "
+                        "input'); off: the context reaches the block through attention only")
     p.add_argument("--cod-ratio", type=float, default=0.7,
                    help="pard: COD keeps mask copy i of an anchor with probability "
                         "max(ratio^(i-1), 0.2)")

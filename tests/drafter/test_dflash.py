@@ -21,11 +21,11 @@ VOCAB, D, BLOCK = 40, 16, 3
 
 
 def _draft(seed: int = 0, num_layers: int = 2, feature_layers=(1, 0),
-           draft_vocab: list[int] | None = None) -> DFlashDraft:
+           draft_vocab: list[int] | None = None, anchor: bool = False) -> DFlashDraft:
     cfg = DFlashConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=4,
                        intermediate_size=32, vocab_size=VOCAB, num_layers=num_layers,
                        block=BLOCK, feature_layers=feature_layers,
-                       draft_vocab_size=len(draft_vocab or []))
+                       draft_vocab_size=len(draft_vocab or []), anchor_input=anchor)
     torch.manual_seed(seed)
     draft = DFlashDraft(cfg).double()
     if draft_vocab:
@@ -85,8 +85,9 @@ def test_attention_is_non_causal_and_reads_the_context():
     assert not torch.allclose(base[-1], moved[-1])
 
 
-def test_training_forward_equals_serving_for_every_anchor():
-    draft = _draft(3)
+@pytest.mark.parametrize("anchor", [False, True])
+def test_training_forward_equals_serving_for_every_anchor(anchor):
+    draft = _draft(3, anchor=anchor)
     rows, rows_start = _rows(10, 7), 2  # rows at positions 2 .. 11
     blocks = torch.tensor([[5, MASK, MASK, MASK], [9, MASK, MASK, MASK], [3, MASK, MASK, MASK]])
     starts = torch.tensor([4, 8, 12])
@@ -184,8 +185,9 @@ def test_drafts_are_the_mask_rows_of_one_block_forward():
     assert p.propose("r", ahead, BLOCK) == want2.argmax(-1).tolist()
 
 
-def test_batched_proposes_equal_single_ones():
-    draft = _draft(4)
+@pytest.mark.parametrize("anchor", [False, True])
+def test_batched_proposes_equal_single_ones(anchor):
+    draft = _draft(4, anchor=anchor)
     p = _proposer(draft)
     ctxs = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12, 13]]
     for i, c in enumerate(ctxs):
@@ -307,3 +309,27 @@ def test_a_draft_vocabulary_survives_save_and_load(tmp_path, monkeypatch):
     assert back.draft_to_target.dtype == torch.long
     assert back.draft_to_target.tolist() == SUBSET
     torch.testing.assert_close(back.lm_head, head[SUBSET])
+
+
+def test_the_anchor_input_reads_the_row_before_the_block_and_its_first_token():
+    """With ``anchor_input`` the block's rows carry anchor_fc([c_{a-1}; e(x_a)]): zeroing
+    anchor_fc gives the plain draft's hidden states, and a different row a-1 or first token
+    changes the drafts' logits; a block with no context row before it gets no drafts."""
+    draft, plain = _draft(13, anchor=True), _draft(13)
+    draft.load_state_dict(plain.state_dict(), strict=False)  # all but anchor_fc alike
+    rows = _rows(6)
+    h = _serve(draft, rows, 0, [7] + [MASK] * BLOCK, 4)
+    with torch.no_grad():
+        weight = draft.anchor_fc.weight.clone()
+        draft.anchor_fc.weight.zero_()
+        torch.testing.assert_close(_serve(draft, rows, 0, [7] + [MASK] * BLOCK, 4),
+                                   _serve(plain, rows, 0, [7] + [MASK] * BLOCK, 4))
+        draft.anchor_fc.weight.copy_(weight)
+    moved = rows.clone()
+    moved[3] += 1.0
+    assert not torch.allclose(_serve(draft, moved, 0, [7] + [MASK] * BLOCK, 4), h)
+    assert not torch.allclose(_serve(draft, rows, 0, [8] + [MASK] * BLOCK, 4), h)
+    p = _proposer(draft)
+    p.open("r", [3, 4])
+    p.observe_seed_state("r", 1, rows[:1])  # the only row is at the block's own position
+    assert p.propose("r", [3, 4], BLOCK) == [] and p.stats.num_no_context == 1
