@@ -64,7 +64,10 @@ class DFlashConfig:
     ``draft_to_target`` ids, FR-Spec arXiv 2502.14856 / EAGLE-3's draft vocabulary: the LM
     head is most of a draft forward's cost); ``target``: the model it was trained for
     (drafter/eagle/checkpoint.py ``target_identity``); ``anchor_input``: the block's rows
-    also read the anchor (module docstring)."""
+    also read the anchor (module docstring); ``feature_norms``: each feature layer's part of a
+    row is RMS-normed before the fusion, as EAGLE-3's fusion does (a late layer's residual
+    stream is an order of magnitude larger than an early one's, and its few massive
+    dimensions would otherwise fill ``hidden_norm``'s output)."""
 
     hidden_size: int
     num_heads: int
@@ -79,6 +82,7 @@ class DFlashConfig:
     feature_layers: tuple[int, ...] = ()
     draft_vocab_size: int = 0
     anchor_input: bool = False
+    feature_norms: bool = False
     target: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,7 +121,8 @@ class DFlashConfig:
     @classmethod
     def for_target(cls, target_config, num_layers: int = 1, block: int = 4,  # noqa: ANN001
                    feature_layers: tuple[int, ...] = (), target: dict | None = None,
-                   draft_vocab_size: int = 0, anchor_input: bool = False) -> DFlashConfig:
+                   draft_vocab_size: int = 0, anchor_input: bool = False,
+                   feature_norms: bool = False) -> DFlashConfig:
         """A draft of the target's layer shape (``target_config``: engine.config.ModelConfig).
 
         Raises:
@@ -132,7 +137,7 @@ class DFlashConfig:
                    num_layers=num_layers, block=block, rms_norm_eps=c.rms_norm_eps,
                    rope_theta=c.rope_theta, feature_layers=tuple(feature_layers),
                    draft_vocab_size=draft_vocab_size, anchor_input=anchor_input,
-                   target=dict(target or {}))
+                   feature_norms=feature_norms, target=dict(target or {}))
 
 
 #: one layer's context K/V: k, v [num_kv_heads, n, head_dim] (RoPE applied to k)
@@ -154,6 +159,10 @@ class DFlashDraft(nn.Module):
         d = config.hidden_size
         self.fc = RowInvariantLinear(config.seed_width, d, bias=False, backend=backend)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        if config.feature_norms:
+            self.feature_norms = nn.ModuleList([
+                RMSNorm(d, config.rms_norm_eps)
+                for _ in range(max(1, len(config.feature_layers)))])
         self.layers = nn.ModuleList([DecoderLayer(config, backend)  # type: ignore[arg-type]
                                      for _ in range(config.num_layers)])
         self.norm = RMSNorm(d, config.rms_norm_eps)
@@ -247,7 +256,11 @@ class DFlashDraft(nn.Module):
         if rows.shape[-1] != self.config.seed_width:
             raise ValueError(f"context rows are {rows.shape[-1]} wide, the DFlash draft reads "
                              f"{self.config.seed_width}")
-        return self.hidden_norm(self.fc(rows.to(self.fc.weight.dtype)))
+        rows = rows.to(self.fc.weight.dtype)
+        if self.config.feature_norms:
+            parts = rows.split(self.config.hidden_size, dim=-1)
+            rows = torch.cat([n(x) for n, x in zip(self.feature_norms, parts)], dim=-1)
+        return self.hidden_norm(self.fc(rows))
 
     def context_kv(self, rows: torch.Tensor, positions: torch.Tensor) -> list[LayerKV]:
         """Per layer, the K/V [num_kv_heads, n, head_dim] of target hidden-state ``rows``

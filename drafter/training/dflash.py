@@ -44,7 +44,8 @@ def train_dflash(prep: dict, args: argparse.Namespace, proposer_cls: type) -> di
                                   feature_layers=args.resolved_feature_layers,
                                   target=target_identity(lm.name, lm.config, embed),
                                   draft_vocab_size=n_draft,
-                                  anchor_input=getattr(args, "anchor_input", "on") == "on")
+                                  anchor_input=getattr(args, "anchor_input", "on") == "on",
+                                  feature_norms=True)
     torch.manual_seed(args.seed)
     draft = DFlashDraft(cfg)
     if n_draft:  # the most frequent output tokens score (the LM head is the forward's cost)

@@ -21,11 +21,13 @@ VOCAB, D, BLOCK = 40, 16, 3
 
 
 def _draft(seed: int = 0, num_layers: int = 2, feature_layers=(1, 0),
-           draft_vocab: list[int] | None = None, anchor: bool = False) -> DFlashDraft:
+           draft_vocab: list[int] | None = None, anchor: bool = False,
+           norms: bool = False) -> DFlashDraft:
     cfg = DFlashConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=4,
                        intermediate_size=32, vocab_size=VOCAB, num_layers=num_layers,
                        block=BLOCK, feature_layers=feature_layers,
-                       draft_vocab_size=len(draft_vocab or []), anchor_input=anchor)
+                       draft_vocab_size=len(draft_vocab or []), anchor_input=anchor,
+                       feature_norms=norms)
     torch.manual_seed(seed)
     draft = DFlashDraft(cfg).double()
     if draft_vocab:
@@ -86,8 +88,9 @@ def test_attention_is_non_causal_and_reads_the_context():
 
 
 @pytest.mark.parametrize("anchor", [False, True])
-def test_training_forward_equals_serving_for_every_anchor(anchor):
-    draft = _draft(3, anchor=anchor)
+@pytest.mark.parametrize("norms", [False, True])
+def test_training_forward_equals_serving_for_every_anchor(anchor, norms):
+    draft = _draft(3, anchor=anchor, norms=norms)
     rows, rows_start = _rows(10, 7), 2  # rows at positions 2 .. 11
     blocks = torch.tensor([[5, MASK, MASK, MASK], [9, MASK, MASK, MASK], [3, MASK, MASK, MASK]])
     starts = torch.tensor([4, 8, 12])
@@ -333,3 +336,12 @@ def test_the_anchor_input_reads_the_row_before_the_block_and_its_first_token():
     p.open("r", [3, 4])
     p.observe_seed_state("r", 1, rows[:1])  # the only row is at the block's own position
     assert p.propose("r", [3, 4], BLOCK) == [] and p.stats.num_no_context == 1
+
+
+def test_feature_norms_norm_each_layers_part_of_a_row_before_the_fusion():
+    draft = _draft(14, norms=True)
+    rows = _rows(3)
+    scaled = rows.clone()
+    scaled[:, D:] *= 50.0  # one feature layer's part 50x larger: normed away
+    torch.testing.assert_close(draft.fuse(scaled), draft.fuse(rows), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(_draft(14).fuse(scaled), _draft(14).fuse(rows))
