@@ -1,9 +1,9 @@
 """The DFlash draft shipped for SmolLM2-135M-Instruct (drafter/heads/smollm2-135m-instruct/
 dflash/) served end to end through the Ray cluster with ``--drafter dflash`` (no path: the
 shipped one; seed state "hidden:2,15,26" learned from its config): greedy chat output token ids
-equal the in-process plain greedy decode with drafts made, and a seeded request gives the same
-output with speculation on and off. (The shipped draft is a bounded first run whose held-out
-acceptance is ~1% at position 1: drafts are checked to be made and verified, not accepted.)"""
+equal the in-process plain greedy decode with drafts made and accepted (its held-out acceptance
+at position 1 is ~0.18: over three prompts' 32 tokens some are), and a seeded request gives
+the same output with speculation on and off."""
 
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ def cluster(ray_session):
     handle.stop()
 
 
-def test_shipped_dflash_greedy_equals_plain_decode_with_drafts_made(cluster):
-    drafted, _ = greedy_equals_plain(
+def test_shipped_dflash_greedy_equals_plain_decode_with_drafts_accepted(cluster):
+    drafted, accepted = greedy_equals_plain(
         cluster.url, None, [p["messages"] for p in load_prompts()[:3]], MAX_TOKENS)
-    assert drafted > 0
+    assert drafted > 0 and accepted > 0
 
 
 def test_shipped_dflash_seeded_output_is_the_same_with_speculation_on_and_off(cluster):
