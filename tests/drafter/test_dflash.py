@@ -219,15 +219,20 @@ def test_no_drafts_without_context_rows_too_far_ahead_or_out_of_vocab():
     assert p.num_context_rows("r") == 0 and p.draft_kv_pool_bytes == 0
 
 
-def test_greedy_drafts_come_with_their_probabilities():
-    draft = _draft(6)
+def _greedy_with_probs(draft: DFlashDraft):  # noqa: ANN202
+    """(proposer, greedy drafts, their probabilities, the mask rows' logits) of one block
+    after context [3, 4, 5, 6, 7] with four rows."""
     p = _proposer(draft)
     ctx = [3, 4, 5, 6, 7]
     rows = _rows(4)
     _open(p, "r", ctx, rows)
     how = DraftSampling(SamplingParams(max_tokens=8), 0, token_probs=True)
     drafts, probs = p.propose_sampled("r", ctx, BLOCK, how)
-    logits = draft.logits(_serve(draft, rows, 0, [7] + [MASK] * BLOCK, 4))[1:]
+    return p, drafts, probs, draft.logits(_serve(draft, rows, 0, [7] + [MASK] * BLOCK, 4))[1:]
+
+
+def test_greedy_drafts_come_with_their_probabilities():
+    _, drafts, probs, logits = _greedy_with_probs(_draft(6))
     assert drafts == logits.argmax(-1).tolist()
     want = torch.softmax(logits.float(), -1).max(-1).values
     torch.testing.assert_close(torch.tensor(probs), want, rtol=1e-5, atol=1e-6)
@@ -271,14 +276,8 @@ def test_a_draft_vocabulary_scores_its_rows_of_the_target_head_only():
 
 
 def test_greedy_and_sampled_drafts_stay_inside_the_draft_vocabulary():
-    draft = _draft(10, draft_vocab=SUBSET)
-    p = _proposer(draft)
+    p, drafts, probs, logits = _greedy_with_probs(_draft(10, draft_vocab=SUBSET))
     ctx = [3, 4, 5, 6, 7]
-    rows = _rows(4)
-    _open(p, "r", ctx, rows)
-    how = DraftSampling(SamplingParams(max_tokens=8), 0, token_probs=True)
-    drafts, probs = p.propose_sampled("r", ctx, BLOCK, how)
-    logits = draft.logits(_serve(draft, rows, 0, [7] + [MASK] * BLOCK, 4))[1:]
     assert drafts == [SUBSET[c] for c in logits.argmax(-1).tolist()]
     torch.testing.assert_close(torch.tensor(probs),
                                torch.softmax(logits.float(), -1).max(-1).values,
