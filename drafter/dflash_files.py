@@ -8,7 +8,8 @@ draft vocabulary also ``draft_to_target``, int64), and
 its context rows carry, the block, the target it was trained for) and how it was trained. The
 target's embedding and LM head are not stored: they are read from the target's weights at
 load time, and a checkpoint loaded against another target is refused
-(``drafter.eagle.checkpoint.HeadMismatch``).
+(``drafter.eagle.checkpoint.HeadMismatch``). :func:`quantize_draft` puts a loaded float32 CPU
+draft's products on Q8_0 blocks for serving.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from specmesh.drafter.dflash_model import DFlashConfig, DFlashDraft
 from specmesh.drafter.eagle.checkpoint import check_target, target_embeddings, target_identity
+from specmesh.drafter.eagle.quantize import quantize_linears, quantize_rows
 from specmesh.engine.backend import CpuBackend
 from specmesh.engine.config import ModelConfig
 
@@ -103,3 +105,18 @@ def load_dflash(path: str | Path, target_files: str | Path, target_name: str,
     draft = draft.to(device=device, dtype=dtype)
     draft.set_target_weights(embed.to(device), lm_head.to(device))
     return draft.eval().requires_grad_(False)
+
+
+def quantize_draft(draft: DFlashDraft, backend: CpuBackend) -> int:
+    """Round a float32 CPU draft's products (its linear layers and its rows of the target's
+    LM head) to Q8_0 blocks and compute on them, as the EAGLE head does
+    (drafter/eagle/quantize.py: a draft forward reads a quarter of the bytes; drafts are
+    proposals, the verifier stays exact). Returns how many products run on blocks (0: the
+    backend's ``eagle_q8_0`` off, the kernel unavailable, or not a float32 CPU draft)."""
+    if not backend.eagle_q8_0.on or draft.fc.weight.dtype != torch.float32 \
+            or draft.fc.weight.device.type != "cpu":
+        return 0
+    n = quantize_linears(draft, backend)
+    if n:
+        draft.lm_head_blocks = quantize_rows(draft.lm_head)
+    return n + (draft.lm_head_blocks is not None)

@@ -39,16 +39,20 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.drafter.dflash_files import load_dflash, read_dflash_config, shipped_dflash
+from specmesh.drafter.dflash_files import (
+    load_dflash,
+    quantize_draft,
+    read_dflash_config,
+    shipped_dflash,
+)
 from specmesh.drafter.dflash_kv import ContextKV
 from specmesh.drafter.dflash_model import MASK, DFlashDraft
 from specmesh.drafter.draft_sampling import DraftSampling, target_space_logits, token_probs
-from specmesh.drafter.eagle.quantize import quantize_linears, quantize_rows
 from specmesh.drafter.options import Option, OptionSchema
 from specmesh.drafter.proposer import DraftTarget, ProposeCall, Proposer, shipped_or_raise
 from specmesh.drafter.registry import register_proposer
 from specmesh.drafter.training.dflash import train_dflash
-from specmesh.engine.backend import CpuBackend, default_backend
+from specmesh.engine.backend import default_backend
 from specmesh.engine.devices import resolve_device
 from specmesh.engine.dtypes import MODEL_DTYPES, model_dtype
 from specmesh.engine.loader import model_files, model_name
@@ -75,21 +79,6 @@ class DFlashStats:
 def _train(prep: dict, args) -> dict:  # noqa: ANN001
     """``specmesh train-drafter --method dflash``: drafter/training/dflash.py."""
     return train_dflash(prep, args, DFlashProposer)
-
-
-def quantize_draft(draft: DFlashDraft, backend: CpuBackend) -> int:
-    """Round a float32 CPU draft's products (its linear layers and its rows of the target's
-    LM head) to Q8_0 blocks and compute on them, as the EAGLE head does
-    (drafter/eagle/quantize.py: a draft forward reads a quarter of the bytes; drafts are
-    proposals, the verifier stays exact). Returns how many products run on blocks (0: the
-    backend's ``eagle_q8_0`` off, the kernel unavailable, or not a float32 CPU draft)."""
-    if not backend.eagle_q8_0.on or draft.fc.weight.dtype != torch.float32 \
-            or draft.fc.weight.device.type != "cpu":
-        return 0
-    n = quantize_linears(draft, backend)
-    if n:
-        draft.lm_head_blocks = quantize_rows(draft.lm_head)
-    return n + (draft.lm_head_blocks is not None)
 
 
 @register_proposer
