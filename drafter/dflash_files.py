@@ -113,10 +113,6 @@ def quantize_draft(draft: DFlashDraft, backend: CpuBackend) -> int:
     (drafter/eagle/quantize.py: a draft forward reads a quarter of the bytes; drafts are
     proposals, the verifier stays exact). Returns how many products run on blocks (0: the
     backend's ``eagle_q8_0`` off, the kernel unavailable, or not a float32 CPU draft)."""
-    if not backend.eagle_q8_0.on or draft.fc.weight.dtype != torch.float32 \
-            or draft.fc.weight.device.type != "cpu":
-        return 0
     n = quantize_linears(draft, backend)
-    if n:
-        draft.lm_head_blocks = quantize_rows(draft.lm_head)
+    draft.lm_head_blocks = quantize_rows(draft.lm_head, backend)
     return n + (draft.lm_head_blocks is not None)

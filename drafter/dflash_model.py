@@ -179,6 +179,7 @@ class DFlashDraft(nn.Module):
         #: Q8_0 blocks of ``lm_head`` and the (data_ptr, _version) they expand to, for serving
         #: (drafter/eagle/quantize.py ``quantize_rows``; None: the float product)
         self.lm_head_blocks = None
+        self._columns: torch.Tensor | None = None  # draft_columns' table, built on first use
         self._inv_freq = 1.0 / config.rope_theta ** (
             torch.arange(0, config.head_dim, 2).float() / config.head_dim)
 
@@ -199,6 +200,7 @@ class DFlashDraft(nn.Module):
             raise ValueError(f"draft vocabulary of shape {tuple(ids.shape)} does not fit "
                              f"draft_vocab_size {c.draft_vocab_size} / vocab {c.vocab_size}")
         self.draft_to_target = ids.to(self.draft_to_target.device).clone()
+        self._columns = None  # the target id -> column table, rebuilt on first use
 
     def set_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Install the target's embedding and LM head, [vocab, d] each (a tied model: the
@@ -304,11 +306,14 @@ class DFlashDraft(nn.Module):
         where the draft vocabulary lacks the id (a training label it cannot score)."""
         if self.config.draft_vocab_size == 0:
             return token_ids
-        table = torch.full((self.config.vocab_size,), missing, dtype=torch.long,
-                           device=token_ids.device)
-        ids = self.draft_to_target.to(token_ids.device)
-        table[ids] = torch.arange(ids.shape[0], device=token_ids.device)
-        return torch.where(token_ids >= 0, table[token_ids.clamp(min=0)], token_ids)
+        if self._columns is None:
+            ids = self.draft_to_target
+            self._columns = torch.full((self.config.vocab_size,), -1, dtype=torch.long,
+                                       device=ids.device)
+            self._columns[ids] = torch.arange(ids.shape[0], device=ids.device)
+        cols = self._columns.to(token_ids.device)[token_ids.clamp(min=0)]
+        cols = torch.where(cols < 0, torch.full_like(cols, missing), cols)
+        return torch.where(token_ids >= 0, cols, token_ids)
 
     def target_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Target token ids of logit ``columns`` (any shape)."""

@@ -49,12 +49,15 @@ def quantize_linears(module: torch.nn.Module, backend: CpuBackend) -> int:
     return n
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[BlockWeight, tuple[int, int]] | None:
+def quantize_rows(weight: torch.Tensor, backend: CpuBackend
+                  ) -> tuple[BlockWeight, tuple[int, int]] | None:
     """Round a frozen [rows, d] float32 CPU product weight (an LM head) to Q8_0 in place:
     ``(blocks, (data_ptr, _version))``, the key that says the blocks still expand to it; None
-    where ``d`` is not a whole number of blocks or the kernel is unavailable."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" \
-            or weight.shape[1] % gguf_matmul.BLOCK or not gguf_matmul.available():
+    (the weight untouched) where ``backend`` has ``eagle_q8_0`` off, the kernel is
+    unavailable, ``d`` is not a whole number of blocks or the weight is not float32 on CPU."""
+    if not backend.eagle_q8_0.on or not gguf_matmul.available() \
+            or weight.dtype != torch.float32 or weight.device.type != "cpu" \
+            or weight.shape[1] % gguf_matmul.BLOCK:
         return None
     with torch.no_grad():
         blocks = BlockWeight.quantize_q8_0(weight)
@@ -68,12 +71,8 @@ def quantize_head(head: EagleHead, backend: CpuBackend | None = None) -> int:
     CPU backend that decides (default: the head's own). Returns how many products run on
     blocks (0: not a float32 CPU head, the kernel is unavailable, or ``eagle_q8_0`` is off)."""
     backend = backend if backend is not None else head.backend
-    w = head.fc.weight
-    if not backend.eagle_q8_0.on or w.dtype != torch.float32 \
-            or w.device.type != "cpu" or not gguf_matmul.available():
-        return 0
     n = quantize_linears(head, backend)
-    head.lm_head_blocks = quantize_rows(head.lm_head)
+    head.lm_head_blocks = quantize_rows(head.lm_head, backend)
     return n + (head.lm_head_blocks is not None)
 
 
