@@ -67,7 +67,9 @@ class DFlashConfig:
     also read the anchor (module docstring); ``feature_norms``: each feature layer's part of a
     row is RMS-normed before the fusion, as EAGLE-3's fusion does (a late layer's residual
     stream is an order of magnitude larger than an early one's, and its few massive
-    dimensions would otherwise fill ``hidden_norm``'s output)."""
+    dimensions would otherwise fill ``hidden_norm``'s output); ``max_run_ahead``: most tokens
+    past the anchor a block was trained to carry (None: ``block``), the limit the serving
+    proposer keeps to."""
 
     hidden_size: int
     num_heads: int
@@ -83,6 +85,7 @@ class DFlashConfig:
     draft_vocab_size: int = 0
     anchor_input: bool = False
     feature_norms: bool = False
+    max_run_ahead: int | None = None
     target: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,9 +93,16 @@ class DFlashConfig:
         if self.num_layers < 1 or self.block < 1:
             raise ValueError(f"a DFlash draft needs num_layers >= 1 and block >= 1, got "
                              f"{self.num_layers}, {self.block}")
+        if self.max_run_ahead is not None and self.max_run_ahead < 0:
+            raise ValueError(f"max_run_ahead must be >= 0, got {self.max_run_ahead}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} is not in 0 .. "
                              f"{self.vocab_size}")
+
+    @property
+    def run_ahead_limit(self) -> int:
+        """``max_run_ahead``, or ``block`` when the checkpoint does not say."""
+        return self.block if self.max_run_ahead is None else self.max_run_ahead
 
     @property
     def num_draft_logits(self) -> int:
@@ -122,7 +132,8 @@ class DFlashConfig:
     def for_target(cls, target_config, num_layers: int = 1, block: int = 4,  # noqa: ANN001
                    feature_layers: tuple[int, ...] = (), target: dict | None = None,
                    draft_vocab_size: int = 0, anchor_input: bool = False,
-                   feature_norms: bool = False) -> DFlashConfig:
+                   feature_norms: bool = False,
+                   max_run_ahead: int | None = None) -> DFlashConfig:
         """A draft of the target's layer shape (``target_config``: engine.config.ModelConfig).
 
         Raises:
@@ -137,7 +148,8 @@ class DFlashConfig:
                    num_layers=num_layers, block=block, rms_norm_eps=c.rms_norm_eps,
                    rope_theta=c.rope_theta, feature_layers=tuple(feature_layers),
                    draft_vocab_size=draft_vocab_size, anchor_input=anchor_input,
-                   feature_norms=feature_norms, target=dict(target or {}))
+                   feature_norms=feature_norms, max_run_ahead=max_run_ahead,
+                   target=dict(target or {}))
 
 
 #: one layer's context K/V: k, v [num_kv_heads, n, head_dim] (RoPE applied to k)

@@ -10,11 +10,13 @@ Objective (DFlash's block cross-entropy; DeepSpec ``config/dflash``: random anch
 weight decaying exponentially over the block position, gamma = 4): for an anchor position
 ``a`` of a sample, the block is ``[x_a, .., x_{a+r}, MASK x k]`` at positions ``a ..`` with
 the context rows at positions ``< a``; mask row j (at ``q = a + r + j``) is labelled with the
-target's greedy token at ``q``, weight ``exp(-(j - 1) / gamma)``. ``r`` (real tokens past the
-anchor, what a served block carries when the drafter runs ahead of the verifier) is 0 for half
-the forwards and uniform in ``1 .. max_run_ahead`` for the others; every block has ``k`` mask
-rows, as served. Up to ``anchors`` anchors of a sample share one forward
-(:meth:`DFlashDraft.training_logits`).
+target's greedy token at ``q``, weight ``exp(-(j - 1) / gamma)`` (``--gamma``: a small gamma
+spends a small draft's capacity on the first positions, the only ones it gets right). ``r``
+(real tokens past the anchor, what a served block carries when the drafter runs ahead of the
+verifier) is 0 for half the forwards and uniform in ``1 .. max_run_ahead`` for the others
+(``--max-run-ahead``, recorded in the config; 0: never, and the served proposer then drafts
+only from a committed context); every block has ``k`` mask rows, as served. Up to
+``anchors`` anchors of a sample share one forward (:meth:`DFlashDraft.training_logits`).
 
 Acceptance at draft position k (:func:`acceptance`) is measured with the serving proposer on
 the held-out samples: at every output position but the first, one block forward from the true
@@ -81,8 +83,8 @@ def position_weights(block: int, run_ahead: int, gamma: float = DEFAULT_GAMMA) -
 
 
 def sample_loss(draft: DFlashDraft, sample: Sample, block: int, run_ahead: int,
-                max_anchors: int, generator: torch.Generator | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+                max_anchors: int, generator: torch.Generator | None = None,
+                gamma: float = DEFAULT_GAMMA) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``(sum of weighted cross-entropies, sum of weights, labelled rows)`` of one sample's
     blocks (:func:`block_layout`); None when it has none."""
     layout = block_layout(sample, block, run_ahead, max_anchors, generator)
@@ -95,7 +97,7 @@ def sample_loss(draft: DFlashDraft, sample: Sample, block: int, run_ahead: int,
         return None
     rows = sample.features.float()
     logits = draft.training_logits(rows, sample.prompt_len - 1, block_ids, starts, sel)
-    w = position_weights(block, run_ahead).expand_as(labels)[sel]
+    w = position_weights(block, run_ahead, gamma).expand_as(labels)[sel]
     ce = F.cross_entropy(logits.float(), labels[sel], reduction="none")
     return (ce * w).sum(), w.sum(), int(sel.sum())
 
@@ -115,17 +117,19 @@ def init_for_training(draft: DFlashDraft, target_layers: list) -> None:  # noqa:
 
 def train(draft: DFlashDraft, samples: list[Sample], *, epochs: float, batch_size: int,
           lr: float, seed: int = 0, warmup_steps: int = 20, max_anchors: int = 64,
-          max_run_ahead: int | None = None, max_seconds: float | None = None,
+          gamma: float = DEFAULT_GAMMA, max_seconds: float | None = None,
           autocast_dtype: torch.dtype | None = None, progress: bool = True) -> dict:
     """AdamW over ``epochs`` of ``samples`` (or until ``max_seconds``) on the block objective
-    (module docstring); the target's embedding and LM head are buffers (frozen). Returns a
-    summary.
+    (module docstring) with blocks up to the draft config's ``run_ahead_limit`` tokens ahead;
+    the target's embedding and LM head are buffers (frozen). Returns a summary.
 
     Raises:
-        ValueError: no sample with two output tokens.
+        ValueError: no sample with two output tokens; ``gamma <= 0``.
     """
+    if not gamma > 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
     block = draft.config.block
-    run_max = block if max_run_ahead is None else max_run_ahead
+    run_max = draft.config.run_ahead_limit
     samples = [s for s in samples if s.num_output_tokens > 1]
     if not samples:
         raise ValueError("no training sample has more than 1 output token")
@@ -146,7 +150,7 @@ def train(draft: DFlashDraft, samples: list[Sample], *, epochs: float, batch_siz
         with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None):
             for s in group:
-                part = sample_loss(draft, s, block, r, max_anchors, gen)
+                part = sample_loss(draft, s, block, r, max_anchors, gen, gamma)
                 if part is None:
                     continue
                 total = part[0] if total is None else total + part[0]
@@ -157,7 +161,7 @@ def train(draft: DFlashDraft, samples: list[Sample], *, epochs: float, batch_siz
     draft.eval()
     return {**steps.summary(),
             "epochs": epochs, "block": block, "max_run_ahead": run_max,
-            "max_anchors": max_anchors, "gamma": DEFAULT_GAMMA,
+            "max_anchors": max_anchors, "gamma": gamma,
             "autocast": str(autocast_dtype).replace("torch.", "") if autocast_dtype else "none"}
 
 

@@ -88,8 +88,8 @@ class DFlashProposer(Proposer):
     Args:
         draft: the loaded :class:`DFlashDraft` (its ``embed`` / ``lm_head`` the target's).
         max_run_ahead: most tokens past the last context row besides the bonus token that a
-            block may carry (default: the draft's ``block``); a context further ahead gets no
-            drafts until the next commit.
+            block may carry (default: what the draft was trained for, its config's
+            ``run_ahead_limit``); a context further ahead gets no drafts until the next commit.
     """
 
     name = "dflash"
@@ -150,7 +150,8 @@ class DFlashProposer(Proposer):
     def __init__(self, draft: DFlashDraft, max_run_ahead: int | None = None) -> None:
         self.draft = draft
         self.block = draft.config.block
-        self.max_run_ahead = self.block if max_run_ahead is None else max_run_ahead
+        self.max_run_ahead = (draft.config.run_ahead_limit if max_run_ahead is None
+                              else max_run_ahead)
         if self.max_run_ahead < 0:
             raise ValueError(f"max_run_ahead must be >= 0, got {self.max_run_ahead}")
         self.seed_state = draft.config.seed_state

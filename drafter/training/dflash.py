@@ -31,7 +31,7 @@ def train_dflash(prep: dict, args: argparse.Namespace, proposer_cls: type) -> di
     # the training loop (tqdm, the objective) and the model only when training
     from specmesh.drafter.dflash_files import save_dflash
     from specmesh.drafter.dflash_model import DFlashConfig, DFlashDraft
-    from specmesh.drafter.dflash_training import acceptance, init_for_training, train
+    from specmesh.drafter.dflash_training import DEFAULT_GAMMA, acceptance, init_for_training, train
 
     lm, samples = prep["lm"], prep["samples"]
     embed = lm.model.model.embed_tokens.weight.detach()
@@ -45,7 +45,8 @@ def train_dflash(prep: dict, args: argparse.Namespace, proposer_cls: type) -> di
                                   target=target_identity(lm.name, lm.config, embed),
                                   draft_vocab_size=n_draft,
                                   anchor_input=getattr(args, "anchor_input", "on") == "on",
-                                  feature_norms=True)
+                                  feature_norms=True,
+                                  max_run_ahead=getattr(args, "max_run_ahead", None))
     torch.manual_seed(args.seed)
     draft = DFlashDraft(cfg)
     if n_draft:  # the most frequent output tokens score (the LM head is the forward's cost)
@@ -60,6 +61,7 @@ def train_dflash(prep: dict, args: argparse.Namespace, proposer_cls: type) -> di
     minutes = getattr(args, "train_minutes", None)
     summary = train(draft, samples["train"], epochs=args.epochs, batch_size=args.batch_size,
                     lr=args.lr, seed=args.seed, max_seconds=minutes * 60 if minutes else None,
+                    gamma=getattr(args, "gamma", None) or DEFAULT_GAMMA,
                     autocast_dtype=None if args.autocast == "none"
                     else getattr(torch, args.autocast))
     save_dtype = getattr(torch, args.save_dtype)

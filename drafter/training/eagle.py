@@ -123,6 +123,13 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="dflash: every block row also reads the fused target row before the "
                         "block and the block's first token (drafter/dflash_model.py, 'Anchor "
                         "input'); off: the context reaches the block through attention only")
+    p.add_argument("--gamma", type=float, default=None,
+                   help="dflash: the block loss weight of mask row j is exp(-(j-1)/gamma) "
+                        "(default 4, DFlash's; small: the first positions first)")
+    p.add_argument("--max-run-ahead", type=int, default=None,
+                   help="dflash: most drafted tokens past the last committed row a block is "
+                        "trained for and served with (default: --block; 0: drafts only from "
+                        "a committed context)")
     p.add_argument("--cod-ratio", type=float, default=0.7,
                    help="pard: COD keeps mask copy i of an anchor with probability "
                         "max(ratio^(i-1), 0.2)")

@@ -22,12 +22,12 @@ VOCAB, D, BLOCK = 40, 16, 3
 
 def _draft(seed: int = 0, num_layers: int = 2, feature_layers=(1, 0),
            draft_vocab: list[int] | None = None, anchor: bool = False,
-           norms: bool = False) -> DFlashDraft:
+           norms: bool = False, max_run_ahead: int | None = None) -> DFlashDraft:
     cfg = DFlashConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=4,
                        intermediate_size=32, vocab_size=VOCAB, num_layers=num_layers,
                        block=BLOCK, feature_layers=feature_layers,
                        draft_vocab_size=len(draft_vocab or []), anchor_input=anchor,
-                       feature_norms=norms)
+                       feature_norms=norms, max_run_ahead=max_run_ahead)
     torch.manual_seed(seed)
     draft = DFlashDraft(cfg).double()
     if draft_vocab:
@@ -213,6 +213,18 @@ def test_no_drafts_without_context_rows_too_far_ahead_or_out_of_vocab():
     assert p.propose("r", ctx[:-1] + [VOCAB], BLOCK) == []
     assert p.propose("r", ctx, 0) == []
     assert p.stats.num_no_context == 3
+
+
+def test_the_proposer_keeps_to_the_run_ahead_the_draft_was_trained_for():
+    assert _proposer().max_run_ahead == BLOCK  # a checkpoint that does not say
+    p = _proposer(_draft(max_run_ahead=0))
+    ctx = [1, 2, 3, 4]
+    p.open("r", ctx)
+    p.observe_seed_state("r", 0, _rows(3))
+    assert len(p.propose("r", ctx, BLOCK)) == BLOCK  # the bonus token alone: committed
+    assert p.propose("r", ctx + [5], BLOCK) == []  # one drafted token ahead: never trained
+    with pytest.raises(ValueError, match="max_run_ahead"):
+        _draft(max_run_ahead=-1)
     p.rollback("r", 2)  # rows of positions >= 2 depend on dropped tokens
     assert p.num_context_rows("r") == 2
     p.close("r")

@@ -36,8 +36,8 @@ def trained(tiny_model_dir, tmp_path_factory):
         "train-drafter", "--method", "dflash", "--model", tiny_model_dir,
         "--prompts", str(prompts), "--heldout-fraction", "0.3", "--max-new-tokens", "12",
         "--gen-batch-size", "8", "--feature-layers", "1,0", "--block", "3", "--epochs", "2",
-        "--batch-size", "4", "--lr", "3e-3", "--save-dtype", "bfloat16",
-        "--out", str(out), "--data", str(tmp / "data.pt")])
+        "--batch-size", "4", "--lr", "3e-3", "--save-dtype", "bfloat16", "--gamma", "0.5",
+        "--max-run-ahead", "1", "--out", str(out), "--data", str(tmp / "data.pt")])
     return out, train_drafter(args), args
 
 
@@ -51,6 +51,8 @@ def test_checkpoint_holds_the_drafts_own_weights_only(trained):
     meta = json.loads((out / "config.json").read_text())
     assert meta["training"]["evaluation"] == evaluation
     assert meta["training"]["command"].startswith("specmesh train-drafter")
+    # --max-run-ahead is the served proposer's limit too; --gamma is recorded
+    assert cfg.max_run_ahead == 1 and meta["training"]["gamma"] == 0.5
     tensors = load_file(str(out / WEIGHTS))
     assert not any(k.startswith(("embed", "lm_head")) or "embed_tokens" in k for k in tensors)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "mask_embedding"} <= set(tensors)
@@ -100,3 +102,5 @@ def test_block_layout_labels_each_mask_row_with_the_token_at_its_position():
     assert block_layout(s, block=2, run_ahead=5, max_anchors=4) is None
     w = position_weights(3, 1)
     assert w[:2].tolist() == [0.0, 0.0] and w[2] == 1.0 and 1 > w[3] > w[4] > 0
+    steep = position_weights(3, 1, gamma=0.5)
+    assert steep[2] == 1.0 and steep[3] == pytest.approx(w[3] ** 8)
