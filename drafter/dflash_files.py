@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from specmesh.drafter.dflash_model import DFlashConfig, DFlashDraft
+from specmesh.drafter.dflash_config import DFlashConfig
+from specmesh.drafter.dflash_model import DFlashDraft
 from specmesh.drafter.eagle.checkpoint import check_target, target_embeddings, target_identity
 from specmesh.drafter.eagle.quantize import quantize_linears, quantize_rows
 from specmesh.engine.backend import CpuBackend

@@ -30,7 +30,8 @@ def train_dflash(prep: dict, args: argparse.Namespace, proposer_cls: type) -> di
     the checkpoint's config)."""
     # the training loop (tqdm, the objective) and the model only when training
     from specmesh.drafter.dflash_files import save_dflash
-    from specmesh.drafter.dflash_model import DFlashConfig, DFlashDraft
+    from specmesh.drafter.dflash_config import DFlashConfig
+    from specmesh.drafter.dflash_model import DFlashDraft
     from specmesh.drafter.dflash_training import DEFAULT_GAMMA, acceptance, init_for_training, train
 
     lm, samples = prep["lm"], prep["samples"]

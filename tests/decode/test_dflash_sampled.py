@@ -15,7 +15,8 @@ import torch
 from helpers.models import tiny_llama
 
 from specmesh.cluster.inprocess import InProcessCluster
-from specmesh.drafter.dflash_model import DFlashConfig, DFlashDraft
+from specmesh.drafter.dflash_config import DFlashConfig
+from specmesh.drafter.dflash_model import DFlashDraft
 from specmesh.drafter.proposers.dflash import DFlashProposer
 from specmesh.protocol.messages import SamplingParams
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from specmesh.drafter.dflash_kv import ContextKV
-from specmesh.drafter.dflash_model import MASK, DFlashConfig, DFlashDraft
+from specmesh.drafter.dflash_config import DFlashConfig
+from specmesh.drafter.dflash_model import MASK, DFlashDraft
 from specmesh.drafter.draft_sampling import DraftSampling
 from specmesh.drafter.proposer import ProposeCall
 from specmesh.drafter.proposers.dflash import DFlashProposer
