@@ -10,8 +10,9 @@ Objective (DFlash's block cross-entropy; DeepSpec ``config/dflash``: random anch
 weight decaying exponentially over the block position, gamma = 4): for an anchor position
 ``a`` of a sample, the block is ``[x_a, .., x_{a+r}, MASK x k]`` at positions ``a ..`` with
 the context rows at positions ``< a``; mask row j (at ``q = a + r + j``) is labelled with the
-target's greedy token at ``q``, weight ``exp(-(j - 1) / gamma)`` (``--gamma``: a small gamma
-spends a small draft's capacity on the first positions, the only ones it gets right). ``r``
+target's greedy token at ``q``, weight ``exp(-(j - 1) / gamma)`` (``--gamma``, default
+:data:`DEFAULT_GAMMA`: a small gamma spends a small draft's capacity on the first positions,
+the only ones it gets right). ``r``
 (real tokens past the anchor, what a served block carries when the drafter runs ahead of the
 verifier) is 0 for half the forwards and uniform in ``1 .. max_run_ahead`` for the others
 (``--max-run-ahead``, recorded in the config; 0: never, and the served proposer then drafts
@@ -36,8 +37,10 @@ from specmesh.drafter.eagle.data import Sample
 from specmesh.drafter.proposer import ProposeCall
 from specmesh.drafter.train_steps import TrainSteps
 
-#: DFlash's decay of the loss weight over the block position (DeepSpec's gamma)
-DEFAULT_GAMMA = 4.0
+#: decay of the loss weight over the block position. DFlash / DeepSpec use 4 for drafts of
+#: several layers; a one-layer draft served on a CPU gains from position 1 alone, and 0.5 (with
+#: no run-ahead blocks) doubled its held-out acceptance there (docs/drafters.md, DFlash)
+DEFAULT_GAMMA = 0.5
 #: label of a row without loss
 IGNORE = -100
 

@@ -125,11 +125,12 @@ def add_train_drafter_options(p: argparse.ArgumentParser) -> None:
                         "input'); off: the context reaches the block through attention only")
     p.add_argument("--gamma", type=float, default=None,
                    help="dflash: the block loss weight of mask row j is exp(-(j-1)/gamma) "
-                        "(default 4, DFlash's; small: the first positions first)")
-    p.add_argument("--max-run-ahead", type=int, default=None,
+                        "(default 0.5: a one-layer draft's first positions first; DFlash "
+                        "uses 4 for deeper drafts)")
+    p.add_argument("--max-run-ahead", type=int, default=0,
                    help="dflash: most drafted tokens past the last committed row a block is "
-                        "trained for and served with (default: --block; 0: drafts only from "
-                        "a committed context)")
+                        "trained for and served with (default 0: blocks only from a "
+                        "committed context, which trains position 1 best; up to --block)")
     p.add_argument("--cod-ratio", type=float, default=0.7,
                    help="pard: COD keeps mask copy i of an anchor with probability "
                         "max(ratio^(i-1), 0.2)")

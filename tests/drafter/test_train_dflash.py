@@ -100,7 +100,7 @@ def test_block_layout_labels_each_mask_row_with_the_token_at_its_position():
     assert ids[0].tolist() == [s.token_ids[a], s.token_ids[a + 1], MASK, MASK]
     assert labels[0, :2].tolist() == [IGNORE, IGNORE]
     assert block_layout(s, block=2, run_ahead=5, max_anchors=4) is None
-    w = position_weights(3, 1)
+    w = position_weights(3, 1, gamma=4.0)
     assert w[:2].tolist() == [0.0, 0.0] and w[2] == 1.0 and 1 > w[3] > w[4] > 0
     steep = position_weights(3, 1, gamma=0.5)
     assert steep[2] == 1.0 and steep[3] == pytest.approx(w[3] ** 8)
