@@ -28,8 +28,8 @@ so rejection sampling against it stays exact.
 
 Sizes, for the bench's per-method table: :attr:`DFlashProposer.draft_weights_bytes` (the
 draft's own weights in memory; the target's embedding and LM head are borrowed, not counted)
-and :attr:`DFlashProposer.draft_kv_pool_bytes` (context KV held by all requests, capacity
-included); the seed-state bytes are counted by the verifier (``seed_state_bytes``).
+and :attr:`DFlashProposer.draft_kv_pool_bytes` (the most context KV the requests held at
+once, capacity included); the seed-state bytes are counted by the verifier (``seed_state_bytes``).
 """
 
 from __future__ import annotations
@@ -169,7 +169,11 @@ class DFlashProposer(Proposer):
 
     @property
     def draft_kv_pool_bytes(self) -> int:
-        """Bytes of context KV the open requests hold now (capacity included)."""
+        """The most bytes of context KV the open requests held at once (capacity included;
+        drafter/draft_memory.py): sampled after each commit's rows, and read now."""
+        return max(self.stats.peak_kv_bytes, self._kv_held())
+
+    def _kv_held(self) -> int:
         return sum(c.nbytes for c in self._ctx.values())
 
     # -- interface -------------------------------------------------------------------------
@@ -196,7 +200,7 @@ class DFlashProposer(Proposer):
             ctx.write(start_position, self.draft.context_kv(
                 hidden.to(self.draft.embed.device), pos))
         self.stats.num_context_rows += hidden.shape[0]
-        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self.draft_kv_pool_bytes)
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._kv_held())
 
     def propose(self, request_id: str, context_token_ids: list[int], num_tokens: int) -> list[int]:
         """Greedy drafts (at most ``block``) continuing ``context_token_ids``."""
