@@ -10,7 +10,8 @@ import torch
 import specmesh.drafter.proposers  # noqa: F401
 from specmesh.drafter.config import DrafterConfig
 from specmesh.drafter.proposer import Proposer
-from specmesh.drafter.worker import DrafterWorker, _runs
+from specmesh.drafter.drafting import _runs
+from specmesh.drafter.worker import DrafterWorker
 from specmesh.protocol.messages import DraftSync, DraftTailStream, SamplingParams, VerifyCommit
 from specmesh.protocol.transport import InProcHub
 
