@@ -98,6 +98,10 @@ class Proposer(ABC):
     summary: ClassVar[str] = ""
     options: ClassVar[OptionSchema] = NO_OPTIONS
     trainer: ClassVar[Callable[[dict, Any], dict] | None] = None
+    #: whether the trainer reads the samples' hidden-state rows (``Sample.features``); False:
+    #: it learns from the token ids alone, so any ``--data`` cache of the same outputs will do,
+    #: whatever target layers it captured (drafter/training/eagle.py)
+    trainer_reads_features: ClassVar[bool] = True
     seed_state: ClassVar[str] = ""
     #: most drafts the worker asks for per request per call (0: as many as the window has
     #: room for). Model drafters pay a forward per draft: asking for one at a time streams each

@@ -103,6 +103,7 @@ class DSparkProposer(PardProposer):
                "target, or one from specmesh train-drafter --method dspark)")
     options = _options()
     trainer = staticmethod(_train)
+    trainer_reads_features = False
     returns_draft_confidences = True
     kv_owner = "DSpark draft"
 

@@ -93,6 +93,7 @@ class PardProposer(DraftLMKV, Proposer):
                "--method pard --out DIR)", "the draft shipped for the target", positional=True),
         DEFAULT_KV_CACHE_MB)
     trainer = staticmethod(_train)
+    trainer_reads_features = False
     returns_draft_probs = True
     returns_token_probs = True
     runs_a_model = True

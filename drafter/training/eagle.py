@@ -200,11 +200,19 @@ def feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
-def _data_key(args, model_name: str, names: list[str]) -> str:  # noqa: ANN001
+def _data_key(args, model_name: str, names: list[str],  # noqa: ANN001
+              layers: tuple[int, ...] | None = None) -> str:
+    """The ``--data`` cache's key: what decides the outputs and the rows they carry
+    (``layers``: the captured target layers, default ``--feature-layers``)."""
+    layers = args.resolved_feature_layers if layers is None else layers
     h = hashlib.sha256(json.dumps([model_name, args.dtype, args.max_new_tokens, names,
-                                   list(args.resolved_feature_layers), args.samples_per_prompt,
+                                   list(layers), args.samples_per_prompt,
                                    args.sample_temperature, args.seed]).encode())
     return h.hexdigest()[:16]
+
+
+#: in place of the feature layers in the key of the outputs alone (``tokens_key``)
+ANY_LAYERS = (-1,)
 
 
 def _generate(lm, prompts: list[dict], args, label: str):  # noqa: ANN001, ANN202
@@ -231,18 +239,24 @@ def _generate(lm, prompts: list[dict], args, label: str):  # noqa: ANN001, ANN20
 
 
 def _samples(lm, sets: dict[str, list[dict]], args) -> dict:  # noqa: ANN001
-    """Generated samples of every prompt set, from the ``--data`` cache when it matches."""
-    key = _data_key(args, lm.name, [p["name"] for ps in sets.values() for p in ps])
+    """Generated samples of every prompt set, from the ``--data`` cache when it matches: the
+    same key, or for a method whose trainer reads only token ids
+    (``Proposer.trainer_reads_features`` False: pard, dspark) the same outputs whatever
+    layers the cache captured (``tokens_key``), so one cache feeds every method."""
+    names = [p["name"] for ps in sets.values() for p in ps]
+    key = _data_key(args, lm.name, names)
+    tokens_key = _data_key(args, lm.name, names, ANY_LAYERS)
+    tokens_only = not get_method(args.method).trainer_reads_features
     cache = Path(args.data) if args.data else None
     if cache and cache.is_file():
         blob = torch.load(cache, weights_only=False)
-        if blob.get("key") == key:
+        if blob.get("key") == key or (tokens_only and blob.get("tokens_key") == tokens_key):
             print(f"using generated samples from {cache}", flush=True)
             return blob["samples"]
     out = {label: _generate(lm, ps, args, label) for label, ps in sets.items()}
     if cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": key, "samples": out}, cache)
+        torch.save({"key": key, "tokens_key": tokens_key, "samples": out}, cache)
     return out
 
 

@@ -104,3 +104,30 @@ def test_block_layout_labels_each_mask_row_with_the_token_at_its_position():
     assert w[:2].tolist() == [0.0, 0.0] and w[2] == 1.0 and 1 > w[3] > w[4] > 0
     steep = position_weights(3, 1, gamma=0.5)
     assert steep[2] == 1.0 and steep[3] == pytest.approx(w[3] ** 8)
+
+
+def test_a_token_only_method_trains_from_a_cache_of_hidden_state_rows(trained, tiny_model_dir,
+                                                                      tmp_path, capsys):
+    """One --data cache feeds every method: pard reads the token ids of the DFlash run's
+    samples (captured with layers 1, 0) without generating again; a method that reads other
+    layers' rows generates its own."""
+    import shutil
+
+    from specmesh.drafter.training.eagle import prepare
+
+    out, _, dflash_args = trained
+    data = tmp_path / "data.pt"
+    shutil.copy(dflash_args.data, data)
+    prompts = str(out.parent / "prompts.jsonl")
+    common = ["--model", tiny_model_dir, "--prompts", prompts, "--heldout-fraction",
+              "0.3", "--max-new-tokens", "12", "--gen-batch-size", "8", "--data", str(data),
+              "--out", str(tmp_path / "out")]
+    capsys.readouterr()
+    prep = prepare(build_parser().parse_args(["train-drafter", "--method", "pard", *common]))
+    assert "using generated samples" in capsys.readouterr().out
+    cached = torch.load(dflash_args.data, weights_only=False)["samples"]
+    assert [s.token_ids for s in prep["samples"]["train"]] == \
+        [s.token_ids for s in cached["train"]]
+    prepare(build_parser().parse_args(["train-drafter", "--method", "dflash",
+                                       "--feature-layers", "1", *common]))
+    assert "using generated samples" not in capsys.readouterr().out
