@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from specmesh.engine.hidden_layers import check_hidden_layers, hidden_seed_kind
+from specmesh.drafter.checkpoint_config import HiddenRowsConfig
+from specmesh.engine.hidden_layers import check_hidden_layers
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(HiddenRowsConfig):
     """Shape of a DFlash draft. ``hidden_size``, heads, ``intermediate_size`` and
     ``vocab_size`` follow the target; ``num_layers`` draft layers; ``feature_layers``: the
     target decoder layers whose outputs a context row carries (empty: the final-norm state);
@@ -62,25 +63,6 @@ class DFlashConfig:
     def num_draft_logits(self) -> int:
         """Columns of the draft's logits: ``draft_vocab_size``, or the whole vocabulary."""
         return self.draft_vocab_size or self.vocab_size
-
-    @property
-    def seed_state(self) -> str:
-        """The seed state it reads (engine/hidden_layers.py): ``"hidden"`` or
-        ``"hidden:L1,L2,..."``."""
-        return hidden_seed_kind(self.feature_layers)
-
-    @property
-    def seed_width(self) -> int:
-        """Width of one context row: ``hidden_size`` per feature layer."""
-        return self.hidden_size * max(1, len(self.feature_layers))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DFlashConfig:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
     def for_target(cls, target_config, num_layers: int = 1, block: int = 4,  # noqa: ANN001

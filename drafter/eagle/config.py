@@ -5,9 +5,10 @@ its ``num_steps`` per-depth modules (drafter/eagle/steps.py)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from specmesh.engine.hidden_layers import check_hidden_layers, hidden_seed_kind
+from specmesh.drafter.checkpoint_config import HiddenRowsConfig
+from specmesh.engine.hidden_layers import check_hidden_layers
 
 #: what a multi-layer head drafts past its last module (``after_last_step``): "repeat" runs the
 #: last module recurrently (as a 1-module head runs its only one), "stop" ends the chain / tree
@@ -16,7 +17,7 @@ AFTER_LAST_STEP = ("repeat", "stop")
 
 
 @dataclass(frozen=True)
-class EagleHeadConfig:
+class EagleHeadConfig(HiddenRowsConfig):
     """Shape of a head. ``hidden_size``, heads and ``vocab_size`` follow the target;
     ``draft_vocab_size`` rows of the target's LM head are kept (0: the whole vocabulary).
     ``target`` names the model the head was trained for (see drafter/eagle/checkpoint.py).
@@ -57,24 +58,6 @@ class EagleHeadConfig:
         if depth <= self.num_steps:
             return depth - 1
         return self.num_steps - 1 if self.after_last_step == "repeat" else None
-
-    @property
-    def seed_state(self) -> str:
-        """The seed state kind the head reads (engine/hidden_layers.py)."""
-        return hidden_seed_kind(self.feature_layers)
-
-    @property
-    def seed_width(self) -> int:
-        """Width of one true seed-state row: hidden_size per feature layer."""
-        return self.hidden_size * max(1, len(self.feature_layers))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> EagleHeadConfig:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
     def for_target(cls, target_config, draft_vocab_size: int = 0, num_layers: int = 1,

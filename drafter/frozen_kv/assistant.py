@@ -30,15 +30,17 @@ query (``n_b >= 1`` rows); hidden states ``[B, d]``; logits ``[B, draft_vocab]``
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh.drafter.checkpoint_config import CheckpointConfig
+
 
 @dataclass(frozen=True)
-class AssistantConfig:
+class AssistantConfig(CheckpointConfig):
     """Shape of an assistant: the target's ``hidden_size``, head layout and vocabulary,
     ``intermediate_size`` of its own MLP, ``draft_vocab_size`` LM-head rows kept (0: all),
     ``target_layer`` whose K/V it reads (default in :meth:`for_target`: the target's last,
@@ -57,14 +59,6 @@ class AssistantConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     target: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> AssistantConfig:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
     def for_target(cls, c, draft_vocab_size: int = 0, target_layer: int | None = None,  # noqa: ANN001

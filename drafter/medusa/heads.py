@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh.drafter.checkpoint_config import CheckpointConfig
+
 
 @dataclass(frozen=True)
-class MedusaConfig:
+class MedusaConfig(CheckpointConfig):
     """Shape of a set of heads: ``num_heads`` (K) heads of width ``hidden_size`` (the
     target's), ``draft_vocab_size`` rows of the target's LM head kept (0: all
     ``vocab_size``), ``target`` the model they were trained for (drafter/eagle/checkpoint.py
@@ -48,10 +50,6 @@ class MedusaConfig:
         d["tree"] = [list(p) for p in self.tree]
         return d
 
-    @classmethod
-    def from_dict(cls, d: dict) -> MedusaConfig:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 class MedusaHeads(nn.Module):
