@@ -7,17 +7,17 @@ a served request's context holds: the prefill's last prompt row, then one per co
 target's greedy tokens.
 
 Objective (DFlash's block cross-entropy; DeepSpec ``config/dflash``: random anchors, loss
-weight decaying exponentially over the block position, gamma = 4): for an anchor position
+weight decaying exponentially over the block position, there with gamma 4): for an anchor position
 ``a`` of a sample, the block is ``[x_a, .., x_{a+r}, MASK x k]`` at positions ``a ..`` with
 the context rows at positions ``< a``; mask row j (at ``q = a + r + j``) is labelled with the
 target's greedy token at ``q``, weight ``exp(-(j - 1) / gamma)`` (``--gamma``, default
 :data:`DEFAULT_GAMMA`: a small gamma spends a small draft's capacity on the first positions,
-the only ones it gets right). ``r``
-(real tokens past the anchor, what a served block carries when the drafter runs ahead of the
-verifier) is 0 for half the forwards and uniform in ``1 .. max_run_ahead`` for the others
-(``--max-run-ahead``, recorded in the config; 0: never, and the served proposer then drafts
-only from a committed context); every block has ``k`` mask rows, as served. Up to
-``anchors`` anchors of a sample share one forward (:meth:`DFlashDraft.training_logits`).
+the only ones it gets right). ``r`` (real tokens past the anchor, what a served block carries
+when the drafter runs ahead of the verifier) is 0 for half the forwards and uniform in
+``1 .. max_run_ahead`` for the others (``--max-run-ahead``, recorded in the config; 0: never,
+and the served proposer then drafts only from a committed context); every block has ``k``
+mask rows, as served. Up to ``anchors`` anchors of a sample share one forward
+(:meth:`DFlashDraft.training_logits`).
 
 Acceptance at draft position k (:func:`acceptance`) is measured with the serving proposer on
 the held-out samples: at every output position but the first, one block forward from the true
