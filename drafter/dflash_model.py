@@ -2,9 +2,9 @@
 reads the target's hidden states as its attention context (z-lab, DFlash, arXiv 2602.06036;
 vLLM ``vllm/v1/spec_decode/dflash.py`` ``DFlashProposer``; SGLang ``dflash_worker_v2.py``).
 
-Shape (drafter/dflash_config.py :class:`DFlashConfig`): ``num_layers`` pre-norm decoder layers of the target's shape
-(drafter/eagle/layer.py), a fusion ``fc`` ([n_feat * d] -> d) with ``hidden_norm``, a final
-``norm`` and ``mask_embedding`` [d], the input vector of a mask row. No embedding table and no
+Shape (:class:`DFlashConfig`, drafter/dflash_config.py): ``num_layers`` pre-norm decoder
+layers of the target's shape (drafter/eagle/layer.py), a fusion ``fc`` ([n_feat * d] -> d) with
+``hidden_norm``, a final ``norm`` and ``mask_embedding`` [d], the input vector of a mask row. No embedding table and no
 LM head of its own: ``embed`` and ``lm_head`` are the target's, frozen buffers that are never
 stored in a checkpoint.
 
