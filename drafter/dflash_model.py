@@ -4,9 +4,9 @@ vLLM ``vllm/v1/spec_decode/dflash.py`` ``DFlashProposer``; SGLang ``dflash_worke
 
 Shape (:class:`DFlashConfig`, drafter/dflash_config.py): ``num_layers`` pre-norm decoder
 layers of the target's shape (drafter/eagle/layer.py), a fusion ``fc`` ([n_feat * d] -> d) with
-``hidden_norm``, a final ``norm`` and ``mask_embedding`` [d], the input vector of a mask row. No embedding table and no
-LM head of its own: ``embed`` and ``lm_head`` are the target's, frozen buffers that are never
-stored in a checkpoint.
+``hidden_norm``, a final ``norm`` and ``mask_embedding`` [d], the input vector of a mask row.
+No embedding table and no LM head of its own: ``embed`` and ``lm_head`` are the target's,
+frozen buffers that are never stored in a checkpoint.
 
 Context (:meth:`DFlashDraft.context_kv`): a target hidden-state row at position ``i`` (the
 outputs of the target layers ``feature_layers`` side by side, engine/hidden_layers.py; or the
